@@ -1,0 +1,20 @@
+"""dsv41_jax: DeepSeek-V4.1-Flash in JAX.
+
+Public API (pure functions over explicit pytrees):
+  * ``load_config(name_or_path)`` -> ``ModelConfig`` (frozen, validated; ``config.plan`` is the unrolled layer plan)
+  * ``init_params(config, key)``, ``abstract_params(config)``, ``param_specs(config)``
+  * ``forward(params, tokens, config=..., engram_ids=...)`` -> float32 logits
+  * ``load_checkpoint(dir)`` -> (config, params) for HF-named safetensors checkpoints
+  * ``engram_row_ids(...)`` host-side Engram hashing; ``Model`` bundles config, params and the Engram hasher.
+"""
+
+from dsv41_jax.config import ConfigError, ModelConfig, load_config
+from dsv41_jax.model.forward import ForwardError, ForwardOptions, forward
+from dsv41_jax.model.params import ParamError, abstract_params, init_params, param_specs
+from dsv41_jax.checkpoint.hf import CheckpointError, load_hf_checkpoint as load_checkpoint
+
+__all__ = [
+    "ConfigError", "ModelConfig", "load_config", "ForwardError", "ForwardOptions", "forward", "ParamError",
+    "abstract_params", "init_params", "param_specs", "CheckpointError", "load_checkpoint",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,238 @@
+"""The training-mode forward: a pure function of (params, tokens) -> float32 logits (SPEC §3–§8).
+
+Per layer: Engram write (Engram layers) -> attention site (single-pass mHC) -> FFN site. Attention keeps its own Q,
+SWA K=V, output projection and sink in every mode; CSA2 layers add the compressed entries chosen by the latest
+index source. The cross-layer state of one forward (the current group's compressed KV and indexer keys, the
+latest top-k, the HSI pool) is threaded explicitly through ``_GroupState``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.model.params import validate_params
+from dsv41_jax.ops import quant  # noqa: E402  (fake quantisation: FP8 window KV, FP4 compressed KV / indexer)
+from dsv41_jax.ops.attention import sequence_sparse_attention
+from dsv41_jax.ops.compressor import compress_sequence
+from dsv41_jax.ops.engram import engram_write
+from dsv41_jax.ops.indexer import indexer_topk
+from dsv41_jax.ops.mhc import collapse, expand, mhc_coefficients
+from dsv41_jax.ops.moe import moe
+from dsv41_jax.ops.norms import rms_norm
+from dsv41_jax.ops.rope import apply_rope, cos_sin, rope_tables
+from dsv41_jax.plan import FULL, REINDEX, LayerSpec
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardOptions:
+    quant_sim: bool | None = None  # None -> config.quant_sim
+    bounded_replay: bool = False  # CED decoder-SWA truncation to the last `replay_len` tokens (SPEC §8)
+    replay_len: int | None = None  # None -> sliding_window (128 in the release)
+    moe_impl: str = "ragged"  # "ragged" (dropless grouped matmul) | "dense" (tests)
+    query_chunk: int = 256  # queries per attention / indexer block (memory O(T · chunk))
+
+
+@dataclasses.dataclass
+class _GroupState:
+    """What a CSA2 layer reads from earlier layers of the same forward."""
+
+    compressed_kv: jax.Array | None = None  # [B, N, hd] rotated (+ quantised) entries of the latest KV source
+    index_keys: jax.Array | None = None  # [B, N, di] indexer keys of the latest KV source
+    topk: jax.Array | None = None  # [B, T, K] of the latest index source
+    pool: jax.Array | None = None  # [B, T, n_blocks] HSI candidate blocks
+
+
+class ForwardError(ValueError):
+    pass
+
+
+def check_tokens(tokens, config: ModelConfig) -> None:
+    """Host-side validation of concrete token ids (skipped for traced values)."""
+    if not hasattr(tokens, "shape") or len(tokens.shape) != 2:
+        raise ForwardError(f"tokens must be an int array of shape [batch, seq], got shape {getattr(tokens, 'shape', None)}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ForwardError(f"tokens must be integers, got dtype {tokens.dtype}")
+    b, t = tokens.shape
+    if b == 0 or t == 0:
+        raise ForwardError(f"empty input: tokens has shape {tokens.shape}")
+    if t > config.max_position_embeddings:
+        raise ForwardError(f"sequence length {t} exceeds max_position_embeddings {config.max_position_embeddings}")
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    arr = np.asarray(tokens)
+    bad = (arr < 0) | (arr >= config.vocab_size)
+    if bad.any():
+        pos = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ForwardError(f"token id {int(arr[pos])} at position {pos} is outside the vocabulary "
+                           f"[0, {config.vocab_size})")
+
+
+def _linear(x, w):
+    return jnp.einsum("...i,oi->...o", x, w, precision=_HI)
+
+
+def _chunked(fn, t: int, chunk: int, *arrays):
+    """Apply ``fn`` to query chunks of arrays whose axis 1 is the query axis; results concatenated on axis 1."""
+    if t <= chunk:
+        return fn(*arrays)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+
+    def split(a):
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(a.shape[0], n, chunk, *a.shape[2:]), 1, 0)
+
+    outs = jax.lax.map(lambda xs: fn(*xs), tuple(split(a) for a in arrays))
+
+    def merge(o):
+        if o is None:
+            return None
+        o = jnp.moveaxis(o, 0, 1)
+        return o.reshape(o.shape[0], n * chunk, *o.shape[3:])[:, :t]
+
+    return jax.tree.map(merge, outs)
+
+
+def attention_layer(p: dict, x: jax.Array, spec: LayerSpec, positions: jax.Array, state: _GroupState,
+                    config: ModelConfig, rope: dict, opts: ForwardOptions, quant_on: bool, floor):
+    """One attention sub-layer over a whole sequence. x [B, T, d] is the normalised site input."""
+    c = config
+    b, t, _ = x.shape
+    inv_freq = rope[spec.rope]
+    cos, sin = cos_sin(inv_freq, positions)  # [B, T, r/2]
+    q_res = rms_norm(_linear(x, p["wq_a"]), p["q_norm"], c.rms_norm_eps)
+    q = _linear(q_res, p["wq_b"]).reshape(b, t, c.num_attention_heads, c.head_dim)
+    q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+    kv = apply_rope(rms_norm(_linear(x, p["wkv"]), p["kv_norm"], c.rms_norm_eps), cos, sin)
+    if quant_on:
+        kv = quant.fake_quant_fp8_e4m3_block(kv, 32)
+
+    topk = None
+    compressed = None
+    if spec.ratio > 0:
+        if spec.mode == FULL:
+            latent = compress_sequence(x, p["compressor"], spec.ratio, c.rms_norm_eps)  # [B, N, hd] pre-rope
+            entry_pos = (jnp.arange(latent.shape[1]) * spec.ratio)[None, :]
+            ccos, csin = cos_sin(rope["compress"], entry_pos)
+            ip = p["indexer"]
+            keys = apply_rope(rms_norm(_linear(latent, ip["wk"]), ip["k_norm"], c.rms_norm_eps), ccos, csin)
+            rotated = apply_rope(latent, ccos, csin)
+            if quant_on:
+                keys = quant.fake_quant_fp4_e2m1_block(keys, 32, scale_format="ue8m0")
+                rotated = quant.fake_quant_fp4_e2m1_block(rotated, 16, scale_format="e4m3")
+            state = dataclasses.replace(state, compressed_kv=rotated, index_keys=keys)
+        if spec.mode in (FULL, REINDEX):
+            state = _run_indexer(p["indexer"], x, q_res, spec, positions, state, config, rope, opts, quant_on)
+        compressed, topk = state.compressed_kv, state.topk
+
+    out = sequence_sparse_attention(q, kv, positions, compressed, topk, p["attn_sink"], window=c.sliding_window,
+                                    floor=floor, chunk=opts.query_chunk)
+    out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True)
+    grouped = out.reshape(b, t, c.o_groups, -1)
+    wo_a = p["wo_a"].reshape(c.o_groups, c.o_lora_rank, -1)
+    y = jnp.einsum("btgi,goi->btgo", grouped, wo_a, precision=_HI).reshape(b, t, -1)
+    return _linear(y, p["wo_b"]), state
+
+
+def _run_indexer(ip: dict, x, q_res, spec: LayerSpec, positions, state: _GroupState, config: ModelConfig, rope,
+                 opts: ForwardOptions, quant_on: bool) -> _GroupState:
+    c = config
+    b, t, _ = x.shape
+    cos, sin = cos_sin(rope["compress"], positions)
+    qi = _linear(q_res, ip["wq_b"]).reshape(b, t, c.index_n_heads, c.index_head_dim)
+    qi = apply_rope(qi, cos[:, :, None], sin[:, :, None])
+    if quant_on:
+        qi = quant.fake_quant_fp4_e2m1_block(qi, 32, scale_format="ue8m0")
+    w = _linear(x, ip["weights_proj"]).astype(jnp.float32) * (c.index_n_heads ** -0.5)
+    keys = state.index_keys
+    if keys.shape[1] == 0:  # no complete group yet: nothing to select
+        n_blocks = 0
+        empty_pool = jnp.zeros((b, t, n_blocks), bool) if spec.candidate_source else state.pool
+        return dataclasses.replace(state, topk=jnp.full((b, t, 0), -1, jnp.int32), pool=empty_pool)
+    cand = c.candidate_topk_blocks if spec.candidate_source else None
+    pool = state.pool if spec.uses_candidates else None
+
+    def run(qc, wc, pc, *pool_c):
+        return indexer_topk(qc, wc, keys, pc, ratio=spec.ratio, topk=c.index_topk,
+                            pool=pool_c[0] if pool_c else None, block_size=c.candidate_block_size,
+                            candidate_topk_blocks=cand)
+
+    args = (qi, w, positions) + ((pool,) if pool is not None else ())
+    topk, new_pool = _chunked(run, t, opts.query_chunk, *args)
+    return dataclasses.replace(state, topk=topk, pool=new_pool if spec.candidate_source else state.pool)
+
+
+def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids: jax.Array | None = None,
+            positions: jax.Array | None = None, options: ForwardOptions = ForwardOptions(),
+            return_hidden: bool = False, return_topk: bool = False, return_router: bool = False):
+    """Logits [B, T, V] (float32) of a whole sequence, every token through every layer.
+
+    ``engram_ids`` [B, T, n_engram_layers, n_hash_cols] int32 are the host-computed Engram row ids
+    (``dsv41_jax.engram_row_ids``); required when the config has Engram layers. With ``return_*`` flags a second
+    value is returned: a dict with ``hidden`` ([L, B, T, hc, d] streams after each layer), ``topk`` (per layer
+    that runs an indexer) and ``router`` (per-layer expert indices and scores).
+    """
+    c = config
+    check_tokens(tokens, c)
+    validate_params(params, c)
+    b, t = tokens.shape
+    if c.engram_layer_ids:
+        expect = (b, t, len(c.engram_layer_ids), c.n_hash_cols)
+        if engram_ids is None:
+            raise ForwardError("this config has Engram layers: pass engram_ids (from dsv41_jax.engram_row_ids or "
+                               "dsv41_jax.Model, which computes them from the tokens)")
+        if tuple(engram_ids.shape) != expect:
+            raise ForwardError(f"engram_ids has shape {tuple(engram_ids.shape)}, expected {expect}")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    quant_on = c.quant_sim if options.quant_sim is None else options.quant_sim
+    rope = {k: jnp.asarray(v) for k, v in rope_tables(c).items()}
+    replay = c.sliding_window if options.replay_len is None else options.replay_len
+    decoder_floor = t - min(replay, t) if options.bounded_replay else 0
+
+    x = params["embed"][tokens]
+    streams = jnp.broadcast_to(x[:, :, None, :], (b, t, c.hc_mult, c.hidden_size))
+    pre_mix = jax.nn.one_hot(jnp.zeros((b, t), jnp.int32), c.hc_mult, dtype=jnp.float32)
+    state = _GroupState()
+    hidden, topks, router = [], {}, []
+    mhc_kw = dict(hc_eps=c.hc_eps, rms_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters)
+    for spec, lp in zip(c.plan, params["layers"]):
+        if spec.engram_slot is not None:
+            streams = engram_write(streams, engram_ids[:, :, spec.engram_slot], lp["engram"], eps=c.rms_norm_eps)
+        a_pre, a_post, a_comb = mhc_coefficients(streams, **lp["hc_attn"], **mhc_kw)
+        h = rms_norm(collapse(streams, pre_mix), lp["attn_norm"], c.rms_norm_eps)
+        floor = decoder_floor if spec.stack == "decoder" else 0
+        y, state = attention_layer(lp["attn"], h, spec, positions, state, c, rope, options, quant_on, floor)
+        streams = expand(streams, y, a_post, a_comb)
+        f_pre, f_post, f_comb = mhc_coefficients(streams, **lp["hc_ffn"], **mhc_kw)
+        h = rms_norm(collapse(streams, a_pre), lp["ffn_norm"], c.rms_norm_eps)
+        y, stats = moe(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp, scaling=c.routed_scaling_factor,
+                       limit=c.swiglu_limit, impl=options.moe_impl, normalize=c.norm_topk_prob)
+        streams = expand(streams, y, f_post, f_comb)
+        pre_mix = f_pre
+        if return_hidden:
+            hidden.append(streams)
+        if return_topk and spec.runs_indexer:
+            topks[spec.index] = state.topk
+        if return_router:
+            router.append(stats)
+    h = rms_norm(collapse(streams, pre_mix), params["norm"], c.rms_norm_eps)
+    logits = _linear(h, params["lm_head"]).astype(jnp.float32)
+    if not (return_hidden or return_topk or return_router):
+        return logits
+    aux: dict[str, Any] = {}
+    if return_hidden:
+        aux["hidden"] = jnp.stack(hidden)
+    if return_topk:
+        aux["topk"] = topks
+    if return_router:
+        aux["router"] = router
+    return logits, aux

@@ -1,0 +1,93 @@
+"""Sparse CSA2 attention, plain-JAX reference (the definition of correct; kernels are tested against it).
+
+Each query attends to (a) its sliding window of K=V latents — key positions p with ``q_pos - window < p <= q_pos``
+(and ``p >= floor`` under CED bounded replay) — and (b) the compressed entries its top-k selected (indices into the
+compressed KV, ``-1`` = empty slot). One softmax over both, scale ``head_dim ** -0.5``, a per-head sink that only
+adds to the denominator, and V = K. The selected rows are gathered per query; no dense [T, N] mask is built.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def sparse_attention(q: jax.Array, q_pos: jax.Array, win_kv: jax.Array, win_pos: jax.Array,
+                     compressed_kv: jax.Array | None, topk: jax.Array | None, sink: jax.Array, *, window: int,
+                     floor: jax.Array | int = 0, scale: float | None = None) -> jax.Array:
+    """One block of queries against an explicit set of window keys plus gathered compressed entries.
+
+    Args:
+      q: [B, C, H, D] queries (rope already applied).
+      q_pos: [B, C] absolute query positions (int).
+      win_kv: [B, L, D] candidate window latents; win_pos: [B, L] their positions (< 0 = empty slot).
+      compressed_kv: [B, N, D] or None; topk: [B, C, K] int32 indices into it, -1 = empty.
+      sink: [H] per-head sink logits.
+      window: the sliding window size; floor: [B] or scalar, keys before it are invisible (bounded replay).
+    Returns [B, C, H, D] in q's dtype (softmax and accumulation in float32).
+    """
+    d = q.shape[-1]
+    scale = d ** -0.5 if scale is None else scale
+    qf = q.astype(jnp.float32)
+    floor = jnp.asarray(floor)
+    floor = floor.reshape(-1, 1, 1) if floor.ndim == 1 else floor
+    s_win = jnp.einsum("bchd,bld->bhcl", qf, win_kv.astype(jnp.float32), precision=_HI) * scale
+    kp = win_pos[:, None, :]
+    qp = q_pos[:, :, None]
+    visible = (kp >= 0) & (kp <= qp) & (kp > qp - window) & (kp >= floor)
+    s_win = jnp.where(visible[:, None], s_win, -jnp.inf)
+    logits = [s_win]
+    gathered = None
+    if compressed_kv is not None and topk is not None and topk.shape[-1] > 0:
+        safe = jnp.clip(topk, 0, compressed_kv.shape[1] - 1)
+        gathered = jax.vmap(lambda kv_b, idx_b: kv_b[idx_b])(compressed_kv, safe).astype(jnp.float32)  # [B,C,K,D]
+        s_cmp = jnp.einsum("bchd,bckd->bhck", qf, gathered, precision=_HI) * scale
+        s_cmp = jnp.where((topk >= 0)[:, None], s_cmp, -jnp.inf)
+        logits.append(s_cmp)
+    all_logits = jnp.concatenate(logits, axis=-1)
+    sink_b = sink.astype(jnp.float32)[None, :, None]
+    m = jnp.maximum(jnp.max(all_logits, axis=-1), sink_b)  # the sink keeps every row finite
+    p = jnp.exp(all_logits - m[..., None])
+    denom = jnp.sum(p, axis=-1) + jnp.exp(sink_b - m)
+    n_win = s_win.shape[-1]
+    out = jnp.einsum("bhcl,bld->bchd", p[..., :n_win], win_kv.astype(jnp.float32), precision=_HI)
+    if gathered is not None:
+        out = out + jnp.einsum("bhck,bckd->bchd", p[..., n_win:], gathered, precision=_HI)
+    out = out / jnp.moveaxis(denom, 1, 2)[..., None]
+    return out.astype(q.dtype)
+
+
+def sequence_sparse_attention(q: jax.Array, kv: jax.Array, positions: jax.Array, compressed_kv: jax.Array | None,
+                              topk: jax.Array | None, sink: jax.Array, *, window: int, floor: jax.Array | int = 0,
+                              chunk: int = 256) -> jax.Array:
+    """Causal sparse attention over a whole sequence whose window keys are the sequence itself.
+
+    q [B, T, H, D]; kv [B, T, D] (the sequence's own latents, key t at positions[:, t]); topk [B, T, K].
+    Queries are processed in chunks of ``chunk`` so memory is O(T · (chunk + window)), never O(T²).
+    """
+    b, t, h, d = q.shape
+    if t <= chunk:
+        return sparse_attention(q, positions, kv, positions, compressed_kv, topk, sink, window=window, floor=floor)
+    n_chunks = -(-t // chunk)
+    pad = n_chunks * chunk - t
+    lead = window - 1  # keys a chunk may need from before its first query
+    kv_p = jnp.pad(kv, ((0, 0), (lead, pad), (0, 0)))
+    pos_k = jnp.pad(positions, ((0, 0), (lead, pad)), constant_values=-1)
+    q_p = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    pos_q = jnp.pad(positions, ((0, 0), (0, pad)), constant_values=-1)
+    topk_p = None if topk is None else jnp.pad(topk, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
+
+    def one(c):
+        start = c * chunk
+        qc = jax.lax.dynamic_slice_in_dim(q_p, start, chunk, axis=1)
+        pc = jax.lax.dynamic_slice_in_dim(pos_q, start, chunk, axis=1)
+        kc = jax.lax.dynamic_slice_in_dim(kv_p, start, chunk + lead, axis=1)
+        kpc = jax.lax.dynamic_slice_in_dim(pos_k, start, chunk + lead, axis=1)
+        tc = None if topk_p is None else jax.lax.dynamic_slice_in_dim(topk_p, start, chunk, axis=1)
+        return sparse_attention(qc, pc, kc, kpc, compressed_kv, tc, sink, window=window, floor=floor)
+
+    out = jax.lax.map(one, jnp.arange(n_chunks))  # [n_chunks, B, chunk, H, D]
+    out = jnp.moveaxis(out, 0, 1).reshape(b, n_chunks * chunk, h, d)
+    return out[:, :t]

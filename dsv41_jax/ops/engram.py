@@ -1,0 +1,32 @@
+"""Engram's device-side part: table lookup, key/value projection and the gated per-stream write (SPEC §7).
+Row ids come from the host (:mod:`dsv41_jax.ops.engram_hash`)."""
+
+import jax
+import jax.numpy as jnp
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def engram_write(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: float, live: jax.Array | None = None,
+                 clamp: float = 1e-6) -> jax.Array:
+    """streams [B, T, hc, D]; row_ids [B, T, n_cols] (absolute rows of this layer's packed table).
+
+    e = concat of the looked-up rows; kv = e Wkvᵀ -> hc keys + one shared value; per stream
+    gate = σ(sign(dot)·sqrt(max(|dot|, clamp))), dot = Σ_D h·(q_w·k_w)·key · rstd(h)·rstd(key) · D^-0.5;
+    streams += gate · value. ``live`` [B, T] = False shuts the gate (padding).
+    """
+    b, t, hc, d = streams.shape
+    rows = jnp.take(params["embed"], row_ids, axis=0)  # [B, T, cols, ehd]
+    e = rows.reshape(b, t, -1).astype(params["wkv"].dtype)
+    kv = jnp.einsum("btc,fc->btf", e, params["wkv"], precision=_HI)
+    key = kv[..., : hc * d].astype(jnp.float32).reshape(b, t, hc, d)
+    value = kv[..., hc * d:].astype(jnp.float32)
+    weight = params["q_weight"].astype(jnp.float32) * params["k_weight"].astype(jnp.float32)  # [hc, D]
+    h = streams.astype(jnp.float32)
+    rstd = jax.lax.rsqrt(jnp.mean(h * h, -1) + eps) * jax.lax.rsqrt(jnp.mean(key * key, -1) + eps)
+    dot = jnp.sum(h * weight * key, -1) * rstd * (d ** -0.5)
+    # copysign, not sign(): a dot of exactly +0 keeps the positive root, as in the reference.
+    gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), clamp)), dot))
+    if live is not None:
+        gate = jnp.where(live[..., None], gate, 0.0)
+    return (h + gate[..., None] * value[:, :, None, :]).astype(streams.dtype)

@@ -1,0 +1,52 @@
+"""Single-pass mHC: the residual state is ``hc`` parallel streams; every site (attention, FFN) computes
+``pre``/``post``/``comb`` from one projection of the RMS-normalised flattened streams, and — the V4.1 single-pass
+twist — a site's input is collapsed with the ``pre`` computed at the PREVIOUS site (SPEC §3).
+Everything here runs in float32.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.ops.norms import rms_normalize
+
+
+def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, hc_eps: float,
+                     rms_eps: float, sinkhorn_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """streams [..., hc, D] -> (pre [..., hc], post [..., hc], comb [..., hc, hc]).
+
+    ``fn`` [(2+hc)*hc, hc*D] rows are ordered pre(hc), post(hc), comb(hc*hc, row-major i -> j). ``comb`` is
+    Sinkhorn-projected to (nearly) doubly stochastic, ending column-normalised: comb[i, j] weighs input stream i
+    into output stream j.
+    """
+    hc = streams.shape[-2]
+    flat = rms_normalize(streams.reshape(*streams.shape[:-2], -1), rms_eps)
+    mix = jnp.einsum("...k,mk->...m", flat, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    scale = scale.astype(jnp.float32)
+    base = base.astype(jnp.float32)
+    pre = jax.nn.sigmoid(mix[..., :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2.0 * jax.nn.sigmoid(mix[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    logits = (mix[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*mix.shape[:-1], hc, hc)
+    comb = jax.nn.softmax(logits, axis=-1) + hc_eps
+    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
+
+    def body(_, c):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
+
+    comb = jax.lax.fori_loop(0, sinkhorn_iters - 1, body, comb)
+    return pre, post, comb
+
+
+def collapse(streams: jax.Array, pre: jax.Array) -> jax.Array:
+    """Σ_s pre[s] · streams[s]  (fp32 math, result in the streams' dtype)."""
+    out = jnp.einsum("...s,...sd->...d", pre.astype(jnp.float32), streams.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    return out.astype(streams.dtype)
+
+
+def expand(streams: jax.Array, y: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    """out[j] = post[j] · y + Σ_i comb[i, j] · streams[i]."""
+    mixed = jnp.einsum("...ij,...id->...jd", comb.astype(jnp.float32), streams.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)
+    out = post[..., None].astype(jnp.float32) * y.astype(jnp.float32)[..., None, :] + mixed
+    return out.astype(streams.dtype)

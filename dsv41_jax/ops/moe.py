@@ -1,0 +1,85 @@
+"""DeepSeekMoE for V4.1: sqrt-softplus router with a selection-only (noaux) bias, normalised top-k weights × the
+routed scaling factor, clamped SwiGLU experts, and exactly one shared expert (SPEC §6).
+
+Two routed-expert implementations with identical maths: ``dense`` (every expert on every token, masked; for tiny
+configs and tests) and ``ragged`` (tokens sorted by expert, ``jax.lax.ragged_dot``; dropless, the default).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def route(x: jax.Array, gate_weight: jax.Array, gate_bias: jax.Array, *, top_k: int, temp: float,
+          scaling: float, normalize: bool = True):
+    """x [M, d] -> (weights [M, k] fp32, indices [M, k] int32, scores [M, E] fp32)."""
+    logits = jnp.einsum("md,ed->me", x.astype(jnp.float32), gate_weight.astype(jnp.float32), precision=_HI) / temp
+    scores = jnp.sqrt(jax.nn.softplus(logits))
+    _, idx = jax.lax.top_k(scores + gate_bias.astype(jnp.float32), top_k)
+    weights = jnp.take_along_axis(scores, idx, axis=-1)
+    if normalize and top_k > 1:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * scaling, idx.astype(jnp.int32), scores
+
+
+def swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, limit: float) -> jax.Array:
+    """silu(min(W1 x, limit)) · clip(W3 x, ±limit) in fp32 (the pre-down-projection activation)."""
+    gate = jnp.einsum("...d,fd->...f", x, w1, precision=_HI).astype(jnp.float32)
+    up = jnp.einsum("...d,fd->...f", x, w3, precision=_HI).astype(jnp.float32)
+    if limit > 0:
+        up = jnp.clip(up, -limit, limit)
+        gate = jnp.minimum(gate, limit)
+    return jax.nn.silu(gate) * up
+
+
+def expert_mlp(x, w1, w2, w3, limit, weight=None):
+    y = swiglu(x, w1, w3, limit)
+    if weight is not None:
+        y = y * weight
+    return jnp.einsum("...f,df->...d", y.astype(x.dtype), w2, precision=_HI)
+
+
+def routed_dense(x, weights, idx, w1, w2, w3, limit):
+    """Every expert on every token; combine with the (sparse) routing weights. O(M·E) — tests / tiny only."""
+    n_exp = w1.shape[0]
+    dense_w = jnp.zeros((x.shape[0], n_exp), jnp.float32).at[jnp.arange(x.shape[0])[:, None], idx].add(weights)
+    act = jax.vmap(lambda a, c: swiglu(x, a, c, limit), out_axes=1)(w1, w3)  # [M, E, F]
+    act = act * dense_w[..., None]
+    return jnp.einsum("mef,edf->md", act.astype(x.dtype), w2, precision=_HI).astype(jnp.float32)
+
+
+def routed_ragged(x, weights, idx, w1, w2, w3, limit):
+    """Dropless grouped matmuls: sort the M·k assignments by expert, ragged_dot per projection, scatter back."""
+    m, k = idx.shape
+    n_exp = w1.shape[0]
+    flat_expert = idx.reshape(-1)
+    order = jnp.argsort(flat_expert, stable=True)
+    token_of = order // k
+    xs = x[token_of]
+    group_sizes = jnp.bincount(flat_expert, length=n_exp).astype(jnp.int32)
+    gate = jax.lax.ragged_dot(xs, jnp.swapaxes(w1, 1, 2), group_sizes, precision=_HI).astype(jnp.float32)
+    up = jax.lax.ragged_dot(xs, jnp.swapaxes(w3, 1, 2), group_sizes, precision=_HI).astype(jnp.float32)
+    if limit > 0:
+        up = jnp.clip(up, -limit, limit)
+        gate = jnp.minimum(gate, limit)
+    act = jax.nn.silu(gate) * up * weights.reshape(-1)[order][:, None]
+    out = jax.lax.ragged_dot(act.astype(x.dtype), jnp.swapaxes(w2, 1, 2), group_sizes, precision=_HI)
+    return jnp.zeros((m, x.shape[-1]), jnp.float32).at[token_of].add(out.astype(jnp.float32))
+
+
+def moe(x: jax.Array, params: dict, *, top_k: int, temp: float, scaling: float, limit: float,
+        impl: str = "ragged", normalize: bool = True):
+    """x [..., d] -> (y [..., d] in x.dtype, aux dict with router scores / indices for statistics)."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    weights, idx, scores = route(flat, params["gate"]["weight"], params["gate"]["bias"], top_k=top_k, temp=temp,
+                                 scaling=scaling, normalize=normalize)
+    e = params["experts"]
+    fn = routed_ragged if impl == "ragged" else routed_dense
+    y = fn(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit)
+    s = params["shared_experts"]
+    y = y + expert_mlp(flat, s["w1"], s["w2"], s["w3"], limit).astype(jnp.float32)
+    return y.astype(x.dtype).reshape(shape), {"scores": scores, "indices": idx}
