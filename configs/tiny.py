@@ -11,7 +11,7 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.name = "tiny"
-    c.vocab_size = 512
+    c.vocab_size = 259  # the byte-level tokenizer: 3 specials + 256 bytes
     c.hidden_size = 64
     c.num_hidden_layers = 12
     c.num_attention_heads = 4
@@ -49,13 +49,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.engram_n_heads = 2
     c.engram_head_dim = 32
     c.engram_pad_id = 2
-    c.engram_compressed_vocab_size = 256
+    c.engram_compressed_vocab_size = 230  # the byte tokenizer's canonical map (case- and whitespace-merged)
     c.num_nextn_predict_layers = 0
     c.dspark_target_layer_ids = [9, 10, 11]
     c.dspark_n_routed_experts = 8
     c.dspark_num_experts_per_tok = 2
     c.dspark_markov_rank = 16
-    c.dspark_noise_token_id = 511
+    c.dspark_noise_token_id = 258
     c.max_position_embeddings = 1048576
     c.quant_sim = True
     return c

@@ -28,9 +28,43 @@ def _cmd_params(args) -> int:
 
 
 def _cmd_generate(args) -> int:
-    from dsv41_jax.generate_simple import generate_cli
+    import jax
 
-    return generate_cli(args)
+    from dsv41_jax.checkpoint.hf import load_hf_checkpoint
+    from dsv41_jax.config import load_config
+    from dsv41_jax.inference.recompute import generate_by_recompute
+    from dsv41_jax.model.model import default_hasher
+    from dsv41_jax.model.params import init_params
+    from dsv41_jax.tokenizer import load_tokenizer
+
+    if args.checkpoint:
+        config, params = load_hf_checkpoint(args.checkpoint)
+        source = args.checkpoint
+    else:
+        config = load_config(args.config)
+        params = init_params(config, jax.random.PRNGKey(args.seed))
+        source = f"random weights (seed {args.seed})"
+    tokenizer = load_tokenizer(args.tokenizer, model_vocab_size=config.vocab_size)
+    hasher = default_hasher(config, tokenizer)
+    prompt = tokenizer.encode(args.prompt, add_bos=True)
+    print(f"# {config.name}: {config.num_hidden_layers} layers, d={config.hidden_size}, {source}; "
+          f"prompt {len(prompt)} tokens", file=sys.stderr)
+    t0 = time.perf_counter()
+    produced: list[int] = []
+
+    def on_token(tok: int) -> None:
+        produced.append(tok)
+        print(tokenizer.decode([tok]), end="", flush=True)
+
+    print(args.prompt, end="", flush=True)
+    generate_by_recompute(params, config, prompt, max_new_tokens=args.max_new_tokens, hasher=hasher,
+                          temperature=args.temperature, seed=args.seed, stop_tokens=(tokenizer.eos_id,),
+                          on_token=on_token)
+    dt = time.perf_counter() - t0
+    print()
+    print(f"# {len(produced)} tokens in {dt:.1f} s ({len(produced) / dt:.1f} tok/s, compile included)",
+          file=sys.stderr)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,95 @@
+"""The thin owners: ``EngramHasher`` (host-side Engram addressing for one tokenizer) and ``DeepseekV41``, a Flax NNX
+module that owns the parameters (each an ``nnx.Param`` carrying its logical axis names) and calls the pure
+:func:`dsv41_jax.model.forward.forward`. All maths lives in the pure functions; these classes hold state only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.model.forward import ForwardOptions, forward
+from dsv41_jax.model.params import init_params, logical_axes, validate_params
+from dsv41_jax.ops.engram_hash import EngramHashLayout, EngramHistory, engram_row_ids, engram_row_ids_step
+from dsv41_jax.tokenizer import ByteTokenizer, compressed_token_map
+
+
+class EngramHasher:
+    """Engram row ids for a config + tokenizer: the compressed vocabulary (its size is checked against the config),
+    the prime / multiplier layout, and whole-sequence or incremental hashing (numpy int64, exact)."""
+
+    def __init__(self, config: ModelConfig, token_map: np.ndarray):
+        self.config = config
+        self.token_map = np.asarray(token_map, np.int64)
+        if len(self.token_map) < config.vocab_size:
+            raise ValueError(f"Engram token map covers {len(self.token_map)} ids but vocab_size is "
+                             f"{config.vocab_size}")
+        pad = int(self.token_map[config.engram_pad_id])
+        self.layout = EngramHashLayout.build(config.engram_layer_ids, config.engram_max_ngram_size,
+                                             config.engram_n_heads, config.engram_vocab_size,
+                                             config.engram_compressed_vocab_size, pad)
+        for slot, (rows, need) in enumerate(zip(config.engram_num_embeddings, self.layout.rows_per_layer)):
+            if rows < need:
+                raise ValueError(f"config field `engram_num_embeddings`[{slot}] = {rows} is smaller than the "
+                                 f"{need} rows its primes address")
+
+    @classmethod
+    def from_tokenizer(cls, config: ModelConfig, tokenizer) -> "EngramHasher":
+        token_map, _ = compressed_token_map(tokenizer, expected_size=config.engram_compressed_vocab_size)
+        return cls(config, token_map)
+
+    def row_ids(self, tokens, *, valid=None, segment_ids=None) -> np.ndarray:
+        return engram_row_ids(np.asarray(tokens), self.token_map, self.layout, valid=valid, segment_ids=segment_ids)
+
+    def empty_history(self, batch: int) -> EngramHistory:
+        return EngramHistory.empty(batch, self.config.engram_max_ngram_size)
+
+    def step(self, tokens, history: EngramHistory, *, valid=None):
+        return engram_row_ids_step(np.asarray(tokens), history, self.token_map, self.layout, valid=valid)
+
+
+def default_hasher(config: ModelConfig, tokenizer=None) -> EngramHasher | None:
+    """The hasher for a tokenizer (byte-level by default), or None for configs without Engram."""
+    if not config.engram_layer_ids:
+        return None
+    return EngramHasher.from_tokenizer(config, tokenizer or ByteTokenizer(model_vocab_size=config.vocab_size))
+
+
+class DeepseekV41(nnx.Module):
+    """Parameters of the V4.1 backbone as NNX state, plus the Engram hasher of its tokenizer.
+
+    ``model(tokens)`` hashes Engram ids on the host and runs the pure forward. For jitted / sharded use, take
+    ``model.param_tree()`` (a plain pytree) and call :func:`dsv41_jax.forward` directly.
+    """
+
+    def __init__(self, config: ModelConfig, params: dict | None = None, *, rngs: nnx.Rngs | None = None,
+                 dtype=jnp.float32, hasher: EngramHasher | None = None, tokenizer=None):
+        if params is None:
+            rngs = rngs or nnx.Rngs(0)
+            params = init_params(config, rngs.params(), dtype)
+        validate_params(params, config)
+        self.config = config
+        axes = logical_axes(config, include_dspark="dspark" in params)
+        # Logical axis names travel with each parameter (nnx sharding metadata).
+        self.params = nnx.data(jax.tree.map(lambda a, ax: nnx.Param(a, sharding_names=ax, eager_sharding=False),
+                                            params, axes))
+        # (eager_sharding=False: placement is decided by dsv41_jax.parallel rules, not at construction.)
+        self.hasher = hasher if hasher is not None else default_hasher(config, tokenizer)
+
+    def param_tree(self) -> dict:
+        return jax.tree.map(lambda v: v[...], self.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def engram_ids(self, tokens, **kw) -> jax.Array | None:
+        if self.hasher is None:
+            return None
+        return jnp.asarray(self.hasher.row_ids(tokens, **kw))
+
+    def __call__(self, tokens, *, options: ForwardOptions = ForwardOptions(), **kw) -> Any:
+        tokens = jnp.asarray(tokens)
+        return forward(self.param_tree(), tokens, config=self.config, engram_ids=self.engram_ids(tokens),
+                       options=options, **kw)
