@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax import ForwardOptions, forward, init_params, load_config
+from dsv41_jax.inference.step import FAST_COMPILE
 from dsv41_jax.model.model import default_hasher
 from dsv41_jax.ops.attention import sequence_sparse_attention, sparse_attention
 from dsv41_jax.ops.indexer import candidate_blocks, indexer_topk, select_topk
@@ -25,9 +26,13 @@ def setup():
     return config, params, hasher, tokens
 
 
+# jitted with XLA's fast-compile settings: one compile per (config, options, shape) instead of op-by-op dispatch
+_forward = jax.jit(forward, static_argnames=("config", "options"), compiler_options=dict(FAST_COMPILE))
+
+
 def _fwd(config, params, hasher, tokens, **opts):
     eids = jnp.asarray(hasher.row_ids(tokens))
-    return forward(params, jnp.asarray(tokens), config=config, engram_ids=eids, options=ForwardOptions(**opts))
+    return _forward(params, jnp.asarray(tokens), config=config, engram_ids=eids, options=ForwardOptions(**opts))
 
 
 def test_mhc_comb_is_doubly_stochastic():
@@ -147,3 +152,27 @@ def test_moe_routing_semantics():
     np.testing.assert_allclose(np.asarray(y_r), np.asarray(y_d), rtol=1e-5, atol=1e-4)
     # the bias steers selection only: expert 5 is always picked ...
     assert (np.asarray(stats["indices"]) == 5).any(-1).all()
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_packed_documents_equal_separate_runs(quant):
+    """segment_ids: windows, compressor groups (ratio 2 groups realign at each document start), indexer, HSI blocks
+    and Engram n-grams restart per document, so a packed row equals each document run alone."""
+    config = load_config("tiny").replace(candidate_topk_blocks=2)
+    params = init_params(config, jax.random.PRNGKey(0), std=0.1)
+    hasher = default_hasher(config)
+    rng = np.random.default_rng(0)
+    lengths = [13, 30, 1, 20]  # odd lengths: groups straddling document ends are never formed
+    docs = [rng.integers(3, config.vocab_size, n) for n in lengths]
+    tokens = np.concatenate(docs)[None]
+    segments = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])[None]
+    opts = ForwardOptions(quant_sim=quant, query_chunk=16)
+    packed = _forward(params, jnp.asarray(tokens), config=config, segment_ids=jnp.asarray(segments), options=opts,
+                     engram_ids=jnp.asarray(hasher.row_ids(tokens, segment_ids=segments)))
+    offset = 0
+    for doc in docs:
+        alone = _forward(params, jnp.asarray(doc[None]), config=config, options=opts,
+                        engram_ids=jnp.asarray(hasher.row_ids(doc[None])))
+        np.testing.assert_allclose(np.asarray(packed[0, offset:offset + len(doc)]), np.asarray(alone[0]),
+                                   rtol=1e-5, atol=1e-5)
+        offset += len(doc)

@@ -18,17 +18,19 @@ import numpy as np
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.model.params import validate_params
 from dsv41_jax.ops import quant  # noqa: E402  (fake quantisation: FP8 window KV, FP4 compressed KV / indexer)
-from dsv41_jax.ops.attention import sequence_sparse_attention
-from dsv41_jax.ops.compressor import compress_sequence
+from dsv41_jax import kernels as _kernels  # sparse attention / indexer dispatch (reference or Pallas)
+from dsv41_jax.ops.compressor import compress_packed, compress_sequence
 from dsv41_jax.ops.engram import engram_write
-from dsv41_jax.ops.indexer import indexer_topk
+from dsv41_jax.ops.indexer import packed_entry_layout, packed_indexer_topk
 from dsv41_jax.ops.mhc import collapse, expand, mhc_coefficients
 from dsv41_jax.ops.moe import moe
 from dsv41_jax.ops.norms import rms_norm
 from dsv41_jax.ops.rope import apply_rope, cos_sin, rope_tables
+from dsv41_jax.parallel.rules import constrain  # sharding hints; no-ops without a sharding context
 from dsv41_jax.plan import FULL, REINDEX, LayerSpec
 
 _HI = jax.lax.Precision.HIGHEST
+_STREAM_AXES = ("batch", "seq", "streams", "embed")  # logical axes of the mHC residual streams [B, T, hc, d]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +38,10 @@ class ForwardOptions:
     quant_sim: bool | None = None  # None -> config.quant_sim
     bounded_replay: bool = False  # CED decoder-SWA truncation to the last `replay_len` tokens (SPEC §8)
     replay_len: int | None = None  # None -> sliding_window (128 in the release)
-    moe_impl: str = "ragged"  # "ragged" (dropless grouped matmul) | "dense" (tests)
+    moe_impl: str = "ragged"  # "ragged" (dropless grouped matmul) | "dense" (tests) | "expert_parallel" (mesh)
+    moe_capacity_factor: float | None = None  # expert_parallel only: None = dropless, else may drop (reported)
     query_chunk: int = 256  # queries per attention / indexer block (memory O(T · chunk))
+    kernel_backend: str = "auto"  # dsv41_jax.kernels: auto (Pallas on GPU/TPU, reference on CPU) | reference | ...
 
 
 @dataclasses.dataclass
@@ -47,7 +51,8 @@ class _GroupState:
     compressed_kv: jax.Array | None = None  # [B, N, hd] rotated (+ quantised) entries of the latest KV source
     index_keys: jax.Array | None = None  # [B, N, di] indexer keys of the latest KV source
     topk: jax.Array | None = None  # [B, T, K] of the latest index source
-    pool: jax.Array | None = None  # [B, T, n_blocks] HSI candidate blocks
+    pool: jax.Array | None = None  # [B, T, n_blocks] HSI candidate blocks ([B, T, T] key slots when packed)
+    entries: dict | None = None  # packed documents: per-slot entry metadata (ops.indexer.packed_entry_layout)
 
 
 class ForwardError(ValueError):
@@ -102,8 +107,12 @@ def _chunked(fn, t: int, chunk: int, *arrays):
 
 
 def attention_layer(p: dict, x: jax.Array, spec: LayerSpec, positions: jax.Array, state: _GroupState,
-                    config: ModelConfig, rope: dict, opts: ForwardOptions, quant_on: bool, floor):
-    """One attention sub-layer over a whole sequence. x [B, T, d] is the normalised site input."""
+                    config: ModelConfig, rope: dict, opts: ForwardOptions, quant_on: bool, floor,
+                    segments: jax.Array | None = None):
+    """One attention sub-layer over a whole sequence. x [B, T, d] is the normalised site input.
+
+    ``segments`` [B, T] marks packed documents (``positions`` are then document-relative): windows, compressor
+    groups, indexer visibility and HSI blocks all restart at each document."""
     c = config
     b, t, _ = x.shape
     inv_freq = rope[spec.rope]
@@ -119,8 +128,14 @@ def attention_layer(p: dict, x: jax.Array, spec: LayerSpec, positions: jax.Array
     compressed = None
     if spec.ratio > 0:
         if spec.mode == FULL:
-            latent = compress_sequence(x, p["compressor"], spec.ratio, c.rms_norm_eps)  # [B, N, hd] pre-rope
-            entry_pos = (jnp.arange(latent.shape[1]) * spec.ratio)[None, :]
+            entries = None
+            if segments is None:
+                latent = compress_sequence(x, p["compressor"], spec.ratio, c.rms_norm_eps)  # [B, N, hd] pre-rope
+                entry_pos = (jnp.arange(latent.shape[1]) * spec.ratio)[None, :]
+            else:  # slot space: one candidate entry per token, valid where a document's group starts
+                latent, valid = compress_packed(x, p["compressor"], spec.ratio, c.rms_norm_eps, positions, segments)
+                entry_pos = positions
+                entries = packed_entry_layout(positions, segments, valid, spec.ratio, c.candidate_block_size)
             ccos, csin = cos_sin(rope["compress"], entry_pos)
             ip = p["indexer"]
             keys = apply_rope(rms_norm(_linear(latent, ip["wk"]), ip["k_norm"], c.rms_norm_eps), ccos, csin)
@@ -128,13 +143,15 @@ def attention_layer(p: dict, x: jax.Array, spec: LayerSpec, positions: jax.Array
             if quant_on:
                 keys = quant.fake_quant_fp4_e2m1_block(keys, 32, scale_format="ue8m0")
                 rotated = quant.fake_quant_fp4_e2m1_block(rotated, 16, scale_format="e4m3")
-            state = dataclasses.replace(state, compressed_kv=rotated, index_keys=keys)
+            state = dataclasses.replace(state, compressed_kv=rotated, index_keys=keys, entries=entries)
         if spec.mode in (FULL, REINDEX):
-            state = _run_indexer(p["indexer"], x, q_res, spec, positions, state, config, rope, opts, quant_on)
+            state = _run_indexer(p["indexer"], x, q_res, spec, positions, state, config, rope, opts, quant_on,
+                                 segments)
         compressed, topk = state.compressed_kv, state.topk
 
-    out = sequence_sparse_attention(q, kv, positions, compressed, topk, p["attn_sink"], window=c.sliding_window,
-                                    floor=floor, chunk=opts.query_chunk)
+    out = _kernels.sequence_sparse_attention(q, kv, positions, compressed, topk, p["attn_sink"],
+                                             window=c.sliding_window, floor=floor, chunk=opts.query_chunk,
+                                             segments=segments, backend=opts.kernel_backend)
     out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True)
     grouped = out.reshape(b, t, c.o_groups, -1)
     wo_a = p["wo_a"].reshape(c.o_groups, c.o_lora_rank, -1)
@@ -143,7 +160,7 @@ def attention_layer(p: dict, x: jax.Array, spec: LayerSpec, positions: jax.Array
 
 
 def _run_indexer(ip: dict, x, q_res, spec: LayerSpec, positions, state: _GroupState, config: ModelConfig, rope,
-                 opts: ForwardOptions, quant_on: bool) -> _GroupState:
+                 opts: ForwardOptions, quant_on: bool, segments=None) -> _GroupState:
     c = config
     b, t, _ = x.shape
     cos, sin = cos_sin(rope["compress"], positions)
@@ -161,24 +178,41 @@ def _run_indexer(ip: dict, x, q_res, spec: LayerSpec, positions, state: _GroupSt
     pool = state.pool if spec.uses_candidates else None
 
     def run(qc, wc, pc, *pool_c):
-        return indexer_topk(qc, wc, keys, pc, ratio=spec.ratio, topk=c.index_topk,
-                            pool=pool_c[0] if pool_c else None, block_size=c.candidate_block_size,
-                            candidate_topk_blocks=cand)
+        return _kernels.indexer_topk(qc, wc, keys, pc, ratio=spec.ratio, topk=c.index_topk,
+                                     pool=pool_c[0] if pool_c else None, block_size=c.candidate_block_size,
+                                     candidate_topk_blocks=cand, backend=opts.kernel_backend)
 
-    args = (qi, w, positions) + ((pool,) if pool is not None else ())
+    if segments is not None:
+        entries = state.entries
+        q_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+        def run(qc, wc, pc, sc, ic, *pool_c):  # noqa: F811 - the packed-document variant
+            return packed_indexer_topk(qc, wc, keys, pc, sc, ic, entries, ratio=spec.ratio, topk=c.index_topk,
+                                       pool=pool_c[0] if pool_c else None, block_size=c.candidate_block_size,
+                                       candidate_topk_blocks=cand)
+
+        args = (qi, w, positions, segments, q_index) + ((pool,) if pool is not None else ())
+    else:
+        args = (qi, w, positions) + ((pool,) if pool is not None else ())
     topk, new_pool = _chunked(run, t, opts.query_chunk, *args)
     return dataclasses.replace(state, topk=topk, pool=new_pool if spec.candidate_source else state.pool)
 
 
 def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids: jax.Array | None = None,
-            positions: jax.Array | None = None, options: ForwardOptions = ForwardOptions(),
-            return_hidden: bool = False, return_topk: bool = False, return_router: bool = False):
+            positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+            options: ForwardOptions = ForwardOptions(),
+            return_hidden: bool = False, return_topk: bool = False, return_router: bool = False,
+            return_attn_inputs: bool = False):
     """Logits [B, T, V] (float32) of a whole sequence, every token through every layer.
 
     ``engram_ids`` [B, T, n_engram_layers, n_hash_cols] int32 are the host-computed Engram row ids
-    (``dsv41_jax.engram_row_ids``); required when the config has Engram layers. With ``return_*`` flags a second
+    (``EngramHasher.row_ids``, with the same ``segment_ids``); required when the config has Engram layers.
+    ``segment_ids`` [B, T] (packed documents, training): each maximal run of equal ids is one document whose
+    positions restart at 0 and whose attention windows, compressor groups, indexer and HSI never see another
+    document — the logits equal running each document alone. With ``return_*`` flags a second
     value is returned: a dict with ``hidden`` ([L, B, T, hc, d] streams after each layer), ``topk`` (per layer
-    that runs an indexer) and ``router`` (per-layer expert indices and scores).
+    that runs an indexer), ``router`` (per-layer expert indices and scores) and ``attn_inputs`` (the normalised
+    attention-site input [B, T, d] of every layer that runs an indexer; training's indexer KL).
     """
     c = config
     check_tokens(tokens, c)
@@ -191,6 +225,16 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
                                "dsv41_jax.Model, which computes them from the tokens)")
         if tuple(engram_ids.shape) != expect:
             raise ForwardError(f"engram_ids has shape {tuple(engram_ids.shape)}, expected {expect}")
+    if segment_ids is not None:
+        if tuple(segment_ids.shape) != (b, t):
+            raise ForwardError(f"segment_ids has shape {tuple(segment_ids.shape)}, expected {(b, t)}")
+        if options.bounded_replay:
+            raise ForwardError("bounded_replay applies to single prompts; it cannot be combined with segment_ids")
+        segment_ids = segment_ids.astype(jnp.int32)
+        if positions is None:
+            idx = jnp.arange(t, dtype=jnp.int32)[None, :]
+            starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+            positions = idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     quant_on = c.quant_sim if options.quant_sim is None else options.quant_sim
@@ -199,34 +243,39 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
     decoder_floor = t - min(replay, t) if options.bounded_replay else 0
 
     x = params["embed"][tokens]
-    streams = jnp.broadcast_to(x[:, :, None, :], (b, t, c.hc_mult, c.hidden_size))
+    streams = constrain(jnp.broadcast_to(x[:, :, None, :], (b, t, c.hc_mult, c.hidden_size)), _STREAM_AXES)
     pre_mix = jax.nn.one_hot(jnp.zeros((b, t), jnp.int32), c.hc_mult, dtype=jnp.float32)
     state = _GroupState()
-    hidden, topks, router = [], {}, []
+    hidden, topks, router, attn_inputs = [], {}, [], {}
     mhc_kw = dict(hc_eps=c.hc_eps, rms_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters)
     for spec, lp in zip(c.plan, params["layers"]):
         if spec.engram_slot is not None:
             streams = engram_write(streams, engram_ids[:, :, spec.engram_slot], lp["engram"], eps=c.rms_norm_eps)
         a_pre, a_post, a_comb = mhc_coefficients(streams, **lp["hc_attn"], **mhc_kw)
         h = rms_norm(collapse(streams, pre_mix), lp["attn_norm"], c.rms_norm_eps)
+        h_attn = h
         floor = decoder_floor if spec.stack == "decoder" else 0
-        y, state = attention_layer(lp["attn"], h, spec, positions, state, c, rope, options, quant_on, floor)
+        y, state = attention_layer(lp["attn"], h, spec, positions, state, c, rope, options, quant_on, floor,
+                                   segment_ids)
         streams = expand(streams, y, a_post, a_comb)
         f_pre, f_post, f_comb = mhc_coefficients(streams, **lp["hc_ffn"], **mhc_kw)
         h = rms_norm(collapse(streams, a_pre), lp["ffn_norm"], c.rms_norm_eps)
         y, stats = moe(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp, scaling=c.routed_scaling_factor,
-                       limit=c.swiglu_limit, impl=options.moe_impl, normalize=c.norm_topk_prob)
-        streams = expand(streams, y, f_post, f_comb)
+                       limit=c.swiglu_limit, impl=options.moe_impl, normalize=c.norm_topk_prob,
+                       capacity_factor=options.moe_capacity_factor)
+        streams = constrain(expand(streams, y, f_post, f_comb), _STREAM_AXES)
         pre_mix = f_pre
         if return_hidden:
             hidden.append(streams)
         if return_topk and spec.runs_indexer:
             topks[spec.index] = state.topk
+        if return_attn_inputs and spec.runs_indexer:  # the indexer KL objective (dsv41_jax.train.loss)
+            attn_inputs[spec.index] = h_attn
         if return_router:
             router.append(stats)
     h = rms_norm(collapse(streams, pre_mix), params["norm"], c.rms_norm_eps)
-    logits = _linear(h, params["lm_head"]).astype(jnp.float32)
-    if not (return_hidden or return_topk or return_router):
+    logits = constrain(_linear(h, params["lm_head"]).astype(jnp.float32), ("batch", "seq", "vocab"))
+    if not (return_hidden or return_topk or return_router or return_attn_inputs):
         return logits
     aux: dict[str, Any] = {}
     if return_hidden:
@@ -235,4 +284,6 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
         aux["topk"] = topks
     if return_router:
         aux["router"] = router
+    if return_attn_inputs:
+        aux["attn_inputs"] = attn_inputs
     return logits, aux

@@ -16,7 +16,8 @@ _HI = jax.lax.Precision.HIGHEST
 
 def sparse_attention(q: jax.Array, q_pos: jax.Array, win_kv: jax.Array, win_pos: jax.Array,
                      compressed_kv: jax.Array | None, topk: jax.Array | None, sink: jax.Array, *, window: int,
-                     floor: jax.Array | int = 0, scale: float | None = None) -> jax.Array:
+                     floor: jax.Array | int = 0, scale: float | None = None, q_seg: jax.Array | None = None,
+                     k_seg: jax.Array | None = None) -> jax.Array:
     """One block of queries against an explicit set of window keys plus gathered compressed entries.
 
     Args:
@@ -26,6 +27,8 @@ def sparse_attention(q: jax.Array, q_pos: jax.Array, win_kv: jax.Array, win_pos:
       compressed_kv: [B, N, D] or None; topk: [B, C, K] int32 indices into it, -1 = empty.
       sink: [H] per-head sink logits.
       window: the sliding window size; floor: [B] or scalar, keys before it are invisible (bounded replay).
+      q_seg / k_seg: optional [B, C] / [B, L] document ids (packed rows): window keys of other documents are
+        invisible. (Compressed picks are already per document.)
     Returns [B, C, H, D] in q's dtype (softmax and accumulation in float32).
     """
     d = q.shape[-1]
@@ -37,6 +40,8 @@ def sparse_attention(q: jax.Array, q_pos: jax.Array, win_kv: jax.Array, win_pos:
     kp = win_pos[:, None, :]
     qp = q_pos[:, :, None]
     visible = (kp >= 0) & (kp <= qp) & (kp > qp - window) & (kp >= floor)
+    if q_seg is not None:
+        visible = visible & (k_seg[:, None, :] == q_seg[:, :, None])
     s_win = jnp.where(visible[:, None], s_win, -jnp.inf)
     logits = [s_win]
     gathered = None
@@ -61,15 +66,17 @@ def sparse_attention(q: jax.Array, q_pos: jax.Array, win_kv: jax.Array, win_pos:
 
 def sequence_sparse_attention(q: jax.Array, kv: jax.Array, positions: jax.Array, compressed_kv: jax.Array | None,
                               topk: jax.Array | None, sink: jax.Array, *, window: int, floor: jax.Array | int = 0,
-                              chunk: int = 256) -> jax.Array:
+                              chunk: int = 256, segments: jax.Array | None = None) -> jax.Array:
     """Causal sparse attention over a whole sequence whose window keys are the sequence itself.
 
     q [B, T, H, D]; kv [B, T, D] (the sequence's own latents, key t at positions[:, t]); topk [B, T, K].
     Queries are processed in chunks of ``chunk`` so memory is O(T · (chunk + window)), never O(T²).
+    ``segments`` [B, T] (packed documents): positions are document-relative and windows stop at document starts.
     """
     b, t, h, d = q.shape
     if t <= chunk:
-        return sparse_attention(q, positions, kv, positions, compressed_kv, topk, sink, window=window, floor=floor)
+        return sparse_attention(q, positions, kv, positions, compressed_kv, topk, sink, window=window, floor=floor,
+                                q_seg=segments, k_seg=segments)
     n_chunks = -(-t // chunk)
     pad = n_chunks * chunk - t
     lead = window - 1  # keys a chunk may need from before its first query
@@ -78,6 +85,10 @@ def sequence_sparse_attention(q: jax.Array, kv: jax.Array, positions: jax.Array,
     q_p = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
     pos_q = jnp.pad(positions, ((0, 0), (0, pad)), constant_values=-1)
     topk_p = None if topk is None else jnp.pad(topk, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
+    seg_q = seg_k = None
+    if segments is not None:
+        seg_k = jnp.pad(segments, ((0, 0), (lead, pad)), constant_values=-1)
+        seg_q = jnp.pad(segments, ((0, 0), (0, pad)), constant_values=-2)
 
     def one(c):
         start = c * chunk
@@ -86,7 +97,12 @@ def sequence_sparse_attention(q: jax.Array, kv: jax.Array, positions: jax.Array,
         kc = jax.lax.dynamic_slice_in_dim(kv_p, start, chunk + lead, axis=1)
         kpc = jax.lax.dynamic_slice_in_dim(pos_k, start, chunk + lead, axis=1)
         tc = None if topk_p is None else jax.lax.dynamic_slice_in_dim(topk_p, start, chunk, axis=1)
-        return sparse_attention(qc, pc, kc, kpc, compressed_kv, tc, sink, window=window, floor=floor)
+        sq = sk = None
+        if seg_q is not None:
+            sq = jax.lax.dynamic_slice_in_dim(seg_q, start, chunk, axis=1)
+            sk = jax.lax.dynamic_slice_in_dim(seg_k, start, chunk + lead, axis=1)
+        return sparse_attention(qc, pc, kc, kpc, compressed_kv, tc, sink, window=window, floor=floor, q_seg=sq,
+                                k_seg=sk)
 
     out = jax.lax.map(one, jnp.arange(n_chunks))  # [n_chunks, B, chunk, H, D]
     out = jnp.moveaxis(out, 0, 1).reshape(b, n_chunks * chunk, h, d)

@@ -46,3 +46,25 @@ def compress_sequence(x: jax.Array, params: dict, ratio: int, eps: float) -> jax
         return rms_norm(kv, params["norm"], eps)
     kv, gate = project_compressor_inputs(x[:, :usable], params["wkv"], params.get("wgate"))
     return pool_groups(kv, gate, params["norm"], ratio, eps, x.dtype)
+
+
+def compress_packed(x: jax.Array, params: dict, ratio: int, eps: float, positions: jax.Array,
+                    segments: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Packed documents: one candidate group per token slot, [B, T, hd] latents plus a validity mask.
+
+    Slot j holds the group starting at token j; it is an entry iff j starts a group of its own document
+    (document-relative position divisible by ``ratio``) and the group's last token is in the same document.
+    """
+    b, t, _ = x.shape
+    if ratio == 1:
+        kv = jnp.einsum("btd,fd->btf", x, params["wkv"], precision=_HI)
+        return rms_norm(kv, params["norm"], eps), jnp.ones((b, t), bool)
+    kv, gate = project_compressor_inputs(x, params["wkv"], params["wgate"])
+    pad = ((0, 0), (0, ratio - 1), (0, 0))
+    kv_p, gate_p = jnp.pad(kv, pad), jnp.pad(gate, pad)
+    kv_s = jnp.stack([kv_p[:, i:i + t] for i in range(ratio)], axis=2)  # [B, T, ratio, hd]
+    gate_s = jnp.stack([gate_p[:, i:i + t] for i in range(ratio)], axis=2)
+    latent = jnp.sum(kv_s * jax.nn.softmax(gate_s, axis=2), axis=2)
+    last_seg = jnp.pad(segments, ((0, 0), (0, ratio - 1)), constant_values=-1)[:, ratio - 1:ratio - 1 + t]
+    valid = (positions % ratio == 0) & (last_seg == segments)
+    return rms_norm(latent.astype(x.dtype), params["norm"], eps), valid

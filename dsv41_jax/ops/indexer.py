@@ -91,3 +91,60 @@ def indexer_topk(q: jax.Array, weights: jax.Array, keys: jax.Array, q_pos: jax.A
     if pool is not None:
         scores = restrict_to_pool(scores, pool, block_size)
     return select_topk(scores, topk), new_pool
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Packed documents (training): several documents share one row, each with its own positions, compressor groups,
+# entries and HSI blocks. Compressed entries then live in "slot" space — entry slots are token indices (the slot of
+# a group is its first token), so N = T and a document's entries never mix with another's.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def packed_entry_layout(positions: jax.Array, segments: jax.Array, valid: jax.Array, ratio: int, block_size: int):
+    """Per-slot entry metadata for packed rows: (rank within the document, HSI block key slot).
+
+    ``positions`` are document-relative. The block key of an entry is the slot of the first entry of its block.
+    """
+    rank = positions // ratio
+    key = jnp.arange(positions.shape[1])[None, :] - (rank % block_size) * ratio
+    return {"rank": rank, "segments": segments, "valid": valid, "key": key}
+
+
+def packed_visible(scores: jax.Array, q_pos: jax.Array, q_seg: jax.Array, entries: dict, ratio: int) -> jax.Array:
+    vis = (entries["valid"][:, None, :] & (entries["segments"][:, None, :] == q_seg[:, :, None])
+           & (entries["rank"][:, None, :] < visible_counts(q_pos, ratio)[..., None]))
+    return jnp.where(vis, scores, NEG_INF)
+
+
+def packed_candidate_blocks(scores: jax.Array, q_pos: jax.Array, q_index: jax.Array, entries: dict, ratio: int,
+                            block_size: int, topk_blocks: int) -> jax.Array:
+    """HSI level one in slot space: block scores are scattered onto their key slots; the pool is [B, C, T] bool
+    over key slots. Same rules as :func:`candidate_blocks` (newest block pinned, -inf blocks dropped)."""
+    b, c, n = scores.shape
+    b_idx = jnp.arange(b)[:, None, None]
+    c_idx = jnp.arange(c)[None, :, None]
+    key = jnp.broadcast_to(entries["key"][:, None, :], scores.shape)
+    block_scores = jnp.full(scores.shape, NEG_INF).at[b_idx, c_idx, key].max(scores)
+    newest_rank = visible_counts(q_pos, ratio) - 1
+    newest_key = q_index - q_pos + newest_rank * ratio - (newest_rank % block_size) * ratio
+    newest_key = jnp.where(newest_rank >= 0, newest_key, -1)
+    block_scores = jnp.where(jnp.arange(n)[None, None, :] == newest_key[..., None], jnp.inf, block_scores)
+    values, picks = jax.lax.top_k(block_scores, min(topk_blocks, n))
+    return jnp.zeros(scores.shape, bool).at[b_idx, c_idx, picks].max(values > NEG_INF)
+
+
+def packed_restrict_to_pool(scores: jax.Array, pool: jax.Array, entries: dict) -> jax.Array:
+    key = jnp.broadcast_to(entries["key"][:, None, :], scores.shape)
+    return jnp.where(jnp.take_along_axis(pool, key, axis=-1), scores, NEG_INF)
+
+
+def packed_indexer_topk(q, weights, keys, q_pos, q_seg, q_index, entries: dict, *, ratio: int, topk: int,
+                        pool=None, block_size: int = 8, candidate_topk_blocks: int | None = None):
+    """:func:`indexer_topk` for packed documents (slot-space entries)."""
+    scores = packed_visible(indexer_scores(q, weights, keys), q_pos, q_seg, entries, ratio)
+    new_pool = None
+    if candidate_topk_blocks is not None:
+        new_pool = packed_candidate_blocks(scores, q_pos, q_index, entries, ratio, block_size, candidate_topk_blocks)
+    if pool is not None:
+        scores = packed_restrict_to_pool(scores, pool, entries)
+    return select_topk(scores, topk), new_pool

@@ -60,26 +60,41 @@ def routed_ragged(x, weights, idx, w1, w2, w3, limit):
     token_of = order // k
     xs = x[token_of]
     group_sizes = jnp.bincount(flat_expert, length=n_exp).astype(jnp.int32)
-    gate = jax.lax.ragged_dot(xs, jnp.swapaxes(w1, 1, 2), group_sizes, precision=_HI).astype(jnp.float32)
-    up = jax.lax.ragged_dot(xs, jnp.swapaxes(w3, 1, 2), group_sizes, precision=_HI).astype(jnp.float32)
+    # HIGHEST only for float32 operands: 16-bit products are exact in the float32 accumulator anyway, and Mosaic
+    # (TPU) rejects HIGHEST on bf16 ragged_dot.
+    prec = _HI if jnp.dtype(x.dtype) == jnp.float32 else None
+    gate = jax.lax.ragged_dot(xs, jnp.swapaxes(w1, 1, 2), group_sizes, precision=prec).astype(jnp.float32)
+    up = jax.lax.ragged_dot(xs, jnp.swapaxes(w3, 1, 2), group_sizes, precision=prec).astype(jnp.float32)
     if limit > 0:
         up = jnp.clip(up, -limit, limit)
         gate = jnp.minimum(gate, limit)
     act = jax.nn.silu(gate) * up * weights.reshape(-1)[order][:, None]
-    out = jax.lax.ragged_dot(act.astype(x.dtype), jnp.swapaxes(w2, 1, 2), group_sizes, precision=_HI)
+    out = jax.lax.ragged_dot(act.astype(x.dtype), jnp.swapaxes(w2, 1, 2), group_sizes, precision=prec)
     return jnp.zeros((m, x.shape[-1]), jnp.float32).at[token_of].add(out.astype(jnp.float32))
 
 
 def moe(x: jax.Array, params: dict, *, top_k: int, temp: float, scaling: float, limit: float,
-        impl: str = "ragged", normalize: bool = True):
-    """x [..., d] -> (y [..., d] in x.dtype, aux dict with router scores / indices for statistics)."""
+        impl: str = "ragged", normalize: bool = True, capacity_factor: float | None = None):
+    """x [..., d] -> (y [..., d] in x.dtype, aux dict with router scores / indices for statistics).
+
+    ``impl="expert_parallel"`` dispatches tokens to experts sharded over a mesh (``dsv41_jax.parallel``; needs an
+    active sharding context); ``capacity_factor`` (EP only, None = dropless) may drop assignments, counted per
+    token in ``aux["dropped"]``."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, idx, scores = route(flat, params["gate"]["weight"], params["gate"]["bias"], top_k=top_k, temp=temp,
                                  scaling=scaling, normalize=normalize)
     e = params["experts"]
-    fn = routed_ragged if impl == "ragged" else routed_dense
-    y = fn(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit)
+    extra = {}
+    if impl == "expert_parallel":
+        from dsv41_jax.parallel.expert_parallel import routed_expert_parallel  # lazy: ops stay mesh-agnostic
+
+        y, ep_aux = routed_expert_parallel(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit,
+                                           capacity_factor=capacity_factor)
+        extra["dropped"] = ep_aux["dropped"].reshape(shape[:-1])
+    else:
+        fn = routed_ragged if impl == "ragged" else routed_dense
+        y = fn(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit)
     s = params["shared_experts"]
     y = y + expert_mlp(flat, s["w1"], s["w2"], s["w3"], limit).astype(jnp.float32)
-    return y.astype(x.dtype).reshape(shape), {"scores": scores, "indices": idx}
+    return y.astype(x.dtype).reshape(shape), {"scores": scores, "indices": idx, **extra}

@@ -57,15 +57,19 @@ Numerics (bit-exact with the reference on CPU float32; checked against recorded 
   reference's value table maps every negative value that rounds to zero (and -0.0) to
   **+0.0**: the FP4 path never outputs -0.0, unlike the FP8 path.
 
-Gradients: ``jax.grad`` through these functions silently gives ZERO (the bit manipulation
-has no derivative).  The reference's autograd differs and is odd (checked on torch 2.13): FP8
+Gradients: the bit manipulation itself has no derivative (``jax.grad`` through it would
+silently give zero), so the public quantisers carry a straight-through estimator
+(``jax.custom_jvp``): the forward value is the bit-exact quantised one, the derivative is the
+identity.  This is what quantisation-aware training uses (the default for ``dsv41 train`` with
+``quant_sim`` on).  The reference's own autograd differs and is odd (checked on torch 2.13): FP8
 is straight-through inside the clamp, but gradient * scale passes a float8 cast, so small
 gradients underflow to 0; FP4/ue8m0 has no gradient at all (the output does not require
 grad); FP4/e4m3 passes gradient only to the block's amax element, through the scale.
-Training code must choose and wrap (e.g. a custom_vjp straight-through estimator).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -267,7 +271,7 @@ def _block_amax(xb: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
 
 
-def fake_quant_fp8_e4m3_block(x: jax.Array, block: int = 32) -> jax.Array:
+def _fake_quant_fp8_e4m3_block(x: jax.Array, block: int = 32) -> jax.Array:
     """Quantise-dequantise to FP8 e4m3 with one power-of-two (ue8m0) scale per ``block``
     values of the last axis (reference ``_fake_quant_fp8_block``).
 
@@ -283,13 +287,7 @@ def fake_quant_fp8_e4m3_block(x: jax.Array, block: int = 32) -> jax.Array:
     return y.reshape(x.shape).astype(x.dtype)
 
 
-# Optional extra (SPEC §5): the official inference code rounds the input of every GEMM whose
-# weight is stored FP8/FP4 with act_quant(x, 32, "ue8m0"): 1x32 blocks, amax floor 1e-4,
-# power-of-two scale, e4m3 round-trip -- the same function as the window-KV quantiser.
-fake_quant_gemm_input_fp8 = fake_quant_fp8_e4m3_block
-
-
-def fake_quant_fp4_e2m1_block(x: jax.Array, block: int | None = None, scale_format: str = "ue8m0") -> jax.Array:
+def _fake_quant_fp4_e2m1_block(x: jax.Array, block: int | None = None, scale_format: str = "ue8m0") -> jax.Array:
     """Quantise-dequantise to FP4 e2m1 with one scale per ``block`` values of the last axis
     (reference ``_fake_quant_fp4_block``).
 
@@ -316,3 +314,45 @@ def fake_quant_fp4_e2m1_block(x: jax.Array, block: int | None = None, scale_form
         y = _ldexp_exact(round_to_fp4_e2m1(q), k)  # may be subnormal (0.5 * 2^-126)
         y = jnp.where(k >= 128, np.float32(np.nan), y)
     return y.reshape(x.shape).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# public quantisers: bit-exact forward, straight-through (identity) derivative
+# --------------------------------------------------------------------------------------
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def fake_quant_fp8_e4m3_block(x: jax.Array, block: int = 32) -> jax.Array:
+    return _fake_quant_fp8_e4m3_block(x, block)
+
+
+@fake_quant_fp8_e4m3_block.defjvp
+def _fp8_ste(block, primals, tangents):
+    (x,), (t,) = primals, tangents
+    return fake_quant_fp8_e4m3_block(x, block), t
+
+
+fake_quant_fp8_e4m3_block.__doc__ = _fake_quant_fp8_e4m3_block.__doc__
+
+
+def fake_quant_fp4_e2m1_block(x: jax.Array, block: int | None = None, scale_format: str = "ue8m0") -> jax.Array:
+    if scale_format not in ("e4m3", "ue8m0"):
+        raise ValueError(f"scale_format must be 'e4m3' or 'ue8m0', got {scale_format!r}")
+    return _fp4_ste(x, block, scale_format)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _fp4_ste(x, block, scale_format):
+    return _fake_quant_fp4_e2m1_block(x, block, scale_format)
+
+
+@_fp4_ste.defjvp
+def _fp4_ste_jvp(block, scale_format, primals, tangents):
+    (x,), (t,) = primals, tangents
+    return _fp4_ste(x, block, scale_format), t
+
+
+fake_quant_fp4_e2m1_block.__doc__ = _fake_quant_fp4_e2m1_block.__doc__
+
+# Optional extra (SPEC §5): the official inference code rounds the input of every GEMM whose
+# weight is stored FP8/FP4 with act_quant(x, 32, "ue8m0"): 1x32 blocks, amax floor 1e-4,
+# power-of-two scale, e4m3 round-trip -- the same function as the window-KV quantiser.
+fake_quant_gemm_input_fp8 = fake_quant_fp8_e4m3_block

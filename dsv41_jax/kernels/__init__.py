@@ -1,0 +1,317 @@
+"""Kernel dispatch: CSA2 sparse attention and the (hierarchical) indexer top-k behind one ``backend=`` switch.
+
+Backends
+  ``"reference"``             plain JAX (``dsv41_jax.ops``), the definition of correct; differentiable.
+  ``"pallas_gpu"``            Pallas, Triton lowering (chosen by measurement on the H200: ``pallas_gpu.py``).
+  ``"pallas_tpu"``            Pallas Mosaic TPU (scalar-prefetched indices, per-row DMA).
+  ``"pallas_gpu_interpret"``  / ``"pallas_tpu_interpret"``: the same kernels in Pallas interpret mode (CPU tests).
+  ``"auto"`` (default)        pallas_gpu on GPU, pallas_tpu on TPU, reference elsewhere (CPU).
+
+Gradients (``jax.custom_vjp``): ``pallas_gpu`` has a FUSED backward kernel (dQ in registers, dKV by fp32 atomic
+scatter-add, sink gradient from the saved log-sum-exp), used by default for fp32 (checked on the H200) and opt-in
+for 16-bit inputs (``tuning={"fused_bwd": True}``; its H200 bf16 check was inconclusive, see RESULTS.md).
+``pallas_tpu`` and 16-bit ``pallas_gpu`` use a REFERENCE-RECOMPUTE backward (the VJP of the plain-JAX reference,
+recomputed from the saved inputs): correct, not fast. The indexer returns integer indices (no gradient), as in the
+reference.
+
+Sequence-variant note: ``sequence_sparse_attention`` takes query t's window keys from the index range
+[t - window + 1, t] and masks them by position (and document); that equals the reference whenever positions
+strictly increase along the sequence, or within each document when ``segments`` is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.kernels import hier_topk, reference
+from dsv41_jax.kernels.reference import pool_ids_to_mask, pool_mask_to_ids  # noqa: F401  (public helpers)
+from dsv41_jax.ops import attention as _ref_attn
+
+BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret")
+
+__all__ = ["BACKENDS", "resolve_backend", "sparse_attention", "sequence_sparse_attention", "indexer_topk",
+           "pool_ids_to_mask", "pool_mask_to_ids", "backward_kind"]
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    platform = jax.default_backend()
+    if platform in ("gpu", "cuda", "rocm"):
+        return "pallas_gpu"
+    if platform == "tpu":
+        return "pallas_tpu"
+    return "reference"
+
+
+def backward_kind(backend: str = "auto", dtype=jnp.float32) -> str:
+    """How attention gradients are computed: 'fused' (Pallas kernel), 'reference-recompute' or 'reference'."""
+    be = resolve_backend(backend)
+    if be == "reference":
+        return "reference"
+    cfg = _AttnCfg(be, "explicit", 1, 1.0, 1, 0, ())
+    return "fused" if _fused_bwd(cfg, jnp.zeros((), dtype)) else "reference-recompute"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sparse attention
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _AttnCfg:
+    backend: str
+    variant: str  # "explicit" (window rows listed per batch) | "sequence" (window = the sequence itself)
+    window: int
+    scale: float
+    wspan: int
+    chunk: int
+    tuning: tuple  # sorted (name, value) pairs for the GPU kernels
+
+
+def _gpu_tuning(cfg: _AttnCfg, q, topk, bwd=False):
+    """Block sizes for the GPU kernels: explicit ``tuning`` entries win; defaults were picked by the H200 sweeps in
+    benchmarks/RESULTS.md (decode: 32 heads x 512 x 32 rows, 4 warps, 3 stages; prefill: 64 x 512 x 64, 8 warps)."""
+    from dsv41_jax.kernels import pallas_gpu as G
+
+    t = dict(cfg.tuning)
+    t.pop("fused_bwd", None)
+    b, c, h, d = q.shape
+    wide = jnp.dtype(q.dtype).itemsize >= 4  # fp32 tiles are twice the registers / shared memory
+    if bwd:
+        t = {k[4:]: v for k, v in t.items() if k.startswith("bwd_")}
+        t.setdefault("block_h", 16 if wide else 32)
+        t.setdefault("block_k", 16)
+        t.setdefault("num_warps", 4)
+        return t
+    t = {k: v for k, v in t.items() if not k.startswith("bwd_")}
+    rows = b * c
+    if wide:
+        base = dict(block_h=16, block_d=256, block_k=16, num_warps=4, num_stages=2)
+    elif rows >= 512:  # prefill-like: many queries
+        base = dict(block_h=64, block_d=512, block_k=64, num_warps=8, num_stages=2)
+    elif rows <= 4:  # a handful of queries: split heads finer and split the key list
+        base = dict(block_h=16, block_d=512, block_k=32, num_warps=4, num_stages=3, num_splits=4)
+    else:
+        base = dict(block_h=32, block_d=512, block_k=32, num_warps=4, num_stages=3)
+    for k_, v_ in base.items():
+        t.setdefault(k_, v_)
+    if "num_splits" not in t:  # flash-decoding split of the key list only when one wave is not filled
+        kk = 0 if topk is None else topk.shape[-1]
+        nblk = -(-cfg.wspan // t["block_k"]) + -(-kk // t["block_k"])
+        hb = -(-h // max(16, min(t["block_h"], G._pow2(h))))
+        db = max(1, G._pow2(d) // t["block_d"])
+        progs = b * c * hb * db
+        t["num_splits"] = 1 if progs >= 132 else int(max(1, min(nblk // 2, -(-132 // progs))))
+    return t
+
+
+def _fused_bwd(cfg: _AttnCfg, q) -> bool:
+    """Fused GPU backward: default for fp32 (verified on the H200); opt-in (tuning={"fused_bwd": True}) for 16-bit,
+    whose H200 check was not conclusive (benchmarks/RESULTS.md) — those use the reference-recompute backward."""
+    if not cfg.backend.startswith("pallas_gpu"):
+        return False
+    flag = dict(cfg.tuning).get("fused_bwd")
+    if flag is not None:
+        return bool(flag)
+    return cfg.backend.endswith("interpret") or jnp.dtype(q.dtype).itemsize >= 4
+
+
+def _attn_fwd_impl(cfg: _AttnCfg, q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg, wseg):
+    be = cfg.backend
+    if ckv is not None and ckv.dtype != wkv.dtype:
+        ckv = ckv.astype(wkv.dtype)
+    if be.startswith("pallas_gpu"):
+        from dsv41_jax.kernels import pallas_gpu as G
+
+        out, lse = G.attention_fwd(q, q_pos, wkv.astype(q.dtype), wpos, wstart, floor,
+                                   None if ckv is None else ckv.astype(q.dtype), topk, sink, qseg, wseg,
+                                   window=cfg.window, scale=cfg.scale, wspan=cfg.wspan,
+                                   interpret=be.endswith("interpret"), **_gpu_tuning(cfg, q, topk))
+        return out, lse
+    if be.startswith("pallas_tpu"):
+        from dsv41_jax.kernels import pallas_tpu as T
+
+        interp = be.endswith("interpret")
+        # rows per DMA block: 128 on hardware; 8 in interpret mode (same result, far smaller unrolled program)
+        block_k = dict(cfg.tuning).get("block_k", 8 if interp else 128)
+        out = T.attention_fwd(q, q_pos, wkv.astype(q.dtype), wpos, wstart, floor,
+                              None if ckv is None else ckv.astype(q.dtype), topk, sink, qseg, wseg,
+                              window=cfg.window, scale=cfg.scale, wspan=cfg.wspan, block_k=block_k,
+                              interpret=interp)
+        return out, None
+    raise ValueError(be)
+
+
+def _attn_reference(cfg: _AttnCfg, q, q_pos, wkv, wpos, floor, ckv, topk, sink, qseg, wseg):
+    seg = {} if qseg is None else ({"segments": qseg} if cfg.variant == "sequence" else {"q_seg": qseg, "k_seg": wseg})
+    if cfg.variant == "sequence":
+        return _ref_attn.sequence_sparse_attention(q, wkv, wpos, ckv, topk, sink, window=cfg.window, floor=floor,
+                                                   chunk=cfg.chunk, **seg)
+    return _ref_attn.sparse_attention(q, q_pos, wkv, wpos, ckv, topk, sink, window=cfg.window, floor=floor,
+                                      scale=cfg.scale, **seg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(cfg, q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg, wseg):
+    return _attn_fwd_impl(cfg, q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg, wseg)[0]
+
+
+def _attention_fwd(cfg, q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg, wseg):
+    out, lse = _attn_fwd_impl(cfg, q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg, wseg)
+    return out, (q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg, wseg, out, lse)
+
+
+def _attention_bwd(cfg, res, g):
+    q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg, wseg, out, lse = res
+    if _fused_bwd(cfg, q):
+        from dsv41_jax.kernels import pallas_gpu as G
+
+        interp = cfg.backend.endswith("interpret")
+        dq, dw, dc, ds = G.attention_bwd(q, q_pos, wkv.astype(q.dtype), wpos, wstart, floor,
+                                         None if ckv is None else ckv.astype(q.dtype), topk, sink, out, lse, g,
+                                         qseg, wseg, window=cfg.window, scale=cfg.scale, wspan=cfg.wspan, atomic=not interp,
+                                         interpret=interp, **_gpu_tuning(cfg, q, topk, bwd=True))
+        dw = dw.astype(wkv.dtype)
+        dc = None if ckv is None else dc.astype(ckv.dtype)
+    else:  # reference-recompute backward (TPU; GPU 16-bit by default): VJP of the plain-JAX reference
+        def f(q_, wkv_, ckv_, sink_):
+            return _attn_reference(cfg, q_, q_pos, wkv_, wpos, floor, ckv_, topk, sink_, qseg, wseg)
+
+        _, vjp = jax.vjp(f, q, wkv, ckv, sink)
+        dq, dw, dc, ds = vjp(g.astype(out.dtype))
+    return dq, None, dw, None, None, None, dc, None, ds, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _floor_vec(floor, b):
+    return jnp.broadcast_to(jnp.asarray(floor, jnp.int32).reshape(-1), (b,)) if jnp.ndim(floor) <= 1 else floor
+
+
+def sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, *, window: int, floor=0,
+                     scale: float | None = None, q_seg=None, k_seg=None, backend: str = "auto",
+                     tuning: dict | None = None):
+    """Decode / explicit-window form; same contract as ``ops.attention.sparse_attention``.
+
+    q [B, C, H, D]; q_pos [B, C]; win_kv [B, L, D] with positions win_pos [B, L] (< 0 = empty);
+    compressed_kv [B, N, D] or None; topk [B, C, K] (-1 = empty) or None; sink [H]; q_seg / k_seg optional
+    document ids [B, C] / [B, L]. ``tuning``: GPU block sizes (see ``_gpu_tuning``)."""
+    be = resolve_backend(backend)
+    if be == "reference":
+        seg = {} if q_seg is None else {"q_seg": q_seg, "k_seg": k_seg}
+        return reference.sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, window=window,
+                                          floor=floor, scale=scale, **seg)
+    b, c, _, d = q.shape
+    cfg = _AttnCfg(be, "explicit", int(window), float(d ** -0.5 if scale is None else scale), int(win_kv.shape[1]),
+                   0, tuple(sorted((tuning or {}).items())))
+    if topk is not None and topk.shape[-1] == 0:
+        compressed_kv, topk = None, None
+    if compressed_kv is None or topk is None:
+        compressed_kv, topk = None, None
+    wstart = jnp.zeros((b, c), jnp.int32)
+    qseg = None if q_seg is None else q_seg.astype(jnp.int32)
+    wseg = None if q_seg is None else k_seg.astype(jnp.int32)
+    return _attention(cfg, q, q_pos.astype(jnp.int32), win_kv, win_pos.astype(jnp.int32), wstart,
+                      _floor_vec(floor, b), compressed_kv, None if topk is None else topk.astype(jnp.int32), sink,
+                      qseg, wseg)
+
+
+def sequence_sparse_attention(q, kv, positions, compressed_kv, topk, sink, *, window: int, floor=0,
+                              chunk: int = 256, segments=None, backend: str = "auto", tuning: dict | None = None):
+    """Whole-sequence (prefill / training) form; same contract as ``ops.attention.sequence_sparse_attention``.
+
+    q [B, T, H, D]; kv [B, T, D] (the sequence's own window latents, key t at positions[:, t]); ``segments``
+    [B, T] packed-document ids (positions restart per document)."""
+    be = resolve_backend(backend)
+    if be == "reference":
+        seg = {} if segments is None else {"segments": segments}
+        return reference.sequence_sparse_attention(q, kv, positions, compressed_kv, topk, sink, window=window,
+                                                   floor=floor, chunk=chunk, **seg)
+    b, t, _, d = q.shape
+    cfg = _AttnCfg(be, "sequence", int(window), float(d ** -0.5), int(window), int(chunk),
+                   tuple(sorted((tuning or {}).items())))
+    if topk is not None and topk.shape[-1] == 0:
+        compressed_kv, topk = None, None
+    if compressed_kv is None or topk is None:
+        compressed_kv, topk = None, None
+    wstart = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) - (window - 1), (b, t))
+    pos = positions.astype(jnp.int32)
+    seg = None if segments is None else segments.astype(jnp.int32)
+    return _attention(cfg, q, pos, kv, pos, wstart, _floor_vec(floor, b), compressed_kv,
+                      None if topk is None else topk.astype(jnp.int32), sink, seg, seg)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Indexer
+# ----------------------------------------------------------------------------------------------------------------
+
+def _indexer_ops(be: str):
+    """(score_pool, gather_score, select) for a kernel backend."""
+    interp = be.endswith("interpret")
+    if be.startswith("pallas_gpu"):
+        from dsv41_jax.kernels import pallas_gpu as G
+
+        def select(v, i, k):
+            if v.shape[-1] > G.SELECT_MAX:
+                return hier_topk.select_xla(v, i, k)
+            return G.select(v, i, k, interpret=interp)
+
+        return (functools.partial(G.score_pool, interpret=interp),
+                functools.partial(G.gather_score, interpret=interp), select)
+    from dsv41_jax.kernels import pallas_tpu as T
+
+    return functools.partial(T.score_pool, interpret=interp), T.gather_score, hier_topk.select_xla
+
+
+def indexer_topk(q, weights, keys, q_pos, *, ratio: int, topk: int, pool=None, block_size: int = 8,
+                 candidate_topk_blocks: int | None = None, backend: str = "auto", pool_format: str = "auto"):
+    """Same contract as ``ops.indexer.indexer_topk`` (top-k sorted by position, -1 padded; identical index sets).
+
+    ``pool`` may be a block mask [B, C, n_blocks] (bool) or kept block ids [B, C, P] (int); the new pool (candidate
+    source only) is returned as ``pool_format``: "mask", "ids", or "auto" (= mask for the reference backend, ids for
+    kernel backends, which then never touch O(N) data in Reindex layers).
+    """
+    be = resolve_backend(backend)
+    if pool_format == "auto":
+        pool_format = "mask" if be == "reference" else "ids"
+    g1 = block_size
+    if be == "reference" or g1 & (g1 - 1):
+        return reference.indexer_topk(q, weights, keys, q_pos, ratio=ratio, topk=topk, pool=pool,
+                                      block_size=block_size, candidate_topk_blocks=candidate_topk_blocks,
+                                      pool_format=pool_format)
+    q, weights, keys = (jax.lax.stop_gradient(x) for x in (q, weights, keys))
+    b, c = q.shape[:2]
+    n = keys.shape[1]
+    n_blocks = -(-n // g1)
+    vis = (q_pos.astype(jnp.int32) + 1) // ratio  # visible count (unclipped, like the reference)
+    score_pool, gather_score, select = _indexer_ops(be)
+    leaf = functools.partial(gather_score, q, weights, keys, vis)
+    if n == 0:
+        sel = jnp.full((b, c, 0), -1, jnp.int32)
+        new_pool = None
+        if candidate_topk_blocks is not None:
+            new_pool = jnp.zeros((b, c, 0), bool if pool_format == "mask" else jnp.int32)
+        return sel, new_pool
+    bmax = smax = None
+    if pool is None or candidate_topk_blocks is not None:
+        bmax, smax = score_pool(q, weights, keys, vis, g1=g1)
+    if pool is not None:
+        ids = pool if jnp.issubdtype(pool.dtype, jnp.integer) else pool_mask_to_ids(pool, n_blocks)
+        cand = hier_topk.pool_entries(ids.astype(jnp.int32), g1, n)
+        sel = hier_topk.select_in_pool(leaf(cand), cand, g1, topk, n, select)
+    else:
+        sel = hier_topk.top_entries(bmax, smax, n, g1, topk, select, leaf)
+    new_pool = None
+    if candidate_topk_blocks is not None:
+        newest = jnp.where(vis > 0, (vis - 1) // g1, -1)
+        bpin, spin = hier_topk.pin_newest(bmax, smax, newest)
+        ids = hier_topk.top_blocks(bpin, spin, candidate_topk_blocks, select)
+        new_pool = pool_ids_to_mask(ids, n_blocks) if pool_format == "mask" else ids
+    return sel, new_pool

@@ -1,0 +1,556 @@
+"""Pallas GPU kernels (Triton lowering) for CSA2 sparse attention and the indexer.
+
+Backend choice (measured on the H200, benchmarks/RESULTS.md): Pallas' Triton lowering. The gathers here are
+per-row (a query's 512 selected compressed entries are arbitrary 1 KB rows). The Triton lowering turns an array
+index into a pointer tensor, so a block of gathered rows is one coalesced masked load straight into registers /
+shared memory; Mosaic GPU on sm90 copies GMEM->SMEM through TMA only (hardware gather TMA is sm100+), so a gather is
+one TMA descriptor issue per row (two for a 1 KB bf16 row: a TMA box spans <= 256 elements), and neither lowering
+supports scalar prefetch. ``benchmarks/bench_kernels.py`` measures both gathers (``mgpu_probe.py``) in the same run
+as the kernels: on the H200 (jax 0.11.2) the Triton gather-copy of 1 KB rows ran at 3.43 TB/s (81% of the measured
+4.24 TB/s copy) and the Mosaic GPU per-row-TMA one at 2.11 TB/s (50%) — hence Triton, although JAX 0.11 deprecates
+it (it still ships and works in 0.11.2).
+
+Kernels (all run in Pallas interpret mode on CPU for the tests):
+  * ``attention_fwd``: one program per (query, head block, value-dim block, split). Online softmax over the
+    query's window rows (contiguous index range, masked by positions / floor) then its top-k rows gathered block by
+    block (BK rows per step); the per-head sink starts the running max / denominator. Gathered rows live only in
+    registers / shared memory. Optional split-K over the key list for small batches (flash-decoding), merged in
+    JAX. Returns the output and the log-sum-exp (for the backward).
+  * ``attention_bwd``: fused backward. Per (query, head block): dQ in registers; dKV (= dK + dV, K = V) of every
+    window / selected row is scatter-added with fp32 atomics (duplicates across queries and within a list are
+    summed like the reference's gather transpose); the sink gradient comes from the LSE in JAX.
+  * ``score_pool``: indexer scoring Σ_h w_h·ReLU(q_h·k)·d^-½ over streamed key tiles, visibility mask, and per-block
+    / per-superblock maxima only (see ``hier_topk``); never writes the score matrix.
+  * ``gather_score``: scores of explicit entry ids (the hierarchical top-k leaves, HSI pools for Reindex layers).
+  * ``select``: exact top-k of up to 16384 candidates per row held in registers: bisection on the order-preserving
+    int32 image of the float scores (32 count passes), ties by candidate position via a cumsum, then a compacting
+    scatter in position order -> sorted, -1 padded output.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+NEG_INF = float("-inf")
+_INT_MIN = -(2 ** 31)
+SELECT_MAX = 16384  # candidates per row the select kernel holds in registers
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _params(num_warps: int, num_stages: int = 2):
+    return pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _dot_nt(a, b, precision):
+    """a [M, K] · b [N, K]ᵀ -> [M, N] fp32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
+def _dot_nn(a, b, precision):
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
+def _dot_tn(a, b, precision):
+    """a [K, M]ᵀ · b [K, N] -> [M, N] fp32."""
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
+def _prec(dtype):
+    # explicit either way: a global jax_default_matmul_precision must not change 16-bit tensor-core dots
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sparse attention, forward
+# ----------------------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("window", "scale", "wspan", "block_h", "block_d", "block_k",
+                                             "num_splits", "num_warps", "num_stages", "prefetch", "interpret"))
+def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None, wseg=None, *, window: int,
+                  scale: float, wspan: int, block_h: int = 64, block_d: int = 512, block_k: int = 64,
+                  num_splits: int = 1, num_warps: int = 8, num_stages: int = 2, prefetch: bool = False,
+                  interpret: bool = False):
+    """Core forward. q [B, C, H, D]; q_pos [B, C]; window rows of query (b, c) are wkv[b, wstart[b,c] + j] for
+    j < wspan (positions wpos, masked like the reference; with document ids qseg [B, C] / wseg [B, S] also
+    masked to the query's document); ckv [B, N, D] / topk [B, C, K] (or None); sink [H]; floor [B].
+    Returns (out [B, C, H, D] q.dtype, lse [B, C, H] fp32)."""
+    b, c, h, d = q.shape
+    if qseg is None:
+        qseg, wseg = jnp.zeros((b, c), jnp.int32), jnp.zeros((b, wkv.shape[1]), jnp.int32)
+    s_len = wkv.shape[1]
+    has_cmp = ckv is not None and topk is not None and topk.shape[-1] > 0
+    if not has_cmp:  # a dummy one-row cache keeps one kernel signature
+        ckv = jnp.zeros((b, 1, d), wkv.dtype)
+        topk = jnp.full((b, c, 1), -1, jnp.int32)
+    n, kk = ckv.shape[1], topk.shape[-1]
+    bh = max(16, min(_pow2(block_h), _pow2(h)))
+    hp = -(-h // bh) * bh
+    dp = _pow2(d)
+    bd = min(_pow2(block_d), dp)
+    bk = max(16, _pow2(block_k))
+    if hp != h or dp != d:
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, hp - h), (0, dp - d)))
+        sink = jnp.pad(sink, (0, hp - h))
+    if dp != d:
+        wkv = jnp.pad(wkv, ((0, 0), (0, 0), (0, dp - d)))
+        ckv = jnp.pad(ckv, ((0, 0), (0, 0), (0, dp - d)))
+    n_w = -(-wspan // bk)
+    n_c = -(-kk // bk) if has_cmp else 0
+    nblk = n_w + n_c
+    splits = max(1, min(num_splits, nblk))
+    per = -(-nblk // splits)
+    n_hb, n_db = hp // bh, dp // bd
+    prec = _prec(q.dtype)
+    vdt = wkv.dtype
+
+    def kernel(q_ref, qpos_ref, wkv_ref, wpos_ref, wstart_ref, floor_ref, ckv_ref, topk_ref, sink_ref, qseg_ref,
+               wseg_ref, *outs):
+        r = pl.program_id(0)
+        hd = pl.program_id(1)
+        sp = pl.program_id(2)
+        bi = r // c
+        ci = r % c
+        h0 = (hd // n_db) * bh
+        d0 = (hd % n_db) * bd
+        qv = q_ref[bi, ci, pl.ds(h0, bh), :]  # [bh, dp]
+        qp = qpos_ref[bi, ci]
+        fl = floor_ref[bi]
+        ws = wstart_ref[bi, ci]
+        qs = qseg_ref[bi, ci]
+        sk = sink_ref[pl.ds(h0, bh)].astype(jnp.float32)
+        cols = jnp.arange(dp)[None, :]
+        vcols = d0 + jnp.arange(bd)[None, :]
+
+        def step(carry, kmat, vmat, valid):
+            m, l, acc = carry
+            s = _dot_nt(qv, kmat, prec) * scale
+            s = jnp.where(valid[None, :], s, NEG_INF)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.exp(s - m_new[:, None])
+            l = l * alpha + jnp.sum(p, axis=1)
+            acc = acc * alpha[:, None] + _dot_nn(p.astype(vdt), vmat, prec)
+            return m_new, l, acc
+
+        def load_win(i):
+            j = ws + i * bk + jnp.arange(bk)
+            inb = (j >= 0) & (j < s_len)
+            jj = jnp.clip(j, 0, s_len - 1)
+            kp = pltr.load(wpos_ref.at[bi, jj], mask=inb, other=-1)
+            ksg = pltr.load(wseg_ref.at[bi, jj], mask=inb, other=-1)
+            valid = inb & (kp >= 0) & (kp <= qp) & (kp > qp - window) & (kp >= fl) & (ksg == qs)
+            kmat = pltr.load(wkv_ref.at[bi, jj[:, None], cols], mask=valid[:, None], other=0)
+            if bd == dp:
+                return kmat, valid
+            return kmat, pltr.load(wkv_ref.at[bi, jj[:, None], vcols], mask=valid[:, None], other=0), valid
+
+        def load_cmp(i):
+            t = i * bk + jnp.arange(bk)
+            idx = pltr.load(topk_ref.at[bi, ci, jnp.minimum(t, kk - 1)], mask=t < kk, other=-1)
+            valid = idx >= 0
+            safe = jnp.clip(idx, 0, n - 1)
+            kmat = pltr.load(ckv_ref.at[bi, safe[:, None], cols], mask=valid[:, None], other=0)
+            if bd == dp:
+                return kmat, valid
+            return kmat, pltr.load(ckv_ref.at[bi, safe[:, None], vcols], mask=valid[:, None], other=0), valid
+
+        def apply(carry, blk):
+            kmat, valid = blk[0], blk[-1]
+            return step(carry, kmat, kmat if bd == dp else blk[1], valid)
+
+        lo = sp * per
+        hi = jnp.minimum(lo + per, nblk)
+        m0 = sk
+        l0 = jnp.ones((bh,), jnp.float32) if splits == 1 else jnp.zeros((bh,), jnp.float32)
+        carry = (m0, l0, jnp.zeros((bh, bd), jnp.float32))
+        if prefetch:  # one loop over window + selected blocks; block i+1's gather is in flight during block i
+            def load_any(i):
+                if not n_c:
+                    return load_win(i)
+                return jax.lax.cond(i < n_w, load_win, lambda i_: load_cmp(i_ - n_w), i)
+
+            def body(i, cr):
+                nxt = load_any(jnp.minimum(i + 1, hi - 1))
+                return apply(cr[:3], cr[3:]) + tuple(nxt)
+
+            cur = load_any(jnp.minimum(lo, nblk - 1))
+            carry = jax.lax.fori_loop(lo, hi, body, carry + tuple(cur))[:3]
+        else:
+            carry = jax.lax.fori_loop(jnp.minimum(lo, n_w), jnp.minimum(hi, n_w),
+                                      lambda i, cr: apply(cr, load_win(i)), carry)
+            if n_c:
+                carry = jax.lax.fori_loop(jnp.maximum(lo, n_w) - n_w, jnp.maximum(hi, n_w) - n_w,
+                                          lambda i, cr: apply(cr, load_cmp(i)), carry)
+        m, l, acc = carry
+        if splits == 1:
+            o_ref, lse_ref = outs
+            o_ref[bi, ci, pl.ds(h0, bh), pl.ds(d0, bd)] = (acc / l[:, None]).astype(o_ref.dtype)
+            lse_ref[bi, ci, pl.ds(h0, bh)] = m + jnp.log(l)
+        else:
+            acc_ref, m_ref, l_ref = outs
+            acc_ref[r, sp, pl.ds(h0, bh), pl.ds(d0, bd)] = acc
+            m_ref[r, sp, pl.ds(h0, bh)] = m
+            l_ref[r, sp, pl.ds(h0, bh)] = l
+
+    if splits == 1:
+        out_shape = (jax.ShapeDtypeStruct((b, c, hp, dp), q.dtype), jax.ShapeDtypeStruct((b, c, hp), jnp.float32))
+    else:
+        out_shape = (jax.ShapeDtypeStruct((b * c, splits, hp, dp), jnp.float32),
+                     jax.ShapeDtypeStruct((b * c, splits, hp), jnp.float32),
+                     jax.ShapeDtypeStruct((b * c, splits, hp), jnp.float32))
+    outs = pl.pallas_call(kernel, grid=(b * c, n_hb * n_db, splits), out_shape=out_shape,
+                          compiler_params=_params(num_warps, num_stages), interpret=interpret,
+                          name="csa2_sparse_attention_fwd")(
+        q, q_pos.astype(jnp.int32), wkv, wpos.astype(jnp.int32), wstart.astype(jnp.int32),
+        floor.astype(jnp.int32), ckv, topk.astype(jnp.int32), sink, qseg.astype(jnp.int32), wseg.astype(jnp.int32))
+    if splits == 1:
+        out, lse = outs
+    else:  # merge the partial softmaxes; the sink enters once
+        acc, m, l = outs
+        sk = sink.astype(jnp.float32)[None, None, :]
+        mm = jnp.maximum(jnp.max(m, axis=1, keepdims=True), sk)
+        wgt = jnp.exp(m - mm)
+        lt = jnp.sum(l * wgt, axis=1) + jnp.exp(sk[:, 0] - mm[:, 0])
+        o = jnp.sum(acc * wgt[..., None], axis=1) / lt[..., None]
+        out = o.reshape(b, c, hp, dp).astype(q.dtype)
+        lse = (mm[:, 0] + jnp.log(lt)).reshape(b, c, hp)
+    return out[:, :, :h, :d], lse[:, :, :h]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sparse attention, fused backward
+# ----------------------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("window", "scale", "wspan", "block_h", "block_k", "num_warps",
+                                             "num_stages", "atomic", "interpret"))
+def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse, dout, qseg=None, wseg=None, *,
+                  window: int, scale: float, wspan: int, block_h: int = 64, block_k: int = 32, num_warps: int = 8,
+                  num_stages: int = 1, atomic: bool = True, interpret: bool = False):
+    """Gradients (dq, dwkv, dckv, dsink) of ``attention_fwd``'s output, fused.
+
+    ``atomic=True`` (the GPU path): each program scatter-adds its rows' dKV with fp32 atomics. ``atomic=False``
+    writes the per-(query, row) dKV blocks and sums them with an XLA scatter-add (used in interpret mode, whose
+    atomic emulation neither masks nor sums duplicate indices)."""
+    b, c, h, d = q.shape
+    s_len = wkv.shape[1]
+    if qseg is None:
+        qseg, wseg = jnp.zeros((b, c), jnp.int32), jnp.zeros((b, s_len), jnp.int32)
+    has_cmp = ckv is not None and topk is not None and topk.shape[-1] > 0
+    ckv_in = ckv
+    if not has_cmp:
+        ckv = jnp.zeros((b, 1, d), wkv.dtype)
+        topk = jnp.full((b, c, 1), -1, jnp.int32)
+    n, kk = ckv.shape[1], topk.shape[-1]
+    bh = max(16, min(_pow2(block_h), _pow2(h)))
+    hp = -(-h // bh) * bh
+    dp = _pow2(d)
+    bk = max(16, _pow2(block_k))
+    of = out.astype(jnp.float32)
+    delta = jnp.sum(of * dout.astype(jnp.float32), axis=-1)  # [B, C, H]
+    # sink: out = Σ p v / (Σ p + e^{σ-m}) -> dσ_h = -Σ_{b,c} e^{σ_h - lse} · (dO·O)
+    dsink = -jnp.sum(jnp.exp(sink.astype(jnp.float32)[None, None, :] - lse) * delta, axis=(0, 1))
+    pad4 = ((0, 0), (0, 0), (0, hp - h), (0, dp - d))
+    qq = jnp.pad(q, pad4)
+    do = jnp.pad(dout.astype(q.dtype), pad4)
+    lse_p = jnp.pad(lse, ((0, 0), (0, 0), (0, hp - h)))
+    delta_p = jnp.pad(delta, ((0, 0), (0, 0), (0, hp - h)))
+    wkv_p = jnp.pad(wkv, ((0, 0), (0, 0), (0, dp - d)))
+    ckv_p = jnp.pad(ckv, ((0, 0), (0, 0), (0, dp - d)))
+    n_w = -(-wspan // bk)
+    n_c = -(-kk // bk) if has_cmp else 0
+    n_hb = hp // bh
+    prec = _prec(q.dtype)
+    vdt = wkv.dtype
+    topk = topk.astype(jnp.int32)
+    wstart = wstart.astype(jnp.int32)
+
+    def kernel(q_ref, do_ref, lse_ref, dl_ref, qpos_ref, wkv_ref, wpos_ref, wstart_ref, floor_ref, ckv_ref,
+               topk_ref, qseg_ref, wseg_ref, *refs):
+        dq_ref, dw_ref, dc_ref = refs[-3:]  # (atomic: the zero inputs aliased to dw / dc come first)
+        r = pl.program_id(0)
+        hb = pl.program_id(1)
+        h0 = hb * bh
+        bi = r // c
+        ci = r % c
+        qv = q_ref[bi, ci, pl.ds(h0, bh), :]
+        dov = do_ref[bi, ci, pl.ds(h0, bh), :]
+        lse_v = lse_ref[bi, ci, pl.ds(h0, bh)]
+        dl = dl_ref[bi, ci, pl.ds(h0, bh)]
+        qp = qpos_ref[bi, ci]
+        fl = floor_ref[bi]
+        ws = wstart_ref[bi, ci]
+        qs = qseg_ref[bi, ci]
+        cols = jnp.arange(dp)[None, :]
+
+        def grads(dq, kmat, valid):
+            s = _dot_nt(qv, kmat, prec) * scale
+            p = jnp.where(valid[None, :], jnp.exp(s - lse_v[:, None]), 0.0)  # [bh, bk]
+            dpm = _dot_nt(dov, kmat, prec)
+            ds = p * (dpm - dl[:, None])
+            dq = dq + _dot_nn(ds.astype(vdt), kmat, prec) * scale
+            dkv = _dot_tn(ds.astype(vdt), qv, prec) * scale + _dot_tn(p.astype(vdt), dov, prec)  # [bk, dp]
+            return dq, dkv
+
+        def emit(dst_ref, rows, i, dkv, valid):
+            if atomic:
+                pltr.atomic_add(dst_ref, (bi, rows[:, None], cols), dkv,
+                                mask=jnp.broadcast_to(valid[:, None], dkv.shape))
+            else:  # per-(query, head block) slab, summed outside
+                dst_ref[r, hb, pl.ds(i * bk, bk), :] = jnp.where(valid[:, None], dkv, 0.0)
+
+        def win_body(i, dq):
+            j = ws + i * bk + jnp.arange(bk)
+            inb = (j >= 0) & (j < s_len)
+            jj = jnp.clip(j, 0, s_len - 1)
+            kp = pltr.load(wpos_ref.at[bi, jj], mask=inb, other=-1)
+            ksg = pltr.load(wseg_ref.at[bi, jj], mask=inb, other=-1)
+            valid = inb & (kp >= 0) & (kp <= qp) & (kp > qp - window) & (kp >= fl) & (ksg == qs)
+            kmat = pltr.load(wkv_ref.at[bi, jj[:, None], cols], mask=valid[:, None], other=0)
+            dq, dkv = grads(dq, kmat, valid)
+            emit(dw_ref, jj, i, dkv, valid)
+            return dq
+
+        def cmp_body(i, dq):
+            t = i * bk + jnp.arange(bk)
+            idx = pltr.load(topk_ref.at[bi, ci, jnp.minimum(t, kk - 1)], mask=t < kk, other=-1)
+            valid = idx >= 0
+            safe = jnp.clip(idx, 0, n - 1)
+            kmat = pltr.load(ckv_ref.at[bi, safe[:, None], cols], mask=valid[:, None], other=0)
+            dq, dkv = grads(dq, kmat, valid)
+            emit(dc_ref, safe, i, dkv, valid)
+            return dq
+
+        dq = jnp.zeros((bh, dp), jnp.float32)
+        dq = jax.lax.fori_loop(0, n_w, win_body, dq)
+        if n_c:
+            dq = jax.lax.fori_loop(0, n_c, cmp_body, dq)
+        dq_ref[bi, ci, pl.ds(h0, bh), :] = dq
+
+    if atomic:
+        shapes = ((b, s_len, dp), (b, n, dp))
+    else:
+        shapes = ((b * c, n_hb, n_w * bk, dp), (b * c, n_hb, max(n_c, 1) * bk, dp))
+    args = (qq, do, lse_p, delta_p, q_pos.astype(jnp.int32), wkv_p, wpos.astype(jnp.int32), wstart,
+            floor.astype(jnp.int32), ckv_p, topk, qseg.astype(jnp.int32), wseg.astype(jnp.int32))
+    aliases = {}
+    if atomic:  # the atomics accumulate into zero-initialised buffers aliased to the outputs
+        args = args + (jnp.zeros(shapes[0], jnp.float32), jnp.zeros(shapes[1], jnp.float32))
+        aliases = {len(args) - 2: 1, len(args) - 1: 2}
+    dq, dw, dc = pl.pallas_call(
+        kernel, grid=(b * c, n_hb),
+        out_shape=(jax.ShapeDtypeStruct((b, c, hp, dp), jnp.float32),
+                   jax.ShapeDtypeStruct(shapes[0], jnp.float32), jax.ShapeDtypeStruct(shapes[1], jnp.float32)),
+        input_output_aliases=aliases, compiler_params=_params(num_warps, num_stages), interpret=interpret,
+        name="csa2_sparse_attention_bwd",
+    )(*args)
+    if not atomic:
+        bidx = jnp.repeat(jnp.arange(b), c)[:, None]
+        wrows = jnp.clip(wstart.reshape(b * c, 1) + jnp.arange(n_w * bk)[None, :], 0, s_len - 1)
+        dw = jnp.zeros((b, s_len, dp), jnp.float32).at[bidx, wrows].add(jnp.sum(dw, axis=1))
+        t = jnp.arange(max(n_c, 1) * bk)
+        crows = jnp.where(t[None, :] < kk, topk.reshape(b * c, kk)[:, jnp.minimum(t, kk - 1)], -1)
+        dc = jnp.zeros((b, n, dp), jnp.float32).at[bidx, jnp.clip(crows, 0, n - 1)].add(
+            jnp.where((crows >= 0)[..., None], jnp.sum(dc, axis=1), 0.0))
+    dq = dq[:, :, :h, :d].astype(q.dtype)
+    dw = dw[..., :d].astype(wkv.dtype)
+    dc = None if ckv_in is None else (dc[..., :d].astype(ckv_in.dtype) if has_cmp else jnp.zeros_like(ckv_in))
+    return dq, dw, dc, dsink.astype(sink.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Indexer: streamed scoring -> block / superblock maxima
+# ----------------------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("g1", "g2", "block_q", "tile", "tiles_per_program", "num_warps",
+                                             "num_stages", "interpret"))
+def score_pool(q, w, keys, vis, *, g1: int, g2: int = 8, block_q: int | None = None, tile: int = 256,
+               tiles_per_program: int | None = None, num_warps: int = 4, num_stages: int = 3,
+               interpret: bool = False):
+    """q [B, C, Hi, di], w [B, C, Hi] (already × Hi^-½), keys [B, N, di], vis [B, C] visible counts ->
+    (bmax [B, C, ceil(N/g1)], smax [B, C, ceil(N/(g1·g2))]) fp32, -inf where nothing visible."""
+    b, c, hi, di = q.shape
+    n = keys.shape[1]
+    assert g1 & (g1 - 1) == 0 and g2 & (g2 - 1) == 0, "block sizes must be powers of two"
+    sup = g1 * g2
+    nb, ns = -(-n // g1), -(-n // sup)
+    bn = max(_pow2(tile), sup)
+    bq = _pow2(block_q or min(4, c))
+    cp = -(-c // bq) * bq
+    hip, dip = max(_pow2(hi), 16 // bq if bq < 16 else 1), max(16, _pow2(di))
+    if (cp, hip, dip) != (c, hi, di):
+        q = jnp.pad(q, ((0, 0), (0, cp - c), (0, hip - hi), (0, dip - di)))
+        w = jnp.pad(w, ((0, 0), (0, cp - c), (0, hip - hi)))
+        vis = jnp.pad(vis, ((0, 0), (0, cp - c)))
+    if dip != di:
+        keys = jnp.pad(keys, ((0, 0), (0, 0), (0, dip - di)))
+    n_tiles = -(-n // bn)
+    if tiles_per_program is None:  # enough programs to fill the GPU twice, long enough to stream well
+        tiles_per_program = max(1, min(16, (n_tiles * b * (cp // bq)) // 1024))
+    tpp = max(1, min(tiles_per_program, n_tiles))
+    n_prog = -(-n_tiles // tpp)
+    scale = di ** -0.5
+    prec = _prec(q.dtype)
+    tb, ts = bn // g1, bn // sup
+
+    def kernel(q_ref, w_ref, k_ref, vis_ref, bmax_ref, smax_ref):
+        bi = pl.program_id(0)
+        q0 = pl.program_id(1) * bq
+        sg = pl.program_id(2)
+        qm = q_ref[bi, pl.ds(q0, bq), :, :].reshape(bq * hip, dip)
+        wv = w_ref[bi, pl.ds(q0, bq), :].reshape(bq * hip).astype(jnp.float32)
+        vv = vis_ref[bi, pl.ds(q0, bq)]
+        cols = jnp.arange(dip)[None, :]
+
+        def body(t, carry):
+            base = (sg * tpp + t) * bn
+            rows = base + jnp.arange(bn)
+            inb = rows < n
+            kmat = pltr.load(k_ref.at[bi, jnp.minimum(rows, n - 1)[:, None], cols], mask=inb[:, None], other=0)
+            dots = jnp.maximum(_dot_nt(qm, kmat, prec), 0.0) * scale * wv[:, None]  # [bq·hi, bn]
+            s = jnp.sum(dots.reshape(bq, hip, bn), axis=1)
+            s = jnp.where(rows[None, :] < vv[:, None], s, NEG_INF)
+            bm = jnp.max(s.reshape(bq, tb, g1), axis=2)
+            sm = jnp.max(bm.reshape(bq, ts, g2), axis=2)
+            bmax_ref[bi, pl.ds(q0, bq), pl.ds(base // g1, tb)] = bm
+            smax_ref[bi, pl.ds(q0, bq), pl.ds(base // sup, ts)] = sm
+            return carry
+
+        hi_t = jnp.minimum(tpp, n_tiles - sg * tpp)
+        # Tiles past every query's visible count are not read: they only get -inf maxima, so a decode step over a
+        # long, mostly empty cache streams only the entries its context holds.
+        needed = (jnp.max(vv) + bn - 1) // bn - sg * tpp
+        live = jnp.clip(needed, 0, hi_t)
+        jax.lax.fori_loop(0, live, body, jnp.int32(0))
+
+        def blank(t, carry):
+            base = (sg * tpp + t) * bn
+            bmax_ref[bi, pl.ds(q0, bq), pl.ds(base // g1, tb)] = jnp.full((bq, tb), NEG_INF, jnp.float32)
+            smax_ref[bi, pl.ds(q0, bq), pl.ds(base // sup, ts)] = jnp.full((bq, ts), NEG_INF, jnp.float32)
+            return carry
+
+        jax.lax.fori_loop(live, hi_t, blank, jnp.int32(0))
+
+    bmax, smax = pl.pallas_call(
+        kernel, grid=(b, cp // bq, n_prog),
+        out_shape=(jax.ShapeDtypeStruct((b, cp, n_prog * tpp * tb), jnp.float32),
+                   jax.ShapeDtypeStruct((b, cp, n_prog * tpp * ts), jnp.float32)),
+        compiler_params=_params(num_warps, num_stages), interpret=interpret, name="indexer_score_pool",
+    )(q, w, keys, vis.astype(jnp.int32))
+    return bmax[:, :c, :nb], smax[:, :c, :ns]
+
+
+@functools.partial(jax.jit, static_argnames=("tile", "num_warps", "num_stages", "interpret"))
+def gather_score(q, w, keys, vis, cand, *, tile: int = 128, num_warps: int = 4, num_stages: int = 3,
+                 interpret: bool = False):
+    """Scores of explicit entries: cand [B, C, M] entry ids (-1 = none) -> [B, C, M] fp32 (-inf: none/invisible)."""
+    b, c, hi, di = q.shape
+    n = keys.shape[1]
+    m = cand.shape[-1]
+    hip, dip = max(16, _pow2(hi)), max(16, _pow2(di))
+    if (hip, dip) != (hi, di):
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, hip - hi), (0, dip - di)))
+        w = jnp.pad(w, ((0, 0), (0, 0), (0, hip - hi)))
+    if dip != di:
+        keys = jnp.pad(keys, ((0, 0), (0, 0), (0, dip - di)))
+    bn = min(_pow2(tile), _pow2(m))
+    mp = -(-m // bn) * bn
+    if mp != m:
+        cand = jnp.pad(cand, ((0, 0), (0, 0), (0, mp - m)), constant_values=-1)
+    scale = di ** -0.5
+    prec = _prec(q.dtype)
+
+    def kernel(q_ref, w_ref, k_ref, vis_ref, cand_ref, out_ref):
+        r = pl.program_id(0)
+        bi = r // c
+        ci = r % c
+        t = pl.program_id(1)
+        qm = q_ref[bi, ci, :, :]
+        wv = w_ref[bi, ci, :].astype(jnp.float32)
+        vv = vis_ref[bi, ci]
+        ids = cand_ref[bi, ci, pl.ds(t * bn, bn)]
+        valid = (ids >= 0) & (ids < vv)
+        kmat = pltr.load(k_ref.at[bi, jnp.clip(ids, 0, n - 1)[:, None], jnp.arange(dip)[None, :]],
+                         mask=valid[:, None], other=0)
+        dots = jnp.maximum(_dot_nt(qm, kmat, prec), 0.0) * scale * wv[:, None]  # [hi, bn]
+        s = jnp.sum(dots, axis=0)
+        out_ref[bi, ci, pl.ds(t * bn, bn)] = jnp.where(valid, s, NEG_INF)
+
+    out = pl.pallas_call(kernel, grid=(b * c, mp // bn), out_shape=jax.ShapeDtypeStruct((b, c, mp), jnp.float32),
+                         compiler_params=_params(num_warps, num_stages), interpret=interpret,
+                         name="indexer_gather_score")(q, w, keys, vis.astype(jnp.int32), cand.astype(jnp.int32))
+    return out[..., :m]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Exact top-k selection of candidates held in registers
+# ----------------------------------------------------------------------------------------------------------------
+
+def _ordered_int(v):
+    """float32 -> int32 with the same (total) order: -0.0 < +0.0, like lax.top_k."""
+    i = jax.lax.bitcast_convert_type(v, jnp.int32)
+    return i ^ ((i >> 31) & 0x7FFFFFFF)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "num_warps", "interpret"))
+def select(vals, ids, k: int, *, num_warps: int | None = None, interpret: bool = False):
+    """vals [.., M] fp32, ids [.., M] int32 (ascending among valid) -> [.., min(k, M)] ascending ids, -1 padded.
+
+    Ranking: value descending, candidate position ascending (= lax.top_k); -inf / NaN never selected."""
+    lead = vals.shape[:-1]
+    m = vals.shape[-1]
+    kk = min(k, m)
+    if kk == 0:
+        return jnp.full(lead + (0,), -1, jnp.int32)
+    if m > SELECT_MAX:
+        raise ValueError(f"select holds at most {SELECT_MAX} candidates per row, got {m}")
+    rows = math.prod(lead)
+    mp = max(16, _pow2(m))
+    kp = max(16, _pow2(kk))
+    v2 = vals.reshape(rows, m).astype(jnp.float32)
+    i2 = ids.reshape(rows, m).astype(jnp.int32)
+    if mp != m:
+        v2 = jnp.pad(v2, ((0, 0), (0, mp - m)), constant_values=NEG_INF)
+        i2 = jnp.pad(i2, ((0, 0), (0, mp - m)), constant_values=-1)
+    warps = num_warps or (4 if mp <= 2048 else 8 if mp <= 4096 else 16)
+
+    def kernel(v_ref, i_ref, o_ref):
+        r = pl.program_id(0)
+        v = v_ref[r, :]
+        idv = i_ref[r, :]
+        valid = v > NEG_INF  # False for NaN too
+        key = _ordered_int(v)
+        tau = jnp.int32(0)  # unsigned bit pattern of the k-th largest, built MSB first
+        for bit in range(31, -1, -1):
+            cand = tau | jnp.int32(_INT_MIN if bit == 31 else 1 << bit)
+            cnt = jnp.sum((valid & (key >= (cand ^ jnp.int32(_INT_MIN)))).astype(jnp.int32))
+            tau = jnp.where(cnt >= kk, cand, tau)
+        tau = tau ^ jnp.int32(_INT_MIN)
+        gt = valid & (key > tau)
+        n_gt = jnp.sum(gt.astype(jnp.int32))
+        eq = (valid & (key == tau)).astype(jnp.int32)
+        eq_rank = jnp.cumsum(eq) - eq
+        sel = gt | ((eq > 0) & (eq_rank < kk - n_gt))
+        # fewer than k valid: tau ends at the bottom and every valid candidate is `gt`
+        seli = sel.astype(jnp.int32)
+        pos = jnp.cumsum(seli) - 1
+        n_sel = jnp.sum(seli)
+        # unselected candidates aim past the k slots (unique targets: masked lanes never collide with kept ones)
+        pltr.store(o_ref.at[r, jnp.where(sel, pos, kp + jnp.arange(mp))], idv, mask=sel)
+        slots = jnp.arange(kp)
+        pltr.store(o_ref.at[r, slots], jnp.full((kp,), -1, jnp.int32), mask=slots >= n_sel)
+
+    out = pl.pallas_call(kernel, grid=(rows,), out_shape=jax.ShapeDtypeStruct((rows, kp + mp), jnp.int32),
+                         compiler_params=_params(warps, 1), interpret=interpret, name="topk_select")(v2, i2)
+    return out[:, :kk].reshape(lead + (kk,))
