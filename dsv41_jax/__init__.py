@@ -4,17 +4,22 @@ Public API (pure functions over explicit pytrees):
   * ``load_config(name_or_path)`` -> ``ModelConfig`` (frozen, validated; ``config.plan`` is the unrolled layer plan)
   * ``init_params(config, key)``, ``abstract_params(config)``, ``param_specs(config)``
   * ``forward(params, tokens, config=..., engram_ids=...)`` -> float32 logits
-  * ``load_checkpoint(dir)`` -> (config, params) for HF-named safetensors checkpoints
+  * ``load_checkpoint(dir)`` -> (config, params) for HF-named safetensors checkpoints, orbax parameter
+    exports and ``dsv41 train`` checkpoint directories
+  * ``default_model()`` -> (config, params, tokenizer) of the embedded tiny model
   * ``engram_row_ids(...)`` host-side Engram hashing; ``Model`` bundles config, params and the Engram hasher.
 """
 
 from dsv41_jax.config import ConfigError, ModelConfig, load_config
 from dsv41_jax.model.forward import ForwardError, ForwardOptions, forward
 from dsv41_jax.model.params import ParamError, abstract_params, init_params, param_specs
-from dsv41_jax.checkpoint.hf import CheckpointError, load_hf_checkpoint as load_checkpoint
+from dsv41_jax.checkpoint.hf import CheckpointError
+from dsv41_jax.checkpoint.orbax_ckpt import load_checkpoint  # HF safetensors, orbax exports, training checkpoints
+from dsv41_jax.default_model import default_model  # the embedded tiny model (dsv41_jax/assets/default_model)
+from dsv41_jax.inference.engine import Engine  # noqa: E402  (cached inference engine)
 
 __all__ = [
     "ConfigError", "ModelConfig", "load_config", "ForwardError", "ForwardOptions", "forward", "ParamError",
-    "abstract_params", "init_params", "param_specs", "CheckpointError", "load_checkpoint",
+    "abstract_params", "init_params", "param_specs", "CheckpointError", "load_checkpoint", "default_model",
 ]
 __version__ = "0.1.0"

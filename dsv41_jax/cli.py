@@ -1,4 +1,4 @@
-"""``dsv41`` command line: plan, params, forward, generate."""
+"""``dsv41`` command line: plan, params, forward, generate, train."""
 
 from __future__ import annotations
 
@@ -27,43 +27,105 @@ def _cmd_params(args) -> int:
     return 0
 
 
-def _cmd_generate(args) -> int:
-    import jax
-
-    from dsv41_jax.checkpoint.hf import load_hf_checkpoint
+def _load_for_generate(args):
+    """(config, params, tokenizer, description) for ``dsv41 generate``."""
     from dsv41_jax.config import load_config
-    from dsv41_jax.inference.recompute import generate_by_recompute
-    from dsv41_jax.model.model import default_hasher
-    from dsv41_jax.model.params import init_params
+    from dsv41_jax.inference.weights import host_random_params
     from dsv41_jax.tokenizer import load_tokenizer
 
     if args.checkpoint:
-        config, params = load_hf_checkpoint(args.checkpoint)
+        try:
+            from dsv41_jax import load_checkpoint
+        except ImportError:  # pragma: no cover - older trees
+            from dsv41_jax.checkpoint.hf import load_hf_checkpoint as load_checkpoint
+        config, params = load_checkpoint(args.checkpoint)
         source = args.checkpoint
+    elif args.config in (None, "default") and _default_model_available():
+        from dsv41_jax.default_model import default_model
+
+        config, params, _ = default_model()
+        source = "the embedded default model"
     else:
-        config = load_config(args.config)
-        params = init_params(config, jax.random.PRNGKey(args.seed))
+        config = load_config(args.config or "tiny")
+        params = host_random_params(config, args.seed)
         source = f"random weights (seed {args.seed})"
     tokenizer = load_tokenizer(args.tokenizer, model_vocab_size=config.vocab_size)
-    hasher = default_hasher(config, tokenizer)
+    return config, params, tokenizer, source
+
+
+def _default_model_available() -> bool:
+    try:
+        from dsv41_jax.default_model import default_model_available
+    except ImportError:  # pragma: no cover
+        return False
+    return default_model_available()
+
+
+def _cmd_generate(args) -> int:
+    import jax
+
+    from dsv41_jax.inference.cache import cache_footprint
+    from dsv41_jax.inference.engine import Engine, Request
+    from dsv41_jax.inference.step import FAST_COMPILE, InferenceOptions
+
+    config, params, tokenizer, source = _load_for_generate(args)
     prompt = tokenizer.encode(args.prompt, add_bos=True)
-    print(f"# {config.name}: {config.num_hidden_layers} layers, d={config.hidden_size}, {source}; "
-          f"prompt {len(prompt)} tokens", file=sys.stderr)
-    t0 = time.perf_counter()
-    produced: list[int] = []
+    n = args.num_samples
+    if n < 1:
+        raise ValueError(f"--num-samples must be >= 1, got {n}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    max_len = args.max_len or len(prompt) + args.max_new_tokens
+    fast = args.fast_compile == "on" or (args.fast_compile == "auto" and jax.default_backend() == "cpu")
+    opts = InferenceOptions(ced=not args.no_ced, compiler_options=FAST_COMPILE if fast else ())
+    engine = Engine(config, params, max_batch=n, max_len=max_len, tokenizer=tokenizer,
+                    prefill_chunk=args.prefill_chunk, options=opts)
+    err = sys.stderr
+    print(f"# {config.name}: {config.num_hidden_layers} layers, d={config.hidden_size}, {source}; prompt "
+          f"{len(prompt)} tokens, {n} sample(s), max_len {max_len}, {jax.default_backend()}"
+          f"{' (fast XLA compile)' if fast else ''}; {'CED prefill' if opts.ced else 'full-replay prefill'}",
+          file=err)
+    dtype = str(engine.cache_dtype.name if hasattr(engine.cache_dtype, "name") else engine.cache_dtype)
+    print(f"# {engine.footprint().describe()}", file=err)
+    release = cache_footprint(config, "release")
+    print(f"# released FP4/FP8 storage would be {release.per_token:,.1f} B/token ({dtype} here: "
+          f"{engine.footprint().per_token:,.1f} B/token)", file=err)
 
-    def on_token(tok: int) -> None:
-        produced.append(tok)
-        print(tokenizer.decode([tok]), end="", flush=True)
+    def progress(done, total):
+        print(f"# prefill {done}/{total} prompt tokens", file=err, flush=True)
 
-    print(args.prompt, end="", flush=True)
-    generate_by_recompute(params, config, prompt, max_new_tokens=args.max_new_tokens, hasher=hasher,
-                          temperature=args.temperature, seed=args.seed, stop_tokens=(tokenizer.eos_id,),
-                          on_token=on_token)
-    dt = time.perf_counter() - t0
-    print()
-    print(f"# {len(produced)} tokens in {dt:.1f} s ({len(produced) / dt:.1f} tok/s, compile included)",
-          file=sys.stderr)
+    stream = n == 1
+    if stream:
+        print(args.prompt, end="", flush=True)
+    pending: list[int] = []
+
+    def on_token(i: int, tok: int) -> None:
+        if not stream:
+            return
+        pending.append(tok)
+        text = tokenizer.decode(pending)
+        if "\ufffd" not in text or len(pending) >= 4:  # wait for a whole UTF-8 character
+            print(text, end="", flush=True)
+            pending.clear()
+
+    reqs = [Request(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed + i, stop_tokens=(tokenizer.eos_id,)) for i in range(n)]
+    results = engine.generate(reqs, on_token=on_token, progress=progress)
+    if stream:
+        if pending:
+            print(tokenizer.decode(pending), end="")
+        print()
+    for i, r in enumerate(results):
+        if r.error:
+            raise ValueError(r.error)
+        if not stream:
+            print(f"--- sample {i} ({r.finish_reason}) ---")
+            print(args.prompt + (r.text or ""))
+    st = engine.last_stats
+    print(f"# prefill: {st.prompt_tokens} tokens in {st.prefill_s:.2f} s (compile included); decode: "
+          f"{st.new_tokens} tokens in {st.decode_s:.2f} s = {st.decode_tokens_per_s:.1f} tok/s "
+          f"({st.steady_tokens_per_s:.1f} tok/s after the first, compiling, step); finish: "
+          f"{', '.join(r.finish_reason for r in results)}", file=err)
     return 0
 
 
@@ -76,15 +138,28 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("params", help="print parameter counts (total, backbone, Engram, DSpark, active per token)")
     s.add_argument("--config", default="flash")
     s.set_defaults(fn=_cmd_params)
-    s = sub.add_parser("generate", help="generate text")
-    s.add_argument("--config", default="tiny")
-    s.add_argument("--checkpoint", default=None, help="HF-named checkpoint directory (config.json + safetensors)")
+    s = sub.add_parser("generate", help="generate text (cached CED prefill + jitted decode)")
+    s.add_argument("--config", default=None, help="preset name with random weights, or 'default' for the embedded "
+                   "trained model (the default when it is installed; else 'tiny')")
+    s.add_argument("--checkpoint", default=None, help="checkpoint directory (config.json + safetensors, ...)")
     s.add_argument("--prompt", default="Hello")
     s.add_argument("--max-new-tokens", type=int, default=32)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--seed", type=int, default=0)
+    # Sampling by default (seeded, so reproducible): greedy decoding of a small model loops on a phrase.
+    s.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    s.add_argument("--top-k", type=int, default=0, help="0 = off")
+    s.add_argument("--top-p", type=float, default=0.95, help="1 = off")
+    s.add_argument("--seed", type=int, default=0, help="weights seed (random weights) and sampling seed")
+    s.add_argument("--num-samples", type=int, default=1, help="samples generated as one batch (seeds seed+i)")
+    s.add_argument("--max-len", type=int, default=None, help="cache length (default: prompt + max-new-tokens)")
+    s.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill chunk")
+    s.add_argument("--no-ced", action="store_true", help="full-replay prefill (every layer over the prompt)")
+    s.add_argument("--fast-compile", choices=("auto", "on", "off"), default="auto",
+                   help="unoptimised XLA compiles (auto: on CPU, where compile time dominates small models)")
     s.add_argument("--tokenizer", default=None, help="path to an HF tokenizer.json (default: byte-level)")
     s.set_defaults(fn=_cmd_generate)
+    from dsv41_jax.train.cli import add_parser as _add_train_parser  # `dsv41 train` (dsv41_jax/train/cli.py)
+
+    _add_train_parser(sub)
     return p
 
 

@@ -1,0 +1,187 @@
+"""Inference caches as explicit pytrees (SPEC §10), and their byte accounting.
+
+One cache serves a fixed batch of ``max_batch`` sequence slots and a fixed ``max_len`` (static shapes: one
+compile serves every step). Layout (a plain dict, so it flattens, donates and shards like any pytree)::
+
+    length   int32 [B]              tokens held per slot (the next token's position)
+    floor    int32 [B]              decoder SWA floor (CED bounded replay: T - min(replay_len, T) of the prompt)
+    swa      [n_layers] x [B, W, hd]  per-layer ring of the last W window latents (after RoPE and the FP8 fake
+                                    quantisation); position p lives in slot p mod W
+    sources  {"<layer>": {...}}     per KV source (a Full layer):
+        kv       [B, ceil(max_len / m), hd]  compressed main KV, rotated (+ FP4 fake quantised)
+        keys     [B, ceil(max_len / m), di]  indexer keys
+        buf_kv   [B, m, hd] float32          the compressor's partial group (ratio m > 1 only): projected KV ...
+        buf_gate [B, m, hd] float32          ... and gate of the tokens of the not yet complete group
+
+Ring positions are not stored: slot s of a ring whose sequence holds L tokens contains the largest position
+p < L with p ≡ s (mod W), or nothing when that p < 0. Entries beyond a slot's length, or ring slots of an earlier
+occupant, are therefore invisible without any clearing, so restarting a slot is just ``length = 0``.
+
+Engram's look-back state (the last n-1 compressed ids per slot) depends only on tokens and lives on the host next
+to the hasher (``EngramHistory``); it is accounted for here all the same. Top-k selections and the HSI pool are
+per-step values, not cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax.config import ModelConfig, ceil_div
+from dsv41_jax.plan import FULL
+
+
+class CacheError(ValueError):
+    pass
+
+
+def kv_sources(config: ModelConfig) -> list[tuple[int, int]]:
+    """(layer, ratio) of every KV source (Full layer), in layer order."""
+    return [(s.index, s.ratio) for s in config.plan if s.mode == FULL]
+
+
+def source_entries(config: ModelConfig, max_len: int, ratio: int) -> int:
+    """Entry slots of a KV source: ceil(max_len / ratio), rounded up to whole HSI blocks (the streaming indexer
+    walks whole blocks)."""
+    bs = config.candidate_block_size
+    return ceil_div(ceil_div(max_len, ratio), bs) * bs
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
+    """An empty cache for ``batch`` slots of up to ``max_len`` tokens each (every slot at length 0)."""
+    if batch <= 0 or max_len <= 0:
+        raise CacheError(f"max_batch and max_len must be positive, got {batch} and {max_len}")
+    return _init_cache_jit(config, batch, max_len, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _init_cache_jit(config: ModelConfig, batch: int, max_len: int, dtype) -> dict:
+    return _make_cache(config, batch, max_len, dtype)
+
+
+def _make_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> dict:
+    c = config
+    w, hd, di = c.sliding_window, c.head_dim, c.index_head_dim
+    sources = {}
+    for layer, m in kv_sources(c):
+        n = source_entries(c, max_len, m)
+        src = {"kv": jnp.zeros((batch, n, hd), dtype), "keys": jnp.zeros((batch, n, di), dtype)}
+        if m > 1:
+            src["buf_kv"] = jnp.zeros((batch, m, hd), jnp.float32)
+            src["buf_gate"] = jnp.zeros((batch, m, hd), jnp.float32)
+        sources[str(layer)] = src
+    return {
+        "length": jnp.zeros((batch,), jnp.int32),
+        "floor": jnp.zeros((batch,), jnp.int32),
+        "swa": [jnp.zeros((batch, w, hd), dtype) for _ in range(c.num_hidden_layers)],
+        "sources": sources,
+    }
+
+
+def abstract_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32):
+    """ShapeDtypeStructs of :func:`init_cache` (nothing allocated)."""
+    return jax.eval_shape(lambda: _make_cache(config, batch, max_len, jnp.dtype(dtype)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Byte accounting
+# ----------------------------------------------------------------------------------------------------------
+
+# Bytes per stored vector for each storage format. "release" is the released model's packed layout:
+# compressed KV FP4 e2m1 + one e4m3 scale per 16 values, indexer keys FP4 e2m1 + one ue8m0 scale per 32,
+# window KV FP8 e4m3 + one ue8m0 scale per 32.
+_ITEMSIZE = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+
+
+def _vector_bytes(dim: int, storage: str, kind: str) -> float:
+    if storage == "release":
+        if kind == "kv":  # FP4 values + e4m3 scale per 16
+            return dim / 2 + dim / 16
+        if kind == "keys":  # FP4 values + ue8m0 scale per 32
+            return dim / 2 + dim / 32
+        if kind == "swa":  # FP8 values + ue8m0 scale per 32
+            return dim + dim / 32
+        raise CacheError(kind)
+    if storage not in _ITEMSIZE:
+        raise CacheError(f"unknown storage format {storage!r}; use one of {sorted(_ITEMSIZE)} or 'release'")
+    return dim * _ITEMSIZE[storage]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheFootprint:
+    storage: str
+    per_token: float  # bytes per context token (compressed KV + indexer keys over all sources)
+    entries_per_token: float  # compressed entries per token, summed over sources
+    per_source: dict  # layer -> (ratio, bytes per entry main, bytes per entry keys)
+    per_sequence_fixed: float  # SWA rings + partial groups + lengths + Engram history, per slot
+    batch: int | None = None
+    max_len: int | None = None
+    allocated: float | None = None  # bytes allocated for batch x max_len
+
+    def describe(self) -> str:
+        src = ", ".join(f"L{l} (ratio {m}): {kv:g} B main + {k:g} B keys per entry"
+                        for l, (m, kv, k) in self.per_source.items())
+        s = (f"KV cache [{self.storage}]: {self.per_token:,.1f} B/token ({self.entries_per_token:g} compressed "
+             f"entries/token; {src}); fixed {self.per_sequence_fixed / 1024:,.1f} KiB/sequence "
+             f"(SWA rings, partial groups)")
+        if self.allocated is not None:
+            s += f"; allocated {_human(self.allocated)} for batch {self.batch} x {self.max_len} tokens"
+        return s
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f}"
+
+
+def cache_footprint(config: ModelConfig, storage: str = "bfloat16", *, batch: int | None = None,
+                    max_len: int | None = None) -> CacheFootprint:
+    """Cache bytes per token for a storage format (``float32`` / ``bfloat16`` / ``release`` = FP4/FP8 packed),
+    and, given ``batch`` and ``max_len``, the bytes :func:`init_cache` allocates (same format for every part;
+    the partial-group buffers are always float32 and counted as such)."""
+    c = config
+    storage = str(jnp.dtype(storage)) if storage not in ("release",) and storage not in _ITEMSIZE else storage
+    per_source = {}
+    per_token = 0.0
+    entries = 0.0
+    fixed = 8.0  # length + floor (int32 each)
+    for layer, m in kv_sources(c):
+        kv_b = _vector_bytes(c.head_dim, storage, "kv")
+        k_b = _vector_bytes(c.index_head_dim, storage, "keys")
+        per_source[layer] = (m, kv_b, k_b)
+        per_token += (kv_b + k_b) / m
+        entries += 1.0 / m
+        if m > 1:
+            fixed += 2 * m * c.head_dim * 4  # float32 partial group (kv + gate)
+    fixed += c.num_hidden_layers * c.sliding_window * _vector_bytes(c.head_dim, storage, "swa")
+    if c.engram_layer_ids:
+        fixed += (c.engram_max_ngram_size - 1) * 4  # last n-1 compressed ids (int32)
+    allocated = None
+    if batch is not None and max_len is not None:
+        main = sum(source_entries(c, max_len, m) * (kv + k) for m, kv, k in per_source.values())
+        allocated = batch * (main + fixed)
+    return CacheFootprint(storage, per_token, entries, per_source, fixed, batch, max_len, allocated)
+
+
+def cache_bytes_per_token(config: ModelConfig, storage: str = "bfloat16") -> float:
+    return cache_footprint(config, storage).per_token
+
+
+def cache_bytes(config: ModelConfig, batch: int, max_len: int, storage: str = "bfloat16") -> float:
+    return cache_footprint(config, storage, batch=batch, max_len=max_len).allocated
+
+
+def tree_bytes(tree) -> int:
+    """Bytes actually held by an (abstract or concrete) pytree of arrays."""
+    return int(sum(np.prod(x.shape, dtype=np.int64) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+__all__ = ["CacheError", "source_entries", "init_cache", "abstract_cache", "kv_sources", "CacheFootprint", "cache_footprint",
+           "cache_bytes_per_token", "cache_bytes", "tree_bytes"]

@@ -1,0 +1,97 @@
+"""Decode: one new token per active slot through all layers, as one jitted step with the cache donated.
+
+Per layer: the token's window latent goes into the layer's SWA ring; a KV source adds it to its partial group and
+emits a compressed entry (main KV + indexer keys) when the group completes; every index source scores its query
+against its own group's current keys (decode ≡ prefill; the official code's stale indexer-key pointer is not
+reproduced); the HSI candidate source publishes its pool and Reindex layers score only the pool's entries
+(gathered); Reuse layers take the latest top-k. Inactive slots pass through untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.inference.sampling import sample
+from dsv41_jax.inference.step import InferenceOptions, embed, head, jit_for, run_layers
+
+
+class DecodeError(ValueError):
+    pass
+
+
+def _step(params, cache, tokens, engram_ids, active, config: ModelConfig, opts: InferenceOptions):
+    pos0 = cache["length"]
+    n_valid = active.astype(jnp.int32)
+    streams, pre_mix = embed(params, tokens[:, None], config)
+    eids = None if engram_ids is None else engram_ids[:, None]
+    streams, pre_mix, cache = run_layers(params, cache, streams, pre_mix, pos0, n_valid, eids, config=config, lo=0,
+                                         hi=config.num_hidden_layers, opts=opts)
+    logits = head(params, streams, pre_mix, config)[:, 0]
+    return logits, dict(cache, length=pos0 + n_valid)
+
+
+def _decode_opts(opts: InferenceOptions) -> InferenceOptions:
+    """Decode ignores the prefill-only options: normalise them so one compile serves every prefill mode."""
+    return dataclasses.replace(opts, ced=True, replay_len=None)
+
+
+def _decode(params, cache, tokens, engram_ids, active, *, config: ModelConfig, opts: InferenceOptions):
+    return _step(params, cache, tokens, engram_ids, active, config, opts)
+
+
+def _decode_sample(params, cache, tokens, engram_ids, active, temperature, top_k, top_p, seeds, steps, *,
+                   config: ModelConfig, opts: InferenceOptions, return_logits: bool):
+    logits, cache = _step(params, cache, tokens, engram_ids, active, config, opts)
+    nxt = sample(logits, temperature, top_k, top_p, seeds, steps)
+    if return_logits:
+        return nxt, cache, logits
+    return nxt, cache
+
+
+def decode_step_jit(params, cache, tokens, engram_ids, active, *, config: ModelConfig,
+                    opts: InferenceOptions = InferenceOptions()):
+    """The jitted decode step without host checks: (logits [B, V], cache); the cache is donated."""
+    opts = _decode_opts(opts)
+    return jit_for(_decode, opts)(params, cache, tokens, engram_ids, active, config=config, opts=opts)
+
+
+def decode_and_sample(params, cache, tokens, engram_ids, active, temperature, top_k, top_p, seeds, steps, *,
+                      config: ModelConfig, opts: InferenceOptions = InferenceOptions(), return_logits: bool = False):
+    """One decode step fused with sampling: (next tokens [B] int32, cache[, logits]); the cache is donated."""
+    opts = _decode_opts(opts)
+    fn = jit_for(_decode_sample, opts, static=("config", "opts", "return_logits"))
+    return fn(params, cache, tokens, engram_ids, active, temperature, top_k, top_p, seeds, steps, config=config,
+              opts=opts, return_logits=return_logits)
+
+
+def decode_step(params: dict, cache: dict, tokens, engram_ids=None, active=None, *, config: ModelConfig,
+                opts: InferenceOptions = InferenceOptions()):
+    """Feed one token per slot: ``tokens`` int [B]; ``engram_ids`` int32 [B, n_engram_layers, n_hash_cols] (the
+    host hasher's ``step`` output for these tokens); ``active`` bool [B] (default: all). Returns
+    ``(logits [B, V] float32, cache)``; the input cache is donated. Checks concrete inputs on the host."""
+    tok = np.asarray(tokens)
+    b = cache["length"].shape[0]
+    if tok.shape != (b,) or not np.issubdtype(tok.dtype, np.integer):
+        raise DecodeError(f"tokens must be an int array of shape ({b},), got {tok.dtype} {tok.shape}")
+    act = np.ones((b,), bool) if active is None else np.asarray(active, bool)
+    if act.shape != (b,):
+        raise DecodeError(f"active must have shape ({b},), got {act.shape}")
+    bad = act & ((tok < 0) | (tok >= config.vocab_size))
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise DecodeError(f"token id {int(tok[row])} (slot {row}) is outside the vocabulary [0, {config.vocab_size})")
+    if config.engram_layer_ids:
+        expect = (b, len(config.engram_layer_ids), config.n_hash_cols)
+        if engram_ids is None or tuple(np.shape(engram_ids)) != expect:
+            raise DecodeError(f"engram_ids must have shape {expect} (hasher.step of these tokens), got "
+                              f"{None if engram_ids is None else tuple(np.shape(engram_ids))}")
+        engram_ids = jnp.asarray(engram_ids, jnp.int32)
+    return decode_step_jit(params, cache, jnp.asarray(tok.astype(np.int32)), engram_ids, jnp.asarray(act),
+                           config=config, opts=opts)
+
+
+__all__ = ["DecodeError", "decode_step", "decode_step_jit", "decode_and_sample"]

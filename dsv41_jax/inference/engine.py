@@ -1,0 +1,375 @@
+"""``Engine``: batched generation over the cached CED prefill and the jitted decode step.
+
+    engine = dsv41_jax.Engine(config, params, max_batch=8, max_len=4096)
+    results = engine.generate(["Hello", "Bonjour"], max_new_tokens=32, temperature=0.7, top_p=0.9, seed=1,
+                              on_token=lambda i, tok: ...)
+
+One cache of ``max_batch`` slots x ``max_len`` tokens is allocated once; every prefill and decode step compiles for
+those static sizes (prefill chunks also per power-of-two chunk length). Requests in one call may have different
+prompt lengths: each slot keeps its own length, so nothing of another sequence or of padding reaches its
+attention windows, compressor groups, indexer or Engram n-grams. The Engram look-back of each slot (its last n-1
+compressed ids) is kept on the host next to the hasher, since Engram row ids are computed there.
+
+Per-request problems (empty prompt, prompt longer than ``max_len``, token ids outside the vocabulary, invalid
+sampling parameters) are reported in that request's result (``finish_reason == "error"``) and the other requests
+are served; problems of the whole call (more requests than ``max_batch``) raise ``EngineError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.inference.cache import CacheFootprint, cache_footprint, init_cache, tree_bytes
+from dsv41_jax.inference.decode import decode_and_sample, decode_step_jit
+from dsv41_jax.inference.prefill import prefill as _prefill
+from dsv41_jax.inference.sampling import SamplingError, SamplingParams, sample_jit
+from dsv41_jax.inference.step import InferenceOptions, check_ced_plan
+from dsv41_jax.model.params import validate_params
+from dsv41_jax.ops.engram_hash import EngramHistory
+
+
+class EngineError(ValueError):
+    pass
+
+
+@dataclasses.dataclass
+class Request:
+    prompt: Sequence[int] | str
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_tokens: Sequence[int] | None = None  # None -> the engine's default (eos)
+
+
+@dataclasses.dataclass
+class Result:
+    tokens: list[int]
+    finish_reason: str  # "stop" | "length" | "max_len" | "error"
+    prompt_len: int = 0
+    error: str | None = None
+    text: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    first_step_s: float = 0.0  # the first decode step (includes its compile when not cached yet)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def steady_tokens_per_s(self) -> float:
+        """Tokens per second of the decode steps after the first (compile excluded), all sequences together."""
+        rest = self.decode_s - self.first_step_s
+        n = self.new_tokens - self.prefill_sequences - self.first_step_tokens
+        return n / rest if rest > 0 and n > 0 else float("nan")
+
+    prefill_sequences: int = 0
+    first_step_tokens: int = 0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+
+class Engine:
+    """Batched generation for one model. See the module docstring."""
+
+    def __init__(self, config: ModelConfig, params: dict, *, max_batch: int = 8, max_len: int = 4096,
+                 tokenizer=None, hasher=None, prefill_chunk: int = 512,
+                 options: InferenceOptions = InferenceOptions(), cache_dtype=None):
+        if not isinstance(max_batch, int) or max_batch <= 0:
+            raise EngineError(f"max_batch must be a positive integer, got {max_batch!r}")
+        if not isinstance(max_len, int) or max_len <= 0:
+            raise EngineError(f"max_len must be a positive integer, got {max_len!r}")
+        if max_len > config.max_position_embeddings:
+            raise EngineError(f"max_len {max_len} exceeds the model's max_position_embeddings "
+                              f"{config.max_position_embeddings}")
+        if not isinstance(prefill_chunk, int) or prefill_chunk <= 0:
+            raise EngineError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        validate_params(params, config)
+        if options.ced:
+            check_ced_plan(config)
+        self.config = config
+        self.params = params
+        self.max_batch = max_batch
+        self.max_len = max_len
+        self.prefill_chunk = prefill_chunk
+        self.options = options
+        self.tokenizer = tokenizer
+        if hasher is None and config.engram_layer_ids:
+            from dsv41_jax.model.model import default_hasher
+
+            hasher = default_hasher(config, tokenizer)
+        self.hasher = hasher
+        self.cache_dtype = cache_dtype or params["embed"].dtype
+        self.cache = init_cache(config, max_batch, max_len, self.cache_dtype)
+        k = config.engram_max_ngram_size - 1 if config.engram_layer_ids else 1
+        self._hist = EngramHistory.empty(max_batch, k + 1) if self.hasher is not None else None
+        self.default_stop = (tokenizer.eos_id if tokenizer is not None else config.eos_token_id,)
+        self.last_stats = GenerationStats()
+
+    # ------------------------------------------------------------------------------------------------------
+    def footprint(self, storage: str | None = None) -> CacheFootprint:
+        """Cache bytes per token for ``storage`` (default: the engine's cache dtype) and for this engine's sizes."""
+        storage = storage or str(jnp.dtype(self.cache_dtype))
+        return cache_footprint(self.config, storage, batch=self.max_batch, max_len=self.max_len)
+
+    def allocated_bytes(self) -> int:
+        return tree_bytes(self.cache)
+
+    def lengths(self) -> np.ndarray:
+        return np.asarray(self.cache["length"])
+
+    # ------------------------------------------------------------------------------------------------------
+    # Lower level: explicit slots
+    # ------------------------------------------------------------------------------------------------------
+    def _check_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise EngineError("a text prompt needs a tokenizer (Engine(..., tokenizer=...)); or pass token ids")
+            prompt = self.tokenizer.encode(prompt, add_bos=True)
+        try:
+            arr = np.asarray(prompt)
+        except Exception:  # noqa: BLE001 - ragged or exotic input
+            arr = None
+        if arr is None or arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+            raise EngineError(f"prompt must be a string or a 1-D sequence of integer token ids, got "
+                              f"{type(prompt).__name__}" + ("" if arr is None else f" of dtype {arr.dtype}"))
+        ids = [int(t) for t in arr]
+        if not ids:
+            raise EngineError("empty prompt: at least one token is needed")
+        if len(ids) > self.max_len:
+            raise EngineError(f"prompt of {len(ids)} tokens is longer than max_len {self.max_len}")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            pos = next(i for i, t in enumerate(ids) if not 0 <= t < self.config.vocab_size)
+            raise EngineError(f"token id {bad[0]} at prompt position {pos} is outside the vocabulary "
+                              f"[0, {self.config.vocab_size})")
+        return ids
+
+    def prefill(self, prompts: Sequence[Sequence[int]], slots: Sequence[int] | None = None, *,
+                return_logits: bool = False, progress=None):
+        """Start new sequences: prompt i goes into slot ``slots[i]`` (default 0..n-1), replacing what was there.
+        Returns the logits of each prompt's last token, [n, V] (and with ``return_logits`` the replayed
+        positions' logits [n, R, V])."""
+        prompts = [self._check_prompt(p) for p in prompts]
+        slots = list(range(len(prompts))) if slots is None else [int(s) for s in slots]
+        if len(slots) != len(prompts) or len(set(slots)) != len(slots):
+            raise EngineError(f"need one distinct slot per prompt, got slots {slots} for {len(prompts)} prompts")
+        if any(not 0 <= s < self.max_batch for s in slots):
+            raise EngineError(f"slots must lie in [0, max_batch={self.max_batch}), got {slots}")
+        if not prompts:
+            raise EngineError("no prompts to prefill")
+        b = self.max_batch
+        width = max(len(p) for p in prompts)
+        tokens = np.zeros((b, width), np.int32)
+        lengths = np.zeros((b,), np.int64)
+        reset = np.zeros((b,), bool)
+        eids = None
+        if self.hasher is not None:
+            c = self.config
+            eids = np.zeros((b, width, len(c.engram_layer_ids), c.n_hash_cols), np.int32)
+        hist = None if self._hist is None else [a.copy() for a in (self._hist.tokens, self._hist.segments,
+                                                                     self._hist.num_positions, self._hist.num_valid)]
+        for p, s in zip(prompts, slots):
+            tokens[s, :len(p)] = p
+            lengths[s] = len(p)
+            reset[s] = True
+            if self.hasher is not None:
+                rows, h = self.hasher.step(np.asarray([p]), self.hasher.empty_history(1))
+                eids[s, :len(p)] = rows[0]
+                for a, v in zip(hist, (h.tokens, h.segments, h.num_positions, h.num_valid)):
+                    a[s] = v[0]
+        chunk = self.prefill_chunk
+        out = _prefill(self.params, self.cache, tokens, lengths, eids, config=self.config, opts=self.options,
+                       chunk=chunk, reset=reset, return_logits=return_logits, progress=progress)
+        if return_logits:
+            last, self.cache, logits = out
+        else:
+            last, self.cache = out
+        if hist is not None:
+            self._hist = EngramHistory(*hist)
+        idx = jnp.asarray(slots)
+        if return_logits:
+            return last[idx], logits[idx]
+        return last[idx]
+
+    def _engram_step(self, tokens: np.ndarray, active: np.ndarray) -> np.ndarray | None:
+        if self.hasher is None:
+            return None
+        safe = np.where(active, tokens, 0)
+        rows, new = self.hasher.step(safe[:, None], self._hist)
+        keep = active[:, None]
+        old = self._hist
+        self._hist = EngramHistory(np.where(keep, new.tokens, old.tokens), np.where(keep, new.segments, old.segments),
+                                   np.where(active, new.num_positions, old.num_positions),
+                                   np.where(active, new.num_valid, old.num_valid))
+        return rows[:, 0]
+
+    def decode_step(self, tokens, active=None) -> jax.Array:
+        """Feed one token to each active slot (tokens int [max_batch]); returns logits [max_batch, V]."""
+        tok = np.asarray(tokens)
+        b = self.max_batch
+        act = np.asarray(self.lengths() > 0) if active is None else np.asarray(active, bool)
+        if tok.shape != (b,) or act.shape != (b,):
+            raise EngineError(f"tokens and active must have shape ({b},), got {tok.shape} and {act.shape}")
+        bad = act & ((tok < 0) | (tok >= self.config.vocab_size))
+        if bad.any():
+            s = int(np.argmax(bad))
+            raise EngineError(f"token id {int(tok[s])} (slot {s}) is outside the vocabulary "
+                              f"[0, {self.config.vocab_size})")
+        full = act & (self.lengths() >= self.max_len)
+        if full.any():
+            raise EngineError(f"slots {np.flatnonzero(full).tolist()} are full (max_len {self.max_len})")
+        eids = self._engram_step(tok, act)
+        logits, self.cache = decode_step_jit(self.params, self.cache, jnp.asarray(tok.astype(np.int32)),
+                                             None if eids is None else jnp.asarray(eids), jnp.asarray(act),
+                                             config=self.config, opts=self.options)
+        return logits
+
+    # ------------------------------------------------------------------------------------------------------
+    # Generation
+    # ------------------------------------------------------------------------------------------------------
+    def _make_requests(self, prompts, kw) -> list[Request]:
+        reqs = []
+        for p in prompts:
+            if isinstance(p, Request):
+                reqs.append(p)
+            else:
+                reqs.append(Request(prompt=p, **kw))
+        return reqs
+
+    def _validate(self, r: Request) -> tuple[list[int], SamplingParams, tuple[int, ...]]:
+        ids = self._check_prompt(r.prompt)
+        sp = SamplingParams(r.temperature, r.top_k, r.top_p, r.seed)
+        try:
+            sp.validate()
+        except SamplingError as e:
+            raise EngineError(str(e)) from None
+        if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens must be an integer >= 1, got {r.max_new_tokens!r}")
+        stops = self.default_stop if r.stop_tokens is None else tuple(int(t) for t in r.stop_tokens)
+        bad = [t for t in stops if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise EngineError(f"stop token {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        return ids, sp, stops
+
+    def generate(self, prompts: Sequence, *, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] | None = None,
+                 on_token: Callable[[int, int], None] | None = None, progress=None) -> list[Result]:
+        """Generate for a batch of prompts (token-id sequences, strings with a tokenizer, or ``Request`` objects
+        carrying their own parameters; the keyword arguments are the defaults for plain prompts).
+
+        ``on_token(i, token)`` streams every new token of request i as soon as it is sampled. Returns one
+        ``Result`` per request, in order; ``self.last_stats`` holds timings.
+        """
+        reqs = self._make_requests(prompts, dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                                 top_p=top_p, seed=seed, stop_tokens=stop_tokens))
+        if len(reqs) > self.max_batch:
+            raise EngineError(f"{len(reqs)} requests but the engine serves at most max_batch={self.max_batch} at "
+                              "once; split them into several generate calls")
+        results: list[Result | None] = [None] * len(reqs)
+        ok: list[tuple[int, list[int], SamplingParams, tuple[int, ...], int]] = []
+        for i, r in enumerate(reqs):
+            try:
+                ids, sp, stops = self._validate(r)
+            except EngineError as e:
+                results[i] = Result([], "error", 0, error=str(e))
+                continue
+            ok.append((i, ids, sp, stops, r.max_new_tokens))
+        stats = GenerationStats()
+        self.last_stats = stats
+        if not ok:
+            return results  # type: ignore[return-value]
+
+        b = self.max_batch
+        slot_of = {i: s for s, (i, *_rest) in enumerate(ok)}
+        temp = np.zeros((b,), np.float32)
+        topk = np.zeros((b,), np.int32)
+        topp = np.ones((b,), np.float32)
+        seeds = np.zeros((b,), np.int32)
+        for i, ids, sp, _, _ in ok:
+            s = slot_of[i]
+            temp[s], topk[s], topp[s], seeds[s] = sp.temperature, sp.top_k, sp.top_p, sp.seed
+        samp = tuple(jnp.asarray(a) for a in (temp, topk, topp, seeds))
+
+        t0 = time.perf_counter()
+        last = self.prefill([ids for _, ids, *_ in ok], [slot_of[i] for i, *_ in ok], progress=progress)
+        full_last = jnp.zeros((b, last.shape[-1]), last.dtype).at[jnp.asarray([slot_of[i] for i, *_ in ok])].set(last)
+        nxt = np.asarray(sample_jit(full_last, *samp, jnp.zeros((b,), jnp.int32)))
+        stats.prefill_s = time.perf_counter() - t0
+        stats.prompt_tokens = sum(len(ids) for _, ids, *_ in ok)
+        stats.prefill_sequences = len(ok)
+
+        out: dict[int, list[int]] = {i: [] for i, *_ in ok}
+        active = np.zeros((b,), bool)
+        for i, *_ in ok:
+            active[slot_of[i]] = True
+        info = {slot_of[i]: (i, ids, stops, mnt) for i, ids, _, stops, mnt in ok}
+        step = 0
+        t1 = time.perf_counter()
+        while True:
+            # account the tokens sampled last, finish what is done
+            for s in np.flatnonzero(active):
+                i, ids, stops, mnt = info[s]
+                tok = int(nxt[s])
+                out[i].append(tok)
+                if on_token is not None:
+                    on_token(i, tok)
+                reason = None
+                if tok in stops:
+                    reason = "stop"
+                elif len(out[i]) >= mnt:
+                    reason = "length"
+                elif len(ids) + len(out[i]) > self.max_len:
+                    reason = "max_len"  # the next token would not fit in the cache
+                if reason is not None:
+                    active[s] = False
+                    results[i] = Result(out[i], reason, len(ids), text=self._decode_text(out[i]))
+            if not active.any():
+                break
+            step += 1
+            eids = self._engram_step(nxt, active)
+            res = decode_and_sample(self.params, self.cache, jnp.asarray(nxt.astype(np.int32)),
+                                    None if eids is None else jnp.asarray(eids), jnp.asarray(active), *samp,
+                                    jnp.full((b,), step, jnp.int32), config=self.config, opts=self.options)
+            nxt_dev, self.cache = res
+            nxt = np.asarray(nxt_dev)
+            if step == 1:
+                stats.first_step_s = time.perf_counter() - t1
+                stats.first_step_tokens = int(active.sum())
+        stats.decode_s = time.perf_counter() - t1
+        stats.decode_steps = step
+        stats.new_tokens = sum(len(v) for v in out.values())
+        return results  # type: ignore[return-value]
+
+    def _decode_text(self, ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        try:
+            return self.tokenizer.decode(ids)
+        except ValueError:
+            return None
+
+
+__all__ = ["Engine", "EngineError", "Request", "Result", "GenerationStats"]

@@ -1,0 +1,228 @@
+"""Prefill: CED with bounded replay (SPEC §8), chunked, per-sequence lengths.
+
+CED (``InferenceOptions.ced``, the default):
+  1. the encoder (layers before the first ratio-1 layer) runs over the whole prompt, chunk by chunk, through the
+     caches (SWA rings, compressed KV, indexer keys, partial groups);
+  2. in the same chunks, the decoder's KV source (its first layer) compresses the encoder output of every prompt
+     token into its compressed KV and indexer keys — its compressor input depends on the encoder output alone;
+  3. the decoder (layers from the first ratio-1 layer on) runs only over the last n = min(replay_len, T) prompt
+     tokens with its SWA truncated to that segment (the cache's ``floor``); the encoder output of those tokens is
+     kept in a small ring (``stash``) while the chunks go by.
+  Logits exist for the replayed segment only (the last one samples the first new token).
+Full replay (``ced=False``): every layer over every prompt token (the baseline the benchmarks compare against).
+
+Memory is linear in T: the caches are O(max_len) and each chunk's transient buffers are O(chunk · cache length)
+(the indexer is blocked over queries so its [queries, heads, entries] scores stay under a fixed budget).
+
+Appending: prefill continues each sequence from the cache's current length. The segment is the last
+min(replay_len, n_new) new tokens; if n_new > replay_len the decoder floor moves to T - replay_len (bounded replay),
+otherwise the old floor stays and the decoder sees its earlier states (appending ≤ replay_len tokens is then
+exactly equivalent to decoding them one by one).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.inference.step import (InferenceOptions, check_ced_plan, embed, emit_decoder_source, head,
+                                      jit_for, ring_read, ring_write, run_layers)
+
+
+class PrefillError(ValueError):
+    pass
+
+
+def _bucket(n: int, cap: int | None) -> int:
+    """Chunk length for n tokens: a power of two >= 16 (few compiles), at most ``cap``."""
+    c = 16
+    while c < n:
+        c *= 2
+    return c if cap is None else min(c, cap)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def reset_slots(cache: dict, mask: jax.Array) -> dict:
+    """Restart the masked slots at length 0 (their old contents become invisible; nothing is cleared)."""
+    return dict(cache, length=jnp.where(mask, 0, cache["length"]), floor=jnp.where(mask, 0, cache["floor"]))
+
+
+def _ced_chunk(params, cache, stash, tokens, n_valid, engram_ids, *, config: ModelConfig, opts: InferenceOptions):
+    pos0 = cache["length"]
+    streams, pre_mix = embed(params, tokens, config)
+    ds = config.plan.decoder_start
+    streams, pre_mix, cache = run_layers(params, cache, streams, pre_mix, pos0, n_valid, engram_ids, config=config,
+                                         lo=0, hi=ds, opts=opts)
+    if ds < config.num_hidden_layers:
+        cache = emit_decoder_source(params, cache, streams, pre_mix, pos0, n_valid, engram_ids, config=config,
+                                    opts=opts)
+    stash = {"streams": ring_write(stash["streams"], streams, pos0, n_valid),
+             "pre_mix": ring_write(stash["pre_mix"], pre_mix, pos0, n_valid)}
+    return dict(cache, length=pos0 + n_valid), stash
+
+
+def _ced_decoder(params, cache, stash, n_new, engram_ids, *, config: ModelConfig, opts: InferenceOptions,
+                 all_logits: bool):
+    r = opts.resolved_replay(config)
+    total = cache["length"]
+    n_seg = jnp.minimum(n_new, r)
+    pos0 = total - n_seg
+    streams, pos = ring_read(stash["streams"], pos0 + r)  # positions pos0 .. pos0 + r - 1
+    pre_mix, _ = ring_read(stash["pre_mix"], pos0 + r)
+    floor = jnp.where(n_new > r, total - r, cache["floor"])
+    cache = dict(cache, floor=floor)
+    ds = config.plan.decoder_start
+    streams, pre_mix, cache = run_layers(params, cache, streams, pre_mix, pos0, n_seg, engram_ids, config=config,
+                                         lo=ds, hi=config.num_hidden_layers, opts=opts, no_emit=(ds,))
+    if all_logits:
+        logits = head(params, streams, pre_mix, config)
+        last = jnp.take_along_axis(logits, jnp.maximum(n_seg - 1, 0)[:, None, None], axis=1)[:, 0]
+        return last, logits, cache
+    idx = jnp.maximum(n_seg - 1, 0)[:, None, None, None]
+    s_last = jnp.take_along_axis(streams, idx, axis=1)
+    p_last = jnp.take_along_axis(pre_mix, idx[..., 0], axis=1)
+    return head(params, s_last, p_last, config)[:, 0], None, cache
+
+
+def _full_chunk(params, cache, tokens, n_valid, engram_ids, *, config: ModelConfig, opts: InferenceOptions,
+                all_logits: bool):
+    pos0 = cache["length"]
+    streams, pre_mix = embed(params, tokens, config)
+    streams, pre_mix, cache = run_layers(params, cache, streams, pre_mix, pos0, n_valid, engram_ids, config=config,
+                                         lo=0, hi=config.num_hidden_layers, opts=opts)
+    cache = dict(cache, length=pos0 + n_valid)
+    if all_logits:
+        logits = head(params, streams, pre_mix, config)
+        last = jnp.take_along_axis(logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
+        return last, logits, cache
+    idx = jnp.maximum(n_valid - 1, 0)[:, None, None, None]
+    s_last = jnp.take_along_axis(streams, idx, axis=1)
+    p_last = jnp.take_along_axis(pre_mix, idx[..., 0], axis=1)
+    return head(params, s_last, p_last, config)[:, 0], None, cache
+
+
+def _check_inputs(config: ModelConfig, cache: dict, tokens: np.ndarray, lengths: np.ndarray, engram_ids):
+    if tokens.ndim != 2:
+        raise PrefillError(f"tokens must have shape [batch, seq], got {tokens.shape}")
+    b, t = tokens.shape
+    batch = cache["length"].shape[0]
+    if b != batch:
+        raise PrefillError(f"tokens have batch {b} but the cache holds {batch} slots")
+    if lengths.shape != (b,):
+        raise PrefillError(f"lengths must have shape ({b},), got {lengths.shape}")
+    if (lengths < 0).any() or (lengths > t).any():
+        raise PrefillError(f"lengths must lie in [0, {t}] (the tokens' width), got {lengths.tolist()}")
+    valid = np.arange(t)[None, :] < lengths[:, None]
+    bad = valid & ((tokens < 0) | (tokens >= config.vocab_size))
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        raise PrefillError(f"token id {int(tokens[row, col])} (row {row}, position {col}) is outside the vocabulary "
+                           f"[0, {config.vocab_size})")
+    max_len = min(v["kv"].shape[1] * r for v, r in
+                  ((cache["sources"][k], config.compress_ratios[int(k)]) for k in cache["sources"])) \
+        if cache["sources"] else None
+    have = np.asarray(cache["length"])
+    if max_len is not None and (have + lengths > max_len).any():
+        row = int(np.argmax(have + lengths > max_len))
+        raise PrefillError(f"row {row}: {int(have[row])} cached + {int(lengths[row])} new tokens exceed the cache's "
+                           f"max_len {max_len}")
+    if config.engram_layer_ids:
+        expect = (b, t, len(config.engram_layer_ids), config.n_hash_cols)
+        if engram_ids is None:
+            raise PrefillError("this config has Engram layers: pass engram_ids (hasher.row_ids / hasher.step)")
+        if tuple(engram_ids.shape) != expect:
+            raise PrefillError(f"engram_ids has shape {tuple(engram_ids.shape)}, expected {expect}")
+
+
+def _cols(a: np.ndarray, start: int, width: int) -> np.ndarray:
+    """Columns [start, start + width) of a [B, T, ...] array, zero-padded past T."""
+    part = a[:, start:start + width]
+    if part.shape[1] < width:
+        part = np.concatenate([part, np.zeros((a.shape[0], width - part.shape[1]) + a.shape[2:], a.dtype)], axis=1)
+    return part
+
+
+def prefill(params: dict, cache: dict, tokens, lengths=None, engram_ids=None, *, config: ModelConfig,
+            opts: InferenceOptions = InferenceOptions(), chunk: int | None = None, reset=None,
+            return_logits: bool = False, progress=None):
+    """Append ``tokens[b, :lengths[b]]`` to every slot b of the cache (rows with length 0 are untouched).
+
+    Args:
+      tokens: int [B, T] (B = the cache's slots), row b's new tokens left-aligned.
+      lengths: int [B] new tokens per row (default: T for every row).
+      engram_ids: int32 [B, T, n_engram_layers, n_hash_cols] row ids of the new tokens (host-computed from each
+        sequence's own history; required with Engram layers).
+      chunk: tokens per prefill chunk (default: the whole prompt in one chunk). Any chunking gives the same result.
+      reset: bool [B], rows that start a new sequence (length and floor set to 0 first).
+      return_logits: also return the logits of every replayed position ([B, replay_len, V] under CED, the segment
+        left-aligned; [B, T, V] for full replay).
+      progress: optional callable(done_tokens, total_tokens) called after every chunk.
+    Returns ``(last_logits [B, V], cache)`` — logits of each row's last new token — or
+    ``(last_logits, cache, logits)`` with ``return_logits``. The input cache is donated.
+    """
+    c = config
+    tokens = np.asarray(tokens)
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise PrefillError(f"tokens must be integers, got dtype {tokens.dtype}")
+    b, t = tokens.shape if tokens.ndim == 2 else (None, None)
+    lengths = np.full((b,), t, np.int64) if lengths is None and b is not None else np.asarray(lengths, np.int64)
+    if reset is not None:
+        cache = reset_slots(cache, jnp.asarray(np.asarray(reset, bool)))
+    eids = None if engram_ids is None else np.asarray(engram_ids)
+    _check_inputs(c, cache, tokens, lengths, eids)
+    if t == 0 or not lengths.any():
+        raise PrefillError("empty prompt: no row has any token to prefill")
+    if opts.ced:
+        check_ced_plan(c)
+    if chunk is not None and (not isinstance(chunk, int) or chunk <= 0):
+        raise PrefillError(f"chunk must be a positive integer, got {chunk!r}")
+    width = int(lengths.max())
+    size = _bucket(width, chunk)  # chunk columns: a power of two >= 16 covering the prompt, at most `chunk`
+    tok = tokens.astype(np.int32)
+    n_eid = None if eids is None else eids.astype(np.int32)
+    done = 0
+    if opts.ced:
+        r = opts.resolved_replay(c)
+        stash = {"streams": jnp.zeros((b, r, c.hc_mult, c.hidden_size), params["embed"].dtype),
+                 "pre_mix": jnp.zeros((b, r, c.hc_mult), jnp.float32)}
+        for s in range(0, width, size):
+            nv = np.clip(lengths - s, 0, size).astype(np.int32)
+            e = None if n_eid is None else jnp.asarray(_cols(n_eid, s, size))
+            cache, stash = jit_for(_ced_chunk, opts, donate=("cache", "stash"))(params, cache, stash, jnp.asarray(_cols(tok, s, size)), jnp.asarray(nv), e,
+                                      config=c, opts=opts)
+            done += int(nv.sum())
+            if progress is not None:
+                progress(done, int(lengths.sum()))
+        seg_e = None
+        if n_eid is not None:
+            n_seg = np.minimum(lengths, r)
+            cols = (lengths - n_seg)[:, None] + np.arange(r)[None, :]
+            cols = np.minimum(cols, max(t - 1, 0))
+            seg_e = jnp.asarray(np.take_along_axis(n_eid, cols[:, :, None, None], axis=1))
+        last, logits, cache = jit_for(_ced_decoder, opts, static=("config", "opts", "all_logits"))(params, cache, stash, jnp.asarray(lengths.astype(np.int32)), seg_e,
+                                           config=c, opts=opts, all_logits=return_logits)
+    else:
+        last = None
+        all_l = []
+        for s in range(0, width, size):
+            nv = np.clip(lengths - s, 0, size).astype(np.int32)
+            e = None if n_eid is None else jnp.asarray(_cols(n_eid, s, size))
+            lg, chunk_logits, cache = jit_for(_full_chunk, opts, static=("config", "opts", "all_logits"))(params, cache, jnp.asarray(_cols(tok, s, size)), jnp.asarray(nv), e,
+                                                  config=c, opts=opts, all_logits=return_logits)
+            last = lg if last is None else jnp.where(jnp.asarray(nv > 0)[:, None], lg, last)
+            if return_logits:
+                all_l.append(chunk_logits)
+            done += int(nv.sum())
+            if progress is not None:
+                progress(done, int(lengths.sum()))
+        logits = jnp.concatenate(all_l, axis=1)[:, :t] if return_logits else None
+    if return_logits:
+        return last, cache, logits
+    return last, cache
+
+
+__all__ = ["PrefillError", "prefill", "reset_slots"]

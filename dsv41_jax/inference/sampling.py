@@ -1,0 +1,72 @@
+"""Token sampling on the device: greedy / temperature / top-k / top-p, per sequence, with explicit seeds.
+
+Every row has its own parameters and its own PRNG stream: the key of row b at generation step s is
+``fold_in(PRNGKey(seed_b), s)``, so a request's samples do not depend on which slot it runs in or on what else is
+in the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+class SamplingError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = no top-k filter
+    top_p: float = 1.0  # 1 = no nucleus filter
+    seed: int = 0
+
+    def validate(self) -> "SamplingParams":
+        t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            raise SamplingError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise SamplingError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0 < p <= 1):
+            raise SamplingError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
+        if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < 2 ** 31:
+            raise SamplingError(f"seed must be an integer in [0, 2**31), got {s!r}")
+        return self
+
+
+def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Temperature-scaled logits with everything outside top-k / top-p set to -inf. logits [B, V] float32;
+    temperature [B] (> 0 where used), top_k [B] int (0 = off), top_p [B] (1 = off)."""
+    v = logits.shape[-1]
+    z = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    desc = -jnp.sort(-z, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+    z = jnp.where(z < kth, -jnp.inf, z)
+    probs = jax.nn.softmax(z, axis=-1)
+    p_desc = -jnp.sort(-probs, axis=-1)
+    before = jnp.cumsum(p_desc, axis=-1) - p_desc  # mass strictly before each sorted entry
+    keep = before < top_p[:, None]
+    n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
+    threshold = jnp.take_along_axis(p_desc, (n_keep - 1)[:, None], axis=-1)
+    return jnp.where((probs < threshold) & (top_p[:, None] < 1), -jnp.inf, z)
+
+
+def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seeds: jax.Array,
+           steps: jax.Array) -> jax.Array:
+    """Next tokens [B] int32. Rows with temperature 0 take the argmax (lowest id on ties)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    z = filter_logits(logits, temperature, top_k, top_p)
+    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(seeds.astype(jnp.uint32),
+                                                                               steps.astype(jnp.uint32))
+    drawn = jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+
+sample_jit = jax.jit(sample)
+
+__all__ = ["SamplingError", "SamplingParams", "filter_logits", "sample", "sample_jit"]

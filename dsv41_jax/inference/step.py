@@ -1,0 +1,557 @@
+"""The cached forward over a chunk of new tokens: the one primitive behind prefill chunks, the CED decoder replay
+and decode steps (a decode step is a chunk of one token).
+
+Every sequence slot ``b`` of the batch holds ``pos0[b]`` tokens already; the chunk brings ``n_valid[b]`` new ones
+(a prefix of the chunk's ``C`` columns; the rest is padding) at positions ``pos0[b] + i``. Nothing of the padding
+reaches the caches or the valid tokens:
+
+* SWA: window keys are the slot's ring (positions derived from ``pos0``, see ``cache.py``) followed by the chunk's
+  own latents, padding given position -1 (invisible); only valid tokens are written back to the ring.
+* Compressor: the slot's partial group is prepended (per-slot shift) to the chunk's projections; only complete
+  groups made of valid tokens become entries, written at their own entry index; the new partial group is kept.
+* Indexer: queries score the source's cached keys under the per-query visibility ``s < (pos + 1) // m`` after this
+  chunk's entries were written, so a query sees exactly the entries a whole-sequence forward shows it.
+* Engram: the host computes row ids per sequence from its own history; the gate of padding tokens is shut.
+
+The maths is the training forward's (the same ``ops`` functions); only the bookkeeping differs. The HSI pool is
+carried as sorted candidate-block ids; a Reindex layer either masks its full score row to the pool (prefill) or
+gathers and scores only the pool's ``candidate_topk_blocks * candidate_block_size`` entries (decode) — the same
+top-k, since the gathered candidates keep entry order and ``lax.top_k`` breaks ties towards the lower index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax import kernels
+from dsv41_jax.config import ModelConfig, ceil_div
+from dsv41_jax.ops import quant
+from dsv41_jax.ops.compressor import pool_groups, project_compressor_inputs
+from dsv41_jax.ops.engram import engram_write
+from dsv41_jax.ops.indexer import indexer_scores, mask_invisible, select_topk, visible_counts
+from dsv41_jax.ops.mhc import collapse, expand, mhc_coefficients
+from dsv41_jax.inference.moe import moe_inference
+from dsv41_jax.ops.moe import moe
+from dsv41_jax.ops.norms import rms_norm
+from dsv41_jax.ops.rope import apply_rope, cos_sin, rope_tables
+from dsv41_jax.plan import FULL, REINDEX, LayerSpec
+
+_HI = jax.lax.Precision.HIGHEST
+NEG_INF = -jnp.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceOptions:
+    """Static options of the cached forward (hashable: they are part of the jit cache key)."""
+
+    quant_sim: bool | None = None  # None -> config.quant_sim
+    moe_impl: str = "tiled"  # "tiled" (inference.moe: grouped matmul over the used experts) | "ragged" | "dense"
+    replay_len: int | None = None  # CED decoder replay length; None -> sliding_window (128 released)
+    ced: bool = True  # False: prefill runs every layer over the whole prompt ("full replay")
+    query_chunk: int = 256  # attention queries per block inside a chunk
+    index_block_elems: int = 1 << 24  # budget for one [queries, index heads, entries] block of indexer scores
+    hsi_gather: bool | None = None  # Reindex scoring by gathering the pool (None: when the chunk is small and
+    #                                the pool is smaller than the cache)
+    hsi_gather_max_chunk: int = 8  # "small chunk" for the automatic choice
+    index_key_block: int | None = 4096  # Full/Reindex scoring streams over blocks of this many entries, visible
+    #                                     ones only (None: score the whole cache row at once) ...
+    prefill_key_block: int = 512  # ... and this many in prefill chunks (many queries: less work past the visible end)
+    compiler_options: tuple = ()  # XLA compiler options as (name, value) pairs, e.g. fast compiles for CPU tests
+    kernel_backend: str = "auto"  # dsv41_jax.kernels backend for sparse attention and the indexer top-k: "auto"
+    #                               (Pallas on GPU / TPU, the plain-JAX reference on CPU) or one of kernels.BACKENDS
+
+    def resolved_quant(self, config: ModelConfig) -> bool:
+        return config.quant_sim if self.quant_sim is None else self.quant_sim
+
+    def resolved_replay(self, config: ModelConfig) -> int:
+        return config.sliding_window if self.replay_len is None else self.replay_len
+
+
+FAST_COMPILE = (("xla_backend_optimization_level", 0), ("xla_llvm_disable_expensive_passes", True))
+
+
+@functools.lru_cache(maxsize=None)
+def _jit(fn, static: tuple, donate: tuple, compiler_options: tuple):
+    return jax.jit(fn, static_argnames=static, donate_argnames=donate,
+                   compiler_options=dict(compiler_options) if compiler_options else None)
+
+
+def jit_for(fn, opts: "InferenceOptions", static=("config", "opts"), donate=("cache",)):
+    """``fn`` jitted with the options' XLA compiler options (one wrapper per function and option set)."""
+    return _jit(fn, tuple(static), tuple(donate), tuple(opts.compiler_options))
+
+
+def _linear(x, w):
+    return jnp.einsum("...i,oi->...o", x, w, precision=_HI)
+
+
+def _rope(config: ModelConfig) -> dict:
+    return {k: jnp.asarray(v) for k, v in rope_tables(config).items()}
+
+
+def _batch_index(b: int, c: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.arange(b)[:, None], (b, c))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rings
+# ----------------------------------------------------------------------------------------------------------
+
+def ring_read(ring: jax.Array, pos0: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The ring's contents in position order (positions pos0 - W .. pos0 - 1) and those positions (-1 = none)."""
+    b, w = ring.shape[:2]
+    p = pos0[:, None] - w + jnp.arange(w)[None, :]
+    vals = jnp.take_along_axis(ring, jnp.mod(p, w).reshape(b, w, *([1] * (ring.ndim - 2))), axis=1)
+    return vals, jnp.where(p >= 0, p, -1)
+
+
+def ring_write(ring: jax.Array, vals: jax.Array, pos0: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """Write the last min(W, n_valid) valid chunk values at slots (pos0 + i) mod W."""
+    b, c = vals.shape[:2]
+    w = ring.shape[1]
+    i = jnp.arange(c)[None, :]
+    keep = (i < n_valid[:, None]) & (i >= n_valid[:, None] - w)
+    slot = jnp.where(keep, jnp.mod(pos0[:, None] + i, w), w)  # w is out of range: dropped
+    return ring.at[_batch_index(b, c), slot].set(vals.astype(ring.dtype), mode="drop")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Compressor (streaming) and indexer keys
+# ----------------------------------------------------------------------------------------------------------
+
+def emit_entries(src: dict, x: jax.Array, comp: dict, idx_p: dict, ratio: int, pos0: jax.Array, n_valid: jax.Array,
+                 config: ModelConfig, rope: dict, quant_on: bool) -> dict:
+    """Compress the chunk's valid tokens into a KV source's cache: complete groups become entries (rotated and
+    quantised main KV + indexer keys), the incomplete tail is kept as the partial group."""
+    c = config
+    b, t, _ = x.shape
+    nmax = src["kv"].shape[1]
+    src = dict(src)
+    if ratio == 1:
+        latent = rms_norm(jnp.einsum("btd,fd->btf", x, comp["wkv"], precision=_HI), comp["norm"], c.rms_norm_eps)
+        k = jnp.arange(t)[None, :]
+        entry = pos0[:, None] + k
+        complete = k < n_valid[:, None]
+    else:
+        m = ratio
+        kv, gate = project_compressor_inputs(x, comp["wkv"], comp.get("wgate"))  # float32 [B, C, hd]
+        r = jnp.mod(pos0, m)
+        groups = ceil_div(m + t, m)
+        span = groups * m
+        j = jnp.arange(span)[None, :]
+        take = jnp.clip(jnp.where(j < r[:, None], j, m + j - r[:, None]), 0, m + t - 1)[..., None]
+        xk = jnp.take_along_axis(jnp.concatenate([src["buf_kv"], kv], axis=1), take, axis=1)
+        xg = jnp.take_along_axis(jnp.concatenate([src["buf_gate"], gate], axis=1), take, axis=1)
+        latent = pool_groups(xk, xg, comp["norm"], m, c.rms_norm_eps, x.dtype)  # [B, groups, hd]
+        k = jnp.arange(groups)[None, :]
+        filled = r + n_valid
+        complete = (k + 1) * m <= filled[:, None]
+        entry = (pos0 // m)[:, None] + k
+        start = (filled // m) * m
+        tail = (start[:, None] + jnp.arange(m)[None, :])[..., None]
+        src["buf_kv"] = jnp.take_along_axis(xk, tail, axis=1)
+        src["buf_gate"] = jnp.take_along_axis(xg, tail, axis=1)
+    ccos, csin = cos_sin(rope["compress"], entry * ratio)
+    keys = apply_rope(rms_norm(_linear(latent, idx_p["wk"]), idx_p["k_norm"], c.rms_norm_eps), ccos, csin)
+    rotated = apply_rope(latent, ccos, csin)
+    if quant_on:
+        keys = quant.fake_quant_fp4_e2m1_block(keys, 32, scale_format="ue8m0")
+        rotated = quant.fake_quant_fp4_e2m1_block(rotated, 16, scale_format="e4m3")
+    where = jnp.where(complete, entry, nmax)
+    bi = _batch_index(b, entry.shape[1])
+    src["kv"] = src["kv"].at[bi, where].set(rotated.astype(src["kv"].dtype), mode="drop")
+    src["keys"] = src["keys"].at[bi, where].set(keys.astype(src["keys"].dtype), mode="drop")
+    return src
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Indexer with the HSI pool as sorted block ids
+# ----------------------------------------------------------------------------------------------------------
+
+def candidate_block_ids(scores: jax.Array, q_pos: jax.Array, ratio: int, block_size: int,
+                        topk_blocks: int) -> jax.Array:
+    """HSI level one as block ids: [B, C, min(topk_blocks, n_blocks)] sorted ascending, -1 (last) for none.
+
+    Same selection as :func:`dsv41_jax.ops.indexer.candidate_blocks` (block max-pool, newest visible block
+    pinned, -inf blocks dropped), kept as ids so a decode step can gather the pool instead of masking.
+    """
+    n = scores.shape[-1]
+    n_blocks = ceil_div(n, block_size)
+    padded = jnp.pad(scores, ((0, 0), (0, 0), (0, n_blocks * block_size - n)), constant_values=NEG_INF)
+    block_scores = jnp.max(padded.reshape(*scores.shape[:-1], n_blocks, block_size), axis=-1)
+    newest = (visible_counts(q_pos, ratio) - 1) // block_size
+    block_scores = jnp.where(jnp.arange(n_blocks)[None, None, :] == newest[..., None], jnp.inf, block_scores)
+    values, picks = jax.lax.top_k(block_scores, min(topk_blocks, n_blocks))
+    picks = jnp.sort(jnp.where(values > NEG_INF, picks, n_blocks), axis=-1)
+    return jnp.where(picks >= n_blocks, -1, picks).astype(jnp.int32)
+
+
+def block_ids_to_mask(ids: jax.Array, n_blocks: int) -> jax.Array:
+    b, c, k = ids.shape
+    mask = jnp.zeros((b, c, n_blocks), bool)
+    where = jnp.where(ids >= 0, ids, n_blocks)
+    return mask.at[jnp.arange(b)[:, None, None], jnp.arange(c)[None, :, None], where].set(True, mode="drop")
+
+
+def _pad_last(x: jax.Array, width: int, value) -> jax.Array:
+    if x.shape[-1] >= width:
+        return x[..., :width]
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])], constant_values=value)
+
+
+def pooled_topk(q: jax.Array, weights: jax.Array, keys: jax.Array, q_pos: jax.Array, pool_ids: jax.Array, *,
+                ratio: int, block_size: int, topk: int) -> jax.Array:
+    """Top-k inside the HSI pool by scoring only the pooled entries (gathered): [B, C, min(topk, N)].
+
+    Equal to masking the full score row to the pool and taking the top-k there: candidates are gathered in
+    ascending entry order, so ties resolve to the same (lowest) entries.
+    """
+    n = keys.shape[1]
+    b, c, kb = pool_ids.shape
+    cand = (pool_ids[..., None] * block_size + jnp.arange(block_size)).reshape(b, c, kb * block_size)
+    ok = jnp.repeat(pool_ids >= 0, block_size, axis=-1) & (cand < n)
+    safe = jnp.where(ok, cand, 0)
+    gathered = jax.vmap(lambda kb_, ib: kb_[ib])(keys, safe)  # [B, C, M, di]
+    di = q.shape[-1]
+    dots = jnp.einsum("bchd,bcmd->bchm", q.astype(jnp.float32), gathered.astype(jnp.float32), precision=_HI)
+    dots = jax.nn.relu(dots) * (di ** -0.5)
+    scores = jnp.einsum("bchm,bch->bcm", dots, weights.astype(jnp.float32), precision=_HI)
+    scores = jnp.where(ok & (cand < visible_counts(q_pos, ratio)[..., None]), scores, NEG_INF)
+    kk = min(topk, cand.shape[-1])
+    values, j = jax.lax.top_k(scores, kk)
+    idx = jnp.where(values > NEG_INF, jnp.take_along_axis(cand, j, axis=-1), n)
+    idx = jnp.sort(idx, axis=-1)
+    idx = jnp.where(idx >= n, -1, idx).astype(jnp.int32)
+    return _pad_last(idx, min(topk, n), -1)
+
+
+def _map_blocks(fn, n: int, block: int, *arrays):
+    """fn over blocks of ``block`` rows of axis 1 (padded), results concatenated on axis 1 (memory O(block))."""
+    if n <= block:
+        return fn(*arrays)
+    nb = ceil_div(n, block)
+    pad = nb * block - n
+
+    def split(a):
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(a.shape[0], nb, block, *a.shape[2:]), 1, 0)
+
+    outs = jax.lax.map(lambda xs: fn(*xs), tuple(split(a) for a in arrays))
+
+    def merge(o):
+        o = jnp.moveaxis(o, 0, 1)
+        return o.reshape(o.shape[0], nb * block, *o.shape[3:])[:, :n]
+
+    return jax.tree.map(merge, outs)
+
+
+def run_indexer(ip: dict, x: jax.Array, q_res: jax.Array, spec: LayerSpec, pos: jax.Array, keys: jax.Array,
+                pool_ids: jax.Array | None, config: ModelConfig, rope: dict, opts: InferenceOptions,
+                quant_on: bool):
+    """(top-k [B, C, min(index_topk, N)], new pool ids or None) of a Full / Reindex layer for the chunk."""
+    c = config
+    b, t, _ = x.shape
+    n = keys.shape[1]
+    cos, sin = cos_sin(rope["compress"], pos)
+    qi = _linear(q_res, ip["wq_b"]).reshape(b, t, c.index_n_heads, c.index_head_dim)
+    qi = apply_rope(qi, cos[:, :, None], sin[:, :, None])
+    if quant_on:
+        qi = quant.fake_quant_fp4_e2m1_block(qi, 32, scale_format="ue8m0")
+    w = _linear(x, ip["weights_proj"]).astype(jnp.float32) * (c.index_n_heads ** -0.5)
+    bs = c.candidate_block_size
+    restricted = spec.uses_candidates and pool_ids is not None
+    if kernels.resolve_backend(opts.kernel_backend) != "reference":
+        # Pallas: streaming scores + hierarchical top-k (no [queries, entries] score matrix in HBM); Reindex layers
+        # score only the gathered pool. Same index sets as the plain-JAX paths below.
+        return kernels.indexer_topk(qi, w, keys, pos, ratio=spec.ratio, topk=c.index_topk,
+                                    pool=pool_ids if restricted else None, block_size=bs,
+                                    candidate_topk_blocks=c.candidate_topk_blocks if spec.candidate_source else None,
+                                    backend=opts.kernel_backend, pool_format="ids")
+    n_blocks = ceil_div(n, bs)
+    if restricted:
+        gather = opts.hsi_gather
+        if gather is None:
+            gather = t <= opts.hsi_gather_max_chunk and pool_ids.shape[-1] * bs < n
+        if gather:
+            topk = pooled_topk(qi, w, keys, pos, pool_ids, ratio=spec.ratio, block_size=bs, topk=c.index_topk)
+            return topk, None
+
+    cand = c.candidate_topk_blocks if spec.candidate_source else None
+    if opts.index_key_block:
+        kb = opts.index_key_block if t <= opts.hsi_gather_max_chunk else min(opts.index_key_block,
+                                                                            opts.prefill_key_block)
+        kb = max(bs, min(kb, n) // bs * bs)
+
+        def block(qc, wc, pc, *pool_c):
+            pool_mask = block_ids_to_mask(pool_c[0], n_blocks) if pool_c else None
+            return streaming_select(qc, wc, keys, pc, ratio=spec.ratio, topk=c.index_topk, block_size=bs,
+                                    key_block=kb, candidate_topk_blocks=cand, pool_mask=pool_mask)
+
+        width = kb
+    else:
+        def block(qc, wc, pc, *pool_c):
+            scores = mask_invisible(indexer_scores(qc, wc, keys), pc, spec.ratio)
+            new_pool = None
+            if cand is not None:
+                new_pool = candidate_block_ids(scores, pc, spec.ratio, bs, cand)
+            if pool_c:
+                in_pool = jnp.take(block_ids_to_mask(pool_c[0], n_blocks), jnp.arange(n) // bs, axis=-1)
+                scores = jnp.where(in_pool, scores, NEG_INF)
+            return select_topk(scores, c.index_topk), new_pool
+
+        width = n
+    q_block = max(1, min(t, opts.index_block_elems // max(1, c.index_n_heads * width)))
+    args = (qi, w, pos) + ((pool_ids,) if restricted else ())
+    topk, new_pool = _map_blocks(block, t, q_block, *args)
+    return topk, new_pool
+
+
+def _merge_topk(vals, ids, new_vals, new_ids, k):
+    """Top-k of the union of a running selection and a new block. The running entries come first, so equal
+    values keep the lower (earlier) index — the tie order of one ``lax.top_k`` over the whole row."""
+    v = jnp.concatenate([vals, new_vals], axis=-1)
+    i = jnp.concatenate([ids, jnp.broadcast_to(new_ids, new_vals.shape)], axis=-1)
+    top, j = jax.lax.top_k(v, k)
+    return top, jnp.take_along_axis(i, j, axis=-1)
+
+
+def streaming_select(q, weights, keys, q_pos, *, ratio: int, topk: int, block_size: int, key_block: int,
+                     candidate_topk_blocks: int | None = None, pool_mask: jax.Array | None = None):
+    """The indexer's selection over the visible entries only, one key block at a time, with running top-k merges.
+
+    Same result as scoring the whole row (``indexer_scores`` + ``mask_invisible`` + ``candidate_block_ids`` +
+    pool masking + ``select_topk``) but the work and the [C, heads, entries] buffer scale with the number of
+    VISIBLE entries (a dynamic loop over ``key_block``-sized blocks), not with the cache length: a decode step
+    costs what its context needs, and a prefill chunk scores what its queries can see. ``keys`` [B, N, di] with
+    N a multiple of ``block_size``; ``pool_mask`` [B, C, N / block_size] restricts the top-k (Reindex).
+    Returns (top-k [B, C, min(topk, N)], candidate block ids [B, C, min(candidate_topk_blocks, N / bs)] or None).
+    """
+    b, c = q_pos.shape
+    n = keys.shape[1]
+    bs = block_size
+    if n % bs:
+        raise ValueError(f"streaming_select needs the entry count ({n}) to be a multiple of the block size ({bs})")
+    kb = key_block
+    n_blocks = n // bs
+    vis = visible_counts(q_pos, ratio)
+    n_iter = (jnp.max(vis) + kb - 1) // kb
+    k = min(topk, n)
+    init = [jnp.full((b, c, k), NEG_INF, jnp.float32), jnp.full((b, c, k), n, jnp.int32)]
+    kc = 0
+    if candidate_topk_blocks is not None:
+        kc = min(candidate_topk_blocks, n_blocks)
+        init += [jnp.full((b, c, kc), NEG_INF, jnp.float32), jnp.full((b, c, kc), n_blocks, jnp.int32)]
+    newest = (vis - 1) // bs
+
+    def body(i, carry):
+        start = jnp.minimum(i * kb, n - kb)  # the last block is shifted back to stay in range ...
+        entries = start + jnp.arange(kb, dtype=jnp.int32)
+        fresh = entries >= i * kb  # ... and what an earlier block already covered is masked
+        scores = indexer_scores(q, weights, jax.lax.dynamic_slice_in_dim(keys, start, kb, axis=1))
+        scores = jnp.where(fresh & (entries < vis[..., None]), scores, NEG_INF)
+        out = list(carry)
+        if kc:
+            blocks = start // bs + jnp.arange(kb // bs, dtype=jnp.int32)
+            bmax = jnp.max(scores.reshape(b, c, kb // bs, bs), axis=-1)
+            bmax = jnp.where(blocks == newest[..., None], jnp.inf, bmax)
+            bmax = jnp.where(blocks * bs >= i * kb, bmax, NEG_INF)
+            out[2], out[3] = _merge_topk(carry[2], carry[3], bmax, blocks, kc)
+        if pool_mask is not None:
+            in_pool = jnp.repeat(jax.lax.dynamic_slice_in_dim(pool_mask, start // bs, kb // bs, axis=-1), bs, -1)
+            scores = jnp.where(in_pool, scores, NEG_INF)
+        out[0], out[1] = _merge_topk(carry[0], carry[1], scores, entries, k)
+        return tuple(out)
+
+    res = jax.lax.fori_loop(0, n_iter, body, tuple(init))
+
+    def finish(vals, ids, size):
+        ids = jnp.sort(jnp.where(vals > NEG_INF, ids, size), axis=-1)
+        return jnp.where(ids >= size, -1, ids).astype(jnp.int32)
+
+    topk_ids = finish(res[0], res[1], n)
+    pool = finish(res[2], res[3], n_blocks) if kc else None
+    return topk_ids, pool
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Attention over ring + chunk
+# ----------------------------------------------------------------------------------------------------------
+
+def chunk_attention(q, pos, win_kv, win_pos, compressed, topk, sink, *, window: int, floor, q_block: int,
+                    backend: str = "auto"):
+    """q [B, C, H, D] at pos [B, C]; window keys [B, W + C, D] where index k holds position pos0 - W + k."""
+    b, t = q.shape[:2]
+    sparse_attention = functools.partial(kernels.sparse_attention, backend=backend)
+    if t <= q_block:
+        return sparse_attention(q, pos, win_kv, win_pos, compressed, topk, sink, window=window, floor=floor)
+    nb = ceil_div(t, q_block)
+    pad = nb * q_block - t
+    q_p = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    pos_p = jnp.pad(pos, ((0, 0), (0, pad)), constant_values=-1)
+    kv_p = jnp.pad(win_kv, ((0, 0), (0, pad), (0, 0)))
+    kpos_p = jnp.pad(win_pos, ((0, 0), (0, pad)), constant_values=-1)
+    tk_p = None if topk is None else jnp.pad(topk, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
+    w = win_kv.shape[1] - t  # ring length
+
+    def one(i):
+        s = i * q_block
+        sl = lambda a, size: jax.lax.dynamic_slice_in_dim(a, s, size, axis=1)  # noqa: E731
+        return sparse_attention(sl(q_p, q_block), sl(pos_p, q_block), sl(kv_p, q_block + w),
+                                sl(kpos_p, q_block + w), compressed, None if tk_p is None else sl(tk_p, q_block),
+                                sink, window=window, floor=floor)
+
+    out = jax.lax.map(one, jnp.arange(nb))
+    return jnp.moveaxis(out, 0, 1).reshape(b, nb * q_block, *q.shape[2:])[:, :t]
+
+
+@dataclasses.dataclass
+class _Shared:
+    """Cross-layer values of one pass (the latest KV source's cache, the latest top-k, the HSI pool)."""
+
+    kv: Any = None
+    keys: Any = None
+    topk: Any = None
+    pool: Any = None
+
+
+def attention_step(p: dict, x: jax.Array, spec: LayerSpec, pos: jax.Array, pos0: jax.Array, n_valid: jax.Array,
+                   cache: dict, shared: _Shared, config: ModelConfig, rope: dict, opts: InferenceOptions,
+                   quant_on: bool, emit: bool):
+    c = config
+    b, t, _ = x.shape
+    cos, sin = cos_sin(rope[spec.rope], pos)
+    q_res = rms_norm(_linear(x, p["wq_a"]), p["q_norm"], c.rms_norm_eps)
+    q = _linear(q_res, p["wq_b"]).reshape(b, t, c.num_attention_heads, c.head_dim)
+    q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+    kv = apply_rope(rms_norm(_linear(x, p["wkv"]), p["kv_norm"], c.rms_norm_eps), cos, sin)
+    if quant_on:
+        kv = quant.fake_quant_fp8_e4m3_block(kv, 32)
+
+    ring = cache["swa"][spec.index]
+    ring_vals, ring_pos = ring_read(ring, pos0)
+    valid = jnp.arange(t)[None, :] < n_valid[:, None]
+    win_kv = jnp.concatenate([ring_vals.astype(kv.dtype), kv], axis=1)
+    win_pos = jnp.concatenate([ring_pos, jnp.where(valid, pos, -1)], axis=1)
+    cache["swa"][spec.index] = ring_write(ring, kv, pos0, n_valid)
+
+    compressed = topk = None
+    if spec.ratio > 0:
+        if spec.mode == FULL:
+            key = str(spec.index)
+            if emit:
+                cache["sources"][key] = emit_entries(cache["sources"][key], x, p["compressor"], p["indexer"],
+                                                     spec.ratio, pos0, n_valid, c, rope, quant_on)
+            shared = dataclasses.replace(shared, kv=cache["sources"][key]["kv"], keys=cache["sources"][key]["keys"])
+        if spec.mode in (FULL, REINDEX):
+            new_topk, new_pool = run_indexer(p["indexer"], x, q_res, spec, pos, shared.keys, shared.pool, c, rope,
+                                             opts, quant_on)
+            shared = dataclasses.replace(shared, topk=new_topk,
+                                         pool=new_pool if spec.candidate_source else shared.pool)
+        compressed, topk = shared.kv, shared.topk
+
+    floor = cache["floor"] if spec.stack == "decoder" else 0
+    out = chunk_attention(q, pos, win_kv, win_pos, compressed, topk, p["attn_sink"], window=c.sliding_window,
+                          floor=floor, q_block=opts.query_chunk, backend=opts.kernel_backend)
+    out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True)
+    grouped = out.reshape(b, t, c.o_groups, -1)
+    wo_a = p["wo_a"].reshape(c.o_groups, c.o_lora_rank, -1)
+    y = jnp.einsum("btgi,goi->btgo", grouped, wo_a, precision=_HI).reshape(b, t, -1)
+    return _linear(y, p["wo_b"]), cache, shared
+
+
+def _mhc_kw(c: ModelConfig) -> dict:
+    return dict(hc_eps=c.hc_eps, rms_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters)
+
+
+def embed(params: dict, tokens: jax.Array, config: ModelConfig):
+    """tokens [B, C] -> (streams [B, C, hc, d], pre_mix [B, C, hc]) entering layer 0."""
+    b, t = tokens.shape
+    x = params["embed"][tokens]
+    streams = jnp.broadcast_to(x[:, :, None, :], (b, t, config.hc_mult, config.hidden_size))
+    return streams, jax.nn.one_hot(jnp.zeros((b, t), jnp.int32), config.hc_mult, dtype=jnp.float32)
+
+
+def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array, pos0: jax.Array,
+               n_valid: jax.Array, engram_ids: jax.Array | None, *, config: ModelConfig, lo: int, hi: int,
+               opts: InferenceOptions, no_emit: tuple[int, ...] = ()):
+    """Layers [lo, hi) over a chunk. Returns (streams, pre_mix, cache). Does not advance ``cache['length']``."""
+    c = config
+    b, t = streams.shape[:2]
+    quant_on = opts.resolved_quant(c)
+    rope = _rope(c)
+    pos = pos0[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    valid = jnp.arange(t)[None, :] < n_valid[:, None]
+    cache = dict(cache, swa=list(cache["swa"]), sources=dict(cache["sources"]))
+    shared = _Shared()
+    mhc_kw = _mhc_kw(c)
+    for spec in c.plan.layers[lo:hi]:
+        lp = params["layers"][spec.index]
+        if spec.engram_slot is not None:
+            streams = engram_write(streams, engram_ids[:, :, spec.engram_slot], lp["engram"], eps=c.rms_norm_eps,
+                                   live=valid)
+        a_pre, a_post, a_comb = mhc_coefficients(streams, **lp["hc_attn"], **mhc_kw)
+        h = rms_norm(collapse(streams, pre_mix), lp["attn_norm"], c.rms_norm_eps)
+        y, cache, shared = attention_step(lp["attn"], h, spec, pos, pos0, n_valid, cache, shared, c, rope, opts,
+                                          quant_on, emit=spec.index not in no_emit)
+        streams = expand(streams, y, a_post, a_comb)
+        f_pre, f_post, f_comb = mhc_coefficients(streams, **lp["hc_ffn"], **mhc_kw)
+        h = rms_norm(collapse(streams, a_pre), lp["ffn_norm"], c.rms_norm_eps)
+        if opts.moe_impl == "tiled":
+            y = moe_inference(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp,
+                              scaling=c.routed_scaling_factor, limit=c.swiglu_limit, normalize=c.norm_topk_prob)
+        else:
+            y, _ = moe(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp, scaling=c.routed_scaling_factor,
+                       limit=c.swiglu_limit, impl=opts.moe_impl, normalize=c.norm_topk_prob)
+        streams = expand(streams, y, f_post, f_comb)
+        pre_mix = f_pre
+    return streams, pre_mix, cache
+
+
+def emit_decoder_source(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array, pos0: jax.Array,
+                        n_valid: jax.Array, engram_ids: jax.Array | None, *, config: ModelConfig,
+                        opts: InferenceOptions) -> dict:
+    """CED: the decoder's KV source (its first layer) compresses the encoder output of every prompt token.
+
+    Its compressor input is that layer's attention input, which depends on the encoder output alone."""
+    c = config
+    ds = c.plan.decoder_start
+    spec = c.plan[ds]
+    lp = params["layers"][ds]
+    if spec.engram_slot is not None:
+        valid = jnp.arange(streams.shape[1])[None, :] < n_valid[:, None]
+        streams = engram_write(streams, engram_ids[:, :, spec.engram_slot], lp["engram"], eps=c.rms_norm_eps,
+                               live=valid)
+    h = rms_norm(collapse(streams, pre_mix), lp["attn_norm"], c.rms_norm_eps)
+    sources = dict(cache["sources"])
+    sources[str(ds)] = emit_entries(sources[str(ds)], h, lp["attn"]["compressor"], lp["attn"]["indexer"],
+                                    spec.ratio, pos0, n_valid, c, _rope(c), opts.resolved_quant(c))
+    return dict(cache, sources=sources)
+
+
+def head(params: dict, streams: jax.Array, pre_mix: jax.Array, config: ModelConfig) -> jax.Array:
+    h = rms_norm(collapse(streams, pre_mix), params["norm"], config.rms_norm_eps)
+    return _linear(h, params["lm_head"]).astype(jnp.float32)
+
+
+def check_ced_plan(config: ModelConfig) -> None:
+    """CED prefill replays only the decoder's last tokens, so the decoder may read no KV source other than its
+    first layer's (whose input is the encoder output)."""
+    plan = config.plan
+    ds = plan.decoder_start
+    if ds >= len(plan):
+        return
+    later = [s.index for s in plan.layers[ds + 1:] if s.mode == FULL]
+    if plan[ds].mode != FULL or later:
+        raise ValueError(f"CED prefill needs the decoder's only KV source to be its first layer ({ds}); this plan "
+                         f"has decoder KV sources {[s.index for s in plan.layers[ds:] if s.mode == FULL]}. "
+                         "Use InferenceOptions(ced=False) (full replay) for such configs.")
+
+
+__all__ = ["InferenceOptions", "FAST_COMPILE", "jit_for", "ring_read", "ring_write", "emit_entries", "candidate_block_ids", "block_ids_to_mask",
+           "pooled_topk", "run_indexer", "chunk_attention", "attention_step", "embed", "run_layers",
+           "emit_decoder_source", "head", "check_ced_plan"]

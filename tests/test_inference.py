@@ -1,0 +1,312 @@
+"""Cached inference equals the training forward (SPEC §8, §11.3): CED prefill + decode steps vs the full /
+bounded-replay forward, chunked vs unchunked prefill, mixed-length batches vs sequences alone, appended prefill vs
+decoding, the HSI gather vs masking. Tiny configs in float32 (conftest: highest matmul precision); XLA compiles
+with fast (unoptimised) settings so the suite stays quick on two CPU cores.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax import ForwardOptions, forward, load_config
+from dsv41_jax.inference.cache import init_cache
+from dsv41_jax.inference.decode import decode_step
+from dsv41_jax.inference.prefill import prefill
+from dsv41_jax.inference.step import (FAST_COMPILE, InferenceOptions, block_ids_to_mask, candidate_block_ids,
+                                      pooled_topk, streaming_select)
+from dsv41_jax.model.model import default_hasher
+from dsv41_jax.inference.weights import host_random_params
+from dsv41_jax.ops.indexer import candidate_blocks, indexer_scores, mask_invisible, restrict_to_pool, select_topk
+
+TOL = 1e-5
+MAX_LEN = 48
+
+
+@functools.lru_cache(maxsize=None)
+def _model(variant: str):
+    base = load_config("tiny")
+    if variant == "tiny":
+        config = base.replace(quant_sim=False)
+    elif variant == "small_window_quant":
+        # smaller window, bigger HSI blocks, fewer picks: pruning starts early; the release's fake quantisation on
+        config = base.replace(sliding_window=4, candidate_block_size=4, candidate_topk_blocks=2, index_topk=3,
+                              quant_sim=True)
+    else:
+        raise ValueError(variant)
+    # std 0.1 (0.02 gives near-uniform attention and routing); the initialiser's constants perturbed
+    params = host_random_params(config, 0, std=0.1, perturb_constants=0.2)
+    return config, params, default_hasher(config)
+
+
+_forward_jit = jax.jit(forward, static_argnames=("config", "options"), compiler_options=dict(FAST_COMPILE))
+
+
+def _oracle(config, params, hasher, seq: np.ndarray, prompt_len: int, replay: int) -> np.ndarray:
+    """Logits of the training forward over the whole sequence: the full forward when the prompt fits the replay
+    segment, else the bounded-replay forward with the decoder floor at prompt_len - replay."""
+    n_after = len(seq) - prompt_len
+    if prompt_len <= replay:
+        opts = ForwardOptions(quant_sim=config.quant_sim)
+    else:
+        opts = ForwardOptions(quant_sim=config.quant_sim, bounded_replay=True, replay_len=replay + n_after)
+    toks = seq[None]
+    out = _forward_jit(params, jnp.asarray(toks), config=config, engram_ids=jnp.asarray(hasher.row_ids(toks)),
+                       options=opts)
+    return np.asarray(out)[0]
+
+
+def _opts(config, **kw):
+    # the small-window variant streams its indexer over blocks of 4 entries (many running top-k merges); tiny
+    # scores its whole (short) cache row in one block
+    kw.setdefault("index_key_block", 4 if config.sliding_window == 4 else 4096)
+    return InferenceOptions(quant_sim=config.quant_sim, compiler_options=FAST_COMPILE, **kw)
+
+
+def _run_engine_path(config, params, hasher, seqs, prompt_lens, n_steps, *, chunk=None, slots=None, batch=2,
+                     opts=None):
+    """Prefill the prompts (mixed lengths, one batch), then decode the given continuations token by token.
+
+    Returns, per sequence, logits [replayed positions + n_steps, V] and the replayed segment's first position.
+    """
+    opts = opts or _opts(config)
+    r = opts.resolved_replay(config)
+    slots = list(range(len(seqs))) if slots is None else slots
+    width = max(prompt_lens)
+    tokens = np.zeros((batch, width), np.int32)
+    lengths = np.zeros((batch,), np.int64)
+    eids = np.zeros((batch, width, len(config.engram_layer_ids), config.n_hash_cols), np.int32)
+    hist = hasher.empty_history(batch)
+    hist_rows = {}
+    for s, seq, t in zip(slots, seqs, prompt_lens):
+        tokens[s, :t] = seq[:t]
+        lengths[s] = t
+        rows, h = hasher.step(seq[None, :t], hasher.empty_history(1))
+        eids[s, :t] = rows[0]
+        hist_rows[s] = h
+    cache = init_cache(config, batch, MAX_LEN)
+    last, cache, seg = prefill(params, cache, tokens, lengths, eids, config=config, opts=opts, chunk=chunk,
+                               return_logits=True)
+    seg = np.asarray(seg)
+    outs = []
+    for s, t in zip(slots, prompt_lens):
+        n = min(r, t) if opts.ced else t  # replayed positions t - n .. t - 1 (left-aligned)
+        outs.append((seg[s, :n], t - n))
+        np.testing.assert_array_equal(np.asarray(last)[s], seg[s, n - 1])
+    # decode: every sequence feeds its own continuation; slots without one stay inactive
+    # (the Engram history of each slot is its own)
+    histories = {s: hist_rows[s] for s in slots}
+    steps = [[] for _ in seqs]
+    for i in range(n_steps):
+        tok = np.zeros((batch,), np.int32)
+        act = np.zeros((batch,), bool)
+        e = np.zeros((batch, len(config.engram_layer_ids), config.n_hash_cols), np.int32)
+        for j, (s, seq, t) in enumerate(zip(slots, seqs, prompt_lens)):
+            if t + i < len(seq):
+                tok[s] = seq[t + i]
+                act[s] = True
+                rows, histories[s] = hasher.step(seq[None, t + i:t + i + 1], histories[s])
+                e[s] = rows[0, 0]
+        logits, cache = decode_step(params, cache, tok, e, act, config=config, opts=opts)
+        logits = np.asarray(logits)
+        for j, (s, seq, t) in enumerate(zip(slots, seqs, prompt_lens)):
+            if act[s]:
+                steps[j].append(logits[s])
+    return [(np.concatenate([o[0], np.asarray(st).reshape(-1, o[0].shape[-1])]), o[1])
+            for o, st in zip(outs, steps)], cache
+
+
+def _random_seq(config, n, seed):
+    return np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (n,), 3, config.vocab_size)).astype(np.int32)
+
+
+@pytest.mark.parametrize("variant", ["tiny", "small_window_quant"])
+def test_prefill_and_decode_equal_the_training_forward(variant):
+    """A mixed-length batch: a short prompt (within the replay window: the full forward) and a long one that ends
+    mid-group (ratio 2) and mid-block (HSI blocks), decoding across the points where top-k and the HSI pool
+    start pruning. Every logit within 1e-5 of the forward at the same positions."""
+    config, params, hasher = _model(variant)
+    r = config.sliding_window
+    n_steps = 9
+    lens = [r - 3, 3 * r - 1]  # tiny: 5 and 23; small window: 1 and 11
+    assert lens[1] % 2 == 1 and lens[1] % config.candidate_block_size != 0
+    seqs = [_random_seq(config, t + n_steps, seed) for t, seed in zip(lens, (1, 2))]
+    got, _ = _run_engine_path(config, params, hasher, seqs, lens, n_steps, chunk=16)
+    for seq, t, (logits, first) in zip(seqs, lens, got):
+        ref = _oracle(config, params, hasher, seq, t, r)
+        # positions first .. t-1 come from prefill, t .. t+n_steps-1 from the decode steps
+        assert logits.shape[0] == len(seq) - first
+        np.testing.assert_allclose(logits, ref[first:], rtol=0, atol=TOL)
+    # the decode steps did cross the pruning points: ratio-2 sources see more than index_topk entries and the
+    # candidate source's pool holds fewer entries than are visible
+    last_pos = max(t + n_steps - 1 for t in lens)
+    assert (last_pos + 1) // 2 > config.index_topk
+    assert last_pos + 1 > config.candidate_topk_blocks * config.candidate_block_size
+
+
+@pytest.mark.parametrize("backend", ["pallas_gpu_interpret", "pallas_tpu_interpret"])
+def test_engine_on_pallas_kernels_equals_the_training_forward(backend):
+    """The engine's sparse attention and indexer top-k through the Pallas kernels (interpret mode on CPU): prefill +
+    decode across the pruning points still equal the plain-JAX training forward."""
+    config, params, hasher = _model("small_window_quant")
+    r = config.sliding_window
+    n_steps = 3
+    lens = [r - 1, 3 * r - 1]
+    seqs = [_random_seq(config, t + n_steps, seed) for t, seed in zip(lens, (11, 12))]
+    got, _ = _run_engine_path(config, params, hasher, seqs, lens, n_steps, chunk=8,
+                              opts=_opts(config, kernel_backend=backend))
+    for seq, t, (logits, first) in zip(seqs, lens, got):
+        ref = _oracle(config, params, hasher, seq, t, r)
+        np.testing.assert_allclose(logits, ref[first:], rtol=0, atol=TOL)
+    last_pos = max(t + n_steps - 1 for t in lens)
+    assert (last_pos + 1) // 2 > config.index_topk
+
+
+def test_chunked_prefill_equals_unchunked_and_full_replay_matches_forward():
+    config, params, hasher = _model("tiny")
+    lens = [19, 30]
+    seqs = [_random_seq(config, t + 3, seed) for t, seed in zip(lens, (3, 4))]
+    one, _ = _run_engine_path(config, params, hasher, seqs, lens, 3, chunk=None)  # one chunk of 32
+    many, _ = _run_engine_path(config, params, hasher, seqs, lens, 3, chunk=5)  # 5 ∤ groups: chunks split them
+    for (a, fa), (b, fb) in zip(one, many):
+        assert fa == fb
+        np.testing.assert_allclose(a, b, rtol=0, atol=TOL)
+    # full replay (no CED): every layer over the whole prompt == the plain forward at every position
+    seq = _random_seq(config, 14, 10)
+    full, _ = _run_engine_path(config, params, hasher, [seq], [11], 3, chunk=16, opts=_opts(config, ced=False))
+    logits, first = full[0]
+    assert first == 0 and logits.shape[0] == len(seq)
+    ref = _oracle(config, params, hasher, seq, len(seq), 10 ** 6)
+    np.testing.assert_allclose(logits, ref, rtol=0, atol=TOL)
+
+
+def test_mixed_batch_equals_each_sequence_alone():
+    config, params, hasher = _model("tiny")
+    lens = [3, 21]
+    n_steps = 4
+    seqs = [_random_seq(config, t + n_steps, seed) for t, seed in zip(lens, (5, 6))]
+    together, _ = _run_engine_path(config, params, hasher, seqs, lens, n_steps, chunk=16)
+    for j in range(2):
+        alone, _ = _run_engine_path(config, params, hasher, [seqs[j]], [lens[j]], n_steps, chunk=16, slots=[1 - j])
+        np.testing.assert_allclose(together[j][0], alone[0][0], rtol=0, atol=1e-6)
+
+
+def test_appending_a_short_prompt_equals_decoding_it():
+    """Prefill of a continuation of <= replay_len tokens keeps the decoder's earlier states (its floor stays):
+    exactly decoding those tokens one by one."""
+    config, params, hasher = _model("tiny")
+    opts = _opts(config)
+    seq = _random_seq(config, 30, 8)
+    t, extra = 20, 6
+    rows_all = hasher.row_ids(seq[None])
+
+    def start():
+        cache = init_cache(config, 2, MAX_LEN)
+        tok = np.zeros((2, t), np.int32)
+        tok[0] = seq[:t]
+        e = np.zeros((2, t) + rows_all.shape[2:], np.int32)
+        e[0] = rows_all[0, :t]
+        _, cache, _ = prefill(params, cache, tok, np.array([t, 0]), e, config=config, opts=opts, chunk=16,
+                              return_logits=True)
+        return cache
+
+    cache = start()
+    tok = np.zeros((2, extra), np.int32)
+    tok[0] = seq[t:t + extra]
+    e = np.zeros((2, extra) + rows_all.shape[2:], np.int32)
+    e[0] = rows_all[0, t:t + extra]
+    last_a, cache_a, _ = prefill(params, cache, tok, np.array([extra, 0]), e, config=config, opts=opts, chunk=16,
+                                 return_logits=True)
+    cache = start()
+    for i in range(extra):
+        e1 = np.zeros((2,) + rows_all.shape[2:], np.int32)
+        e1[0] = rows_all[0, t + i]
+        last_b, cache = decode_step(params, cache, np.array([seq[t + i], 0]), e1, np.array([True, False]),
+                                    config=config, opts=opts)
+    np.testing.assert_allclose(np.asarray(last_a)[0], np.asarray(last_b)[0], rtol=0, atol=TOL)
+    for a, b in zip(jax.tree.leaves(cache_a["swa"]), jax.tree.leaves(cache["swa"])):
+        np.testing.assert_allclose(np.asarray(a)[0], np.asarray(b)[0], rtol=0, atol=TOL)
+    assert int(cache_a["length"][0]) == t + extra and int(cache_a["floor"][0]) == int(cache["floor"][0])
+
+
+def test_hsi_pool_ids_gathered_and_streamed_scoring_equal_whole_row_masking():
+    """The decode gather path and the streaming (key-block) path select exactly what scoring the whole row,
+    masking to the pool and one top-k select — ties included (exact-zero scores)."""
+    key = jax.random.split(jax.random.PRNGKey(11), 4)
+    b, c, h, d, n = 2, 3, 4, 8, 40
+    q = jax.random.normal(key[0], (b, c, h, d))
+    w = jax.random.normal(key[1], (b, c, h))
+    keys = jax.random.normal(key[2], (b, n, d))
+    keys = keys.at[:, 5:9].set(0.0).at[:, 30:33].set(0.0)  # exact-zero scores: ties resolve to lower entries
+    pos = jnp.array([[7, 22, 39], [0, 13, 31]])
+
+    @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+    def run(ratio, bs, kb, topk, key_block):
+        scores = mask_invisible(indexer_scores(q, w, keys), pos, ratio)
+        ids = candidate_block_ids(scores, pos, ratio, bs, kb)
+        mask = candidate_blocks(scores, pos, ratio, bs, kb)
+        want = select_topk(restrict_to_pool(scores, mask, bs), topk)
+        gathered = pooled_topk(q, w, keys, pos, ids, ratio=ratio, block_size=bs, topk=topk)
+        own, s_ids = streaming_select(q, w, keys, pos, ratio=ratio, topk=topk, block_size=bs, key_block=key_block,
+                                      candidate_topk_blocks=kb)
+        restricted, _ = streaming_select(q, w, keys, pos, ratio=ratio, topk=topk, block_size=bs,
+                                         key_block=key_block, pool_mask=mask)
+        return (block_ids_to_mask(ids, mask.shape[-1]), mask, gathered, want, s_ids, ids, own,
+                select_topk(scores, topk), restricted)
+
+    for args in [(1, 4, 3, 5, 8), (2, 2, 4, 3, 6), (1, 8, 2, 20, 16), (1, 4, 20, 50, 12), (2, 4, 3, 4, 40)]:
+        out = [np.asarray(o) for o in run(*args)]
+        np.testing.assert_array_equal(out[0], out[1])  # pool ids == the ops' block mask
+        np.testing.assert_array_equal(out[2], out[3])  # gathered pool scoring == masking
+        np.testing.assert_array_equal(out[4], out[5])  # streamed candidate blocks == whole row
+        np.testing.assert_array_equal(out[6], out[7])  # streamed own top-k == whole row
+        np.testing.assert_array_equal(out[8], out[3])  # streamed pool-restricted top-k == masking
+
+
+def test_decode_gather_and_mask_paths_agree():
+    """Decode scores Reindex layers on the gathered pool by default; masking the full row gives the same."""
+    config, params, hasher = _model("tiny")
+    seq = _random_seq(config, 30, 9)
+    t = 21
+    rows = hasher.row_ids(seq[None])
+    opts = _opts(config)
+    cache = init_cache(config, 2, MAX_LEN)
+    tok = np.zeros((2, t), np.int32)
+    tok[0] = seq[:t]
+    e = np.zeros((2, t) + rows.shape[2:], np.int32)
+    e[0] = rows[0, :t]
+    _, cache, _ = prefill(params, cache, tok, np.array([t, 0]), e, config=config, opts=opts, chunk=16,
+                          return_logits=True)
+    caches = {"gather": cache, "mask": jax.tree.map(jnp.copy, cache)}
+    out = {k: [] for k in caches}
+    for i in range(t, len(seq)):
+        e1 = np.zeros((2,) + rows.shape[2:], np.int32)
+        e1[0] = rows[0, i]
+        for k, o in (("gather", opts), ("mask", _opts(config, hsi_gather=False))):
+            lg, caches[k] = decode_step(params, caches[k], np.array([seq[i], 0]), e1, np.array([True, False]),
+                                        config=config, opts=o)
+            out[k].append(np.asarray(lg)[0])
+    np.testing.assert_allclose(np.stack(out["gather"]), np.stack(out["mask"]), rtol=0, atol=1e-6)
+
+
+def test_tiled_moe_equals_the_model_moe():
+    """The engine's tiled grouped-matmul MoE computes ops.moe exactly (up to float32 summation order), from one
+    token (decode) to many (prefill chunks), with experts that get no tokens."""
+    from dsv41_jax.inference.moe import moe_inference
+    from dsv41_jax.ops.moe import moe
+
+    config, params, _ = _model("tiny")
+    p = params["layers"][3]["ffn"]
+    kw = dict(top_k=config.num_experts_per_tok, temp=1.0, scaling=1.5, limit=config.swiglu_limit)
+
+    @functools.partial(jax.jit, static_argnums=(1,))
+    def both(x, tile):
+        return moe_inference(x, p, tile=tile, **kw), moe(x, p, impl="dense", **kw)[0]
+
+    rng = np.random.default_rng(0)
+    for m, tile in [(1, None), (5, 8), (70, None), (70, 16)]:
+        x = jnp.asarray(rng.standard_normal((m, config.hidden_size)), jnp.float32)
+        got, want = both(x, tile)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)

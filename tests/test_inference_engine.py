@@ -1,0 +1,155 @@
+"""The generation engine: cache accounting, batched generation (determinism, seeds, stop tokens, limits,
+streaming), bad input, sampling filters, and the ``dsv41 generate`` command."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax import Engine, load_config
+from dsv41_jax.cli import main
+from dsv41_jax.inference import (FAST_COMPILE, EngineError, InferenceOptions, Request, cache_footprint, decode_step,
+                                 init_cache)
+from dsv41_jax.inference.cache import abstract_cache, tree_bytes
+from dsv41_jax.inference.sampling import SamplingError, SamplingParams, filter_logits, sample
+from dsv41_jax.inference.weights import host_random_params
+from dsv41_jax.tokenizer import ByteTokenizer
+
+MAX_LEN = 40
+
+
+def test_cache_bytes_per_token_reproduce_the_release():
+    flash = load_config("flash")
+    rel = cache_footprint(flash, "release")
+    assert rel.entries_per_token == 2.5  # three ratio-2 sources + one ratio-1 source
+    assert all((kv, k) == (288, 68) for _, kv, k in rel.per_source.values())  # FP4 main / FP4 indexer K + scales
+    assert rel.per_token == 890.0
+    assert cache_footprint(flash, "bfloat16").per_token == 2.5 * (512 + 128) * 2  # 3200 B
+    assert cache_footprint(flash, "float32").per_token == 2.5 * (512 + 128) * 4  # 6400 B
+    # allocated bytes = what init_cache really holds (rings, partial groups, lengths; no Engram history there)
+    tiny = load_config("tiny")
+    for dtype in ("float32", "bfloat16"):
+        fp = cache_footprint(tiny, dtype, batch=3, max_len=101)
+        held = tree_bytes(abstract_cache(tiny, 3, 101, jnp.dtype(dtype)))
+        engram = 3 * (tiny.engram_max_ngram_size - 1) * 4  # kept on the host with the hasher
+        assert fp.allocated == held + engram
+    # and it grows linearly with the context
+    a = cache_footprint(flash, "release", batch=1, max_len=1 << 16).allocated
+    b = cache_footprint(flash, "release", batch=1, max_len=1 << 17).allocated
+    assert b - a == 890 * (1 << 16)
+
+
+@functools.lru_cache(maxsize=None)
+def _engine():
+    config = load_config("tiny").replace(quant_sim=False)
+    params = host_random_params(config, 3, std=0.1)
+    opts = InferenceOptions(compiler_options=FAST_COMPILE)
+    return Engine(config, params, max_batch=3, max_len=MAX_LEN, tokenizer=ByteTokenizer(), prefill_chunk=16,
+                  options=opts)
+
+
+def _prompt(n, seed):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 259, n)]
+
+
+def test_generation_is_deterministic_streamed_and_batch_independent():
+    eng = _engine()
+    prompts = [_prompt(5, 0), _prompt(23, 1), "Hi there"]
+    streamed = {i: [] for i in range(3)}
+    a = eng.generate(prompts, max_new_tokens=6, stop_tokens=(), on_token=lambda i, t: streamed[i].append(t))
+    b = eng.generate(prompts, max_new_tokens=6, stop_tokens=())
+    for i in range(3):
+        assert a[i].ok and a[i].finish_reason == "length" and len(a[i].tokens) == 6
+        assert a[i].tokens == b[i].tokens == streamed[i]  # greedy is deterministic; the stream is the result
+    assert a[2].prompt_len == len("Hi there") + 1 and a[2].text is not None  # text prompts use the tokenizer (+bos)
+    alone = eng.generate([prompts[1]], max_new_tokens=6, stop_tokens=())
+    assert alone[0].tokens == a[1].tokens  # a mixed-length batch gives each sequence what it gets alone
+    st = eng.last_stats
+    assert st.new_tokens == 6 and st.prompt_tokens == 23 and st.decode_s > 0
+
+
+def test_sampling_seeds_stop_tokens_and_limits():
+    eng = _engine()
+    p = _prompt(9, 2)
+    kw = dict(max_new_tokens=8, stop_tokens=())
+    s1 = eng.generate([Request(p, temperature=1.0, seed=1, **kw), Request(p, temperature=1.0, seed=1, **kw),
+                       Request(p, temperature=1.0, seed=2, **kw)])
+    assert s1[0].tokens == s1[1].tokens != s1[2].tokens  # explicit seeds: same seed, same sample
+    again = eng.generate([Request(p, temperature=1.0, seed=2, **kw)])
+    assert again[0].tokens == s1[2].tokens  # ... independent of the slot and of the other requests
+    greedy = eng.generate([p], **kw)[0].tokens
+    assert eng.generate([Request(p, temperature=0.7, top_k=1, seed=5, **kw)])[0].tokens == greedy
+    assert eng.generate([Request(p, temperature=1.0, top_p=1e-6, seed=5, **kw)])[0].tokens == greedy
+    # stop tokens end a sequence (the stop token is returned), max_new_tokens and max_len too
+    stop = eng.generate([p], max_new_tokens=8, stop_tokens=(greedy[2],))[0]
+    assert stop.finish_reason == "stop" and stop.tokens == greedy[:3]
+    near_full = _prompt(MAX_LEN - 2, 4)
+    full = eng.generate([near_full], max_new_tokens=10, stop_tokens=())[0]
+    assert full.finish_reason == "max_len" and len(full.tokens) == 3  # fed at positions 38, 39; the 3rd has no room
+
+
+def test_bad_input_is_a_clear_error_and_the_rest_is_served():
+    eng = _engine()
+    good = _prompt(7, 5)
+    want = eng.generate([good], max_new_tokens=4, stop_tokens=())[0].tokens
+    bad = [
+        ([], "empty prompt"),
+        (_prompt(MAX_LEN + 1, 6), "longer than max_len"),
+        ([5, 300, 7], "token id 300 at prompt position 1 is outside the vocabulary"),
+        ([5, -1], "token id -1"),
+        (Request(good, temperature=-1.0), "temperature"),
+        (Request(good, temperature=float("nan")), "temperature"),
+        (Request(good, top_p=0.0), "top_p"),
+        (Request(good, top_k=-2), "top_k"),
+        (Request(good, max_new_tokens=0), "max_new_tokens"),
+        (Request(good, stop_tokens=(999,)), "stop token 999"),
+        ([1.5, 2.0], "integer token ids"),
+    ]
+    for prompt, message in bad:
+        res = eng.generate([prompt, good], max_new_tokens=4, stop_tokens=())
+        assert res[0].finish_reason == "error" and message in res[0].error, (prompt, res[0].error)
+        assert res[1].ok and res[1].tokens == want  # the valid request in the same batch is served as usual
+    with pytest.raises(EngineError, match="max_batch=3"):
+        eng.generate([good] * 4)
+    no_tok = Engine(eng.config, eng.params, max_batch=1, max_len=8, options=eng.options)
+    assert "needs a tokenizer" in no_tok.generate(["text"])[0].error
+    with pytest.raises(EngineError, match="max_len"):
+        Engine(eng.config, eng.params, max_batch=1, max_len=0)
+    with pytest.raises(ValueError, match="vocabulary"):
+        decode_step(eng.params, init_cache(eng.config, 1, 8), np.array([400]), np.zeros((1, 2, 6), np.int32),
+                    config=eng.config)
+    with pytest.raises(SamplingError, match="top_p"):
+        SamplingParams(top_p=1.5).validate()
+
+
+def test_sampling_filters():
+    logits = jnp.log(jnp.array([[0.5, 0.25, 0.15, 0.1], [0.1, 0.2, 0.3, 0.4]]))
+    one = jnp.ones((2,))
+    # top-k 2: two survivors per row
+    z = filter_logits(logits, one, jnp.array([2, 2]), one)
+    assert (np.isfinite(np.asarray(z)).sum(-1) == 2).all()
+    # top-p 0.6: the smallest prefix reaching 0.6 (row 0: 0.5 + 0.25; row 1: 0.4 + 0.3)
+    z = filter_logits(logits, one, jnp.zeros((2,), jnp.int32), jnp.array([0.6, 0.6]))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(z)), [[1, 1, 0, 0], [0, 0, 1, 1]])
+    # empirical frequencies follow the filtered, temperature-scaled distribution
+    n = 4000
+    lg = jnp.broadcast_to(logits[0], (n, 4))
+    draws = jax.jit(sample)(lg, jnp.full((n,), 1.0), jnp.zeros((n,), jnp.int32), jnp.full((n,), 0.8),
+                            jnp.arange(n), jnp.zeros((n,), jnp.int32))
+    freq = np.bincount(np.asarray(draws), minlength=4) / n
+    np.testing.assert_allclose(freq, [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0], atol=0.03)
+    assert math.isclose(float(np.asarray(sample(logits, jnp.zeros((2,)), jnp.zeros((2,), jnp.int32), one,
+                                                jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.int32)))[1]), 3)
+
+
+def test_cli_generate(capsys):
+    rc = main(["generate", "--config", "tiny", "--prompt", "Hello", "--max-new-tokens", "4", "--seed", "1"])
+    assert rc == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("Hello")
+    assert "B/token" in err and "890" not in err and "tok/s" in err and "prefill" in err
+    assert main(["generate", "--config", "tiny", "--prompt", "Hi", "--max-new-tokens", "0"]) == 2
+    assert "max-new-tokens" in capsys.readouterr().err
