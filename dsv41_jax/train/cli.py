@@ -1,0 +1,108 @@
+"""``dsv41 train``: fine-tune / train a model on text or JSONL with orbax checkpoints (registered by dsv41_jax.cli).
+
+    dsv41 train --config tiny --data corpus/ --glob '*.txt' --steps 1000 --ckpt-dir ckpt/ --metrics metrics.jsonl
+
+Re-running the same command resumes from the latest checkpoint in ``--ckpt-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("train", help="train / fine-tune with optax + orbax checkpoints (resumable)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = s.add_argument_group("model and data")
+    g.add_argument("--config", default="tiny", help="model preset (configs/*.py), config.json or checkpoint dir")
+    g.add_argument("--data", nargs="+", required=True, help="text / JSONL files or directories")
+    g.add_argument("--glob", default="*", help="file name patterns inside directories (comma-separated)")
+    g.add_argument("--exclude", default="", help="skip directories with these names (comma-separated patterns)")
+    g.add_argument("--text-key", default="text", help="JSONL field holding the document text")
+    g.add_argument("--tokenizer", default=None, help="HF tokenizer.json (default: byte-level)")
+    g.add_argument("--max-docs", type=int, default=None)
+    g.add_argument("--init-from", default=None, help="start from these parameters (any checkpoint kind)")
+    g = s.add_argument_group("schedule")
+    g.add_argument("--steps", type=int, default=1000)
+    g.add_argument("--seq-len", type=int, default=256)
+    g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--packing", choices=("concat", "pad", "segments"), default="concat")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--time-limit", type=float, default=None, help="seconds; shrinks --steps to fit after a probe")
+    g = s.add_argument_group("optimiser")
+    g.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--schedule", choices=("cosine", "linear", "constant", "wsd"), default="cosine")
+    g.add_argument("--warmup", type=int, default=100)
+    g.add_argument("--min-lr-ratio", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--b2", type=float, default=0.95)
+    g.add_argument("--grad-clip", type=float, default=1.0)
+    g.add_argument("--train-only", action="append", default=[], metavar="REGEX",
+                   help="train only parameters whose path matches (repeatable), e.g. '/attn/'")
+    g.add_argument("--freeze", action="append", default=[], metavar="REGEX",
+                   help="freeze parameters whose path matches (repeatable), e.g. 'engram/embed'")
+    g = s.add_argument_group("numerics and model options")
+    g.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype")
+    g.add_argument("--quant-sim", choices=("config", "on", "off"), default="config")
+    g.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"), default="none")
+    g.add_argument("--moe-impl", choices=("ragged", "dense", "expert_parallel"), default="ragged")
+    g.add_argument("--query-chunk", type=int, default=256)
+    g.add_argument("--bias-update-rate", type=float, default=1e-3, help="noaux expert-bias update (0 = off)")
+    g.add_argument("--aux-loss", type=float, default=0.0, help="sequence-wise balance loss coefficient")
+    g.add_argument("--indexer-loss", choices=("off", "dense", "sparse"), default="off")
+    g.add_argument("--indexer-loss-coef", type=float, default=1.0)
+    g.add_argument("--mesh", default=None, help="e.g. data=2,expert=4 (default: one device)")
+    g.add_argument("--rules", default="tp")
+    g = s.add_argument_group("checkpoints and logs")
+    g.add_argument("--ckpt-dir", default=None, help="orbax checkpoint directory (resumes from its latest step)")
+    g.add_argument("--save-every", type=int, default=1000)
+    g.add_argument("--keep", type=int, default=3)
+    g.add_argument("--metrics", default=None, help="append JSON lines of metrics here")
+    g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--export", default=None, help="write inference parameters here at the end")
+    g.add_argument("--export-format", choices=("orbax", "safetensors"), default="orbax")
+    g.add_argument("--allow-data-change", action="store_true",
+                   help="resume parameters/optimiser from --ckpt-dir even though the data differ")
+    s.set_defaults(fn=run)
+
+
+def run(args) -> int:
+    from dsv41_jax.config import load_config
+    from dsv41_jax.train.config import TrainConfig
+    from dsv41_jax.train.trainer import train
+
+    config = load_config(args.config)
+    tc = TrainConfig(
+        seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, packing=args.packing, seed=args.seed,
+        optimizer=args.optimizer, lr=args.lr, schedule=args.schedule, warmup_steps=args.warmup,
+        min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, b2=args.b2, grad_clip=args.grad_clip,
+        trainable=tuple(args.train_only), frozen=tuple(args.freeze), compute_dtype=args.dtype,
+        quant_sim=None if args.quant_sim == "config" else args.quant_sim == "on", remat=args.remat,
+        moe_impl=args.moe_impl, query_chunk=args.query_chunk, bias_update_rate=args.bias_update_rate,
+        aux_loss_coef=args.aux_loss, indexer_loss=args.indexer_loss, indexer_loss_coef=args.indexer_loss_coef)
+    mesh = None
+    if args.mesh:
+        from dsv41_jax.parallel.mesh import make_mesh
+
+        mesh = make_mesh(args.mesh)
+    print(f"# train {config.name}: {config.num_hidden_layers} layers, d={config.hidden_size}; batch "
+          f"{tc.batch_size}x{tc.seq_len}, {tc.steps} steps, {tc.optimizer} lr {tc.lr}, {tc.compute_dtype}",
+          file=sys.stderr)
+    result = train(config, tc, args.data, tokenizer=args.tokenizer, glob=args.glob, text_key=args.text_key,
+                   ckpt_dir=args.ckpt_dir, save_every=args.save_every, keep=args.keep, metrics_path=args.metrics,
+                   log_every=args.log_every, progress=not args.no_progress, init_from=args.init_from,
+                   export_dir=args.export, export_format=args.export_format, time_limit=args.time_limit,
+                   mesh=mesh, rules=args.rules, allow_data_change=args.allow_data_change, max_docs=args.max_docs,
+                   exclude=args.exclude)
+    how = "stopped by SIGTERM at" if result.stopped_by_signal else "finished at"
+    resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from is not None else ""
+    loss = f"; final loss {result.final_loss:.4f}" if result.final_loss is not None else ""
+    print(f"# {how} step {result.step}/{result.schedule_steps}{resumed}{loss}", file=sys.stderr)
+    if args.ckpt_dir:
+        print(f"# checkpoint: {args.ckpt_dir}", file=sys.stderr)
+    if result.export_dir:
+        print(f"# exported parameters: {result.export_dir}", file=sys.stderr)
+    return 0

@@ -1,0 +1,119 @@
+"""Training hyper-parameters: one frozen, validated dataclass (saved with every checkpoint).
+
+The model architecture is a :class:`dsv41_jax.ModelConfig`; this object only says how to train it. Invalid values
+fail at construction with a message naming the field (like the model config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping
+
+
+class TrainConfigError(ValueError):
+    """An invalid training configuration; the message names the field."""
+
+
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
+PACKING = ("concat", "pad", "segments")
+REMAT = ("none", "full", "dots", "dots_no_batch")
+INDEXER_LOSS = ("off", "dense", "sparse")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    # --- batch ------------------------------------------------------------------------------------
+    seq_len: int = 256
+    batch_size: int = 8
+    steps: int = 1000
+    packing: str = "concat"  # concat: one token stream cut into rows | pad: one document per row | segments: packed
+    seed: int = 0
+    # --- optimiser --------------------------------------------------------------------------------
+    optimizer: str = "adamw"  # adamw | muon (optax.contrib.muon; non-matrix parameters use its AdamW branch)
+    lr: float = 3e-4
+    schedule: str = "cosine"  # cosine | linear | constant | wsd (warmup-stable-decay, last `decay_frac` decays)
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    decay_frac: float = 0.2  # wsd only
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # decoupled; matrices only (norms, biases, sinks, mHC base/scale are not decayed)
+    grad_clip: float = 1.0  # global norm over the trainable parameters; 0 disables
+    # --- what trains ------------------------------------------------------------------------------
+    trainable: tuple[str, ...] = ()  # regexes over parameter paths ("layers/3/attn/wq_a"); empty = everything
+    frozen: tuple[str, ...] = ()  # regexes; applied after `trainable`
+    # --- numerics ---------------------------------------------------------------------------------
+    compute_dtype: str = "bfloat16"  # forward/backward dtype; master weights and optimiser state stay float32
+    quant_sim: bool | None = None  # None -> the model config's (release fake quantisation, straight-through grads)
+    remat: str = "none"  # none | full | dots | dots_no_batch (jax.checkpoint policy around the forward)
+    moe_impl: str = "ragged"
+    query_chunk: int = 256
+    # --- MoE balance ------------------------------------------------------------------------------
+    bias_update_rate: float = 1e-3  # DeepSeekMoE noaux: bias += rate * sign(mean load - load); 0 disables
+    aux_loss_coef: float = 0.0  # sequence-wise balance loss (DeepSeek-V3 form); 0 disables
+    # --- indexer (KL objective of the DSA lineage; the indexer input is detached) ------------------
+    indexer_loss: str = "off"  # off | dense (warm-up: all visible entries) | sparse (the selected top-k only)
+    indexer_loss_coef: float = 1.0
+
+    def __post_init__(self):
+        for name in ("trainable", "frozen"):
+            v = getattr(self, name)
+            if isinstance(v, str):
+                v = (v,)
+            object.__setattr__(self, name, tuple(v))
+        self._validate()
+
+    def _validate(self) -> None:
+        def err(name, msg):
+            return TrainConfigError(f"train config field `{name}`: {msg}")
+
+        for name in ("seq_len", "batch_size", "steps", "query_chunk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise err(name, f"must be a positive integer, got {v!r}")
+        if self.seq_len < 2:
+            raise err("seq_len", f"must be at least 2, got {self.seq_len}")
+        if self.warmup_steps < 0:
+            raise err("warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        for name, choices in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("packing", PACKING),
+                              ("remat", REMAT), ("indexer_loss", INDEXER_LOSS), ("compute_dtype", DTYPES)):
+            if getattr(self, name) not in choices:
+                raise err(name, f"must be one of {choices}, got {getattr(self, name)!r}")
+        if not self.lr > 0:
+            raise err("lr", f"must be > 0, got {self.lr}")
+        for name in ("min_lr_ratio", "decay_frac"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise err(name, f"must be in [0, 1], got {getattr(self, name)}")
+        for name in ("weight_decay", "grad_clip", "bias_update_rate", "aux_loss_coef", "indexer_loss_coef", "eps"):
+            if getattr(self, name) < 0:
+                raise err(name, f"must be >= 0, got {getattr(self, name)}")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise err(name, f"must be in [0, 1), got {getattr(self, name)}")
+        if self.moe_impl not in ("ragged", "dense", "expert_parallel"):
+            raise err("moe_impl", f"must be ragged, dense or expert_parallel, got {self.moe_impl!r}")
+        for name in ("trainable", "frozen"):
+            for pattern in getattr(self, name):
+                try:
+                    re.compile(pattern)
+                except re.error as e:
+                    raise err(name, f"invalid regex {pattern!r}: {e}") from None
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise TrainConfigError(f"unknown train config fields: {unknown}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})

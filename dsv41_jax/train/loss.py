@@ -1,0 +1,219 @@
+"""Training losses: masked next-token cross-entropy, DeepSeekMoE balance terms, and the indexer KL objective.
+
+Indexer objective (the DSA / V3.2 lineage, adapted to CSA2): for every layer that runs an indexer (Full and
+Reindex), the target distribution over compressed entries is that layer's own main attention restricted to the
+compressed entries — a softmax per head over the candidate set, summed over heads and L1-normalised — and the
+indexer is trained to match it with ``KL(p_t || softmax(I_t))``:
+
+* ``dense`` (warm-up): the candidate set is every entry visible to query t (causal, same document);
+* ``sparse``: the candidate set is the top-k the forward actually selected for t.
+
+The indexer input is detached: the target, the attention-site input, the query latent, the compressed latent and
+(in Reindex layers) the shared indexer keys are ``stop_gradient``-ed, so the KL trains only the indexer's own
+weights (``wq_b``, ``weights_proj`` and, in Full layers, ``wk`` / ``k_norm``) and the LM loss never reaches them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.ops import quant
+from dsv41_jax.ops.compressor import compress_sequence
+from dsv41_jax.ops.indexer import indexer_scores
+from dsv41_jax.ops.norms import rms_norm
+from dsv41_jax.ops.rope import apply_rope, cos_sin
+from dsv41_jax.plan import FULL
+
+_HI = jax.lax.Precision.HIGHEST
+_NEG = -1e30  # finite "minus infinity": keeps empty rows NaN-free in both directions
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# language-model loss
+# ----------------------------------------------------------------------------------------------------------------
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Masked next-token cross-entropy. logits [B, T, V] (any float), targets [B, T] int, mask [B, T].
+
+    Returns (sum of per-token losses, number of counted tokens), both float32 scalars.
+    """
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    tgt = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    m = mask.astype(jnp.float32)
+    return jnp.sum((lse - tgt) * m), jnp.sum(m)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MoE balance
+# ----------------------------------------------------------------------------------------------------------------
+
+def expert_load(indices: jax.Array, valid: jax.Array, n_experts: int) -> jax.Array:
+    """Tokens routed to each expert: indices [M, k] int, valid [M] -> [E] float32."""
+    w = jnp.broadcast_to(valid.reshape(-1, 1).astype(jnp.float32), indices.shape)
+    return jnp.zeros((n_experts,), jnp.float32).at[indices.reshape(-1)].add(w.reshape(-1))
+
+
+def noaux_bias_update(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
+    """DeepSeekMoE's auxiliary-loss-free balancing: raise the selection bias of under-loaded experts and lower it
+    for over-loaded ones by ``rate`` (the sign of the load error)."""
+    mean = jnp.mean(load)
+    return (bias.astype(jnp.float32) + rate * jnp.sign(mean - load)).astype(bias.dtype)
+
+
+def balance_loss(scores: jax.Array, indices: jax.Array, valid: jax.Array, top_k: int) -> jax.Array:
+    """Sequence-wise balance loss (DeepSeek-V3 form), 1.0 when perfectly balanced.
+
+    scores [B·T, E] router affinities (differentiable), indices [B·T, k], valid [B, T].
+    L = mean_b Σ_e f_e P_e with f_e = E/(k·T_b) Σ_t 1[e ∈ topk(t)], P_e = 1/T_b Σ_t s_{t,e} / Σ_e' s_{t,e'}.
+    """
+    b, t = valid.shape
+    e = scores.shape[-1]
+    v = valid.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(v, axis=1), 1.0)  # [B]
+    s = scores.astype(jnp.float32).reshape(b, t, e)
+    s = s / (jnp.sum(s, axis=-1, keepdims=True) + 1e-20)
+    p = jnp.sum(s * v[..., None], axis=1) / n[:, None]  # [B, E]
+    onehot = jax.nn.one_hot(indices.reshape(b, t, -1), e, dtype=jnp.float32).sum(axis=2)  # [B, T, E]
+    f = jnp.sum(onehot * v[..., None], axis=1) * (e / (top_k * n[:, None]))
+    return jnp.mean(jnp.sum(jax.lax.stop_gradient(f) * p, axis=-1))
+
+
+def load_balance_stats(loads: jax.Array) -> dict:
+    """loads [L, E] -> max/mean ratio per layer, averaged ("balance": 1.0 = perfect) and worst over layers."""
+    ratio = jnp.max(loads, axis=-1) / jnp.maximum(jnp.mean(loads, axis=-1), 1e-9)
+    return {"balance": jnp.mean(ratio), "balance_worst": jnp.max(ratio)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# indexer KL
+# ----------------------------------------------------------------------------------------------------------------
+
+def _linear(x, w):
+    return jnp.einsum("...i,oi->...o", x, w, precision=_HI)
+
+
+def _sum_over_query_chunks(fn, t: int, chunk: int, *arrays):
+    """Σ over query chunks of ``fn(*chunk_arrays)`` -> (sum, count); arrays have the query axis at 1."""
+    if t <= chunk:
+        return fn(*arrays)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+
+    def split(a):
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(a.shape[0], n, chunk, *a.shape[2:]), 1, 0)
+
+    sums, counts = jax.lax.map(lambda xs: fn(*xs), tuple(split(a) for a in arrays))
+    return jnp.sum(sums), jnp.sum(counts)
+
+
+def _kl_rows(p_logits: jax.Array, i_scores: jax.Array, cand: jax.Array, weight: jax.Array):
+    """p_logits [B, C, H, K] main attention logits, i_scores [B, C, K] indexer scores, cand [B, C, K] bool
+    candidate set, weight [B, C] query weights -> (Σ weight · KL, Σ weight over rows with a candidate)."""
+    p_logits = jnp.where(cand[:, :, None, :], p_logits, _NEG)
+    p = jax.nn.softmax(p_logits, axis=-1) * cand[:, :, None, :]
+    p = jnp.sum(p, axis=2)
+    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    p = jax.lax.stop_gradient(p)
+    log_q = jax.nn.log_softmax(jnp.where(cand, i_scores, _NEG), axis=-1)
+    kl = jnp.sum(jax.scipy.special.xlogy(p, p) - jnp.where(cand, p * log_q, 0.0), axis=-1)
+    w = weight * jnp.any(cand, axis=-1)
+    return jnp.sum(kl * w), jnp.sum(w)
+
+
+def indexer_kl_loss(params: dict, attn_inputs: dict, topk: dict | None, config: ModelConfig, positions: jax.Array,
+                    rope: dict, *, mode: str, quant_on: bool, weight: jax.Array, chunk: int = 256,
+                    segments: jax.Array | None = None):
+    """Mean KL over every indexer layer. ``attn_inputs[l]`` is layer l's normalised attention-site input [B, T, d]
+    (from the forward), ``topk[l]`` its selection (``sparse`` mode). Returns (loss, {layer: kl})."""
+    if segments is not None:
+        from dsv41_jax.ops.compressor import compress_packed
+        from dsv41_jax.ops.indexer import packed_entry_layout
+    c = config
+    sg = jax.lax.stop_gradient
+    per_layer = {}
+    total = jnp.zeros((), jnp.float32)
+    n_layers = 0
+    for spec in c.plan:
+        if not spec.runs_indexer:
+            continue
+        src = spec.kv_source
+        p_src = params["layers"][src]["attn"]
+        x_src = sg(attn_inputs[src])
+        if segments is None:
+            latent = compress_sequence(x_src, sg(p_src["compressor"]), spec.ratio, c.rms_norm_eps)
+            entry_pos = (jnp.arange(latent.shape[1]) * spec.ratio)[None, :]
+            entries = None
+        else:
+            latent, valid = compress_packed(x_src, sg(p_src["compressor"]), spec.ratio, c.rms_norm_eps, positions,
+                                            segments)
+            entry_pos = positions
+            entries = packed_entry_layout(positions, segments, valid, spec.ratio, c.candidate_block_size)
+        n_entries = latent.shape[1]
+        if n_entries == 0:
+            continue
+        ccos, csin = cos_sin(rope["compress"], entry_pos)
+        ip_src = p_src["indexer"] if spec.mode == FULL else sg(p_src["indexer"])
+        keys = apply_rope(rms_norm(_linear(latent, ip_src["wk"]), ip_src["k_norm"], c.rms_norm_eps), ccos, csin)
+        kv = sg(apply_rope(latent, ccos, csin))
+        if quant_on:
+            keys = quant.fake_quant_fp4_e2m1_block(keys, 32, scale_format="ue8m0")
+            kv = sg(quant.fake_quant_fp4_e2m1_block(kv, 16, scale_format="e4m3"))
+
+        pa = sg({k: v for k, v in params["layers"][spec.index]["attn"].items() if k != "indexer"})
+        ip = params["layers"][spec.index]["attn"]["indexer"]
+        x = sg(attn_inputs[spec.index])
+        b, t, _ = x.shape
+        cos, sin = cos_sin(rope["compress"], positions)
+        q_res = sg(rms_norm(_linear(x, pa["wq_a"]), pa["q_norm"], c.rms_norm_eps))
+        q = sg(apply_rope(_linear(q_res, pa["wq_b"]).reshape(b, t, c.num_attention_heads, c.head_dim),
+                          cos[:, :, None], sin[:, :, None]))
+        qi = apply_rope(_linear(q_res, ip["wq_b"]).reshape(b, t, c.index_n_heads, c.index_head_dim),
+                        cos[:, :, None], sin[:, :, None])
+        if quant_on:
+            qi = quant.fake_quant_fp4_e2m1_block(qi, 32, scale_format="ue8m0")
+        w = _linear(x, ip["weights_proj"]).astype(jnp.float32) * (c.index_n_heads ** -0.5)
+        scale = c.head_dim ** -0.5
+        ratio = spec.ratio
+
+        if mode == "dense":
+            def one(qc, qic, wc, pc, wtc, *seg):
+                scores = indexer_scores(qic, wc, keys)  # [B, C, N]
+                logits = jnp.einsum("bchd,bnd->bchn", qc.astype(jnp.float32), kv.astype(jnp.float32),
+                                    precision=_HI) * scale
+                ent = jnp.arange(n_entries)
+                if entries is None:
+                    cand = ent[None, None, :] < ((pc + 1) // ratio)[..., None]
+                else:
+                    cand = (entries["valid"][:, None, :] & (entries["segments"][:, None, :] == seg[0][:, :, None])
+                            & (entries["rank"][:, None, :] < ((pc + 1) // ratio)[..., None]))
+                return _kl_rows(logits, scores, cand, wtc)
+
+            args = (q, qi, w, positions, weight) + ((segments,) if segments is not None else ())
+        else:
+            sel = topk[spec.index]  # [B, T, K]
+            if sel.shape[-1] == 0:
+                continue
+
+            def one(qc, qic, wc, selc, wtc):
+                safe = jnp.clip(selc, 0, n_entries - 1)
+                k_sel = jax.vmap(lambda kb, ib: kb[ib])(keys, safe)  # [B, C, K, di]
+                c_sel = jax.vmap(lambda cb, ib: cb[ib])(kv, safe)  # [B, C, K, hd]
+                dots = jnp.einsum("bchd,bckd->bchk", qic.astype(jnp.float32), k_sel.astype(jnp.float32),
+                                  precision=_HI)
+                scores = jnp.einsum("bchk,bch->bck", jax.nn.relu(dots) * (c.index_head_dim ** -0.5),
+                                    wc.astype(jnp.float32), precision=_HI)
+                logits = jnp.einsum("bchd,bckd->bchk", qc.astype(jnp.float32), c_sel.astype(jnp.float32),
+                                    precision=_HI) * scale
+                return _kl_rows(logits, scores, selc >= 0, wtc)
+
+            args = (q, qi, w, sel, weight)
+        s, n = _sum_over_query_chunks(one, t, chunk, *args)
+        kl = s / jnp.maximum(n, 1.0)
+        per_layer[spec.index] = kl
+        total = total + kl
+        n_layers += 1
+    return total / max(n_layers, 1), per_layer

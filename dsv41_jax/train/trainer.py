@@ -1,0 +1,245 @@
+"""The training loop: data -> jitted train step -> progress bar, metrics file, orbax checkpoints, exports.
+
+``train(...)`` is what ``dsv41 train`` runs. Resuming is automatic: with a checkpoint directory that already holds a
+checkpoint of the same model config, the parameters, optimiser state, RNG and data position are restored and the
+run continues where the checkpoint left off (bit-identical to an uninterrupted run on the same machine). SIGTERM
+makes the loop save a checkpoint at the next step boundary and return.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Sequence
+
+import jax
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.train.config import TrainConfig
+from dsv41_jax.train.data import DataError, DataLoader, Dataset, load_corpus
+from dsv41_jax.train.optimizer import lr_at
+from dsv41_jax.train.step import TrainError, canonical_shardings, canonical_state, make_train_step, place_state
+
+
+@dataclasses.dataclass
+class TrainResult:
+    state: dict
+    step: int
+    history: list  # [(step, metrics dict)] of logged steps
+    schedule_steps: int
+    stopped_by_signal: bool = False
+    resumed_from: int | None = None
+    export_dir: str | None = None
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.history[-1][1]["ce"] if self.history else None
+
+
+class Progress:
+    """A one-line progress bar on a TTY (plain log lines otherwise): step, loss, tokens/s, expert balance."""
+
+    def __init__(self, total: int, start: int, enabled: bool = True, stream=None):
+        self.total, self.enabled = total, enabled
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0 = time.perf_counter()
+        self.start = start
+
+    def update(self, step: int, m: dict) -> None:
+        if not self.enabled:
+            return
+        done = (step - self.start) / max(1, self.total - self.start)
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / max(done, 1e-9) * (1 - done) if done > 0 else float("nan")
+        width = 24
+        bar = "#" * int(width * done) + "." * (width - int(width * done))
+        extra = f" kl {m['indexer_kl']:.3f}" if "indexer_kl" in m else ""
+        line = (f"[{bar}] {step}/{self.total} loss {m['ce']:.4f}{extra} | {m['tokens_per_s']:,.0f} tok/s | "
+                f"balance {m['balance']:.2f} | lr {m['lr']:.2e} | eta {eta:,.0f}s")
+        if self.tty:
+            self.stream.write("\r" + line.ljust(110))
+            if step >= self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def _to_host(m: dict) -> dict:
+    return {k: float(v) for k, v in jax.device_get(m).items()}
+
+
+def _load_tokenizer(tokenizer, config: ModelConfig):
+    from dsv41_jax.tokenizer import ByteTokenizer, load_tokenizer
+
+    if tokenizer is None:
+        return ByteTokenizer(model_vocab_size=config.vocab_size)
+    if isinstance(tokenizer, str):
+        return load_tokenizer(tokenizer, model_vocab_size=config.vocab_size)
+    return tokenizer
+
+
+def train(config: ModelConfig, tc: TrainConfig, data: Sequence[str] | str, *, tokenizer=None, glob: str = "*",
+          text_key: str = "text", ckpt_dir: str | None = None, save_every: int = 1000, keep: int | None = 3,
+          metrics_path: str | None = None, log_every: int = 10, progress: bool = True, init_from: str | None = None,
+          export_dir: str | None = None, export_format: str = "orbax", time_limit: float | None = None,
+          stop_after: int | None = None, mesh=None, rules: str = "tp", handle_sigterm: bool = True,
+          async_save: bool = True, allow_data_change: bool = False, max_docs: int | None = None,
+          exclude: str = "", on_step=None) -> TrainResult:
+    """Train ``config`` with ``tc`` on ``data`` (files / directories). See the module docstring.
+
+    ``stop_after``: return after this many steps of this run (as if interrupted), saving a checkpoint.
+    ``time_limit``: seconds for this run; after a short probe the total step count (and the LR schedule) is
+    shrunk to fit, and the resolved count is recorded in the checkpoint and the metrics.
+    """
+    from dsv41_jax.checkpoint.orbax_ckpt import TrainCheckpointer
+    from dsv41_jax.model.model import default_hasher
+
+    if isinstance(data, str):
+        data = [data]
+    # ---- validate everything before touching the checkpoint directory ----------------------------------------
+    if tc.seq_len > config.max_position_embeddings:
+        raise TrainError(f"seq_len {tc.seq_len} exceeds the model's max_position_embeddings "
+                         f"{config.max_position_embeddings}")
+    tok = _load_tokenizer(tokenizer, config)
+    corpus = load_corpus(data, tok, glob=glob, text_key=text_key, model_vocab_size=config.vocab_size,
+                         max_docs=max_docs, exclude=exclude)
+    hasher = default_hasher(config, tok)
+    dataset = Dataset(corpus, seq_len=tc.seq_len, batch_size=tc.batch_size, packing=tc.packing, seed=tc.seed,
+                      hasher=hasher)
+    step_fn = make_train_step(config, tc, mesh=mesh, rules=rules)
+    if export_dir and os.path.isdir(export_dir) and os.listdir(export_dir):
+        raise TrainError(f"export directory {export_dir} is not empty; refusing to overwrite it")
+
+    ckpt = None
+    resumed_from = None
+    schedule_steps = tc.steps
+    position = {"epoch": 0, "row": 0}
+    if ckpt_dir:
+        ckpt = TrainCheckpointer(ckpt_dir, keep=keep, save_every=save_every, async_save=async_save)
+    try:
+        latest = ckpt.latest_step() if ckpt else None
+        if latest is not None:
+            ckpt.check_compatible(config, latest)
+            meta = ckpt.meta(latest)
+            saved_fp = meta.get("data_fingerprint")
+            if saved_fp and saved_fp != dataset.fingerprint() and not allow_data_change:
+                raise DataError(f"checkpoint {ckpt_dir} was trained on other data (fingerprint {saved_fp}, now "
+                                f"{dataset.fingerprint()}); pass allow_data_change / --allow-data-change to "
+                                "continue from its parameters with the new data from its start")
+            abstract = step_fn.abstract_state()
+            state, position, _ = ckpt.restore(abstract, latest, shardings=canonical_shardings(step_fn, abstract))
+            state = place_state(step_fn, state)
+            if saved_fp != dataset.fingerprint():
+                position = {"epoch": 0, "row": 0}
+            saved_tc = meta.get("train_config") or {}
+            schedule_steps = int(meta.get("schedule_steps", tc.steps))
+            if saved_tc.get("steps") != tc.steps:
+                schedule_steps = tc.steps
+            resumed_from = latest
+        else:
+            params = None
+            if init_from:
+                from dsv41_jax.checkpoint.orbax_ckpt import load_checkpoint
+
+                _, params = load_checkpoint(init_from, config=config)
+            state = step_fn.init_state(params)
+    except BaseException:
+        if ckpt:
+            ckpt.close()
+        raise
+
+    start = int(jax.device_get(state["step"]))
+    loader = DataLoader(dataset, position)
+    history: list = []
+    metrics_file = open(metrics_path, "a") if metrics_path else None
+    bar = Progress(schedule_steps, start, enabled=progress)
+    stop = threading.Event()
+    old_handler = None
+    if handle_sigterm and threading.current_thread() is threading.main_thread():
+        old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    tokens_per_step = tc.batch_size * tc.seq_len
+    step = start
+    last_saved = resumed_from
+    t_log, n_log = time.perf_counter(), 0
+    t_run = time.perf_counter()
+    probe_at = start + 20 if time_limit else None
+    t_probe = None
+    extra_meta = lambda: {"data_fingerprint": dataset.fingerprint(), "schedule_steps": schedule_steps}  # noqa: E731
+
+    def save(force=False):
+        nonlocal last_saved
+        if ckpt is None or last_saved == step:
+            return
+        ckpt.save(step, canonical_state(step_fn, state), data_position=loader.position, model_config=config,
+                  train_config=tc, extra_meta=extra_meta(), force=force)
+        last_saved = step
+
+    try:
+        while step < schedule_steps and not stop.is_set():
+            if stop_after is not None and step - start >= stop_after:
+                break
+            batch = next(loader)
+            state, m = step_fn(state, batch, lr_at(step, tc, schedule_steps))
+            step += 1
+            n_log += 1
+            if time_limit and step == start + 2:
+                jax.block_until_ready(state["step"])
+                t_probe = time.perf_counter()
+            if probe_at is not None and step == probe_at:
+                jax.block_until_ready(state["step"])
+                per_step = (time.perf_counter() - t_probe) / (probe_at - start - 2)
+                left = time_limit - (time.perf_counter() - t_run)
+                fit = step + max(0, int(left / per_step))
+                if fit < schedule_steps:
+                    schedule_steps = fit
+                    bar.total = fit
+                probe_at = None
+            if log_every and (step % log_every == 0 or step >= schedule_steps):
+                hm = _to_host(m)
+                now = time.perf_counter()
+                hm["tokens_per_s"] = n_log * tokens_per_step / max(now - t_log, 1e-9)
+                t_log, n_log = now, 0
+                hm["step"] = step
+                hm["epoch"], hm["row"] = loader.position["epoch"], loader.position["row"]
+                history.append((step, hm))
+                bar.update(step, hm)
+                if metrics_file:
+                    metrics_file.write(json.dumps({"step": step, **{k: v for k, v in hm.items() if k != "step"},
+                                                   "elapsed_s": now - t_run}) + "\n")
+                    metrics_file.flush()
+                if not math.isfinite(hm["loss"]):
+                    raise TrainError(f"loss became {hm['loss']} at step {step}")
+            if on_step is not None:
+                on_step(step, state)
+            if ckpt is not None and step % max(1, save_every) == 0:
+                save()
+        save(force=True)
+        if ckpt:
+            ckpt.wait()
+        exported = None
+        if export_dir:
+            from dsv41_jax.checkpoint.orbax_ckpt import export_params
+
+            params = jax.device_get(canonical_state(step_fn, state)["params"])
+            exported = export_params(export_dir, params, config, fmt=export_format,
+                                     extra={"step": step, "final_loss": history[-1][1]["ce"] if history else None})
+        return TrainResult(state, step, history, schedule_steps, stop.is_set(), resumed_from, exported)
+    finally:
+        loader.close()
+        if metrics_file:
+            metrics_file.close()
+        if old_handler is not None:
+            signal.signal(signal.SIGTERM, old_handler)
+        if ckpt:
+            ckpt.close()
+
+
+__all__ = ["train", "TrainResult", "Progress"]

@@ -1,0 +1,430 @@
+"""Fine-tuning: losses, gradients through the sparse path, optimisers and freezing, the indexer KL objective,
+data packing, the train step (a tiny model overfits a batch), bad input, and the ``dsv41 train`` CLI."""
+
+import json
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+# One XLA compilation cache for every process of the test run (workers and the subprocesses of the crash tests):
+# the train-step program is identical across tests, so only the first compile is paid.
+jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "dsv41_jax_test_xla_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+from dsv41_jax.model.model import default_hasher  # noqa: E402
+from dsv41_jax.ops import quant  # noqa: E402
+from dsv41_jax.ops.attention import sparse_attention  # noqa: E402
+from dsv41_jax.tokenizer import ByteTokenizer  # noqa: E402
+from dsv41_jax.train import TrainConfig, TrainConfigError, TrainError, lr_at, make_train_step, train  # noqa: E402
+from dsv41_jax.train.data import (DataError, Dataset, build_rows, load_corpus, read_documents,  # noqa: E402
+                                  tokenize_documents)
+from dsv41_jax.train.loss import balance_loss, expert_load, indexer_kl_loss, noaux_bias_update  # noqa: E402
+from dsv41_jax.train.optimizer import build_optimizer, trainable_mask  # noqa: E402
+from dsv41_jax.train.testing import random_batch, small_config, write_corpus  # noqa: E402
+
+# The one train-step program most tests share (same HLO as `dsv41 train ... --seq-len 32 --batch-size 2
+# --weight-decay 0` on the small config): bf16 compute, release fake quantisation with straight-through gradients.
+STD = dict(seq_len=32, batch_size=2, weight_decay=0.0, warmup_steps=2)
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return small_config()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# configuration, schedules
+# ----------------------------------------------------------------------------------------------------------------
+
+def test_train_config_validation():
+    with pytest.raises(TrainConfigError, match="optimizer"):
+        TrainConfig(optimizer="sgd")
+    with pytest.raises(TrainConfigError, match="seq_len"):
+        TrainConfig(seq_len=0)
+    with pytest.raises(TrainConfigError, match="frozen"):
+        TrainConfig(frozen=("(",))
+    tc = TrainConfig(trainable="attn/")
+    assert tc.trainable == ("attn/",)
+    assert TrainConfig.from_dict(tc.to_dict()) == tc
+
+
+def test_lr_schedules():
+    tc = TrainConfig(lr=1.0, warmup_steps=10, steps=110, min_lr_ratio=0.1)
+    assert lr_at(0, tc) == pytest.approx(0.1) and lr_at(9, tc) == pytest.approx(1.0)
+    assert lr_at(10, tc) == pytest.approx(1.0) and lr_at(110, tc) == pytest.approx(0.1)
+    assert lr_at(60, tc) == pytest.approx(0.55)  # cosine midpoint
+    lin = tc.replace(schedule="linear")
+    assert lr_at(60, lin) == pytest.approx(0.55)
+    assert lr_at(100, tc.replace(schedule="constant")) == 1.0
+    wsd = tc.replace(schedule="wsd", decay_frac=0.2)
+    assert lr_at(80, wsd) == 1.0 and lr_at(110, wsd) == pytest.approx(0.1)
+    assert lr_at(100, tc, total_steps=100) == pytest.approx(0.1)  # the total can be overridden (time limits)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# data
+# ----------------------------------------------------------------------------------------------------------------
+
+def test_data_deterministic_shuffle_and_resumable_position(tmp_path, cfg):
+    corpus = load_corpus([write_corpus(str(tmp_path / "c"))], ByteTokenizer(), glob="*.txt,*.jsonl")
+    assert corpus.n_docs == 6 * 3 + 6
+    for packing in ("concat", "pad", "segments"):
+        ds = Dataset(corpus, seq_len=32, batch_size=3, packing=packing, seed=7, hasher=default_hasher(cfg))
+        pos = {"epoch": 0, "row": 0}
+        seen = []
+        for _ in range(2 * ds.rows_per_epoch // 3 + 2):  # crosses an epoch boundary
+            batch, pos = ds.batch_at(pos)
+            seen.append((batch, dict(pos)))
+        assert seen[-1][1]["epoch"] >= 1
+        again = Dataset(corpus, seq_len=32, batch_size=3, packing=packing, seed=7, hasher=default_hasher(cfg))
+        # resuming from any saved position replays the same batches
+        k = len(seen) // 2
+        b, _ = again.batch_at(seen[k - 1][1])
+        for name in seen[k][0]:
+            np.testing.assert_array_equal(b[name], seen[k][0][name])
+        other = Dataset(corpus, seq_len=32, batch_size=3, packing=packing, seed=8)
+        assert not np.array_equal(other.batch_at({"epoch": 0, "row": 0})[0]["tokens"], seen[0][0]["tokens"])
+        for batch, _ in seen:
+            t = batch["tokens"]
+            assert t.shape == (3, 32) and batch["engram_ids"].shape[:2] == (3, 32)
+            m = batch["loss_mask"] > 0
+            if packing != "segments":  # targets are the next tokens of the same stream
+                np.testing.assert_array_equal(batch["targets"][:, :-1][m[:, :-1] & m[:, 1:]],
+                                              t[:, 1:][m[:, :-1] & m[:, 1:]])
+    # every token of the corpus is a target exactly once per epoch (concat)
+    ds = Dataset(corpus, seq_len=32, batch_size=1, packing="concat", seed=0)
+    rows = ds.rows(0)
+    assert int(rows.loss_mask.sum()) == len(corpus.tokens) - 1
+
+
+def test_segment_rows_never_cross_documents():
+    corpus = tokenize_documents(["abcdefghij", "xyz", "0123456789" * 5], ByteTokenizer())
+    rows = build_rows(corpus, 16, "segments", np.random.default_rng(0))
+    for tok, tgt, mask, seg in zip(rows.tokens, rows.targets, rows.loss_mask, rows.segment_ids):
+        for i in range(15):
+            if mask[i]:
+                assert seg[i] == seg[i + 1] and tgt[i] == tok[i + 1]
+    # each document piece starts a segment with its own id; total targets = tokens - pieces
+    assert int(rows.loss_mask.sum()) == int(rows.valid.sum()) - len({(int(s)) for s in rows.segment_ids[rows.valid]})
+
+
+def test_read_documents_jsonl_binary_and_errors(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n"two"\n\n{"body": "x", "text": "three"}\n')
+    (tmp_path / "b.bin").write_bytes(b"\0\1\2binary")
+    (tmp_path / "c.txt").write_text("four")
+    assert read_documents([str(tmp_path)]) == ["one", "two", "three", "four"]
+    assert read_documents([str(tmp_path)], glob="*.txt") == ["four"]
+    (tmp_path / "bad.jsonl").write_text('{"body": 1}\n')
+    with pytest.raises(DataError, match="bad.jsonl:1"):
+        read_documents([str(tmp_path / "bad.jsonl")])
+    with pytest.raises(FileNotFoundError, match="nope"):
+        read_documents([str(tmp_path / "nope")])
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "e.txt").write_text("")
+    with pytest.raises(DataError, match="empty corpus"):
+        read_documents([str(tmp_path / "empty")])
+
+
+def test_hf_tokenizer_json_corpus():
+    from dsv41_jax.tokenizer import load_tokenizer
+
+    tok_path = os.path.join(os.path.dirname(__file__), "fixtures", "hf_v41", "tiny_a", "tokenizer.json")
+    tok = load_tokenizer(tok_path)
+    corpus = tokenize_documents(["hello world", "def f(): pass"], tok, model_vocab_size=tok.vocab_size)
+    assert corpus.n_docs == 2 and corpus.doc(0)[0] == tok.bos_id and corpus.doc(1)[-1] == tok.eos_id
+    assert corpus.tokens.max() < tok.vocab_size
+    with pytest.raises(DataError, match="512 ids but the model's vocabulary has 259"):
+        tokenize_documents(["x"], tok, model_vocab_size=259)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# gradients
+# ----------------------------------------------------------------------------------------------------------------
+
+def _dense_reference(q, q_pos, win_kv, win_pos, ckv, topk, sink, window):
+    """Independent dense formulation: every window key and every compressed entry, masked, one softmax + sink."""
+    b, c, h, d = q.shape
+    keys = jnp.concatenate([win_kv, ckv], axis=1)  # [B, L + N, D]
+    kp, qp = win_pos[:, None, :], q_pos[:, :, None]
+    win_vis = (kp >= 0) & (kp <= qp) & (kp > qp - window)
+    n = ckv.shape[1]
+    sel = jnp.zeros((b, c, n), bool).at[jnp.arange(b)[:, None, None], jnp.arange(c)[None, :, None],
+                                        jnp.where(topk >= 0, topk, n)].set(True, mode="drop")
+    vis = jnp.concatenate([win_vis, sel], axis=-1)
+    s = jnp.einsum("bchd,bkd->bhck", q, keys) * d ** -0.5
+    s = jnp.where(vis[:, None], s, -jnp.inf)
+    m = jnp.maximum(s.max(-1), sink[None, :, None])
+    p = jnp.exp(s - m[..., None])
+    den = p.sum(-1) + jnp.exp(sink[None, :, None] - m)
+    return jnp.einsum("bhck,bkd->bchd", p / den[..., None], keys)
+
+
+def test_sparse_attention_gradients_match_dense_reference_and_finite_differences():
+    key = jax.random.split(jax.random.PRNGKey(0), 5)
+    b, c, h, d, l, n, k, window = 2, 5, 3, 8, 9, 7, 3, 4
+    q = jax.random.normal(key[0], (b, c, h, d))
+    win_kv = jax.random.normal(key[1], (b, l, d))
+    ckv = jax.random.normal(key[2], (b, n, d))
+    sink = jax.random.normal(key[3], (h,))
+    q_pos = jnp.broadcast_to(jnp.arange(4, 4 + c), (b, c))
+    win_pos = jnp.broadcast_to(jnp.arange(l), (b, l))
+    perm = jax.vmap(lambda kk: jax.random.permutation(kk, n))(jax.random.split(key[4], b * c)).reshape(b, c, n)
+    topk = jnp.sort(perm[..., :k], axis=-1).at[:, 0, -1].set(-1)  # distinct picks, one empty slot
+    w = jax.random.normal(jax.random.PRNGKey(9), (b, c, h, d))
+
+    def sparse_loss(q, win_kv, ckv, sink):
+        return jnp.sum(sparse_attention(q, q_pos, win_kv, win_pos, ckv, topk, sink, window=window) * w)
+
+    def dense_loss(q, win_kv, ckv, sink):
+        return jnp.sum(_dense_reference(q, q_pos, win_kv, win_pos, ckv, topk, sink, window) * w)
+
+    args = (q, win_kv, ckv, sink)
+    sparse_loss, dense_loss = jax.jit(sparse_loss), jax.jit(dense_loss)
+    np.testing.assert_allclose(sparse_loss(*args), dense_loss(*args), rtol=1e-5, atol=1e-5)
+    g_sparse = jax.jit(jax.grad(sparse_loss, argnums=(0, 1, 2, 3)))(*args)
+    g_dense = jax.jit(jax.grad(dense_loss, argnums=(0, 1, 2, 3)))(*args)
+    for a, r in zip(g_sparse, g_dense):
+        np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-5)
+    assert float(jnp.abs(g_sparse[2]).sum()) > 0  # the compressed entries really receive gradient
+    # finite differences along random directions (float32 central differences)
+    for i, arg in enumerate(args):
+        v = jax.random.normal(jax.random.PRNGKey(100 + i), arg.shape)
+        eps = 1e-2
+        plus = [a + eps * v if j == i else a for j, a in enumerate(args)]
+        minus = [a - eps * v if j == i else a for j, a in enumerate(args)]
+        fd = (sparse_loss(*plus) - sparse_loss(*minus)) / (2 * eps)
+        np.testing.assert_allclose(fd, jnp.vdot(g_sparse[i], v), rtol=2e-2, atol=2e-2)
+
+
+def test_fake_quantisers_are_straight_through():
+    x = jnp.linspace(-3.0, 3.0, 64, dtype=jnp.float32).reshape(2, 32)
+    for f in (lambda x: quant.fake_quant_fp8_e4m3_block(x, 32),
+              lambda x: quant.fake_quant_fp4_e2m1_block(x, 16, scale_format="e4m3"),
+              lambda x: quant.fake_quant_fp4_e2m1_block(x, 32, scale_format="ue8m0")):
+        y = f(x)
+        assert not np.array_equal(y, x)  # it really quantises
+        np.testing.assert_array_equal(jax.jit(jax.grad(lambda x: jnp.sum(f(x) * 3.0)))(x), 3.0)
+        np.testing.assert_array_equal(jax.jit(f)(x), y)  # forward value unchanged under jit
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MoE balance, optimisers, freezing
+# ----------------------------------------------------------------------------------------------------------------
+
+def test_noaux_bias_update_and_balance_loss():
+    idx = jnp.array([[0, 1], [0, 2], [0, 1], [3, 0]])
+    load = expert_load(idx, jnp.array([True, True, True, False]), 4)
+    np.testing.assert_array_equal(load, [3, 2, 1, 0])
+    bias = noaux_bias_update(jnp.zeros(4), load, 0.01)
+    np.testing.assert_allclose(bias, [-0.01, -0.01, 0.01, 0.01])  # mean 1.5: over-loaded down, under-loaded up
+    e, k = 4, 2
+    balanced_scores = jnp.ones((8, e))
+    balanced_idx = jnp.array([[0, 1], [2, 3]] * 4)
+    assert float(balance_loss(balanced_scores, balanced_idx, jnp.ones((2, 4), bool), k)) == pytest.approx(1.0)
+    skewed = balance_loss(jnp.eye(e)[jnp.zeros(8, int)] + 1e-3, jnp.array([[0, 1]] * 8), jnp.ones((2, 4), bool), k)
+    assert float(skewed) > 1.5
+
+
+def test_freezing_by_path_and_muon(cfg):
+    from dsv41_jax import init_params
+
+    # 3 layers (SWA, SWA + Engram, ratio-2 Full): every kind of parameter path, half the compile time
+    cfg = cfg.replace(num_hidden_layers=3, compress_ratios=(0, 0, 2), kv_source_layer_ids=(2,),
+                      index_source_layer_ids=(2,), candidate_source_layer_id=-1, dspark_target_layer_ids=(0, 1, 2))
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    grads = jax.tree.map(jnp.ones_like, params)
+    for tc, should_move in (
+        (TrainConfig(trainable=("/attn/",), weight_decay=0.0), lambda p: "/attn/" in p),
+        (TrainConfig(frozen=(r"engram/embed$",), weight_decay=0.0), lambda p: not p.endswith("engram/embed")),
+        (TrainConfig(optimizer="muon", weight_decay=0.0), lambda p: True),
+    ):
+        opt = build_optimizer(tc, params)
+        updates, _ = jax.jit(opt.update)(grads, jax.jit(opt.init)(params), params)
+        moved = {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): bool(jnp.any(u != 0))
+                 for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]}
+        for path, m in moved.items():
+            expect = should_move(path) and not path.endswith("ffn/gate/bias")  # router bias: noaux rule only
+            assert m == expect, (tc.trainable, tc.frozen, tc.optimizer, path)
+    mask = trainable_mask(params, TrainConfig(trainable=("indexer",)))
+    assert mask["layers"][2]["attn"]["indexer"]["wq_b"] and not mask["layers"][2]["attn"]["wq_b"]
+    with pytest.raises(ValueError, match="matches no parameter"):
+        make_train_step(cfg, TrainConfig(trainable=("no_such_param",)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# indexer KL objective
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_indexer_kl_trains_only_the_indexer(cfg, mode):
+    from dsv41_jax import forward, init_params
+    from dsv41_jax.ops.rope import rope_tables
+
+    c = cfg.replace(quant_sim=False)
+    params = init_params(c, jax.random.PRNGKey(1), std=0.2)
+    batch = random_batch(c, 2, 24, seed=3, hasher=default_hasher(c))
+    _, aux = jax.jit(lambda p, t, e: forward(p, t, config=c, engram_ids=e, return_attn_inputs=True,
+                                             return_topk=True))(params, batch["tokens"], batch["engram_ids"])
+    assert sorted(aux["attn_inputs"]) == [s.index for s in c.plan if s.runs_indexer]
+    rope = {k: jnp.asarray(v) for k, v in rope_tables(c).items()}
+    pos = jnp.broadcast_to(jnp.arange(24), (2, 24))
+
+    def kl(p):
+        return indexer_kl_loss(p, aux["attn_inputs"], aux["topk"], c, pos, rope, mode=mode, quant_on=False,
+                               weight=jnp.ones((2, 24)), chunk=8)[0]
+
+    value_and_grad = jax.jit(jax.value_and_grad(kl))
+    value, grads = value_and_grad(params)
+    assert float(value) > 0
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        if "/indexer/" not in name:
+            assert not bool(jnp.any(g != 0)), name  # the indexer input is detached
+    g_idx = grads["layers"][2]["attn"]["indexer"]
+    assert float(jnp.abs(g_idx["wq_b"]).sum()) > 0 and float(jnp.abs(g_idx["weights_proj"]).sum()) > 0
+    if mode == "dense":
+        assert float(jnp.abs(g_idx["wk"]).sum()) > 0
+    # a few plain gradient steps on the indexer lower its KL
+    p, g = params, grads
+    for _ in range(5):
+        p = jax.tree.map(lambda x, d: x - 0.5 * d, p, g)
+        new_value, g = value_and_grad(p)
+    assert float(new_value) < float(value)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the train step
+# ----------------------------------------------------------------------------------------------------------------
+
+def test_tiny_model_overfits_a_small_batch(cfg):
+    tc = TrainConfig(lr=3e-3, steps=50, schedule="constant", **STD)
+    step = make_train_step(cfg, tc)
+    state = step.init_state()
+    batch = random_batch(cfg, 2, 32, seed=0, hasher=default_hasher(cfg))
+    bias0 = np.asarray(state["params"]["layers"][3]["ffn"]["gate"]["bias"])
+    losses = []
+    for i in range(tc.steps):
+        state, m = step(state, batch, lr_at(i, tc))
+        losses.append(float(m["ce"]))
+    assert losses[-1] < 0.1 * losses[0], losses
+    assert all(np.isfinite(losses))
+    assert int(state["step"]) == tc.steps
+    assert state["params"]["layers"][0]["attn"]["wq_a"].dtype == jnp.float32  # fp32 masters under bf16 compute
+    bias = np.asarray(state["params"]["layers"][3]["ffn"]["gate"]["bias"])
+    assert not np.array_equal(bias, bias0)
+    # the noaux rule moves the bias in steps of the rate (sums of signs)
+    np.testing.assert_allclose(np.round(bias / 1e-3), bias / 1e-3, atol=1e-3)
+
+
+def test_packed_documents_loss_equals_separate_documents(cfg):
+    """Packing: with segment ids the train loss of a packed row equals the loss of its documents run alone."""
+    tc = TrainConfig(seq_len=24, batch_size=1, packing="segments", compute_dtype="float32", quant_sim=False)
+    step = make_train_step(cfg, tc)
+    state = step.init_state()
+    hasher = default_hasher(cfg)
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(3, 259, 14).astype(np.int32), rng.integers(3, 259, 10).astype(np.int32)]
+    packed = {"tokens": np.concatenate(docs)[None], "segment_ids": np.array([[0] * 14 + [1] * 10], np.int32),
+              "valid": np.ones((1, 24), bool)}
+    packed["targets"] = np.concatenate([np.r_[d[1:], 0] for d in docs])[None]
+    packed["loss_mask"] = np.array([[1] * 13 + [0] + [1] * 9 + [0]], np.float32)
+    packed["engram_ids"] = hasher.row_ids(packed["tokens"], segment_ids=packed["segment_ids"])
+    loss = jax.jit(lambda p, b: step.loss_fn(p, b)[1][0]["ce"])
+    total = float(loss(state["params"], packed)) * 22
+    alone = 0.0
+    for d in docs:  # each document alone, right-padded to the same length (masked)
+        tok = np.zeros((1, 24), np.int32)
+        tok[0, :len(d)] = d
+        tgt = np.zeros((1, 24), np.int32)
+        tgt[0, :len(d) - 1] = d[1:]
+        mask = np.zeros((1, 24), np.float32)
+        mask[0, :len(d) - 1] = 1
+        b = {"tokens": tok, "targets": tgt, "loss_mask": mask, "valid": np.ones((1, 24), bool),
+             "segment_ids": np.where(np.arange(24) < len(d), 0, 1)[None].astype(np.int32)}
+        b["engram_ids"] = hasher.row_ids(tok, segment_ids=b["segment_ids"])
+        alone += float(loss(state["params"], b)) * (len(d) - 1)
+    assert total == pytest.approx(alone, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bad input and the CLI
+# ----------------------------------------------------------------------------------------------------------------
+
+def _snapshot(path):
+    out = {}
+    for root, _, files in os.walk(path):
+        for f in files:
+            p = os.path.join(root, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, path)] = (fh.read(), os.stat(p).st_mtime_ns)
+    return out
+
+
+def test_bad_input_errors_and_nothing_overwritten(tmp_path, cfg):
+    from dsv41_jax.checkpoint.hf import CheckpointError
+    from dsv41_jax.checkpoint.orbax_ckpt import TrainCheckpointer
+
+    corpus = write_corpus(str(tmp_path / "corpus"))
+    tc = TrainConfig(steps=2, **STD)
+    ckpt = str(tmp_path / "ckpt")
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        train(cfg, tc, [str(tmp_path / "missing.txt")], ckpt_dir=ckpt, progress=False)
+    assert not os.path.exists(ckpt)  # nothing created before the data is known to be good
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="empty corpus"):
+        train(cfg, tc, [str(tmp_path / "empty")], ckpt_dir=ckpt, progress=False)
+    with pytest.raises(TrainError, match="max_position_embeddings"):
+        train(cfg.replace(max_position_embeddings=16), tc, [corpus], ckpt_dir=ckpt, progress=False)
+    with pytest.raises(TrainConfigError, match="seq_len"):
+        TrainConfig(seq_len=-4)
+    # a checkpoint of another config
+    other = cfg.replace(hidden_size=32)
+    step = make_train_step(other, tc)
+    ck = TrainCheckpointer(ckpt, async_save=False)
+    ck.save(1, step.init_state(), data_position={"epoch": 0, "row": 0}, model_config=other, train_config=tc)
+    ck.close()
+    before = _snapshot(ckpt)
+    with pytest.raises(CheckpointError, match="hidden_size: checkpoint 32 vs config 64"):
+        train(cfg, tc, [corpus], ckpt_dir=ckpt, progress=False)
+    assert _snapshot(ckpt) == before
+    # a non-empty directory that is not a checkpoint is refused, untouched
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="refusing"):
+        train(cfg, tc, [corpus], ckpt_dir=str(junk), progress=False)
+    assert os.listdir(junk) == ["notes.txt"]
+
+
+def test_cli_train_progress_metrics_and_resume(tmp_path, cfg, capsys):
+    from dsv41_jax.checkpoint.orbax_ckpt import write_config_json
+    from dsv41_jax.cli import main
+
+    corpus = write_corpus(str(tmp_path / "corpus"))
+    cfg_dir = tmp_path / "cfg"
+    cfg_dir.mkdir()
+    write_config_json(str(cfg_dir), cfg)
+    ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    args = ["train", "--config", str(cfg_dir / "config.json"), "--data", corpus, "--glob", "*.txt",
+            "--steps", "4", "--seq-len", "32", "--batch-size", "2", "--weight-decay", "0", "--warmup", "2",
+            "--ckpt-dir", ckpt, "--save-every", "2", "--metrics", metrics, "--log-every", "1",
+            "--export", str(tmp_path / "export")]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "tok/s" in err and "balance" in err and "finished at step 4/4" in err
+    lines = [json.loads(x) for x in open(metrics)]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    assert {"ce", "tokens_per_s", "balance", "grad_norm", "lr"} <= set(lines[0])
+    assert sorted(int(d) for d in os.listdir(ckpt) if d.isdigit()) == [2, 4]
+    # the same command with more steps resumes
+    args[args.index("--steps") + 1] = "6"
+    args = args[:-2]
+    assert main(args) == 0
+    assert "resumed from step 4" in capsys.readouterr().err
+    # bad input: a clear message and exit status 2
+    assert main(["train", "--config", "tiny", "--data", str(tmp_path / "nothing")]) == 2
+    assert "training data not found" in capsys.readouterr().err
