@@ -7,7 +7,11 @@ Public API (pure functions over explicit pytrees):
   * ``load_checkpoint(dir)`` -> (config, params) for HF-named safetensors checkpoints, orbax parameter
     exports and ``dsv41 train`` checkpoint directories
   * ``default_model()`` -> (config, params, tokenizer) of the embedded tiny model
-  * ``engram_row_ids(...)`` host-side Engram hashing; ``Model`` bundles config, params and the Engram hasher.
+  * ``Engine(config, params, max_batch=..., max_len=...)`` -> cached batched generation (``generate``,
+    ``prefill``, ``decode_step``); lower levels in ``dsv41_jax.inference``
+  * ``dsv41_jax.kernels`` (Pallas / reference dispatch), ``dsv41_jax.parallel`` (meshes, rules, expert
+    parallelism), ``dsv41_jax.train`` (train step, loop, data)
+  * ``dsv41_jax.model.model``: ``EngramHasher`` (host-side Engram row ids) and the ``DeepseekV41`` NNX owner
 """
 
 from dsv41_jax.config import ConfigError, ModelConfig, load_config
@@ -16,10 +20,11 @@ from dsv41_jax.model.params import ParamError, abstract_params, init_params, par
 from dsv41_jax.checkpoint.hf import CheckpointError
 from dsv41_jax.checkpoint.orbax_ckpt import load_checkpoint  # HF safetensors, orbax exports, training checkpoints
 from dsv41_jax.default_model import default_model  # the embedded tiny model (dsv41_jax/assets/default_model)
-from dsv41_jax.inference.engine import Engine  # noqa: E402  (cached inference engine)
+from dsv41_jax.inference.engine import Engine  # cached batched generation
 
 __all__ = [
     "ConfigError", "ModelConfig", "load_config", "ForwardError", "ForwardOptions", "forward", "ParamError",
     "abstract_params", "init_params", "param_specs", "CheckpointError", "load_checkpoint", "default_model",
+    "Engine",
 ]
 __version__ = "0.1.0"

@@ -33,16 +33,13 @@ def _load_for_generate(args):
     from dsv41_jax.inference.weights import host_random_params
     from dsv41_jax.tokenizer import load_tokenizer
 
+    from dsv41_jax.checkpoint.orbax_ckpt import load_checkpoint
+    from dsv41_jax.default_model import default_model, default_model_available
+
     if args.checkpoint:
-        try:
-            from dsv41_jax import load_checkpoint
-        except ImportError:  # pragma: no cover - older trees
-            from dsv41_jax.checkpoint.hf import load_hf_checkpoint as load_checkpoint
         config, params = load_checkpoint(args.checkpoint)
         source = args.checkpoint
-    elif args.config in (None, "default") and _default_model_available():
-        from dsv41_jax.default_model import default_model
-
+    elif args.config in (None, "default") and default_model_available():
         config, params, _ = default_model()
         source = "the embedded default model"
     else:
@@ -51,14 +48,6 @@ def _load_for_generate(args):
         source = f"random weights (seed {args.seed})"
     tokenizer = load_tokenizer(args.tokenizer, model_vocab_size=config.vocab_size)
     return config, params, tokenizer, source
-
-
-def _default_model_available() -> bool:
-    try:
-        from dsv41_jax.default_model import default_model_available
-    except ImportError:  # pragma: no cover
-        return False
-    return default_model_available()
 
 
 def _cmd_generate(args) -> int:

@@ -15,6 +15,17 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 pytest.importorskip("libtpu", reason="AOT TPU compile needs the tpu extra (jax[tpu] / libtpu)")
 
 
+@pytest.fixture(autouse=True)
+def _no_persistent_compilation_cache():
+    """Other test modules share an on-disk XLA cache; TPU programs compiled here must not read CPU entries from it."""
+    import jax
+
+    old = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", old)
+
+
 ALL = ("sparse_attention_decode", "sparse_attention_prefill", "indexer_score_pool")
 
 

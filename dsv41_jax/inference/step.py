@@ -37,7 +37,9 @@ from dsv41_jax.ops.indexer import indexer_scores, mask_invisible, select_topk, v
 from dsv41_jax.ops.mhc import collapse, expand, mhc_coefficients
 from dsv41_jax.inference.moe import moe_inference
 from dsv41_jax.ops.moe import moe
+from dsv41_jax.ops.linear import linear
 from dsv41_jax.ops.norms import rms_norm
+from dsv41_jax.ops.query_blocks import map_query_blocks
 from dsv41_jax.ops.rope import apply_rope, cos_sin, rope_tables
 from dsv41_jax.plan import FULL, REINDEX, LayerSpec
 
@@ -84,10 +86,6 @@ def _jit(fn, static: tuple, donate: tuple, compiler_options: tuple):
 def jit_for(fn, opts: "InferenceOptions", static=("config", "opts"), donate=("cache",)):
     """``fn`` jitted with the options' XLA compiler options (one wrapper per function and option set)."""
     return _jit(fn, tuple(static), tuple(donate), tuple(opts.compiler_options))
-
-
-def _linear(x, w):
-    return jnp.einsum("...i,oi->...o", x, w, precision=_HI)
 
 
 def _rope(config: ModelConfig) -> dict:
@@ -157,7 +155,7 @@ def emit_entries(src: dict, x: jax.Array, comp: dict, idx_p: dict, ratio: int, p
         src["buf_kv"] = jnp.take_along_axis(xk, tail, axis=1)
         src["buf_gate"] = jnp.take_along_axis(xg, tail, axis=1)
     ccos, csin = cos_sin(rope["compress"], entry * ratio)
-    keys = apply_rope(rms_norm(_linear(latent, idx_p["wk"]), idx_p["k_norm"], c.rms_norm_eps), ccos, csin)
+    keys = apply_rope(rms_norm(linear(latent, idx_p["wk"]), idx_p["k_norm"], c.rms_norm_eps), ccos, csin)
     rotated = apply_rope(latent, ccos, csin)
     if quant_on:
         keys = quant.fake_quant_fp4_e2m1_block(keys, 32, scale_format="ue8m0")
@@ -230,26 +228,6 @@ def pooled_topk(q: jax.Array, weights: jax.Array, keys: jax.Array, q_pos: jax.Ar
     return _pad_last(idx, min(topk, n), -1)
 
 
-def _map_blocks(fn, n: int, block: int, *arrays):
-    """fn over blocks of ``block`` rows of axis 1 (padded), results concatenated on axis 1 (memory O(block))."""
-    if n <= block:
-        return fn(*arrays)
-    nb = ceil_div(n, block)
-    pad = nb * block - n
-
-    def split(a):
-        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-        return jnp.moveaxis(a.reshape(a.shape[0], nb, block, *a.shape[2:]), 1, 0)
-
-    outs = jax.lax.map(lambda xs: fn(*xs), tuple(split(a) for a in arrays))
-
-    def merge(o):
-        o = jnp.moveaxis(o, 0, 1)
-        return o.reshape(o.shape[0], nb * block, *o.shape[3:])[:, :n]
-
-    return jax.tree.map(merge, outs)
-
-
 def run_indexer(ip: dict, x: jax.Array, q_res: jax.Array, spec: LayerSpec, pos: jax.Array, keys: jax.Array,
                 pool_ids: jax.Array | None, config: ModelConfig, rope: dict, opts: InferenceOptions,
                 quant_on: bool):
@@ -258,11 +236,11 @@ def run_indexer(ip: dict, x: jax.Array, q_res: jax.Array, spec: LayerSpec, pos: 
     b, t, _ = x.shape
     n = keys.shape[1]
     cos, sin = cos_sin(rope["compress"], pos)
-    qi = _linear(q_res, ip["wq_b"]).reshape(b, t, c.index_n_heads, c.index_head_dim)
+    qi = linear(q_res, ip["wq_b"]).reshape(b, t, c.index_n_heads, c.index_head_dim)
     qi = apply_rope(qi, cos[:, :, None], sin[:, :, None])
     if quant_on:
         qi = quant.fake_quant_fp4_e2m1_block(qi, 32, scale_format="ue8m0")
-    w = _linear(x, ip["weights_proj"]).astype(jnp.float32) * (c.index_n_heads ** -0.5)
+    w = linear(x, ip["weights_proj"]).astype(jnp.float32) * (c.index_n_heads ** -0.5)
     bs = c.candidate_block_size
     restricted = spec.uses_candidates and pool_ids is not None
     if kernels.resolve_backend(opts.kernel_backend) != "reference":
@@ -307,7 +285,7 @@ def run_indexer(ip: dict, x: jax.Array, q_res: jax.Array, spec: LayerSpec, pos: 
         width = n
     q_block = max(1, min(t, opts.index_block_elems // max(1, c.index_n_heads * width)))
     args = (qi, w, pos) + ((pool_ids,) if restricted else ())
-    topk, new_pool = _map_blocks(block, t, q_block, *args)
+    topk, new_pool = map_query_blocks(block, t, q_block, *args)
     return topk, new_pool
 
 
@@ -425,10 +403,10 @@ def attention_step(p: dict, x: jax.Array, spec: LayerSpec, pos: jax.Array, pos0:
     c = config
     b, t, _ = x.shape
     cos, sin = cos_sin(rope[spec.rope], pos)
-    q_res = rms_norm(_linear(x, p["wq_a"]), p["q_norm"], c.rms_norm_eps)
-    q = _linear(q_res, p["wq_b"]).reshape(b, t, c.num_attention_heads, c.head_dim)
+    q_res = rms_norm(linear(x, p["wq_a"]), p["q_norm"], c.rms_norm_eps)
+    q = linear(q_res, p["wq_b"]).reshape(b, t, c.num_attention_heads, c.head_dim)
     q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-    kv = apply_rope(rms_norm(_linear(x, p["wkv"]), p["kv_norm"], c.rms_norm_eps), cos, sin)
+    kv = apply_rope(rms_norm(linear(x, p["wkv"]), p["kv_norm"], c.rms_norm_eps), cos, sin)
     if quant_on:
         kv = quant.fake_quant_fp8_e4m3_block(kv, 32)
 
@@ -461,7 +439,7 @@ def attention_step(p: dict, x: jax.Array, spec: LayerSpec, pos: jax.Array, pos0:
     grouped = out.reshape(b, t, c.o_groups, -1)
     wo_a = p["wo_a"].reshape(c.o_groups, c.o_lora_rank, -1)
     y = jnp.einsum("btgi,goi->btgo", grouped, wo_a, precision=_HI).reshape(b, t, -1)
-    return _linear(y, p["wo_b"]), cache, shared
+    return linear(y, p["wo_b"]), cache, shared
 
 
 def _mhc_kw(c: ModelConfig) -> dict:
@@ -535,7 +513,7 @@ def emit_decoder_source(params: dict, cache: dict, streams: jax.Array, pre_mix: 
 
 def head(params: dict, streams: jax.Array, pre_mix: jax.Array, config: ModelConfig) -> jax.Array:
     h = rms_norm(collapse(streams, pre_mix), params["norm"], config.rms_norm_eps)
-    return _linear(h, params["lm_head"]).astype(jnp.float32)
+    return linear(h, params["lm_head"]).astype(jnp.float32)
 
 
 def check_ced_plan(config: ModelConfig) -> None:

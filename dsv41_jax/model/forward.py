@@ -24,7 +24,9 @@ from dsv41_jax.ops.engram import engram_write
 from dsv41_jax.ops.indexer import packed_entry_layout, packed_indexer_topk
 from dsv41_jax.ops.mhc import collapse, expand, mhc_coefficients
 from dsv41_jax.ops.moe import moe
+from dsv41_jax.ops.linear import linear
 from dsv41_jax.ops.norms import rms_norm
+from dsv41_jax.ops.query_blocks import map_query_blocks
 from dsv41_jax.ops.rope import apply_rope, cos_sin, rope_tables
 from dsv41_jax.parallel.rules import constrain  # sharding hints; no-ops without a sharding context
 from dsv41_jax.plan import FULL, REINDEX, LayerSpec
@@ -80,32 +82,6 @@ def check_tokens(tokens, config: ModelConfig) -> None:
                            f"[0, {config.vocab_size})")
 
 
-def _linear(x, w):
-    return jnp.einsum("...i,oi->...o", x, w, precision=_HI)
-
-
-def _chunked(fn, t: int, chunk: int, *arrays):
-    """Apply ``fn`` to query chunks of arrays whose axis 1 is the query axis; results concatenated on axis 1."""
-    if t <= chunk:
-        return fn(*arrays)
-    n = -(-t // chunk)
-    pad = n * chunk - t
-
-    def split(a):
-        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-        return jnp.moveaxis(a.reshape(a.shape[0], n, chunk, *a.shape[2:]), 1, 0)
-
-    outs = jax.lax.map(lambda xs: fn(*xs), tuple(split(a) for a in arrays))
-
-    def merge(o):
-        if o is None:
-            return None
-        o = jnp.moveaxis(o, 0, 1)
-        return o.reshape(o.shape[0], n * chunk, *o.shape[3:])[:, :t]
-
-    return jax.tree.map(merge, outs)
-
-
 def attention_layer(p: dict, x: jax.Array, spec: LayerSpec, positions: jax.Array, state: _GroupState,
                     config: ModelConfig, rope: dict, opts: ForwardOptions, quant_on: bool, floor,
                     segments: jax.Array | None = None):
@@ -117,10 +93,10 @@ def attention_layer(p: dict, x: jax.Array, spec: LayerSpec, positions: jax.Array
     b, t, _ = x.shape
     inv_freq = rope[spec.rope]
     cos, sin = cos_sin(inv_freq, positions)  # [B, T, r/2]
-    q_res = rms_norm(_linear(x, p["wq_a"]), p["q_norm"], c.rms_norm_eps)
-    q = _linear(q_res, p["wq_b"]).reshape(b, t, c.num_attention_heads, c.head_dim)
+    q_res = rms_norm(linear(x, p["wq_a"]), p["q_norm"], c.rms_norm_eps)
+    q = linear(q_res, p["wq_b"]).reshape(b, t, c.num_attention_heads, c.head_dim)
     q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-    kv = apply_rope(rms_norm(_linear(x, p["wkv"]), p["kv_norm"], c.rms_norm_eps), cos, sin)
+    kv = apply_rope(rms_norm(linear(x, p["wkv"]), p["kv_norm"], c.rms_norm_eps), cos, sin)
     if quant_on:
         kv = quant.fake_quant_fp8_e4m3_block(kv, 32)
 
@@ -138,7 +114,7 @@ def attention_layer(p: dict, x: jax.Array, spec: LayerSpec, positions: jax.Array
                 entries = packed_entry_layout(positions, segments, valid, spec.ratio, c.candidate_block_size)
             ccos, csin = cos_sin(rope["compress"], entry_pos)
             ip = p["indexer"]
-            keys = apply_rope(rms_norm(_linear(latent, ip["wk"]), ip["k_norm"], c.rms_norm_eps), ccos, csin)
+            keys = apply_rope(rms_norm(linear(latent, ip["wk"]), ip["k_norm"], c.rms_norm_eps), ccos, csin)
             rotated = apply_rope(latent, ccos, csin)
             if quant_on:
                 keys = quant.fake_quant_fp4_e2m1_block(keys, 32, scale_format="ue8m0")
@@ -156,7 +132,7 @@ def attention_layer(p: dict, x: jax.Array, spec: LayerSpec, positions: jax.Array
     grouped = out.reshape(b, t, c.o_groups, -1)
     wo_a = p["wo_a"].reshape(c.o_groups, c.o_lora_rank, -1)
     y = jnp.einsum("btgi,goi->btgo", grouped, wo_a, precision=_HI).reshape(b, t, -1)
-    return _linear(y, p["wo_b"]), state
+    return linear(y, p["wo_b"]), state
 
 
 def _run_indexer(ip: dict, x, q_res, spec: LayerSpec, positions, state: _GroupState, config: ModelConfig, rope,
@@ -164,11 +140,11 @@ def _run_indexer(ip: dict, x, q_res, spec: LayerSpec, positions, state: _GroupSt
     c = config
     b, t, _ = x.shape
     cos, sin = cos_sin(rope["compress"], positions)
-    qi = _linear(q_res, ip["wq_b"]).reshape(b, t, c.index_n_heads, c.index_head_dim)
+    qi = linear(q_res, ip["wq_b"]).reshape(b, t, c.index_n_heads, c.index_head_dim)
     qi = apply_rope(qi, cos[:, :, None], sin[:, :, None])
     if quant_on:
         qi = quant.fake_quant_fp4_e2m1_block(qi, 32, scale_format="ue8m0")
-    w = _linear(x, ip["weights_proj"]).astype(jnp.float32) * (c.index_n_heads ** -0.5)
+    w = linear(x, ip["weights_proj"]).astype(jnp.float32) * (c.index_n_heads ** -0.5)
     keys = state.index_keys
     if keys.shape[1] == 0:  # no complete group yet: nothing to select
         n_blocks = 0
@@ -194,7 +170,7 @@ def _run_indexer(ip: dict, x, q_res, spec: LayerSpec, positions, state: _GroupSt
         args = (qi, w, positions, segments, q_index) + ((pool,) if pool is not None else ())
     else:
         args = (qi, w, positions) + ((pool,) if pool is not None else ())
-    topk, new_pool = _chunked(run, t, opts.query_chunk, *args)
+    topk, new_pool = map_query_blocks(run, t, opts.query_chunk, *args)
     return dataclasses.replace(state, topk=topk, pool=new_pool if spec.candidate_source else state.pool)
 
 
@@ -274,7 +250,7 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
         if return_router:
             router.append(stats)
     h = rms_norm(collapse(streams, pre_mix), params["norm"], c.rms_norm_eps)
-    logits = constrain(_linear(h, params["lm_head"]).astype(jnp.float32), ("batch", "seq", "vocab"))
+    logits = constrain(linear(h, params["lm_head"]).astype(jnp.float32), ("batch", "seq", "vocab"))
     if not (return_hidden or return_topk or return_router or return_attn_inputs):
         return logits
     aux: dict[str, Any] = {}

@@ -22,7 +22,9 @@ from dsv41_jax.config import ModelConfig
 from dsv41_jax.ops import quant
 from dsv41_jax.ops.compressor import compress_sequence
 from dsv41_jax.ops.indexer import indexer_scores
+from dsv41_jax.ops.linear import linear
 from dsv41_jax.ops.norms import rms_norm
+from dsv41_jax.ops.query_blocks import sum_query_blocks
 from dsv41_jax.ops.rope import apply_rope, cos_sin
 from dsv41_jax.plan import FULL
 
@@ -91,25 +93,6 @@ def load_balance_stats(loads: jax.Array) -> dict:
 # indexer KL
 # ----------------------------------------------------------------------------------------------------------------
 
-def _linear(x, w):
-    return jnp.einsum("...i,oi->...o", x, w, precision=_HI)
-
-
-def _sum_over_query_chunks(fn, t: int, chunk: int, *arrays):
-    """Σ over query chunks of ``fn(*chunk_arrays)`` -> (sum, count); arrays have the query axis at 1."""
-    if t <= chunk:
-        return fn(*arrays)
-    n = -(-t // chunk)
-    pad = n * chunk - t
-
-    def split(a):
-        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-        return jnp.moveaxis(a.reshape(a.shape[0], n, chunk, *a.shape[2:]), 1, 0)
-
-    sums, counts = jax.lax.map(lambda xs: fn(*xs), tuple(split(a) for a in arrays))
-    return jnp.sum(sums), jnp.sum(counts)
-
-
 def _kl_rows(p_logits: jax.Array, i_scores: jax.Array, cand: jax.Array, weight: jax.Array):
     """p_logits [B, C, H, K] main attention logits, i_scores [B, C, K] indexer scores, cand [B, C, K] bool
     candidate set, weight [B, C] query weights -> (Σ weight · KL, Σ weight over rows with a candidate)."""
@@ -157,7 +140,7 @@ def indexer_kl_loss(params: dict, attn_inputs: dict, topk: dict | None, config: 
             continue
         ccos, csin = cos_sin(rope["compress"], entry_pos)
         ip_src = p_src["indexer"] if spec.mode == FULL else sg(p_src["indexer"])
-        keys = apply_rope(rms_norm(_linear(latent, ip_src["wk"]), ip_src["k_norm"], c.rms_norm_eps), ccos, csin)
+        keys = apply_rope(rms_norm(linear(latent, ip_src["wk"]), ip_src["k_norm"], c.rms_norm_eps), ccos, csin)
         kv = sg(apply_rope(latent, ccos, csin))
         if quant_on:
             keys = quant.fake_quant_fp4_e2m1_block(keys, 32, scale_format="ue8m0")
@@ -168,14 +151,14 @@ def indexer_kl_loss(params: dict, attn_inputs: dict, topk: dict | None, config: 
         x = sg(attn_inputs[spec.index])
         b, t, _ = x.shape
         cos, sin = cos_sin(rope["compress"], positions)
-        q_res = sg(rms_norm(_linear(x, pa["wq_a"]), pa["q_norm"], c.rms_norm_eps))
-        q = sg(apply_rope(_linear(q_res, pa["wq_b"]).reshape(b, t, c.num_attention_heads, c.head_dim),
+        q_res = sg(rms_norm(linear(x, pa["wq_a"]), pa["q_norm"], c.rms_norm_eps))
+        q = sg(apply_rope(linear(q_res, pa["wq_b"]).reshape(b, t, c.num_attention_heads, c.head_dim),
                           cos[:, :, None], sin[:, :, None]))
-        qi = apply_rope(_linear(q_res, ip["wq_b"]).reshape(b, t, c.index_n_heads, c.index_head_dim),
+        qi = apply_rope(linear(q_res, ip["wq_b"]).reshape(b, t, c.index_n_heads, c.index_head_dim),
                         cos[:, :, None], sin[:, :, None])
         if quant_on:
             qi = quant.fake_quant_fp4_e2m1_block(qi, 32, scale_format="ue8m0")
-        w = _linear(x, ip["weights_proj"]).astype(jnp.float32) * (c.index_n_heads ** -0.5)
+        w = linear(x, ip["weights_proj"]).astype(jnp.float32) * (c.index_n_heads ** -0.5)
         scale = c.head_dim ** -0.5
         ratio = spec.ratio
 
@@ -211,7 +194,7 @@ def indexer_kl_loss(params: dict, attn_inputs: dict, topk: dict | None, config: 
                 return _kl_rows(logits, scores, selc >= 0, wtc)
 
             args = (q, qi, w, sel, weight)
-        s, n = _sum_over_query_chunks(one, t, chunk, *args)
+        s, n = sum_query_blocks(one, t, chunk, *args)
         kl = s / jnp.maximum(n, 1.0)
         per_layer[spec.index] = kl
         total = total + kl

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import re
 
 import jax
@@ -38,10 +37,6 @@ from dsv41_jax.train.config import TrainConfig
 from dsv41_jax.train.loss import (balance_loss, cross_entropy, expert_load, indexer_kl_loss, load_balance_stats,
                                   noaux_bias_update)
 from dsv41_jax.train.optimizer import build_optimizer, check_selection, map_with_path
-
-_FORWARD_PARAMS = set(inspect.signature(forward).parameters)
-FORWARD_HAS_SEGMENTS = "segment_ids" in _FORWARD_PARAMS
-FORWARD_HAS_ATTN_INPUTS = "return_attn_inputs" in _FORWARD_PARAMS
 
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole forward in the backward pass
@@ -121,13 +116,8 @@ class TrainStep:
         if tc.seq_len > c.max_position_embeddings:
             raise TrainError(f"seq_len {tc.seq_len} exceeds the model's max_position_embeddings "
                              f"{c.max_position_embeddings}")
-        if tc.packing == "segments" and not FORWARD_HAS_SEGMENTS:
-            raise TrainError("packing='segments' needs a forward that accepts segment_ids")
-        if tc.indexer_loss != "off":
-            if not FORWARD_HAS_ATTN_INPUTS:
-                raise TrainError("indexer_loss needs forward(..., return_attn_inputs=True) (attention-site inputs)")
-            if not any(s.runs_indexer for s in c.plan):
-                raise TrainError("indexer_loss is on but this config has no indexer layer")
+        if tc.indexer_loss != "off" and not any(s.runs_indexer for s in c.plan):
+            raise TrainError("indexer_loss is on but this config has no indexer layer")
         check_selection(c, tc)
         self._fp32 = fp32_only_mask(c)
         self._dtype = jnp.bfloat16 if tc.compute_dtype == "bfloat16" else jnp.float32
