@@ -84,13 +84,15 @@ def _cmd_generate(args) -> int:
         print(f"# prefill {done}/{total} prompt tokens", file=err, flush=True)
 
     stream = n == 1
-    if stream:
-        print(args.prompt, end="", flush=True)
     pending: list[int] = []
+    echoed = []  # the prompt is echoed with the first new token, after the prefill's progress lines
 
     def on_token(i: int, tok: int) -> None:
         if not stream:
             return
+        if not echoed:
+            print(args.prompt, end="", flush=True)
+            echoed.append(True)
         pending.append(tok)
         text = tokenizer.decode(pending)
         if "\ufffd" not in text or len(pending) >= 4:  # wait for a whole UTF-8 character
@@ -101,6 +103,8 @@ def _cmd_generate(args) -> int:
                     top_p=args.top_p, seed=args.seed + i, stop_tokens=(tokenizer.eos_id,)) for i in range(n)]
     results = engine.generate(reqs, on_token=on_token, progress=progress)
     if stream:
+        if not echoed:
+            print(args.prompt, end="")
         if pending:
             print(tokenizer.decode(pending), end="")
         print()
@@ -132,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "trained model (the default when it is installed; else 'tiny')")
     s.add_argument("--checkpoint", default=None, help="checkpoint directory (config.json + safetensors, ...)")
     s.add_argument("--prompt", default="Hello")
-    s.add_argument("--max-new-tokens", type=int, default=32)
+    s.add_argument("--max-new-tokens", type=int, default=200)
     # Sampling by default (seeded, so reproducible): greedy decoding of a small model loops on a phrase.
     s.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     s.add_argument("--top-k", type=int, default=0, help="0 = off")
