@@ -102,6 +102,9 @@ def _cmd_generate(args) -> int:
     reqs = [Request(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed + i, stop_tokens=(tokenizer.eos_id,)) for i in range(n)]
     results = engine.generate(reqs, on_token=on_token, progress=progress)
+    for r in results:
+        if r.error:
+            raise ValueError(r.error)
     if stream:
         if not echoed:
             print(args.prompt, end="")
@@ -109,8 +112,6 @@ def _cmd_generate(args) -> int:
             print(tokenizer.decode(pending), end="")
         print()
     for i, r in enumerate(results):
-        if r.error:
-            raise ValueError(r.error)
         if not stream:
             print(f"--- sample {i} ({r.finish_reason}) ---")
             print(args.prompt + (r.text or ""))

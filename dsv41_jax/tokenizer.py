@@ -157,7 +157,12 @@ class HFTokenizer:
         path = os.fspath(path)
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         self.path = file
-        self.backend = _RustTokenizer.from_file(file)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"tokenizer not found: {file} (pass a tokenizer.json or a directory holding one)")
+        try:
+            self.backend = _RustTokenizer.from_file(file)
+        except Exception as e:  # noqa: BLE001 - the Rust error is a bare Exception
+            raise ValueError(f"cannot read tokenizer {file}: {e}") from e
         # Same count as transformers' len(tokenizer): base vocab plus added tokens.
         self._vocab_size = int(self.backend.get_vocab_size(with_added_tokens=True))
         _check_model_vocab(self._vocab_size, model_vocab_size, f"tokenizer {file}")

@@ -109,3 +109,16 @@ def test_checkpoint_errors_name_the_tensor(ckpt_copy):
     os.remove(path)
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         load_checkpoint(str(ckpt_copy))
+
+
+def test_tokenizer_file_errors(tmp_path):
+    from dsv41_jax.tokenizer import load_tokenizer
+
+    with pytest.raises(FileNotFoundError, match="tokenizer not found: .*missing.json"):
+        load_tokenizer(str(tmp_path / "missing.json"))
+    with pytest.raises(FileNotFoundError, match="tokenizer not found: .*tokenizer.json"):
+        load_tokenizer(str(tmp_path))  # a directory without a tokenizer.json
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read tokenizer .*bad.json"):
+        load_tokenizer(str(bad))
