@@ -29,6 +29,10 @@ def from_config_dict(cd) -> ModelConfig:
 
 def get(name: str, **overrides) -> ModelConfig:
     path = os.path.join(CONFIG_DIR, f"{name}.py")
+    if not os.path.isdir(CONFIG_DIR):
+        raise ConfigError(f"config presets not found: {CONFIG_DIR} does not exist (the presets live in the "
+                          "repository's configs/: install with `pip install -e .` from a checkout, or set "
+                          "DSV41_CONFIG_DIR; or pass a path to a config.json / checkpoint directory)")
     if not os.path.exists(path):
         raise ConfigError(f"unknown config {name!r}: no {path}; available: {available()} "
                           "(or pass a path to a config.json / checkpoint directory)")
