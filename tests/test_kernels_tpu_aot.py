@@ -15,18 +15,16 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 pytest.importorskip("libtpu", reason="AOT TPU compile needs the tpu extra (jax[tpu] / libtpu)")
 
 
-@pytest.fixture(autouse=True)
-def _no_persistent_compilation_cache():
-    """Other test modules share an on-disk XLA cache; TPU programs compiled here must not read CPU entries from it."""
-    import jax
-
-    old = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", old)
-
-
 ALL = ("sparse_attention_decode", "sparse_attention_prefill", "indexer_score_pool")
+
+# Compiled in a subprocess: the test workers share an on-disk XLA cache (tests/test_train.py), which TPU programs
+# compiled here must neither read nor fill.
+_SCRIPT = """
+import json, runpy, sys
+mod = runpy.run_path(sys.argv[1])
+results = mod["compile_all"]((sys.argv[2],), small=True, verbose=False, kernels=tuple(sys.argv[3].split(",")))
+print(json.dumps([[k, c.memory_analysis() is not None, "tpu_custom_call" in c.as_text()] for _, k, c in results]))
+"""
 
 
 # every kernel on v5p; on v6e the decode attention and the indexer (the prefill variant is the same kernel body with
@@ -34,15 +32,19 @@ ALL = ("sparse_attention_decode", "sparse_attention_prefill", "indexer_score_poo
 @pytest.mark.parametrize("topology,kernels", [("v5p:2x2x1", ALL),
                                               ("v6e:2x2", ("sparse_attention_decode", "indexer_score_pool"))])
 def test_mosaic_kernels_compile_for_tpu(topology, kernels):
-    import importlib.util
+    import json
     import pathlib
+    import subprocess
+    import sys
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "launch" / "aot_kernels_tpu.py"
-    spec = importlib.util.spec_from_file_location("aot_kernels_tpu", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    results = mod.compile_all((topology,), small=True, verbose=False, kernels=kernels)
-    assert {k for _, k, _ in results} == set(kernels)
-    for _, _, compiled in results:
-        assert compiled.memory_analysis() is not None
-        assert "tpu_custom_call" in compiled.as_text()  # the Mosaic kernel is in the compiled program
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(root / "launch" / "aot_kernels_tpu.py"), topology,
+                           ",".join(kernels)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {k for k, _, _ in results} == set(kernels)
+    for kname, has_memory_analysis, has_mosaic_call in results:
+        assert has_memory_analysis, kname
+        assert has_mosaic_call, kname  # the Mosaic kernel is in the compiled program
