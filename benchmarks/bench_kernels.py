@@ -41,7 +41,6 @@ import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dsv41_jax import kernels as KN  # noqa: E402
-from dsv41_jax.kernels import hier_topk as HT  # noqa: E402
 from dsv41_jax.kernels import pallas_gpu as G  # noqa: E402
 from dsv41_jax.ops import attention as RA  # noqa: E402
 from dsv41_jax.ops import indexer as RI  # noqa: E402

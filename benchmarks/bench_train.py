@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="append the result as a JSON line here")
     args = p.parse_args(argv)
     out = run(args)
-    print(f"| preset | batch x seq | step ms | tokens/s | model TFLOP/token-step | MFU (989) | MFU (780) | XLA TFLOP/s |")
+    print("| preset | batch x seq | step ms | tokens/s | model TFLOP/token-step | MFU (989) | MFU (780) | XLA TFLOP/s |")
     print(f"| {out['preset']} | {out['batch']}x{out['seq']} | {out['step_ms_median']:.1f} | {out['tokens_per_s']:,.0f} | "
           f"{out['model_flops_per_token'] / 1e12 * out['batch'] * out['seq']:.2f} | {out['mfu_datasheet']:.1%} | "
           f"{out['mfu_measured_peak']:.1%} | {out['xla_tflops_per_s']:.1f} |")

@@ -114,7 +114,6 @@ def dry_run(args, argv) -> None:
 
     from dsv41_jax import load_config
     from dsv41_jax.parallel import check_batch, check_model, get_rules, param_partition_specs
-    from dsv41_jax.parallel.api import padded_rows  # noqa: F401
 
     preset, shape, rules = _preset_and_shape(args)
     config = _config(args, load_config)

@@ -5,7 +5,6 @@ tests/fixtures/hf_v41/README.md for each key's meaning)."""
 
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

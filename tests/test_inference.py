@@ -78,7 +78,6 @@ def _run_engine_path(config, params, hasher, seqs, prompt_lens, n_steps, *, chun
     tokens = np.zeros((batch, width), np.int32)
     lengths = np.zeros((batch,), np.int64)
     eids = np.zeros((batch, width, len(config.engram_layer_ids), config.n_hash_cols), np.int32)
-    hist = hasher.empty_history(batch)
     hist_rows = {}
     for s, seq, t in zip(slots, seqs, prompt_lens):
         tokens[s, :t] = seq[:t]

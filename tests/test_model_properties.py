@@ -9,7 +9,7 @@ from dsv41_jax import ForwardOptions, forward, init_params, load_config
 from dsv41_jax.inference.step import FAST_COMPILE
 from dsv41_jax.model.model import default_hasher
 from dsv41_jax.ops.attention import sequence_sparse_attention, sparse_attention
-from dsv41_jax.ops.indexer import candidate_blocks, indexer_topk, select_topk
+from dsv41_jax.ops.indexer import candidate_blocks, select_topk
 from dsv41_jax.ops.mhc import mhc_coefficients
 from dsv41_jax.ops.moe import moe
 

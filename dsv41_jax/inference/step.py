@@ -33,7 +33,7 @@ from dsv41_jax.config import ModelConfig, ceil_div
 from dsv41_jax.ops import quant
 from dsv41_jax.ops.compressor import pool_groups, project_compressor_inputs
 from dsv41_jax.ops.engram import engram_write
-from dsv41_jax.ops.indexer import indexer_scores, mask_invisible, select_topk, visible_counts
+from dsv41_jax.ops.indexer import indexer_queries, indexer_scores, mask_invisible, select_topk, visible_counts
 from dsv41_jax.ops.mhc import collapse, expand, mhc_coefficients
 from dsv41_jax.inference.moe import moe_inference
 from dsv41_jax.ops.moe import moe
@@ -236,11 +236,8 @@ def run_indexer(ip: dict, x: jax.Array, q_res: jax.Array, spec: LayerSpec, pos: 
     b, t, _ = x.shape
     n = keys.shape[1]
     cos, sin = cos_sin(rope["compress"], pos)
-    qi = linear(q_res, ip["wq_b"]).reshape(b, t, c.index_n_heads, c.index_head_dim)
-    qi = apply_rope(qi, cos[:, :, None], sin[:, :, None])
-    if quant_on:
-        qi = quant.fake_quant_fp4_e2m1_block(qi, 32, scale_format="ue8m0")
-    w = linear(x, ip["weights_proj"]).astype(jnp.float32) * (c.index_n_heads ** -0.5)
+    qi, w = indexer_queries(ip, x, q_res, cos, sin, n_heads=c.index_n_heads, head_dim=c.index_head_dim,
+                            quant_on=quant_on)
     bs = c.candidate_block_size
     restricted = spec.uses_candidates and pool_ids is not None
     if kernels.resolve_backend(opts.kernel_backend) != "reference":

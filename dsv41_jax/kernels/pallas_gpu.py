@@ -72,6 +72,16 @@ def _prec(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
+def _window_rows(wpos_ref, wseg_ref, bi, j, s_len, qp, qs, window, fl):
+    """Window key slots ``j`` of batch row ``bi`` (inside a kernel): (clamped slot ids, valid mask). A key is valid
+    when its slot exists and holds a position inside the query's window, at or above the floor, in its document."""
+    inb = (j >= 0) & (j < s_len)
+    jj = jnp.clip(j, 0, s_len - 1)
+    kp = pltr.load(wpos_ref.at[bi, jj], mask=inb, other=-1)
+    ksg = pltr.load(wseg_ref.at[bi, jj], mask=inb, other=-1)
+    return jj, inb & (kp >= 0) & (kp <= qp) & (kp > qp - window) & (kp >= fl) & (ksg == qs)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Sparse attention, forward
 # ----------------------------------------------------------------------------------------------------------------
@@ -145,12 +155,7 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
             return m_new, l, acc
 
         def load_win(i):
-            j = ws + i * bk + jnp.arange(bk)
-            inb = (j >= 0) & (j < s_len)
-            jj = jnp.clip(j, 0, s_len - 1)
-            kp = pltr.load(wpos_ref.at[bi, jj], mask=inb, other=-1)
-            ksg = pltr.load(wseg_ref.at[bi, jj], mask=inb, other=-1)
-            valid = inb & (kp >= 0) & (kp <= qp) & (kp > qp - window) & (kp >= fl) & (ksg == qs)
+            jj, valid = _window_rows(wpos_ref, wseg_ref, bi, ws + i * bk + jnp.arange(bk), s_len, qp, qs, window, fl)
             kmat = pltr.load(wkv_ref.at[bi, jj[:, None], cols], mask=valid[:, None], other=0)
             if bd == dp:
                 return kmat, valid
@@ -311,12 +316,7 @@ def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse,
                 dst_ref[r, hb, pl.ds(i * bk, bk), :] = jnp.where(valid[:, None], dkv, 0.0)
 
         def win_body(i, dq):
-            j = ws + i * bk + jnp.arange(bk)
-            inb = (j >= 0) & (j < s_len)
-            jj = jnp.clip(j, 0, s_len - 1)
-            kp = pltr.load(wpos_ref.at[bi, jj], mask=inb, other=-1)
-            ksg = pltr.load(wseg_ref.at[bi, jj], mask=inb, other=-1)
-            valid = inb & (kp >= 0) & (kp <= qp) & (kp > qp - window) & (kp >= fl) & (ksg == qs)
+            jj, valid = _window_rows(wpos_ref, wseg_ref, bi, ws + i * bk + jnp.arange(bk), s_len, qp, qs, window, fl)
             kmat = pltr.load(wkv_ref.at[bi, jj[:, None], cols], mask=valid[:, None], other=0)
             dq, dkv = grads(dq, kmat, valid)
             emit(dw_ref, jj, i, dkv, valid)

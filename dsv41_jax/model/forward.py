@@ -21,7 +21,7 @@ from dsv41_jax.ops import quant  # noqa: E402  (fake quantisation: FP8 window KV
 from dsv41_jax import kernels as _kernels  # sparse attention / indexer dispatch (reference or Pallas)
 from dsv41_jax.ops.compressor import compress_packed, compress_sequence
 from dsv41_jax.ops.engram import engram_write
-from dsv41_jax.ops.indexer import packed_entry_layout, packed_indexer_topk
+from dsv41_jax.ops.indexer import indexer_queries, packed_entry_layout, packed_indexer_topk
 from dsv41_jax.ops.mhc import collapse, expand, mhc_coefficients
 from dsv41_jax.ops.moe import moe
 from dsv41_jax.ops.linear import linear
@@ -140,11 +140,8 @@ def _run_indexer(ip: dict, x, q_res, spec: LayerSpec, positions, state: _GroupSt
     c = config
     b, t, _ = x.shape
     cos, sin = cos_sin(rope["compress"], positions)
-    qi = linear(q_res, ip["wq_b"]).reshape(b, t, c.index_n_heads, c.index_head_dim)
-    qi = apply_rope(qi, cos[:, :, None], sin[:, :, None])
-    if quant_on:
-        qi = quant.fake_quant_fp4_e2m1_block(qi, 32, scale_format="ue8m0")
-    w = linear(x, ip["weights_proj"]).astype(jnp.float32) * (c.index_n_heads ** -0.5)
+    qi, w = indexer_queries(ip, x, q_res, cos, sin, n_heads=c.index_n_heads, head_dim=c.index_head_dim,
+                            quant_on=quant_on)
     keys = state.index_keys
     if keys.shape[1] == 0:  # no complete group yet: nothing to select
         n_blocks = 0
@@ -153,23 +150,24 @@ def _run_indexer(ip: dict, x, q_res, spec: LayerSpec, positions, state: _GroupSt
     cand = c.candidate_topk_blocks if spec.candidate_source else None
     pool = state.pool if spec.uses_candidates else None
 
-    def run(qc, wc, pc, *pool_c):
-        return _kernels.indexer_topk(qc, wc, keys, pc, ratio=spec.ratio, topk=c.index_topk,
-                                     pool=pool_c[0] if pool_c else None, block_size=c.candidate_block_size,
-                                     candidate_topk_blocks=cand, backend=opts.kernel_backend)
+    pool_args = (pool,) if pool is not None else ()
+    if segments is None:
+        def run(qc, wc, pc, *pool_c):
+            return _kernels.indexer_topk(qc, wc, keys, pc, ratio=spec.ratio, topk=c.index_topk,
+                                         pool=pool_c[0] if pool_c else None, block_size=c.candidate_block_size,
+                                         candidate_topk_blocks=cand, backend=opts.kernel_backend)
 
-    if segments is not None:
+        args = (qi, w, positions) + pool_args
+    else:  # packed documents: visibility and HSI blocks per document (plain JAX)
         entries = state.entries
         q_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
-        def run(qc, wc, pc, sc, ic, *pool_c):  # noqa: F811 - the packed-document variant
+        def run(qc, wc, pc, sc, ic, *pool_c):
             return packed_indexer_topk(qc, wc, keys, pc, sc, ic, entries, ratio=spec.ratio, topk=c.index_topk,
                                        pool=pool_c[0] if pool_c else None, block_size=c.candidate_block_size,
                                        candidate_topk_blocks=cand)
 
-        args = (qi, w, positions, segments, q_index) + ((pool,) if pool is not None else ())
-    else:
-        args = (qi, w, positions) + ((pool,) if pool is not None else ())
+        args = (qi, w, positions, segments, q_index) + pool_args
     topk, new_pool = map_query_blocks(run, t, opts.query_chunk, *args)
     return dataclasses.replace(state, topk=topk, pool=new_pool if spec.candidate_source else state.pool)
 

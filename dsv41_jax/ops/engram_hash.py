@@ -36,7 +36,7 @@ embedding rows are concatenated in before ``wkv``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 

@@ -15,8 +15,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.ops import quant
+from dsv41_jax.ops.linear import linear
+from dsv41_jax.ops.rope import apply_rope
+
 _HI = jax.lax.Precision.HIGHEST
 NEG_INF = -jnp.inf
+
+
+def indexer_queries(ip: dict, x: jax.Array, q_res: jax.Array, cos: jax.Array, sin: jax.Array, *, n_heads: int,
+                    head_dim: int, quant_on: bool) -> tuple[jax.Array, jax.Array]:
+    """The indexer's queries and head weights from the layer's attention-site input ``x`` [B, T, d] and its q LoRA
+    residual ``q_res``: (q [B, T, Hi, di] with the compress RoPE (cos / sin [B, T, r/2]) and, with the release's
+    fake quantisation, FP4 e2m1 / ue8m0 block-32 rounding; w [B, T, Hi] float32 = weights_proj(x) · Hi^-½)."""
+    b, t, _ = x.shape
+    q = linear(q_res, ip["wq_b"]).reshape(b, t, n_heads, head_dim)
+    q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+    if quant_on:
+        q = quant.fake_quant_fp4_e2m1_block(q, 32, scale_format="ue8m0")
+    w = linear(x, ip["weights_proj"]).astype(jnp.float32) * (n_heads ** -0.5)
+    return q, w
 
 
 def indexer_scores(q: jax.Array, weights: jax.Array, keys: jax.Array) -> jax.Array:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.ops import quant
 from dsv41_jax.ops.compressor import compress_sequence
-from dsv41_jax.ops.indexer import indexer_scores
+from dsv41_jax.ops.indexer import indexer_queries, indexer_scores
 from dsv41_jax.ops.linear import linear
 from dsv41_jax.ops.norms import rms_norm
 from dsv41_jax.ops.query_blocks import sum_query_blocks
@@ -154,11 +154,8 @@ def indexer_kl_loss(params: dict, attn_inputs: dict, topk: dict | None, config: 
         q_res = sg(rms_norm(linear(x, pa["wq_a"]), pa["q_norm"], c.rms_norm_eps))
         q = sg(apply_rope(linear(q_res, pa["wq_b"]).reshape(b, t, c.num_attention_heads, c.head_dim),
                           cos[:, :, None], sin[:, :, None]))
-        qi = apply_rope(linear(q_res, ip["wq_b"]).reshape(b, t, c.index_n_heads, c.index_head_dim),
-                        cos[:, :, None], sin[:, :, None])
-        if quant_on:
-            qi = quant.fake_quant_fp4_e2m1_block(qi, 32, scale_format="ue8m0")
-        w = linear(x, ip["weights_proj"]).astype(jnp.float32) * (c.index_n_heads ** -0.5)
+        qi, w = indexer_queries(ip, x, q_res, cos, sin, n_heads=c.index_n_heads, head_dim=c.index_head_dim,
+                                quant_on=quant_on)
         scale = c.head_dim ** -0.5
         ratio = spec.ratio
 
