@@ -30,8 +30,8 @@ import jax.numpy as jnp
 
 from dsv41_jax import kernels
 from dsv41_jax.config import ModelConfig, ceil_div
-from dsv41_jax.ops import quant
-from dsv41_jax.ops.compressor import pool_groups, project_compressor_inputs
+from dsv41_jax.ops.attention import attention_inputs, attention_output
+from dsv41_jax.ops.compressor import compressed_entries, pool_groups, project_compressor_inputs
 from dsv41_jax.ops.engram import engram_write
 from dsv41_jax.ops.indexer import indexer_queries, indexer_scores, mask_invisible, select_topk, visible_counts
 from dsv41_jax.ops.mhc import collapse, expand, mhc_coefficients
@@ -40,7 +40,7 @@ from dsv41_jax.ops.moe import moe
 from dsv41_jax.ops.linear import linear
 from dsv41_jax.ops.norms import rms_norm
 from dsv41_jax.ops.query_blocks import map_query_blocks
-from dsv41_jax.ops.rope import apply_rope, cos_sin, rope_tables
+from dsv41_jax.ops.rope import cos_sin, rope_tables
 from dsv41_jax.plan import FULL, REINDEX, LayerSpec
 
 _HI = jax.lax.Precision.HIGHEST
@@ -131,7 +131,7 @@ def emit_entries(src: dict, x: jax.Array, comp: dict, idx_p: dict, ratio: int, p
     nmax = src["kv"].shape[1]
     src = dict(src)
     if ratio == 1:
-        latent = rms_norm(jnp.einsum("btd,fd->btf", x, comp["wkv"], precision=_HI), comp["norm"], c.rms_norm_eps)
+        latent = rms_norm(linear(x, comp["wkv"]), comp["norm"], c.rms_norm_eps)
         k = jnp.arange(t)[None, :]
         entry = pos0[:, None] + k
         complete = k < n_valid[:, None]
@@ -155,11 +155,7 @@ def emit_entries(src: dict, x: jax.Array, comp: dict, idx_p: dict, ratio: int, p
         src["buf_kv"] = jnp.take_along_axis(xk, tail, axis=1)
         src["buf_gate"] = jnp.take_along_axis(xg, tail, axis=1)
     ccos, csin = cos_sin(rope["compress"], entry * ratio)
-    keys = apply_rope(rms_norm(linear(latent, idx_p["wk"]), idx_p["k_norm"], c.rms_norm_eps), ccos, csin)
-    rotated = apply_rope(latent, ccos, csin)
-    if quant_on:
-        keys = quant.fake_quant_fp4_e2m1_block(keys, 32, scale_format="ue8m0")
-        rotated = quant.fake_quant_fp4_e2m1_block(rotated, 16, scale_format="e4m3")
+    rotated, keys = compressed_entries(latent, idx_p, ccos, csin, c.rms_norm_eps, quant_on)
     where = jnp.where(complete, entry, nmax)
     bi = _batch_index(b, entry.shape[1])
     src["kv"] = src["kv"].at[bi, where].set(rotated.astype(src["kv"].dtype), mode="drop")
@@ -400,12 +396,7 @@ def attention_step(p: dict, x: jax.Array, spec: LayerSpec, pos: jax.Array, pos0:
     c = config
     b, t, _ = x.shape
     cos, sin = cos_sin(rope[spec.rope], pos)
-    q_res = rms_norm(linear(x, p["wq_a"]), p["q_norm"], c.rms_norm_eps)
-    q = linear(q_res, p["wq_b"]).reshape(b, t, c.num_attention_heads, c.head_dim)
-    q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-    kv = apply_rope(rms_norm(linear(x, p["wkv"]), p["kv_norm"], c.rms_norm_eps), cos, sin)
-    if quant_on:
-        kv = quant.fake_quant_fp8_e4m3_block(kv, 32)
+    q_res, q, kv = attention_inputs(p, x, cos, sin, c, quant_on)
 
     ring = cache["swa"][spec.index]
     ring_vals, ring_pos = ring_read(ring, pos0)
@@ -432,11 +423,7 @@ def attention_step(p: dict, x: jax.Array, spec: LayerSpec, pos: jax.Array, pos0:
     floor = cache["floor"] if spec.stack == "decoder" else 0
     out = chunk_attention(q, pos, win_kv, win_pos, compressed, topk, p["attn_sink"], window=c.sliding_window,
                           floor=floor, q_block=opts.query_chunk, backend=opts.kernel_backend)
-    out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True)
-    grouped = out.reshape(b, t, c.o_groups, -1)
-    wo_a = p["wo_a"].reshape(c.o_groups, c.o_lora_rank, -1)
-    y = jnp.einsum("btgi,goi->btgo", grouped, wo_a, precision=_HI).reshape(b, t, -1)
-    return linear(y, p["wo_b"]), cache, shared
+    return attention_output(p, out, cos, sin, c), cache, shared
 
 
 def _mhc_kw(c: ModelConfig) -> dict:

@@ -17,9 +17,9 @@ import numpy as np
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.model.params import validate_params
-from dsv41_jax.ops import quant  # noqa: E402  (fake quantisation: FP8 window KV, FP4 compressed KV / indexer)
 from dsv41_jax import kernels as _kernels  # sparse attention / indexer dispatch (reference or Pallas)
-from dsv41_jax.ops.compressor import compress_packed, compress_sequence
+from dsv41_jax.ops.attention import attention_inputs, attention_output
+from dsv41_jax.ops.compressor import compress_packed, compress_sequence, compressed_entries
 from dsv41_jax.ops.engram import engram_write
 from dsv41_jax.ops.indexer import indexer_queries, packed_entry_layout, packed_indexer_topk
 from dsv41_jax.ops.mhc import collapse, expand, mhc_coefficients
@@ -27,11 +27,10 @@ from dsv41_jax.ops.moe import moe
 from dsv41_jax.ops.linear import linear
 from dsv41_jax.ops.norms import rms_norm
 from dsv41_jax.ops.query_blocks import map_query_blocks
-from dsv41_jax.ops.rope import apply_rope, cos_sin, rope_tables
+from dsv41_jax.ops.rope import cos_sin, rope_tables
 from dsv41_jax.parallel.rules import constrain  # sharding hints; no-ops without a sharding context
 from dsv41_jax.plan import FULL, REINDEX, LayerSpec
 
-_HI = jax.lax.Precision.HIGHEST
 _STREAM_AXES = ("batch", "seq", "streams", "embed")  # logical axes of the mHC residual streams [B, T, hc, d]
 
 
@@ -93,12 +92,7 @@ def attention_layer(p: dict, x: jax.Array, spec: LayerSpec, positions: jax.Array
     b, t, _ = x.shape
     inv_freq = rope[spec.rope]
     cos, sin = cos_sin(inv_freq, positions)  # [B, T, r/2]
-    q_res = rms_norm(linear(x, p["wq_a"]), p["q_norm"], c.rms_norm_eps)
-    q = linear(q_res, p["wq_b"]).reshape(b, t, c.num_attention_heads, c.head_dim)
-    q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-    kv = apply_rope(rms_norm(linear(x, p["wkv"]), p["kv_norm"], c.rms_norm_eps), cos, sin)
-    if quant_on:
-        kv = quant.fake_quant_fp8_e4m3_block(kv, 32)
+    q_res, q, kv = attention_inputs(p, x, cos, sin, c, quant_on)
 
     topk = None
     compressed = None
@@ -113,12 +107,7 @@ def attention_layer(p: dict, x: jax.Array, spec: LayerSpec, positions: jax.Array
                 entry_pos = positions
                 entries = packed_entry_layout(positions, segments, valid, spec.ratio, c.candidate_block_size)
             ccos, csin = cos_sin(rope["compress"], entry_pos)
-            ip = p["indexer"]
-            keys = apply_rope(rms_norm(linear(latent, ip["wk"]), ip["k_norm"], c.rms_norm_eps), ccos, csin)
-            rotated = apply_rope(latent, ccos, csin)
-            if quant_on:
-                keys = quant.fake_quant_fp4_e2m1_block(keys, 32, scale_format="ue8m0")
-                rotated = quant.fake_quant_fp4_e2m1_block(rotated, 16, scale_format="e4m3")
+            rotated, keys = compressed_entries(latent, p["indexer"], ccos, csin, c.rms_norm_eps, quant_on)
             state = dataclasses.replace(state, compressed_kv=rotated, index_keys=keys, entries=entries)
         if spec.mode in (FULL, REINDEX):
             state = _run_indexer(p["indexer"], x, q_res, spec, positions, state, config, rope, opts, quant_on,
@@ -128,11 +117,7 @@ def attention_layer(p: dict, x: jax.Array, spec: LayerSpec, positions: jax.Array
     out = _kernels.sequence_sparse_attention(q, kv, positions, compressed, topk, p["attn_sink"],
                                              window=c.sliding_window, floor=floor, chunk=opts.query_chunk,
                                              segments=segments, backend=opts.kernel_backend)
-    out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True)
-    grouped = out.reshape(b, t, c.o_groups, -1)
-    wo_a = p["wo_a"].reshape(c.o_groups, c.o_lora_rank, -1)
-    y = jnp.einsum("btgi,goi->btgo", grouped, wo_a, precision=_HI).reshape(b, t, -1)
-    return linear(y, p["wo_b"]), state
+    return attention_output(p, out, cos, sin, c), state
 
 
 def _run_indexer(ip: dict, x, q_res, spec: LayerSpec, positions, state: _GroupState, config: ModelConfig, rope,

@@ -11,7 +11,39 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.ops import quant
+from dsv41_jax.ops.linear import linear
+from dsv41_jax.ops.norms import rms_norm
+from dsv41_jax.ops.rope import apply_rope
+
 _HI = jax.lax.Precision.HIGHEST
+
+
+def attention_inputs(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, config, quant_on: bool):
+    """An attention site's projections of its normalised input x [B, T, d]: (q LoRA residual q_res [B, T, r_q],
+    rotated queries q [B, T, H, D], the rotated K=V latent kv [B, T, D], FP8-rounded under fake quantisation).
+    cos / sin [B, T, r/2] are the layer's RoPE tables at the tokens' positions."""
+    c = config
+    b, t, _ = x.shape
+    q_res = rms_norm(linear(x, p["wq_a"]), p["q_norm"], c.rms_norm_eps)
+    q = linear(q_res, p["wq_b"]).reshape(b, t, c.num_attention_heads, c.head_dim)
+    q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+    kv = apply_rope(rms_norm(linear(x, p["wkv"]), p["kv_norm"], c.rms_norm_eps), cos, sin)
+    if quant_on:
+        kv = quant.fake_quant_fp8_e4m3_block(kv, 32)
+    return q_res, q, kv
+
+
+def attention_output(p: dict, out: jax.Array, cos: jax.Array, sin: jax.Array, config) -> jax.Array:
+    """Attention output [B, T, H, D] -> [B, T, d]: inverse RoPE, then the grouped low-rank output projection
+    (``o_groups`` groups of heads, each through its own ``wo_a`` slice, then ``wo_b``)."""
+    c = config
+    b, t = out.shape[:2]
+    out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True)
+    grouped = out.reshape(b, t, c.o_groups, -1)
+    wo_a = p["wo_a"].reshape(c.o_groups, c.o_lora_rank, -1)
+    y = jnp.einsum("btgi,goi->btgo", grouped, wo_a, precision=_HI).reshape(b, t, -1)
+    return linear(y, p["wo_b"])
 
 
 def sparse_attention(q: jax.Array, q_pos: jax.Array, win_kv: jax.Array, win_pos: jax.Array,

@@ -11,9 +11,25 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.ops import quant
+from dsv41_jax.ops.linear import linear
 from dsv41_jax.ops.norms import rms_norm
+from dsv41_jax.ops.rope import apply_rope
 
 _HI = jax.lax.Precision.HIGHEST
+
+
+def compressed_entries(latent: jax.Array, indexer_p: dict, cos: jax.Array, sin: jax.Array, eps: float,
+                       quant_on: bool) -> tuple[jax.Array, jax.Array]:
+    """Compressor latents [B, N, D] (pre-RoPE) -> (the attention's compressed KV: rotated at each entry's position,
+    FP4 e2m1 / e4m3 block-16 under fake quantisation; the indexer keys: wk + k_norm, rotated, FP4 e2m1 / ue8m0
+    block-32). cos / sin [B or 1, N, r/2] are the compress RoPE tables at the entries' positions."""
+    keys = apply_rope(rms_norm(linear(latent, indexer_p["wk"]), indexer_p["k_norm"], eps), cos, sin)
+    rotated = apply_rope(latent, cos, sin)
+    if quant_on:
+        keys = quant.fake_quant_fp4_e2m1_block(keys, 32, scale_format="ue8m0")
+        rotated = quant.fake_quant_fp4_e2m1_block(rotated, 16, scale_format="e4m3")
+    return rotated, keys
 
 
 def project_compressor_inputs(x: jax.Array, wkv: jax.Array, wgate: jax.Array | None):
