@@ -1,5 +1,6 @@
-"""Load checkpoints in the released / HF transformers naming: a directory with ``config.json`` and
-``*.safetensors`` (one file or shards). Public-reference checkpoints and our golden fixtures load directly.
+"""HF-named tensor dicts <-> our parameter tree: ``params_from_hf_tensors`` (an in-memory dict) and the export
+``hf_tensors_from_params`` / ``save_hf_checkpoint``. Loading a checkpoint directory (HF or release naming, float or
+FP8 / FP4, streamed onto a mesh) is :mod:`dsv41_jax.checkpoint.release`; ``load_hf_checkpoint`` forwards there.
 
 Every tensor is accounted for: unknown names, missing tensors and wrong shapes are reported by name. A few
 tensors the float forward never reads are skipped knowingly (listed in ``IGNORED``).
@@ -7,7 +8,6 @@ tensors the float forward never reads are skipped knowingly (listed in ``IGNORED
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv41_jax.checkpoint.errors import CheckpointError  # re-exported: dsv41_jax.CheckpointError
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.model.params import ParamSpec, flat_specs, is_spec, param_specs
 
@@ -29,23 +30,6 @@ IGNORED = (
 _DSPARK = re.compile(r"^mtp\..*")
 
 
-class CheckpointError(ValueError):
-    pass
-
-
-def _read_safetensors(directory: str) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {directory}")
-    tensors: dict[str, np.ndarray] = {}
-    for f in files:
-        for k, v in load_file(f).items():
-            if k in tensors:
-                raise CheckpointError(f"tensor {k} appears in more than one file ({f})")
-            tensors[k] = v
-    return tensors
 
 
 def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: ModelConfig, *, dtype=jnp.float32,
@@ -91,14 +75,11 @@ def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: ModelConfig, 
 
 
 def load_hf_checkpoint(directory: str, *, dtype=jnp.float32, config: ModelConfig | None = None,
-                       include_dspark: bool = False) -> tuple[ModelConfig, dict]:
-    cfg_path = os.path.join(directory, "config.json")
-    if config is None:
-        if not os.path.exists(cfg_path):
-            raise CheckpointError(f"{directory} has no config.json")
-        config = ModelConfig.from_json_file(cfg_path)
-    tensors = _read_safetensors(directory)
-    return config, params_from_hf_tensors(tensors, config, dtype=dtype, include_dspark=include_dspark)
+                       include_dspark: bool = False, **kwargs) -> tuple[ModelConfig, dict]:
+    """A safetensors directory in either naming (HF or release; see :mod:`dsv41_jax.checkpoint.release`)."""
+    from dsv41_jax.checkpoint.release import load_safetensors_checkpoint
+
+    return load_safetensors_checkpoint(directory, dtype=dtype, config=config, include_dspark=include_dspark, **kwargs)
 
 
 def hf_tensors_from_params(params: dict, config: ModelConfig) -> dict[str, np.ndarray]:

@@ -269,14 +269,22 @@ def export_params(directory: str, params: dict, config: ModelConfig, *, fmt: str
 
 
 def load_checkpoint(path: str, *, dtype=jnp.float32, config: ModelConfig | None = None, step: int | None = None,
-                    shardings=None, include_dspark: bool = False) -> tuple[ModelConfig, dict]:
-    """(config, params) from any checkpoint kind: HF safetensors directory, parameter export, training checkpoint
-    directory (``step`` or the latest), or one step directory of it."""
+                    shardings=None, include_dspark: bool = False, mesh=None, rules="tp",
+                    keep_quantized: bool = False) -> tuple[ModelConfig, dict]:
+    """(config, params) from any checkpoint kind: a safetensors directory in the release's naming (FP8 / FP4
+    block-scaled, as published) or HF transformers' naming, a parameter export, a training checkpoint directory
+    (``step`` or the latest), or one step directory of it.
+
+    Safetensors directories are streamed (:mod:`dsv41_jax.checkpoint.release`): ``mesh`` + ``rules`` place every
+    parameter straight onto its partition-rule sharding (each process reads only what its devices own),
+    ``keep_quantized`` keeps FP8 / FP4 weights as ``QuantizedTensor`` leaves. ``shardings`` (a tree like the
+    parameters) works for every kind."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint not found: {path}")
     if os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)):
-        return load_hf_checkpoint(path, dtype=dtype, config=config, include_dspark=include_dspark)
+        return load_hf_checkpoint(path, dtype=dtype, config=config, include_dspark=include_dspark, mesh=mesh,
+                                  rules=rules, shardings=shardings, keep_quantized=keep_quantized)
     if is_export(path):
         saved = ModelConfig.from_json_file(os.path.join(path, "config.json"))
         if config is not None and config_mismatch(config_dict(saved), config):

@@ -1,0 +1,427 @@
+"""One reader for safetensors checkpoints in both namings — the release's (official module tree, FP8 / FP4
+block-scaled) and HF transformers' (``model.`` prefix, float or quantised) — streamed onto any mesh.
+
+    ckpt = ReleaseCheckpoint(directory)              # headers + config.json only; naming detected from the names
+    config, params = ckpt.load(dtype=jnp.bfloat16, mesh=mesh, rules="tp")   # or shardings=..., or one device
+    print(ckpt.report.describe())                    # naming, formats, skipped (DSpark, vision) and ignored tensors
+
+How it streams. Every parameter is planned from headers first (names, shapes, dtypes, scale shapes — all errors
+reported together, naming the tensor and its file). Then parameters are placed one at a time: for each distinct shard
+index of the parameter's target ``NamedSharding`` on this process's devices, the rows that index covers are read
+(one ``pread`` per tensor, and for stacked experts only the experts it covers), dequantised exactly in float32,
+cast to the caller's dtype, and put on the devices that own that index; the host buffer is dropped before the next
+index. So the host holds at most one device shard of one parameter (plus its raw bytes) at a time, and on a pod each
+process reads only the rows its devices own (tensors split along a later axis are read as whole rows).
+
+Engram tables are padded to the row-shard multiple of the mesh (as :func:`dsv41_jax.parallel.shard_params` does).
+``keep_quantized=True`` returns :class:`~dsv41_jax.checkpoint.quantized.QuantizedTensor` leaves (values + scales)
+for the FP8 / FP4 tensors instead of dequantising them.
+
+Scales: an FP8 / FP4 tensor needs its ``.scale`` sibling and a ``quantization_config`` in ``config.json``. A
+float Engram table's ``scale`` is not applied (the HF reference ignores it for float tables) and is listed under
+``ignored``; an FP8 table's scale is always applied.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
+
+from dsv41_jax.checkpoint import names as N
+from dsv41_jax.checkpoint import quantized as QZ
+from dsv41_jax.checkpoint.errors import CheckpointError
+from dsv41_jax.checkpoint.safetensors_io import PACKED_F4, SafetensorsDir, SafetensorsError, TensorInfo, read_tensor
+from dsv41_jax.config import ModelConfig, ceil_div
+from dsv41_jax.model.params import FP32, ParamSpec, flat_specs, is_spec, param_specs
+
+
+_FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+_FP8 = "F8_E4M3"
+_PACKED = ("I8", "U8", PACKED_F4)
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+@dataclasses.dataclass
+class Source:
+    """Where one parameter comes from."""
+
+    path: str  # parameter tree path, e.g. layers/3/attn/wq_a
+    spec: ParamSpec
+    infos: list[TensorInfo]  # one, or one per expert (stacked on axis 0)
+    scales: list[TensorInfo] | None
+    fmt: str  # names.FP8_BLOCK / FP4_ROWS / ENGRAM_ROWS / FLOAT (from the stored dtype)
+
+    @property
+    def stacked(self) -> bool:
+        return "{e}" in self.spec.hf_name
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.infos) + sum(i.nbytes for i in self.scales or [])
+
+
+@dataclasses.dataclass
+class LoadReport:
+    directory: str
+    naming: str
+    n_tensors: int = 0
+    loaded: int = 0
+    formats: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # tensor -> reason
+    ignored: dict[str, str] = dataclasses.field(default_factory=dict)
+    bytes_read: int = 0
+
+    def skipped_summary(self) -> dict[str, int]:
+        return dict(collections.Counter(self.skipped.values()))
+
+    def describe(self) -> str:
+        lines = [f"{self.directory}: {self.naming} naming, {self.n_tensors} tensors, {self.loaded} parameters loaded "
+                 f"({', '.join(f'{k}: {v}' for k, v in sorted(self.formats.items()))})"]
+        for reason, n in sorted(self.skipped_summary().items()):
+            lines.append(f"  skipped {n} tensors: {reason}")
+        for name, why in sorted(self.ignored.items()):
+            lines.append(f"  ignored {name}: {why}")
+        return "\n".join(lines)
+
+
+def _rel(path: str, directory: str) -> str:
+    return os.path.relpath(path, directory)
+
+
+def quantization_config(raw: dict | None) -> dict | None:
+    if not raw:
+        return None
+    q = raw.get("quantization_config")
+    if q is None and isinstance(raw.get("text_config"), dict):
+        q = raw["text_config"].get("quantization_config")
+    return q
+
+
+class ReleaseCheckpoint:
+    """A safetensors checkpoint directory (release or HF naming), planned from headers; :meth:`load` streams it."""
+
+    def __init__(self, directory: str, *, config: ModelConfig | None = None, include_dspark: bool = False):
+        self.directory = os.path.abspath(os.fspath(directory))
+        try:
+            self.files = SafetensorsDir(self.directory)
+        except SafetensorsError as e:
+            raise CheckpointError(str(e)) from e
+        cfg_path = os.path.join(self.directory, "config.json")
+        self.raw_config = None
+        if os.path.exists(cfg_path):
+            with open(cfg_path) as f:
+                self.raw_config = json.load(f)
+        if config is None:
+            if self.raw_config is None:
+                raise CheckpointError(f"{self.directory} has no config.json (pass config=...)")
+            config = ModelConfig.from_json_file(cfg_path)
+        self.config = config
+        self.include_dspark = include_dspark
+        self.quant = quantization_config(self.raw_config)
+        block = (self.quant or {}).get("weight_block_size") or [32, 32]
+        self.fp8_block = (int(block[0]), int(block[1]))
+        try:
+            self.naming = N.detect_naming(self.files.names())
+        except ValueError as e:
+            raise CheckpointError(f"{self.directory}: {e}") from e
+        # canonical spelling -> stored name
+        self.stored = {N.canonical(n): n for n in self.files.names()}
+        self.report = LoadReport(self.directory, self.naming, n_tensors=len(self.stored))
+        self.sources = self._plan()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # planning (headers only)
+    # ------------------------------------------------------------------------------------------------------------
+    def _name(self, hf_name: str) -> str:
+        return N.in_naming(hf_name, self.naming)
+
+    def _info(self, name: str) -> TensorInfo | None:
+        stored = self.stored.get(name)
+        return None if stored is None else self.files.tensors[stored]
+
+    def _plan(self) -> list[Source]:
+        problems: list[str] = []
+        used: set[str] = set()
+        sources = []
+        specs = flat_specs(self.config, include_dspark=self.include_dspark)
+        for path, spec in specs:
+            src = self._plan_one(path, spec, problems, used)
+            if src is not None:
+                sources.append(src)
+        unknown = []
+        for canon in self.stored:
+            if canon in used:
+                continue
+            release = N.to_release(canon)
+            reason = N.skip_reason(release, self.include_dspark)
+            if reason is not None:
+                self.report.skipped[canon] = reason
+            else:
+                unknown.append(canon)
+        if unknown:
+            shown = ", ".join(f"{n} ({_rel(self._info(n).file, self.directory)})" for n in sorted(unknown)[:10])
+            problems.append(f"unknown tensors: [{shown}]{' ...' if len(unknown) > 10 else ''}")
+        if problems:
+            hint = self._layer_hint()
+            raise CheckpointError(f"checkpoint {self.directory} ({self.naming} naming) does not match the config:\n  "
+                                  + "\n  ".join(problems) + (f"\n  {hint}" if hint else ""))
+        self.report.loaded = len(sources)
+        return sources
+
+    def _layer_hint(self) -> str:
+        layers = {int(m.group(1)) for n in self.stored if (m := _LAYER.match(N.to_release(n)))}
+        if layers and max(layers) + 1 != self.config.num_hidden_layers:
+            return (f"the checkpoint has layers 0-{max(layers)} but the config says num_hidden_layers="
+                    f"{self.config.num_hidden_layers}")
+        return ""
+
+    def _plan_one(self, path: str, spec: ParamSpec, problems: list[str], used: set[str]) -> Source | None:
+        stacked = "{e}" in spec.hf_name
+        hf_names = [spec.hf_name.format(e=e) for e in range(spec.shape[0])] if stacked else [spec.hf_name]
+        names = [self._name(n) for n in hf_names]
+        shape = spec.shape[1:] if stacked else spec.shape
+        missing = [n for n in names if n not in self.stored]
+        if missing:
+            problems.append(f"missing tensor {missing[0]}" + (f" (+{len(missing) - 1} more experts)"
+                                                              if len(missing) > 1 else f" {spec.shape}"))
+            return None
+        infos = [self._info(n) for n in names]
+        used.update(names)
+        fmts = set()
+        scales = []
+        for name, info in zip(names, infos):
+            fmt, scale = self._check_tensor(name, info, shape, problems, used)
+            fmts.add(fmt)
+            if scale is not None:
+                scales.append(scale)
+        if len(fmts) != 1 or None in fmts:
+            if None not in fmts:
+                problems.append(f"tensors of {spec.hf_name} mix storage formats {sorted(fmts)}")
+            return None
+        fmt = fmts.pop()
+        self.report.formats[fmt] += 1
+        return Source(path, spec, infos, scales if fmt != N.FLOAT else None, fmt)
+
+    def _check_tensor(self, name: str, info: TensorInfo, shape: tuple, problems: list[str], used: set[str]):
+        where = _rel(info.file, self.directory)
+        module = name[: -len(".weight")] if name.endswith(".weight") else name
+        scale_name = module + ".scale"
+        scale = self._info(scale_name) if scale_name != name else None
+        release_fmt = N.storage_format(N.to_release(module))
+        if info.dtype in _FLOAT_DTYPES:
+            if tuple(info.shape) != tuple(shape):
+                problems.append(f"tensor {name} has shape {tuple(info.shape)}, expected {tuple(shape)} from the config "
+                                f"(in {where})")
+                return None, None
+            if scale is not None:
+                used.add(scale_name)
+                self.report.ignored[scale_name] = (f"scale beside the float tensor {name} is not applied (float "
+                                                  "weights are already dequantised; HF reference semantics)")
+            return N.FLOAT, None
+        if info.dtype == _FP8:
+            fmt = N.ENGRAM_ROWS if release_fmt == N.ENGRAM_ROWS else N.FP8_BLOCK
+        elif info.dtype in _PACKED:
+            fmt = N.FP4_ROWS
+        else:
+            problems.append(f"tensor {name} has dtype {info.dtype}, which is neither a float nor a known quantised "
+                            f"format (in {where})")
+            return None, None
+        if self.quant is None:
+            problems.append(f"tensor {name} is stored {info.dtype} (in {where}) but config.json has no "
+                            "quantization_config: cannot tell how to dequantise it")
+            return None, None
+        if scale is None:
+            problems.append(f"quantised tensor {name} ({info.dtype}, in {where}) has no {scale_name}")
+            return None, None
+        used.add(scale_name)
+        if len(shape) != 2:
+            problems.append(f"quantised tensor {name} ({info.dtype}, in {where}) is expected to be a vector {shape}")
+            return None, None
+        out, inp = shape
+        if fmt == N.FP8_BLOCK:
+            bo, bi = self.fp8_block
+            want, want_scale = (out, inp), (ceil_div(out, bo), ceil_div(inp, bi))
+        elif fmt == N.ENGRAM_ROWS:
+            want, want_scale = (out, inp), (out, ceil_div(inp, N.ENGRAM_BLOCK))
+        else:
+            want, want_scale = (out, inp // 2), (out, ceil_div(inp, N.FP4_BLOCK))
+            if inp % N.FP4_BLOCK:
+                problems.append(f"FP4 tensor {name}: input dim {inp} is not a multiple of {N.FP4_BLOCK}")
+                return None, None
+        if tuple(info.storage_shape) != want:
+            problems.append(f"tensor {name} has shape {tuple(info.storage_shape)} ({info.dtype}), expected {want} for "
+                            f"logical {tuple(shape)} from the config (in {where})")
+            return None, None
+        if tuple(scale.shape) != want_scale:
+            problems.append(f"scale {scale_name} has shape {tuple(scale.shape)}, expected {want_scale} for "
+                            f"{name} {tuple(shape)} ({fmt}; in {_rel(scale.file, self.directory)})")
+            return None, None
+        if scale.dtype not in ("F8_E8M0", "U8", "F32", "BF16"):
+            problems.append(f"scale {scale_name} has dtype {scale.dtype}; expected F8_E8M0 (or F32)")
+            return None, None
+        return fmt, scale
+
+    # ------------------------------------------------------------------------------------------------------------
+    # reading
+    # ------------------------------------------------------------------------------------------------------------
+    def _read(self, info: TensorInfo, rows=None) -> np.ndarray:
+        a = read_tensor(info, rows)
+        self.report.bytes_read += a.nbytes
+        return a
+
+    def _rows_2d(self, src: Source, k: int, r0: int, r1: int) -> np.ndarray:
+        """float32 rows [r0, r1) of tensor ``k`` of ``src`` (k = expert index for stacked sources)."""
+        info = src.infos[k]
+        if src.fmt == N.FLOAT:
+            a = self._read(info, (r0, r1))
+            return a if a.dtype == np.float32 else a.astype(np.float32)
+        scale = src.scales[k]
+        v = self._read(info, (r0, r1))
+        if src.fmt == N.FP8_BLOCK:
+            bo, bi = self.fp8_block
+            s = self._read(scale, (r0 // bo, (r1 - 1) // bo + 1))
+            return QZ.dequant_fp8_block(v, s, (bo, bi), row0=r0)
+        s = self._read(scale, (r0, r1))
+        if src.fmt == N.FP4_ROWS:
+            return QZ.dequant_fp4_rows(v, s)
+        return QZ.dequant_engram_rows(v, s)
+
+    def read_block(self, src: Source, index: tuple, dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """The block ``index`` (slices over ``shape``, which may pad an Engram table's rows) in ``dtype``."""
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        bounds = [sl.indices(n)[:2] for sl, n in zip(index, shape)]
+        if len(shape) == 1 or len(shape) == 0:
+            a = self._read(src.infos[0]).astype(np.float32)
+            return QZ.cast(a[index] if shape else a, dtype)
+        if src.stacked:
+            (e0, e1), (r0, r1), (c0, c1) = bounds
+            out = np.empty((e1 - e0, r1 - r0, c1 - c0), dtype)
+            for j, e in enumerate(range(e0, e1)):
+                out[j] = QZ.cast(self._rows_2d(src, e, r0, r1)[:, c0:c1], dtype)
+            return out
+        (r0, r1), (c0, c1) = bounds
+        real = src.spec.shape[0]
+        out = np.zeros((r1 - r0, c1 - c0), dtype) if r1 > real else None
+        hi = min(r1, real)
+        if hi <= r0:
+            return out
+        block = QZ.cast(self._rows_2d(src, 0, r0, hi)[:, c0:c1], dtype)
+        if out is None:
+            return block
+        out[: hi - r0] = block
+        return out
+
+    def read_quantized(self, src: Source) -> tuple[np.ndarray, np.ndarray]:
+        """(values as uint8, scales as uint8 e8m0 bytes or float32), stacked for experts."""
+        def scale_arr(info):
+            a = self._read(info)
+            return a.view(np.uint8) if a.dtype in (ml_dtypes.float8_e8m0fnu, np.uint8) else a.astype(np.float32)
+        values = [self._read(i).view(np.uint8) for i in src.infos]
+        scales = [scale_arr(i) for i in src.scales]
+        if src.stacked:
+            return np.stack(values), np.stack(scales)
+        return values[0], scales[0]
+
+    # ------------------------------------------------------------------------------------------------------------
+    # placement
+    # ------------------------------------------------------------------------------------------------------------
+    def load(self, dtype=jnp.float32, *, mesh=None, rules="tp", shardings=None, keep_quantized: bool = False,
+             on_param: Callable[[Source, int, int], None] | None = None):
+        """(config, params). Placement: ``mesh`` (+ ``rules``) -> the partition rules' NamedShardings (Engram tables
+        padded to the row-shard multiple); or ``shardings`` (a tree like the parameters); or the first device.
+        ``on_param(source, i, n)`` is called after each parameter (progress)."""
+        from dsv41_jax.parallel import api as par_api
+
+        specs = param_specs(self.config, include_dspark=self.include_dspark)
+        leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+        if mesh is not None:
+            shardings = par_api.param_shardings(self.config, mesh, rules, include_dspark=self.include_dspark)
+        flat_sh = (jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+                   if shardings is not None else [None] * len(leaves))
+        if len(flat_sh) != len(leaves):
+            raise CheckpointError(f"shardings tree has {len(flat_sh)} leaves, the parameters {len(leaves)}")
+        by_path = {s.path: s for s in self.sources}
+        paths = [p for p, _ in flat_specs(self.config, include_dspark=self.include_dspark)]
+        device = jax.devices()[0]
+        out = []
+        for i, (path, spec, sh) in enumerate(zip(paths, leaves, flat_sh)):
+            src = by_path[path]
+            target = jnp.float32 if spec.dtype == FP32 else dtype
+            shape = spec.shape
+            if mesh is not None:
+                shape = par_api._padded_shape(path, spec.shape, mesh, rules)
+            sh = sh if sh is not None else SingleDeviceSharding(device)
+            if keep_quantized and src.fmt != N.FLOAT:
+                out.append(self._place_quantized(src, sh, mesh, rules))
+            else:
+                np_dtype = np.dtype(jnp.dtype(target))
+                out.append(place(shape, sh, lambda index, s=src, sh_=shape: self.read_block(s, index, np_dtype, sh_)))
+            if on_param is not None:
+                on_param(src, i, len(leaves))
+        return self.config, jax.tree.unflatten(treedef, out)
+
+    def _place_quantized(self, src: Source, sh, mesh, rules) -> QZ.QuantizedTensor:
+        from dsv41_jax.parallel.rules import get_rules, logical_to_spec
+
+        values, scales = self.read_quantized(src)
+        if src.fmt == N.ENGRAM_ROWS and mesh is not None:
+            from dsv41_jax.parallel import api as par_api
+
+            rows = par_api.padded_rows(values.shape[0], mesh, rules)
+            if rows != values.shape[0]:
+                values = np.pad(values, ((0, rows - values.shape[0]), (0, 0)))
+                scales = np.pad(scales, ((0, rows - scales.shape[0]), (0, 0)), constant_values=QZ.E8M0_BIAS)
+
+        def sharding_for(a):
+            if mesh is None:
+                return sh
+            spec = logical_to_spec(src.spec.axes, mesh, get_rules(rules), a.shape, strict=False)
+            return NamedSharding(mesh, spec)
+
+        v = place(values.shape, sharding_for(values), lambda idx: values[idx])
+        s = place(scales.shape, sharding_for(scales), lambda idx: scales[idx])
+        block = self.fp8_block if src.fmt == N.FP8_BLOCK else (1, 32)
+        return QZ.QuantizedTensor(v, s, src.fmt, tuple(src.spec.shape), block)
+
+
+def place(shape, sharding, read: Callable[[tuple], np.ndarray]) -> jax.Array:
+    """Build a global array on ``sharding`` from host blocks: one ``read(index)`` per distinct shard index of this
+    process's devices, put on the devices that own it before the next block is read."""
+    shape = tuple(int(s) for s in shape)
+    idx_map = sharding.addressable_devices_indices_map(shape)
+    groups: dict[tuple, list] = {}
+    for dev, index in idx_map.items():
+        key = tuple(sl.indices(n)[:2] for sl, n in zip(index, shape)) if shape else ()
+        groups.setdefault(key, []).append((dev, index))
+    arrays = []
+    for members in groups.values():
+        host = read(members[0][1])
+        for dev, _ in members:
+            arrays.append(jax.device_put(host, dev))
+        jax.block_until_ready(arrays[-len(members):])
+        del host
+    if isinstance(sharding, SingleDeviceSharding) and len(arrays) == 1:
+        return arrays[0]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def load_safetensors_checkpoint(directory: str, *, dtype=jnp.float32, config: ModelConfig | None = None,
+                                include_dspark: bool = False, mesh=None, rules="tp", shardings=None,
+                                keep_quantized: bool = False, return_report: bool = False):
+    ckpt = ReleaseCheckpoint(directory, config=config, include_dspark=include_dspark)
+    config, params = ckpt.load(dtype, mesh=mesh, rules=rules, shardings=shardings, keep_quantized=keep_quantized)
+    return (config, params, ckpt.report) if return_report else (config, params)
+
+
+__all__ = ["ReleaseCheckpoint", "LoadReport", "Source", "CheckpointError", "load_safetensors_checkpoint", "place",
+           "quantization_config"]
