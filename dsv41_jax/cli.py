@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dsv41_jax.train.cli import add_parser as _add_train_parser  # `dsv41 train` (dsv41_jax/train/cli.py)
 
     _add_train_parser(sub)
+    from dsv41_jax.checkpoint.cli import add_parsers as _add_checkpoint_parsers  # `dsv41 convert` / `dsv41 inspect`
+
+    _add_checkpoint_parsers(sub)
     return p
 
 
