@@ -128,6 +128,8 @@ def test_release_load_is_exact_and_matches_the_hf_path(release, tmp_path):
     c, p, rep = load_safetensors_checkpoint(d, config=cfg, return_report=True)
     assert rep.naming == "release" and rep.formats[N.FP4_ROWS] > 0 and rep.formats[N.ENGRAM_ROWS] == 1
     assert _leaves_equal(p, ref)  # bit-exact against the independent reference
+    _, pd = load_safetensors_checkpoint(d, config=cfg, dequantize_on="device")  # stored bytes dequantised by XLA
+    assert _leaves_equal(pd, ref)
     # close to the unquantised weights (FP4: < 1/4 of its block scale per value, i.e. <= 1/6 of the block max)
     for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(params)):
         a, b = np.asarray(a), np.asarray(b)
@@ -206,6 +208,9 @@ def test_sharded_load_equals_unsharded(release):
     mesh = par.make_mesh("data=2,expert=2,tensor=2")
     ckpt = ReleaseCheckpoint(d, config=cfg)
     _, p = ckpt.load(jnp.float32, mesh=mesh, rules="tp")
+    _, pd = ReleaseCheckpoint(d, config=cfg).load(jnp.bfloat16, mesh=mesh, rules="tp", dequantize_on="device")
+    ref_bf16 = jax.tree.map(lambda r, x: r.astype(np.asarray(x).dtype), ref, par.unpad_params(pd, cfg))
+    assert _leaves_equal(par.unpad_params(pd, cfg), ref_bf16)
     want_sh = par.param_shardings(cfg, mesh, "tp")
     for x, sh in zip(jax.tree.leaves(p), jax.tree.leaves(want_sh, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))):
         assert x.sharding.is_equivalent_to(sh, x.ndim)

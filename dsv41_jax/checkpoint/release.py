@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -321,6 +322,80 @@ class ReleaseCheckpoint:
         out[: hi - r0] = block
         return out
 
+    def read_raw_block(self, src: Source, index: tuple, shape: tuple[int, ...]):
+        """The stored bytes covering block ``index`` of a quantised source, for dequantisation on the device:
+        ``(values, scales, rows, cols, out_rows)`` where values / scales cover whole scale blocks of rows
+        (``[e, r, ...]`` for stacked experts), ``rows`` / ``cols`` are the slices to cut from the dequantised
+        block and ``out_rows`` the block's row count (Engram padding rows beyond the table are zeros)."""
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        bounds = [sl.indices(n)[:2] for sl, n in zip(index, shape)]
+        (r0, r1), (c0, c1) = bounds[-2:]
+        real = src.spec.shape[-2]
+        hi = min(r1, real)
+        bo = self.fp8_block[0] if src.fmt == N.FP8_BLOCK else 1
+        a0, a1 = (r0 // bo) * bo, min(-(-hi // bo) * bo, real)
+        experts = range(*bounds[0]) if src.stacked else [0]
+        vals, scs = [], []
+        for e in experts:
+            vals.append(self._read(src.infos[e], (a0, a1)).view(np.uint8))
+            s = self._read(src.scales[e], (a0 // bo, -(-a1 // bo)))
+            scs.append(s.view(np.uint8) if s.dtype in (ml_dtypes.float8_e8m0fnu, np.uint8) else s.astype(np.float32))
+        values = np.stack(vals) if src.stacked else vals[0]
+        scales = np.stack(scs) if src.stacked else scs[0]
+        return values, scales, slice(r0 - a0, hi - a0), slice(c0, c1), r1 - r0
+
+    def _place_dequant_spmd(self, src: Source, shape, sharding, dtype):
+        """Stored bytes placed with the target's PartitionSpec (values and scales alike), dequantised by one jitted
+        SPMD program with the target sharding as output: one compile per shape for the whole mesh, each device
+        dequantising only its own block. None when a shard boundary would split a scale block."""
+        if not isinstance(sharding, NamedSharding) or len(sharding.device_set) == 1:
+            return None
+        bo, bi = (self.fp8_block if src.fmt == N.FP8_BLOCK else (1, N.FP4_BLOCK if src.fmt == N.FP4_ROWS
+                                                                   else N.ENGRAM_BLOCK))
+        rows, cols = shape[-2], shape[-1]
+        vshape = tuple(shape[:-1]) + ((cols // 2) if src.fmt == N.FP4_ROWS else cols,)
+        sshape = tuple(shape[:-2]) + (ceil_div(rows, bo), ceil_div(cols, bi))
+        spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+        mesh = sharding.mesh
+        for d, axes in enumerate(spec):
+            if axes is None:
+                continue
+            n = int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
+            if vshape[d] % n or sshape[d] % n or shape[d] % n:
+                return None
+            if d >= len(shape) - 2 and (shape[d] // n) % (bo if d == len(shape) - 2 else bi):
+                return None
+        real = src.spec.shape[-2]
+
+        def read(kind):
+            def fn(index):
+                index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+                e = index[0] if src.stacked else None
+                r = index[-2].indices(vshape[-2] if kind == "v" else sshape[-2])[:2]
+                c = index[-1]
+                infos = src.infos if kind == "v" else src.scales
+                scale_rows = bo if kind == "s" else 1
+                lo, hi = r[0], min(r[1], ceil_div(real, scale_rows))
+                parts = []
+                for k in (range(*e.indices(shape[0])[:2]) if src.stacked else [0]):
+                    a = self._read(infos[k], (lo, hi)) if hi > lo else None
+                    width = (vshape if kind == "v" else sshape)[-1]
+                    if a is None:
+                        a = np.zeros((0, width), np.uint8)
+                    a = a.view(np.uint8) if a.dtype in (ml_dtypes.float8_e8m0fnu, np.uint8, np.int8,
+                                                         ml_dtypes.float8_e4m3fn) else a.astype(np.float32)
+                    if r[1] > hi:  # Engram padding rows: zero values, unit scales
+                        fill = QZ.E8M0_BIAS if (kind == "s" and a.dtype == np.uint8) else 0
+                        a = np.concatenate([a, np.full((r[1] - max(hi, lo), width), fill, a.dtype)])
+                    parts.append(a[:, c])
+                return np.stack(parts) if src.stacked else parts[0]
+            return fn
+
+        values = place(vshape, sharding, read("v"))
+        scales = place(sshape, sharding, read("s"))
+        qt = QZ.QuantizedTensor(values, scales, src.fmt, tuple(shape), self.fp8_block)
+        return _spmd_dequant(qt, dtype, sharding)
+
     def read_quantized(self, src: Source) -> tuple[np.ndarray, np.ndarray]:
         """(values as uint8, scales as uint8 e8m0 bytes or float32), stacked for experts."""
         def scale_arr(info):
@@ -336,10 +411,12 @@ class ReleaseCheckpoint:
     # placement
     # ------------------------------------------------------------------------------------------------------------
     def load(self, dtype=jnp.float32, *, mesh=None, rules="tp", shardings=None, keep_quantized: bool = False,
-             on_param: Callable[[Source, int, int], None] | None = None):
+             dequantize_on: str = "auto", on_param: Callable[[Source, int, int], None] | None = None):
         """(config, params). Placement: ``mesh`` (+ ``rules``) -> the partition rules' NamedShardings (Engram tables
         padded to the row-shard multiple); or ``shardings`` (a tree like the parameters); or the first device.
-        ``on_param(source, i, n)`` is called after each parameter (progress)."""
+        ``dequantize_on``: ``"device"`` sends the stored FP8 / FP4 bytes and dequantises on the target device (exact,
+        jitted; the host then holds only raw bytes), ``"host"`` dequantises with numpy, ``"auto"`` = device unless
+        the target is the CPU. ``on_param(source, i, n)`` is called after each parameter (progress)."""
         from dsv41_jax.parallel import api as par_api
 
         specs = param_specs(self.config, include_dspark=self.include_dspark)
@@ -363,6 +440,13 @@ class ReleaseCheckpoint:
             sh = sh if sh is not None else SingleDeviceSharding(device)
             if keep_quantized and src.fmt != N.FLOAT:
                 out.append(self._place_quantized(src, sh, mesh, rules))
+            elif src.fmt != N.FLOAT and _dequant_on_device(dequantize_on, sh):
+                arr = self._place_dequant_spmd(src, shape, sh, jnp.dtype(target))
+                if arr is None:  # shards not aligned to scale blocks: per-device blocks
+                    arr = place(shape, sh, lambda index, s=src, sh_=shape: self.read_raw_block(s, index, sh_),
+                                finish=functools.partial(_device_dequant, fmt=src.fmt, block=self.fp8_block,
+                                                         dtype=jnp.dtype(target)))
+                out.append(arr)
             else:
                 np_dtype = np.dtype(jnp.dtype(target))
                 out.append(place(shape, sh, lambda index, s=src, sh_=shape: self.read_block(s, index, np_dtype, sh_)))
@@ -394,9 +478,44 @@ class ReleaseCheckpoint:
         return QZ.QuantizedTensor(v, s, src.fmt, tuple(src.spec.shape), block)
 
 
-def place(shape, sharding, read: Callable[[tuple], np.ndarray]) -> jax.Array:
+def _dequant_on_device(mode: str, sharding) -> bool:
+    if mode not in ("auto", "device", "host"):
+        raise ValueError(f"dequantize_on must be 'auto', 'device' or 'host', got {mode!r}")
+    if mode == "auto":
+        return any(d.platform != "cpu" for d in sharding.device_set)
+    return mode == "device"
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _spmd_dequant_jit(qt, dtype, sharding):
+    return jax.lax.with_sharding_constraint(QZ.dequantize(qt, dtype), sharding)
+
+
+def _spmd_dequant(qt, dtype, sharding):
+    return _spmd_dequant_jit(qt, dtype, sharding)
+
+
+def _device_dequant(raw, dev, *, fmt, block, dtype):
+    """Put the stored bytes of one block on ``dev`` and dequantise there (exact; see quantized.dequantize)."""
+    values, scales, rows, cols, out_rows = raw
+    logical = values.shape[:-1] + (values.shape[-1] * 2 if fmt == N.FP4_ROWS else values.shape[-1],)
+    qt = QZ.QuantizedTensor(jax.device_put(values, dev), jax.device_put(scales, dev), fmt, logical, block)
+    return _cut(QZ.dequantize(qt, dtype), rows.start, rows.stop, cols.start, cols.stop, out_rows)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _cut(x, r0, r1, c0, c1, out_rows):
+    y = x[..., r0:r1, c0:c1]
+    if out_rows > r1 - r0:  # Engram padding rows
+        pad = [(0, 0)] * (y.ndim - 2) + [(0, out_rows - (r1 - r0)), (0, 0)]
+        y = jnp.pad(y, pad)
+    return y
+
+
+def place(shape, sharding, read: Callable[[tuple], object], finish=None) -> jax.Array:
     """Build a global array on ``sharding`` from host blocks: one ``read(index)`` per distinct shard index of this
-    process's devices, put on the devices that own it before the next block is read."""
+    process's devices, put on the devices that own it before the next block is read. ``finish(block, device)``
+    (optional) turns what ``read`` returned into the device array (e.g. dequantises stored bytes there)."""
     shape = tuple(int(s) for s in shape)
     idx_map = sharding.addressable_devices_indices_map(shape)
     groups: dict[tuple, list] = {}
@@ -407,7 +526,7 @@ def place(shape, sharding, read: Callable[[tuple], np.ndarray]) -> jax.Array:
     for members in groups.values():
         host = read(members[0][1])
         for dev, _ in members:
-            arrays.append(jax.device_put(host, dev))
+            arrays.append(jax.device_put(host, dev) if finish is None else finish(host, dev))
         jax.block_until_ready(arrays[-len(members):])
         del host
     if isinstance(sharding, SingleDeviceSharding) and len(arrays) == 1:
@@ -417,9 +536,11 @@ def place(shape, sharding, read: Callable[[tuple], np.ndarray]) -> jax.Array:
 
 def load_safetensors_checkpoint(directory: str, *, dtype=jnp.float32, config: ModelConfig | None = None,
                                 include_dspark: bool = False, mesh=None, rules="tp", shardings=None,
-                                keep_quantized: bool = False, return_report: bool = False):
+                                keep_quantized: bool = False, dequantize_on: str = "auto",
+                                return_report: bool = False):
     ckpt = ReleaseCheckpoint(directory, config=config, include_dspark=include_dspark)
-    config, params = ckpt.load(dtype, mesh=mesh, rules=rules, shardings=shardings, keep_quantized=keep_quantized)
+    config, params = ckpt.load(dtype, mesh=mesh, rules=rules, shardings=shardings, keep_quantized=keep_quantized,
+                               dequantize_on=dequantize_on)
     return (config, params, ckpt.report) if return_report else (config, params)
 
 

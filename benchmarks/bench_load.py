@@ -1,0 +1,153 @@
+"""Streamed loading of a release-format checkpoint: peak host RSS and throughput.
+
+    python benchmarks/bench_load.py                       # ~2.2 GB synthetic checkpoint in /tmp, CPU, then removed
+    python benchmarks/bench_load.py --size large --dir /path/on/big/disk --keep   # ~21 GB (the H200 run)
+
+A synthetic checkpoint in the release's exact format (names, FP8 / FP4 / Engram dtypes and scale shapes, shards +
+index; random valid codes) is written for a V4.1-architecture config (the tiny layer plan at a wider size), then
+loaded in a fresh process for each mode:
+
+* ``dequantised`` — ``dsv41_jax.load_checkpoint(dir, dtype=bfloat16)``: every FP8 / FP4 weight dequantised exactly and
+  placed on the default device (host memory on CPU, HBM on a GPU);
+* ``quantised`` — ``keep_quantized=True``: FP8 / FP4 weights stay as values + scales (``QuantizedTensor``).
+
+Each child reports its peak RSS (VmHWM), its RSS after importing jax (the interpreter + runtime), the resident
+parameter bytes on the host backend (0 on a GPU) and the wall time. The bound checked is
+``peak RSS <= largest shard + 1 GiB + resident parameter bytes on the host``. The baseline, measured in the same run,
+is a plain sequential read of every shard (1 MiB reads, no decoding): the loader's GB/s as a fraction of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+GIB = float(1 << 30)
+
+
+def bench_config(size: str):
+    from dsv41_jax.config import load_config
+
+    base = load_config("tiny")  # every layer role: SWA, ratio-2 Full / Reuse, ratio-1 Full / Reindex / Reuse, Engram
+    if size == "small":  # ~2.2 GB on disk
+        return base.replace(name="bench_load_2g", vocab_size=32768, hidden_size=2048, num_attention_heads=16,
+                            head_dim=512, q_lora_rank=512, qk_rope_head_dim=64, o_groups=8, o_lora_rank=512,
+                            n_routed_experts=32, moe_intermediate_size=1024, index_head_dim=128, index_n_heads=16)
+    if size == "large":  # ~22 GB on disk
+        return base.replace(name="bench_load_20g", vocab_size=65536, hidden_size=4096, num_attention_heads=32,
+                            head_dim=512, q_lora_rank=1024, qk_rope_head_dim=64, o_groups=8, o_lora_rank=1024,
+                            n_routed_experts=128, moe_intermediate_size=2048, index_head_dim=128, index_n_heads=32)
+    raise SystemExit(f"unknown size {size!r}")
+
+
+def _child(args) -> None:
+    """Load once and print a JSON line with the measurements."""
+    t_import = time.time()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dsv41_jax.checkpoint.release import ReleaseCheckpoint
+
+    jax.devices()
+    rss_import = _rss("VmRSS")
+    t0 = time.time()
+    ckpt = ReleaseCheckpoint(args.dir)
+    _, params = ckpt.load(jnp.bfloat16, keep_quantized=args.mode == "quantised")
+    jax.block_until_ready(params)
+    dt = time.time() - t0
+    on_host = jax.devices()[0].platform == "cpu"
+    leaves = jax.tree.leaves(params)
+    resident = sum(int(x.size) * x.dtype.itemsize for x in leaves)
+    print(json.dumps({"mode": args.mode, "seconds": dt, "peak_rss": _rss("VmHWM"), "rss_after_import": rss_import,
+                      "param_bytes": resident, "host_param_bytes": resident if on_host else 0,
+                      "bytes_read": ckpt.report.bytes_read, "device": str(jax.devices()[0]),
+                      "import_seconds": t0 - t_import}), flush=True)
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _plain_read(files) -> tuple[int, float]:
+    buf = bytearray(1 << 20)
+    n, t0 = 0, time.time()
+    for p in files:
+        with open(p, "rb", buffering=0) as f:
+            while True:
+                k = f.readinto(buf)
+                if not k:
+                    break
+                n += k
+    return n, time.time() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="small", choices=("small", "large"))
+    ap.add_argument("--dir", default="/tmp/dsv41_bench_load")
+    ap.add_argument("--shard-gib", type=float, default=0.5, help="target shard size of the synthetic checkpoint")
+    ap.add_argument("--modes", default="dequantised,quantised")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoint (default: removed at the end)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        _child(args)
+        return
+
+    from dsv41_jax.checkpoint.release_writer import write_synthetic_release
+
+    config = bench_config(args.size)
+    t0 = time.time()
+    if not os.path.exists(os.path.join(args.dir, "model.safetensors.index.json")):
+        shutil.rmtree(args.dir, ignore_errors=True)
+        write_synthetic_release(args.dir, config, shard_bytes=int(args.shard_gib * GIB))
+    t_write = time.time() - t0
+    files = sorted(os.path.join(args.dir, f) for f in os.listdir(args.dir) if f.endswith(".safetensors"))
+    sizes = [os.path.getsize(p) for p in files]
+    total, largest = sum(sizes), max(sizes)
+    results = {"config": config.name, "checkpoint_bytes": total, "shards": len(files), "largest_shard": largest,
+               "write_seconds": t_write, "runs": []}
+    n, t = _plain_read(files)
+    results["plain_read_gbps"] = n / t / 1e9
+    for mode in args.modes.split(","):
+        out = subprocess.run([sys.executable, __file__, "--child", "--mode", mode, "--dir", args.dir],
+                             capture_output=True, text=True, env=os.environ.copy())
+        line = [x for x in out.stdout.splitlines() if x.startswith("{")]
+        if out.returncode or not line:
+            raise SystemExit(f"child {mode} failed:\n{out.stderr[-4000:]}")
+        r = json.loads(line[-1])
+        r["gbps"] = total / r["seconds"] / 1e9
+        r["bound"] = largest + (1 << 30) + r["host_param_bytes"]
+        r["within_bound"] = r["peak_rss"] <= r["bound"]
+        results["runs"].append(r)
+    print(f"# release-format load: {config.name}, {total / GIB:.2f} GiB in {len(files)} shards (largest "
+          f"{largest / GIB:.2f} GiB); plain sequential read {results['plain_read_gbps']:.2f} GB/s")
+    print("| mode | device | load s | GB/s | of plain read | peak RSS GiB | RSS after import GiB | host params GiB "
+          "| bound GiB | within |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results["runs"]:
+        print(f"| {r['mode']} | {r['device']} | {r['seconds']:.1f} | {r['gbps']:.2f} | "
+              f"{r['gbps'] / results['plain_read_gbps']:.0%} | {r['peak_rss'] / GIB:.2f} | "
+              f"{r['rss_after_import'] / GIB:.2f} | {r['host_param_bytes'] / GIB:.2f} | {r['bound'] / GIB:.2f} | "
+              f"{'yes' if r['within_bound'] else 'NO'} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if not args.keep:
+        shutil.rmtree(args.dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
