@@ -8,7 +8,9 @@ index; random valid codes) is written for a V4.1-architecture config (the tiny l
 loaded in a fresh process for each mode:
 
 * ``dequantised`` — ``dsv41_jax.load_checkpoint(dir, dtype=bfloat16)``: every FP8 / FP4 weight dequantised exactly and
-  placed on the default device (host memory on CPU, HBM on a GPU);
+  placed on the default device (host memory on CPU, HBM on a GPU); on a GPU the stored bytes are sent and
+  dequantised there, on the CPU numpy dequantises on the host;
+* ``dequantised_device`` — the same with ``dequantize_on="device"`` (XLA dequantises, also on the CPU);
 * ``quantised`` — ``keep_quantized=True``: FP8 / FP4 weights stay as values + scales (``QuantizedTensor``).
 
 Each child reports its peak RSS (VmHWM), its RSS after importing jax (the interpreter + runtime), the resident
@@ -58,7 +60,8 @@ def _child(args) -> None:
     rss_import = _rss("VmRSS")
     t0 = time.time()
     ckpt = ReleaseCheckpoint(args.dir)
-    _, params = ckpt.load(jnp.bfloat16, keep_quantized=args.mode == "quantised")
+    _, params = ckpt.load(jnp.bfloat16, keep_quantized=args.mode == "quantised",
+                          dequantize_on="device" if args.mode == "dequantised_device" else "auto")
     jax.block_until_ready(params)
     dt = time.time() - t0
     on_host = jax.devices()[0].platform == "cpu"
@@ -96,7 +99,7 @@ def main() -> None:
     ap.add_argument("--size", default="small", choices=("small", "large"))
     ap.add_argument("--dir", default="/tmp/dsv41_bench_load")
     ap.add_argument("--shard-gib", type=float, default=0.5, help="target shard size of the synthetic checkpoint")
-    ap.add_argument("--modes", default="dequantised,quantised")
+    ap.add_argument("--modes", default="dequantised,dequantised_device,quantised")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint (default: removed at the end)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

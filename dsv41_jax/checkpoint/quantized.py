@@ -67,8 +67,13 @@ def e8m0_to_f32(s: np.ndarray) -> np.ndarray:
     raise QuantFormatError(f"unsupported scale dtype {s.dtype}")
 
 
+# byte -> value tables (a gather is several times faster than unpacking / converting element by element)
+E4M3_TABLE = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+FP4_PAIR_TABLE = np.stack([E2M1_VALUES[np.arange(256) & 0x0F], E2M1_VALUES[np.arange(256) >> 4]], axis=-1)  # [256, 2]
+
+
 def e4m3_to_f32(v: np.ndarray) -> np.ndarray:
-    return as_uint8(v).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return E4M3_TABLE[as_uint8(v)]
 
 
 def unpack_fp4_codes(packed: np.ndarray) -> np.ndarray:
@@ -92,20 +97,30 @@ def dequant_fp8_block(values: np.ndarray, scale: np.ndarray, block=FP8_BLOCK_SHA
     (``scale[row0 // bo : ...]``)."""
     bo, bi = block
     r, i = values.shape
-    s = e8m0_to_f32(scale)
-    s = _expand(s, 0, bo, row0 - (row0 // bo) * bo, r)
-    s = _expand(s, 1, bi, 0, i)
-    return e4m3_to_f32(values) * s
+    s = _expand(e8m0_to_f32(scale), 0, bo, row0 - (row0 // bo) * bo, r)  # [r, ceil(i/bi)]
+    v = e4m3_to_f32(values)
+    if i % bi == 0:
+        return _scale_rows(v, s, bi)
+    return v * _expand(s, 1, bi, 0, i)
+
+
+def _scale_rows(v: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:
+    """``v [r, n] *= scale [r, n/block]`` broadcast over blocks of the last axis, in place."""
+    r, n = v.shape
+    vb = v.reshape(r, n // block, block)
+    vb *= e8m0_to_f32(scale)[..., None]
+    return v
 
 
 def dequant_fp4_rows(packed: np.ndarray, scale: np.ndarray, block: int = N.FP4_BLOCK) -> np.ndarray:
-    """float32 ``[r, in]`` from packed e2m1 ``[r, in/2]`` and e8m0 ``[r, in/32]``."""
-    v = E2M1_VALUES[unpack_fp4_codes(packed)]
-    return v * np.repeat(e8m0_to_f32(scale), block, axis=-1)
+    """float32 ``[r, in]`` from packed e2m1 ``[r, in/2]`` (element 2j in the low nibble) and e8m0 ``[r, in/32]``."""
+    b = as_uint8(packed)
+    v = FP4_PAIR_TABLE[b].reshape(b.shape[0], 2 * b.shape[1])  # [r, in/2, (low, high)] -> [r, in]
+    return _scale_rows(v, scale, block)
 
 
 def dequant_engram_rows(values: np.ndarray, scale: np.ndarray, block: int = N.ENGRAM_BLOCK) -> np.ndarray:
-    return e4m3_to_f32(values) * np.repeat(e8m0_to_f32(scale), block, axis=-1)
+    return _scale_rows(e4m3_to_f32(values), scale, block)
 
 
 def cast(x: np.ndarray, dtype) -> np.ndarray:
