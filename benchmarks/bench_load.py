@@ -8,9 +8,9 @@ index; random valid codes) is written for a V4.1-architecture config (the tiny l
 loaded in a fresh process for each mode:
 
 * ``dequantised`` — ``dsv41_jax.load_checkpoint(dir, dtype=bfloat16)``: every FP8 / FP4 weight dequantised exactly and
-  placed on the default device (host memory on CPU, HBM on a GPU); on a GPU the stored bytes are sent and
-  dequantised there, on the CPU numpy dequantises on the host;
-* ``dequantised_device`` — the same with ``dequantize_on="device"`` (XLA dequantises, also on the CPU);
+  placed on the default device (host memory on CPU, HBM on a GPU): the stored bytes are sent to the device and XLA
+  dequantises them there;
+* ``dequantised_host`` — the same with ``dequantize_on="host"`` (numpy dequantises on the host, as ``dsv41 convert``);
 * ``quantised`` — ``keep_quantized=True``: FP8 / FP4 weights stay as values + scales (``QuantizedTensor``).
 
 Each child reports its peak RSS (VmHWM), its RSS after importing jax (the interpreter + runtime), the resident
@@ -33,9 +33,14 @@ GIB = float(1 << 30)
 
 
 def bench_config(size: str):
-    from dsv41_jax.config import load_config
+    from dsv41_jax.config import ModelConfig, load_config
 
-    base = load_config("tiny")  # every layer role: SWA, ratio-2 Full / Reuse, ratio-1 Full / Reindex / Reuse, Engram
+    # every layer role of the tiny preset: SWA, ratio-2 Full / Reuse, ratio-1 Full / Reindex / Reuse, Engram
+    if os.environ.get("DSV41_BASE_CONFIG"):  # a ModelConfig.to_dict() JSON (machines without ml_collections)
+        with open(os.environ["DSV41_BASE_CONFIG"]) as f:
+            base = ModelConfig.from_dict(json.load(f))
+    else:
+        base = load_config("tiny")
     if size == "small":  # ~2.2 GB on disk
         return base.replace(name="bench_load_2g", vocab_size=32768, hidden_size=2048, num_attention_heads=16,
                             head_dim=512, q_lora_rank=512, qk_rope_head_dim=64, o_groups=8, o_lora_rank=512,
@@ -61,7 +66,7 @@ def _child(args) -> None:
     t0 = time.time()
     ckpt = ReleaseCheckpoint(args.dir)
     _, params = ckpt.load(jnp.bfloat16, keep_quantized=args.mode == "quantised",
-                          dequantize_on="device" if args.mode == "dequantised_device" else "auto")
+                          dequantize_on="host" if args.mode == "dequantised_host" else "device")
     jax.block_until_ready(params)
     dt = time.time() - t0
     on_host = jax.devices()[0].platform == "cpu"
@@ -79,6 +84,16 @@ def _rss(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
 
 
 def _plain_read(files) -> tuple[int, float]:
@@ -99,7 +114,9 @@ def main() -> None:
     ap.add_argument("--size", default="small", choices=("small", "large"))
     ap.add_argument("--dir", default="/tmp/dsv41_bench_load")
     ap.add_argument("--shard-gib", type=float, default=0.5, help="target shard size of the synthetic checkpoint")
-    ap.add_argument("--modes", default="dequantised,dequantised_device,quantised")
+    ap.add_argument("--modes", default="dequantised,dequantised_host,quantised")
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="try to drop the page cache before each measurement (root; recorded whether it worked)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint (default: removed at the end)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -122,9 +139,11 @@ def main() -> None:
     total, largest = sum(sizes), max(sizes)
     results = {"config": config.name, "checkpoint_bytes": total, "shards": len(files), "largest_shard": largest,
                "write_seconds": t_write, "runs": []}
+    results["page_cache_dropped"] = _drop_caches() if args.drop_caches else False
     n, t = _plain_read(files)
     results["plain_read_gbps"] = n / t / 1e9
     for mode in args.modes.split(","):
+        dropped = _drop_caches() if args.drop_caches else False
         out = subprocess.run([sys.executable, __file__, "--child", "--mode", mode, "--dir", args.dir],
                              capture_output=True, text=True, env=os.environ.copy())
         line = [x for x in out.stdout.splitlines() if x.startswith("{")]
@@ -132,11 +151,13 @@ def main() -> None:
             raise SystemExit(f"child {mode} failed:\n{out.stderr[-4000:]}")
         r = json.loads(line[-1])
         r["gbps"] = total / r["seconds"] / 1e9
+        r["page_cache_dropped"] = dropped
         r["bound"] = largest + (1 << 30) + r["host_param_bytes"]
         r["within_bound"] = r["peak_rss"] <= r["bound"]
         results["runs"].append(r)
     print(f"# release-format load: {config.name}, {total / GIB:.2f} GiB in {len(files)} shards (largest "
-          f"{largest / GIB:.2f} GiB); plain sequential read {results['plain_read_gbps']:.2f} GB/s")
+          f"{largest / GIB:.2f} GiB); plain sequential read {results['plain_read_gbps']:.2f} GB/s; page cache "
+          f"dropped before each measurement: {results['page_cache_dropped']}")
     print("| mode | device | load s | GB/s | of plain read | peak RSS GiB | RSS after import GiB | host params GiB "
           "| bound GiB | within |")
     print("|---|---|---|---|---|---|---|---|---|---|")
