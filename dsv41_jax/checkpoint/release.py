@@ -275,17 +275,17 @@ class ReleaseCheckpoint:
     # ------------------------------------------------------------------------------------------------------------
     # reading
     # ------------------------------------------------------------------------------------------------------------
-    def _read(self, info: TensorInfo, rows=None) -> np.ndarray:
-        a = read_tensor(info, rows)
+    def _read(self, info: TensorInfo, rows=None, out=None) -> np.ndarray:
+        a = read_tensor(info, rows, out)
         self.report.bytes_read += a.nbytes
         return a
 
     def _rows_2d(self, src: Source, k: int, r0: int, r1: int) -> np.ndarray:
-        """float32 rows [r0, r1) of tensor ``k`` of ``src`` (k = expert index for stacked sources)."""
+        """Rows [r0, r1) of tensor ``k`` of ``src`` (k = expert index for stacked sources): float32 for quantised
+        tensors, the stored dtype for float ones (cast once, by the caller, to the target dtype)."""
         info = src.infos[k]
         if src.fmt == N.FLOAT:
-            a = self._read(info, (r0, r1))
-            return a if a.dtype == np.float32 else a.astype(np.float32)
+            return self._read(info, (r0, r1))
         scale = src.scales[k]
         v = self._read(info, (r0, r1))
         if src.fmt == N.FP8_BLOCK:
@@ -302,7 +302,7 @@ class ReleaseCheckpoint:
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         bounds = [sl.indices(n)[:2] for sl, n in zip(index, shape)]
         if len(shape) == 1 or len(shape) == 0:
-            a = self._read(src.infos[0]).astype(np.float32)
+            a = self._read(src.infos[0])
             return QZ.cast(a[index] if shape else a, dtype)
         if src.stacked:
             (e0, e1), (r0, r1), (c0, c1) = bounds
@@ -334,14 +334,18 @@ class ReleaseCheckpoint:
         hi = min(r1, real)
         bo = self.fp8_block[0] if src.fmt == N.FP8_BLOCK else 1
         a0, a1 = (r0 // bo) * bo, min(-(-hi // bo) * bo, real)
-        experts = range(*bounds[0]) if src.stacked else [0]
-        vals, scs = [], []
-        for e in experts:
-            vals.append(self._read(src.infos[e], (a0, a1)).view(np.uint8))
-            s = self._read(src.scales[e], (a0 // bo, -(-a1 // bo)))
-            scs.append(s.view(np.uint8) if s.dtype in (ml_dtypes.float8_e8m0fnu, np.uint8) else s.astype(np.float32))
-        values = np.stack(vals) if src.stacked else vals[0]
-        scales = np.stack(scs) if src.stacked else scs[0]
+        experts = list(range(*bounds[0])) if src.stacked else [0]
+        s_rows = (a0 // bo, -(-a1 // bo))
+        vinfo, sinfo = src.infos[experts[0]], src.scales[experts[0]]
+        values = np.empty((len(experts), a1 - a0) + tuple(vinfo.storage_shape[1:]), np.uint8)
+        scale_float = sinfo.dtype not in ("F8_E8M0", "U8")
+        scales = np.empty((len(experts), s_rows[1] - s_rows[0]) + tuple(sinfo.shape[1:]), sinfo.np_dtype)
+        for j, e in enumerate(experts):  # read straight into the stacked buffers (no per-expert copies)
+            self._read(src.infos[e], (a0, a1), out=values[j].view(src.infos[e].np_dtype))
+            self._read(src.scales[e], s_rows, out=scales[j])
+        scales = scales.astype(np.float32) if scale_float else scales.view(np.uint8)
+        if not src.stacked:
+            values, scales = values[0], scales[0]
         return values, scales, slice(r0 - a0, hi - a0), slice(c0, c1), r1 - r0
 
     def _place_dequant_spmd(self, src: Source, shape, sharding, dtype):

@@ -163,7 +163,9 @@ class SafetensorsDir:
         return read_tensor(self.tensors[name], rows)
 
 
-def read_tensor(info: TensorInfo, rows: tuple[int, int] | None = None) -> np.ndarray:
+def read_tensor(info: TensorInfo, rows: tuple[int, int] | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """The tensor (or rows ``[r0, r1)`` of its leading axis) in its storage dtype; ``out`` (C-contiguous, same
+    number of bytes) receives the data without an intermediate copy."""
     shape = info.storage_shape
     dtype = info.np_dtype
     if rows is None or not shape:
@@ -174,7 +176,10 @@ def read_tensor(info: TensorInfo, rows: tuple[int, int] | None = None) -> np.nda
         row_bytes = math.prod(shape[1:]) * dtype.itemsize
         begin = info.begin + r0 * row_bytes
         out_shape = (r1 - r0,) + tuple(shape[1:])
-    out = np.empty(out_shape, dtype)
+    if out is None:
+        out = np.empty(out_shape, dtype)
+    elif out.nbytes != math.prod(out_shape) * dtype.itemsize or not out.flags.c_contiguous:
+        raise SafetensorsError(f"read of {info.name}: output buffer does not match {out_shape} {dtype}")
     buf = memoryview(out.reshape(-1).view(np.uint8))
     with open(info.file, "rb", buffering=0) as f:
         f.seek(begin)
