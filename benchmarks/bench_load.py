@@ -73,6 +73,7 @@ def _child(args) -> None:
     leaves = jax.tree.leaves(params)
     resident = sum(int(x.size) * x.dtype.itemsize for x in leaves)
     print(json.dumps({"mode": args.mode, "seconds": dt, "peak_rss": _rss("VmHWM"), "rss_after_import": rss_import,
+                      "rss_end": _rss("VmRSS"),
                       "param_bytes": resident, "host_param_bytes": resident if on_host else 0,
                       "bytes_read": ckpt.report.bytes_read, "device": str(jax.devices()[0]),
                       "import_seconds": t0 - t_import}), flush=True)
