@@ -14,6 +14,15 @@ checkpoint written with them reads the same.
 
 Storage formats of the release (``config.json`` ``quantization_config``: fp8 e4m3, 32×32 weight blocks, ue8m0
 scales, ``expert_dtype`` fp4): a quantised weight ``<module>.weight`` has a sibling ``<module>.scale``.
+
+Sources (read, not copied): the official ``inference/model.py`` (``Linear``: FP8 ``[out, in]`` + e8m0
+``[ceil(out/32), ceil(in/32)]``, FP4 ``[out, in/2]`` + e8m0 ``[out, in/32]``; ``ParallelEngramEmbedding``: e4m3
+``[rows, dim]`` + e8m0 ``[rows, dim/32]``; ``wo_a``, compressor, indexer ``wk`` / ``weights_proj`` bf16 at run time),
+its ``convert.py`` (experts stored as int8 and viewed as ``float4_e2m1fn_x2``, low nibble first; ``wo_a`` stored FP8
+and dequantised at conversion; ``mtp.*.embed`` / ``head`` tied; the HF-style aliases above), HF transformers
+``deepseek_v41`` (``model.`` prefix, ``lm_head``, ``mtp.* / vision.* / aligner.* / image_*`` ignored on load), vLLM's
+V4 quantisation config (``quant_method`` fp8, ``weight_block_size`` [32, 32], ``scale_fmt`` ue8m0, ``expert_dtype``
+fp4 for the released experts, float32 scales for the FP8-expert Base checkpoints — both accepted here).
 """
 
 from __future__ import annotations

@@ -380,19 +380,19 @@ class ReleaseCheckpoint:
                 infos = src.infos if kind == "v" else src.scales
                 scale_rows = bo if kind == "s" else 1
                 lo, hi = r[0], min(r[1], ceil_div(real, scale_rows))
-                parts = []
-                for k in (range(*e.indices(shape[0])[:2]) if src.stacked else [0]):
-                    a = self._read(infos[k], (lo, hi)) if hi > lo else None
-                    width = (vshape if kind == "v" else sshape)[-1]
-                    if a is None:
-                        a = np.zeros((0, width), np.uint8)
-                    a = a.view(np.uint8) if a.dtype in (ml_dtypes.float8_e8m0fnu, np.uint8, np.int8,
-                                                         ml_dtypes.float8_e4m3fn) else a.astype(np.float32)
-                    if r[1] > hi:  # Engram padding rows: zero values, unit scales
-                        fill = QZ.E8M0_BIAS if (kind == "s" and a.dtype == np.uint8) else 0
-                        a = np.concatenate([a, np.full((r[1] - max(hi, lo), width), fill, a.dtype)])
-                    parts.append(a[:, c])
-                return np.stack(parts) if src.stacked else parts[0]
+                experts = list(range(*e.indices(shape[0])[:2])) if src.stacked else [0]
+                width = (vshape if kind == "v" else sshape)[-1]
+                stored = infos[experts[0]].np_dtype
+                as_bytes = stored.itemsize == 1
+                buf = np.empty((len(experts), r[1] - r[0], width), np.uint8 if as_bytes else stored)
+                if r[1] > hi:  # Engram padding rows: zero values, unit scales
+                    buf[:, max(hi, lo) - r[0]:] = QZ.E8M0_BIAS if (kind == "s" and as_bytes) else 0
+                for j, k in enumerate(experts):  # straight into one buffer, no per-expert copies
+                    if hi > lo:
+                        self._read(infos[k], (lo, hi), out=buf[j, : hi - lo].view(stored))
+                out = buf[..., c] if c != slice(None) else buf
+                out = out if as_bytes else out.astype(np.float32)
+                return out if src.stacked else out[0]
             return fn
 
         values = place(vshape, sharding, read("v"))
