@@ -123,6 +123,7 @@ def test_release_layout_as_published(release):
     assert raw["quantization_config"]["weight_block_size"] == [32, 32] and raw["expert_dtype"] == "fp4"
 
 
+@pytest.mark.slow
 def test_release_load_is_exact_and_matches_the_hf_path(release, tmp_path):
     cfg, params, ref, d = release
     c, p, rep = load_safetensors_checkpoint(d, config=cfg, return_report=True)
@@ -201,6 +202,7 @@ def test_keep_quantized_leaves(release):
     assert e.nbytes < e.values.size * 2  # ~half a byte per weight + scales
 
 
+@pytest.mark.slow
 def test_sharded_load_equals_unsharded(release):
     from dsv41_jax import parallel as par
 
