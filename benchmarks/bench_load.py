@@ -57,7 +57,6 @@ def _child(args) -> None:
     t_import = time.time()
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from dsv41_jax.checkpoint.release import ReleaseCheckpoint
 
