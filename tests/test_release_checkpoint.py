@@ -342,12 +342,13 @@ def test_convert_is_verified_atomic_and_resumable(release, tmp_path, monkeypatch
 
     cfg, _, ref, d = release
     dst = tmp_path / "orbax"
+    monkeypatch.setattr(conv, "STAGE_BLOCK_BYTES", 4096)  # stage parameters in many row blocks
     calls = {"n": 0}
     real = RC.read_block
 
     def flaky(self, *a, **k):
         calls["n"] += 1
-        if calls["n"] == 40:
+        if calls["n"] == 200:
             raise KeyboardInterrupt  # interrupted mid-way
         return real(self, *a, **k)
 
@@ -360,7 +361,7 @@ def test_convert_is_verified_atomic_and_resumable(release, tmp_path, monkeypatch
     monkeypatch.setattr(RC, "read_block", real)
     lines = []
     summary = conv.convert(d, str(dst), dtype="float32", config=cfg, log=lines.append)
-    assert summary["resumed"] == 39 and not (tmp_path / "orbax.tmp-convert").exists()
+    assert 0 < summary["resumed"] < len(jax.tree.leaves(ref)) and not (tmp_path / "orbax.tmp-convert").exists()
     assert any("GiB" in s and "tensors]" in s for s in lines)
     c, p = dsv41_jax.load_checkpoint(str(dst))
     assert _leaves_equal(p, ref)

@@ -1,13 +1,15 @@
 """``dsv41 convert`` (release or HF safetensors -> the project's orbax parameter export) and ``dsv41 inspect``.
 
-Convert streams one parameter at a time: read + dequantise (:class:`~dsv41_jax.checkpoint.release.ReleaseCheckpoint`),
-stage it as ``<DST>.tmp-convert/staging/<path>.npy`` with its shape, dtype and sha256 in a manifest that is rewritten
-atomically after each parameter, then write the orbax tree from the staged (memory-mapped) files, re-read every
+Convert streams one parameter at a time: read + dequantise (:class:`~dsv41_jax.checkpoint.release.ReleaseCheckpoint`,
+on the host, in blocks of leading rows / experts of at most 256 MiB, so host memory stays bounded even for an Engram
+table), stage it as ``<DST>.tmp-convert/staging/<path>.npy`` (bf16 staged as its uint16 bits) with its shape, dtype
+and sha256 in a manifest that is rewritten atomically after each parameter, then write the orbax tree from the staged (memory-mapped) files, re-read every
 parameter from the orbax checkpoint and compare shape, dtype and checksum, and only then rename the temporary
 directory to ``DST``. An interrupted convert leaves only ``<DST>.tmp-convert`` (nothing at ``DST`` loads); running the
 same command again resumes: staged parameters whose checksum still matches are kept, the rest are redone.
 
-The output is a parameter export (:func:`dsv41_jax.checkpoint.orbax_ckpt.export_params` layout: ``config.json``,
+Disk: the staging area holds the dequantised model once more until the orbax write is verified (about 2 × the
+output's size in all). The output is a parameter export (:func:`dsv41_jax.checkpoint.orbax_ckpt.export_params` layout: ``config.json``,
 ``params/``, ``dsv41_export.json``), which ``dsv41_jax.load_checkpoint`` reads onto any mesh.
 """
 
@@ -50,9 +52,26 @@ def _staged_file(path: str) -> str:
     return path.replace("/", "__") + ".npy"
 
 
-def _save_staged(fname: str, arr: np.ndarray) -> None:
-    # .npy has no bfloat16: stage its bits as uint16 (the manifest keeps the real dtype)
-    np.save(fname, arr.view(np.uint16) if arr.dtype == ml_dtypes.bfloat16 else arr)
+STAGE_BLOCK_BYTES = 256 << 20  # host memory per staging step (a parameter is staged in blocks of leading rows)
+
+
+def _stage(ckpt, src, fname: str, target: np.dtype) -> np.ndarray:
+    """Dequantise ``src`` into a memory-mapped ``.npy`` block by block along its leading axis (experts, or rows),
+    so a parameter larger than host memory (an Engram table) converts in bounded memory."""
+    shape = src.spec.shape
+    disk_dtype = np.dtype(np.uint16) if target == ml_dtypes.bfloat16 else target
+    out = np.lib.format.open_memmap(fname, mode="w+", dtype=disk_dtype, shape=shape)
+    if not shape:
+        out[...] = ckpt.read_block(src, (), target, shape).view(disk_dtype)
+    else:
+        row_bytes = max(1, int(np.prod(shape[1:])) * target.itemsize)
+        step = max(1, STAGE_BLOCK_BYTES // row_bytes) if len(shape) > 1 else shape[0]
+        for r0 in range(0, shape[0], step):
+            index = (slice(r0, min(r0 + step, shape[0])),) + tuple(slice(0, d) for d in shape[1:])
+            out[index[0]] = ckpt.read_block(src, index, target, shape).view(disk_dtype)
+    out.flush()
+    del out
+    return _load_staged(fname, target.name)
 
 
 def _load_staged(fname: str, dtype_name: str) -> np.ndarray:
@@ -107,10 +126,8 @@ def convert(src: str, dst: str, *, dtype: str = "bfloat16", config: ModelConfig 
                 done_bytes += nbytes
                 resumed += 1
                 continue
-        full = tuple(slice(0, d) for d in src_.spec.shape)
-        arr = ckpt.read_block(src_, full, target, src_.spec.shape)
-        _save_staged(fname, arr)
-        manifest[src_.path] = {"shape": list(arr.shape), "dtype": arr.dtype.name, "sha256": sha256(arr),
+        arr = _stage(ckpt, src_, fname, target)
+        manifest[src_.path] = {"shape": list(arr.shape), "dtype": target.name, "sha256": sha256(arr),
                                "source": [os.path.relpath(x.file, ckpt.directory) for x in src_.infos[:1]]}
         _write_json_atomic(manifest_path, manifest)
         done_bytes += nbytes
