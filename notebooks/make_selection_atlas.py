@@ -48,24 +48,25 @@ Layers 0–1 are the ratio-2 encoder (one entry per 2 tokens), layers 2–4 the 
     sliding_window=4, index_topk=3, candidate_block_size=2, candidate_topk_blocks=4)
 print(toy.plan.table())
 
-toy_params = jax.jit(lambda key: dsv41_jax.init_params(toy, key))(jax.random.PRNGKey(0))
+toy_params = jax.jit(lambda key: dsv41_jax.init_params(toy, key))(jax.random.key(0, impl="rbg"))  # rbg: quick to compile
 toy_tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 16), 3, toy.vocab_size)
+
+
+QUERY, FULL, REUSE, REINDEX = 15, 2, 3, 4
 
 
 @jax.jit
 def toy_pass(params, tokens):
     _, aux = dsv41_jax.forward(params, tokens, config=toy, return_topk=True, return_site_inputs=True)
-    return aux, analysis.selections(params, toy, aux["site_inputs"])
+    sel = analysis.selections(params, toy, aux["site_inputs"])
+    # what the attention of each layer really reads for the query: the keys its output depends on (by differentiation)
+    read = {l: analysis.attended(params, toy, aux["site_inputs"], l, sel[l]["topk"], QUERY) for l in (FULL, REUSE, REINDEX)}
+    return aux, sel, read
 
 
-toy_aux, toy_sel = toy_pass(toy_params, toy_tokens)
+toy_aux, toy_sel, toy_read = toy_pass(toy_params, toy_tokens)
 for layer, topk in toy_aux["topk"].items():  # the re-derived selections are the forward's own
     assert np.array_equal(np.asarray(topk), np.asarray(toy_sel[layer]["topk"])), layer
-
-QUERY, FULL, REUSE, REINDEX = 15, 2, 3, 4
-# What the attention of each layer really reads for the query: the keys its output depends on (by differentiation)
-toy_read = {l: analysis.attended(toy_params, toy, toy_aux["site_inputs"], l, toy_sel[l]["topk"], QUERY)
-            for l in (FULL, REUSE, REINDEX)}
 for l in (FULL, REUSE, REINDEX):
     window, entries = (np.flatnonzero(np.asarray(a)).tolist() for a in toy_read[l])
     print(f"layer {l} ({toy.plan[l].mode:7s}): window tokens {window}, compressed entries {entries}")"""),
