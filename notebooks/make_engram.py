@@ -83,12 +83,13 @@ def run(params, tokens, ids):
 logits, gates, values, hidden = run(params, tokens, row_ids)
 for layer in config.engram_layer_ids:
     g = np.asarray(gates[layer][0])
-    print(f"layer {layer}: gate mean per stream {np.round(g.mean(0), 3).tolist()}, min {g.min():.3f}, "
+    print(f"layer {layer}: gate mean per stream {' '.join(f'{x:.3f}' for x in g.mean(0))}, min {g.min():.3f}, "
           f"max {g.max():.3f}; |value| mean {float(jnp.abs(values[layer]).mean()):.3f}")
 
 SHOW = min(T, 96)
 labels = [repr(tokenizer.decode([int(i)]))[1:-1] or "·" for i in tokens[0, T - SHOW:]]
-fig, axes = plt.subplots(len(config.engram_layer_ids), 1, figsize=(16, 1.6 + 1.2 * len(config.engram_layer_ids)))
+fig, axes = plt.subplots(len(config.engram_layer_ids), 1, figsize=(16, 1.2 + 1.6 * len(config.engram_layer_ids)),
+                         constrained_layout=True)
 for ax, layer in zip(np.atleast_1d(axes), config.engram_layer_ids):
     im = ax.imshow(np.asarray(gates[layer][0, T - SHOW:]).T, aspect="auto", cmap="magma", vmin=0, vmax=1)
     ax.set_yticks(range(config.hc_mult), [f"stream {s}" for s in range(config.hc_mult)], fontsize=7)

@@ -107,7 +107,7 @@ for j, s in enumerate(STORAGES):
             left += b
     ax.text(left, j, f" {left:,.0f} B/token", va="center", fontsize=9)
 ax.set_yticks(range(len(STORAGES)), STORAGES), ax.set_xlabel("bytes per context token")
-ax.set_xlim(0, 1.25 * foot["float32"].per_token), ax.legend(fontsize=7, ncol=2, loc="lower right")
+ax.set_xlim(0, 1.2 * foot["float32"].per_token), ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
 fig.tight_layout()
 plt.show()"""),
     ("markdown", """## CED prefill against full replay
