@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.model.params import flat_specs
 
@@ -70,3 +72,110 @@ def count_params(config: ModelConfig) -> ParamCounts:
     active_decode = sum(per_layer_active) + head
     active_prefill = sum(per_layer_active[:decoder_start]) + decoder_source_prefill
     return ParamCounts(total, backbone, engram, tables, dspark, active_decode, active_prefill, embedding)
+
+
+def _component(parts: list[str]) -> str:
+    if parts[2] == "engram":
+        return "Engram tables" if parts[3] == "embed" else "Engram projections"
+    if parts[2] == "attn":
+        return "compressor + indexer" if parts[3] in ("compressor", "indexer") else "attention"
+    if parts[2] == "ffn":
+        return "routed experts" if parts[3] == "experts" else "shared expert + router"
+    return "mHC + norms"
+
+
+COMPONENTS = ("attention", "compressor + indexer", "routed experts", "shared expert + router", "Engram projections",
+              "Engram tables", "mHC + norms")
+
+
+def per_layer_params(config: ModelConfig) -> list[dict[str, tuple[int, int]]]:
+    """Per backbone layer: {component: (parameters, parameters active per token)} with the same rules as
+    :func:`count_params` (routed experts × top-k / n_experts; one Engram row per hash column). The layer sums
+    plus embedding, final norm and head give ``backbone + engram``."""
+    c = config
+    layers: list[dict[str, list[int]]] = [{k: [0, 0] for k in COMPONENTS} for _ in range(c.num_hidden_layers)]
+    for path, s in flat_specs(c):
+        parts = path.split("/")
+        if parts[0] != "layers":
+            continue
+        comp = _component(parts)
+        n = s.size
+        if comp == "Engram tables":
+            active = c.n_hash_cols * c.engram_head_dim
+        elif comp == "routed experts":
+            active = n * c.num_experts_per_tok // c.n_routed_experts
+        else:
+            active = n
+        entry = layers[int(parts[1])][comp]
+        entry[0] += n
+        entry[1] += active
+    return [{k: (v[0], v[1]) for k, v in layer.items()} for layer in layers]
+
+
+def _matmul_flops_per_token(config: ModelConfig) -> tuple[list[float], list[float]]:
+    """Per layer: (2 × active matrix parameters applied once per token, of which the KV source's compressor and
+    indexer keys). Vectors (norms, sinks, biases) and the Engram table reads (lookups) are not FLOPs; the indexer
+    key projection runs once per compressed entry (1 / ratio per token)."""
+    c = config
+    plan = c.plan
+    per_layer = [0.0] * c.num_hidden_layers
+    source_part = [0.0] * c.num_hidden_layers
+    for path, s in flat_specs(c):
+        parts = path.split("/")
+        if parts[0] != "layers" or len(s.shape) < 2 or (parts[2] == "engram" and parts[3] == "embed"):
+            continue
+        layer = int(parts[1])
+        n = float(s.size)
+        if parts[2] == "ffn" and parts[3] == "experts":
+            n = n * c.num_experts_per_tok / c.n_routed_experts
+        if parts[2] == "attn" and parts[3] == "indexer" and parts[-1] == "wk":
+            n = n / plan[layer].ratio
+        per_layer[layer] += 2 * n
+        if parts[2] == "attn" and (parts[3] == "compressor" or parts[-1] == "wk"):
+            source_part[layer] += 2 * n
+    return per_layer, source_part
+
+
+def prefill_flops(config: ModelConfig, prompt_len: int, *, ced: bool = True,
+                  replay_len: int | None = None) -> dict[str, float]:
+    """FLOPs to prefill one prompt of ``prompt_len`` tokens, counted from the config (multiply-add = 2 FLOPs):
+
+    * ``weights``: 2 × the active matrix parameters of every layer a token passes (experts × top-k / n), plus the
+      head once (only the last token's logits are needed);
+    * ``attention``: per query and layer 4 · heads · head_dim per key read (scores and the weighted sum, V = K): its
+      window (min(window, t + 1), truncated at the replay segment's start in the CED decoder) plus
+      min(top-k, visible) compressed entries in CSA2 layers;
+    * ``indexer``: per query of a layer that runs an indexer, 2 · index_heads · (index_dim + 1) per scored entry:
+      every visible entry, or for pool-restricted layers at most candidate_topk_blocks × block entries (SPEC §5:
+      "later indexers cost O(16K), not O(context)").
+
+    ``ced=True`` (SPEC §8): the encoder over the whole prompt, the decoder's KV source compressor and indexer keys
+    over the whole prompt, the decoder over the last min(replay_len, prompt_len) tokens only (replay_len defaults
+    to the sliding window). ``ced=False``: every layer over every token (full replay)."""
+    c = config
+    t_all = int(prompt_len)
+    if t_all <= 0:
+        raise ValueError(f"prompt_len must be positive, got {prompt_len}")
+    replay = c.sliding_window if replay_len is None else replay_len
+    plan = c.plan
+    per_layer, source_part = _matmul_flops_per_token(c)
+    out = {"weights": 2.0 * c.hidden_size * c.vocab_size, "attention": 0.0, "indexer": 0.0}
+    pool_cap = c.candidate_topk_blocks * c.candidate_block_size
+    for spec in plan:
+        decoder = spec.stack == "decoder"
+        start = t_all - min(replay, t_all) if (ced and decoder) else 0
+        q = np.arange(start, t_all, dtype=np.float64)  # the query positions this layer runs
+        weights = per_layer[spec.index] * len(q)
+        if ced and decoder and source_part[spec.index]:  # the KV source's compressor / keys see every token
+            weights += source_part[spec.index] * (t_all - len(q))
+        keys = np.minimum(c.sliding_window, q + 1 - start)
+        if spec.ratio:
+            visible = np.floor((q + 1) / spec.ratio)
+            keys = keys + np.minimum(c.index_topk, visible)
+            if spec.runs_indexer:
+                scored = np.minimum(visible, pool_cap) if spec.uses_candidates else visible
+                out["indexer"] += float(2 * c.index_n_heads * (c.index_head_dim + 1) * scored.sum())
+        out["weights"] += weights
+        out["attention"] += float(4 * c.num_attention_heads * c.head_dim * keys.sum())
+    out["total"] = out["weights"] + out["attention"] + out["indexer"]
+    return out

@@ -161,7 +161,7 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
             positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
             options: ForwardOptions = ForwardOptions(),
             return_hidden: bool = False, return_topk: bool = False, return_router: bool = False,
-            return_attn_inputs: bool = False):
+            return_attn_inputs: bool = False, return_site_inputs: bool = False):
     """Logits [B, T, V] (float32) of a whole sequence, every token through every layer.
 
     ``engram_ids`` [B, T, n_engram_layers, n_hash_cols] int32 are the host-computed Engram row ids
@@ -171,7 +171,8 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
     document — the logits equal running each document alone. With ``return_*`` flags a second
     value is returned: a dict with ``hidden`` ([L, B, T, hc, d] streams after each layer), ``topk`` (per layer
     that runs an indexer), ``router`` (per-layer expert indices and scores) and ``attn_inputs`` (the normalised
-    attention-site input [B, T, d] of every layer that runs an indexer; training's indexer KL).
+    attention-site input [B, T, d] of every layer that runs an indexer; training's indexer KL); ``site_inputs`` is
+    the same for every layer (``return_site_inputs``: analyses of what a Reuse layer's own queries would pick).
     """
     c = config
     check_tokens(tokens, c)
@@ -205,7 +206,7 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
     streams = constrain(jnp.broadcast_to(x[:, :, None, :], (b, t, c.hc_mult, c.hidden_size)), _STREAM_AXES)
     pre_mix = jax.nn.one_hot(jnp.zeros((b, t), jnp.int32), c.hc_mult, dtype=jnp.float32)
     state = _GroupState()
-    hidden, topks, router, attn_inputs = [], {}, [], {}
+    hidden, topks, router, attn_inputs, site_inputs = [], {}, [], {}, {}
     mhc_kw = dict(hc_eps=c.hc_eps, rms_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters)
     for spec, lp in zip(c.plan, params["layers"]):
         if spec.engram_slot is not None:
@@ -230,11 +231,13 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
             topks[spec.index] = state.topk
         if return_attn_inputs and spec.runs_indexer:  # the indexer KL objective (dsv41_jax.train.loss)
             attn_inputs[spec.index] = h_attn
+        if return_site_inputs:
+            site_inputs[spec.index] = h_attn
         if return_router:
             router.append(stats)
     h = rms_norm(collapse(streams, pre_mix), params["norm"], c.rms_norm_eps)
     logits = constrain(linear(h, params["lm_head"]).astype(jnp.float32), ("batch", "seq", "vocab"))
-    if not (return_hidden or return_topk or return_router or return_attn_inputs):
+    if not (return_hidden or return_topk or return_router or return_attn_inputs or return_site_inputs):
         return logits
     aux: dict[str, Any] = {}
     if return_hidden:
@@ -245,4 +248,6 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
         aux["router"] = router
     if return_attn_inputs:
         aux["attn_inputs"] = attn_inputs
+    if return_site_inputs:
+        aux["site_inputs"] = site_inputs
     return logits, aux

@@ -7,13 +7,13 @@ import jax.numpy as jnp
 _HI = jax.lax.Precision.HIGHEST
 
 
-def engram_write(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: float, live: jax.Array | None = None,
-                 clamp: float = 1e-6) -> jax.Array:
-    """streams [B, T, hc, D]; row_ids [B, T, n_cols] (absolute rows of this layer's packed table).
+def engram_gates(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: float,
+                 clamp: float = 1e-6) -> tuple[jax.Array, jax.Array]:
+    """What Engram would write: (gate [B, T, hc] float32, value [B, T, D] float32) for streams [B, T, hc, D] and
+    row_ids [B, T, n_cols] (absolute rows of this layer's packed table).
 
     e = concat of the looked-up rows; kv = e Wkvᵀ -> hc keys + one shared value; per stream
-    gate = σ(sign(dot)·sqrt(max(|dot|, clamp))), dot = Σ_D h·(q_w·k_w)·key · rstd(h)·rstd(key) · D^-0.5;
-    streams += gate · value. ``live`` [B, T] = False shuts the gate (padding).
+    gate = σ(sign(dot)·sqrt(max(|dot|, clamp))), dot = Σ_D h·(q_w·k_w)·key · rstd(h)·rstd(key) · D^-0.5.
     """
     b, t, hc, d = streams.shape
     rows = jnp.take(params["embed"], row_ids, axis=0)  # [B, T, cols, ehd]
@@ -27,6 +27,14 @@ def engram_write(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: f
     dot = jnp.sum(h * weight * key, -1) * rstd * (d ** -0.5)
     # copysign, not sign(): a dot of exactly +0 keeps the positive root, as in the reference.
     gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), clamp)), dot))
+    return gate, value
+
+
+def engram_write(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: float, live: jax.Array | None = None,
+                 clamp: float = 1e-6) -> jax.Array:
+    """streams [B, T, hc, D] += gate · value per stream (:func:`engram_gates`); ``live`` [B, T] = False shuts the
+    gate (padding)."""
+    gate, value = engram_gates(streams, row_ids, params, eps=eps, clamp=clamp)
     if live is not None:
         gate = jnp.where(live[..., None], gate, 0.0)
-    return (h + gate[..., None] * value[:, :, None, :]).astype(streams.dtype)
+    return (streams.astype(jnp.float32) + gate[..., None] * value[:, :, None, :]).astype(streams.dtype)
