@@ -440,9 +440,17 @@ def embed(params: dict, tokens: jax.Array, config: ModelConfig):
 
 def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array, pos0: jax.Array,
                n_valid: jax.Array, engram_ids: jax.Array | None, *, config: ModelConfig, lo: int, hi: int,
-               opts: InferenceOptions, no_emit: tuple[int, ...] = ()):
-    """Layers [lo, hi) over a chunk. Returns (streams, pre_mix, cache). Does not advance ``cache['length']``."""
+               opts: InferenceOptions, no_emit: tuple[int, ...] = (), capture: tuple[int, ...] = ()):
+    """Layers [lo, hi) over a chunk. Returns (streams, pre_mix, cache). Does not advance ``cache['length']``.
+
+    ``capture`` (layer ids, all in [lo, hi)): also return the DSpark target features, the mean over the mHC
+    streams of the residual entering each of these layers (after its Engram write), concatenated in ``capture``
+    order: a fourth value [B, C, len(capture) * d]."""
     c = config
+    missing = [i for i in capture if not lo <= i < hi]
+    if missing:
+        raise ValueError(f"capture layers {missing} are outside the layers [{lo}, {hi}) of this pass")
+    captured = {}
     b, t = streams.shape[:2]
     quant_on = opts.resolved_quant(c)
     rope = _rope(c)
@@ -456,6 +464,8 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
         if spec.engram_slot is not None:
             streams = engram_write(streams, engram_ids[:, :, spec.engram_slot], lp["engram"], eps=c.rms_norm_eps,
                                    live=valid)
+        if spec.index in capture:
+            captured[spec.index] = jnp.mean(streams, axis=2)
         a_pre, a_post, a_comb = mhc_coefficients(streams, **lp["hc_attn"], **mhc_kw)
         h = rms_norm(collapse(streams, pre_mix), lp["attn_norm"], c.rms_norm_eps)
         y, cache, shared = attention_step(lp["attn"], h, spec, pos, pos0, n_valid, cache, shared, c, rope, opts,
@@ -471,6 +481,8 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
                        limit=c.swiglu_limit, impl=opts.moe_impl, normalize=c.norm_topk_prob)
         streams = expand(streams, y, f_post, f_comb)
         pre_mix = f_pre
+    if capture:
+        return streams, pre_mix, cache, jnp.concatenate([captured[i] for i in capture], axis=-1)
     return streams, pre_mix, cache
 
 

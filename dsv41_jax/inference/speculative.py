@@ -1,0 +1,312 @@
+"""Speculative decoding with the DSpark drafter (SPEC §9): per-block context rings, drafting, lossless greedy
+verification with rollback.
+
+State next to the target's cache (``inference.cache``): one ring of ``sliding_window`` context latents per draft
+block, ``rings[i]`` [B, W, hd]. Like the target's SWA rings, slot s of a sequence holding L tokens contains the
+projected target feature of the largest position p < L with p = s (mod W); positions below the cache's ``floor``
+(CED bounded replay: the target layers never saw them) are invisible. The rings are written from the target
+features of every token the target consumes: at prefill (``Engine.prefill(on_features=...)``) and at every
+verification step, for the accepted tokens only.
+
+A step, per sequence holding L tokens with the pending token x (sampled, not yet fed):
+
+1. draft: one parallel pass of the drafter over ``[x, noise, ...]`` at positions L .. L + S - 1 gives S = γ
+   drafts d_1 .. d_γ (d_k for position L + k);
+2. verify: the target consumes the chunk ``[x, d_1, .., d_γ]`` (positions L .. L + γ) in one pass through the
+   normal layer code (``step.run_layers``), logits at every position;
+3. accept (greedy): the longest prefix with d_k == argmax(target logits at L + k - 1), say a drafts; the new
+   tokens are d_1 .. d_a and the target's argmax after them (the correction, or the bonus when a == γ), which
+   becomes the pending token: output identical to plain greedy decoding;
+4. roll back: the verification pass ran on a copy (the cache is not donated); when a < γ the step is re-run
+   from the untouched cache with only the a + 1 accepted tokens valid, so every cache (SWA rings, compressor
+   partial groups, compressed entries and indexer keys, lengths) is what feeding those tokens gives, and the
+   host Engram history is advanced by the accepted tokens only. The DSpark rings get the accepted tokens'
+   features.
+
+Correctness first: a rejection costs a second target pass; restoring only the touched state from one pass is the
+planned optimisation. Sampling (rejection sampling against the Markov-corrected draft distribution) and the
+confidence scheduler are not implemented yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.inference.engine import Engine, EngineError, Request, Result
+from dsv41_jax.inference.step import InferenceOptions, embed, head, jit_for, ring_read, ring_write, run_layers
+from dsv41_jax.model.dspark import Draft, check_dspark, context_kvs, draft
+from dsv41_jax.ops.engram_hash import EngramHistory
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pure pieces (jitted below)
+# ----------------------------------------------------------------------------------------------------------
+
+def init_dspark_rings(config: ModelConfig, batch: int, dtype=jnp.float32) -> list:
+    """Empty context rings, one [batch, sliding_window, head_dim] per draft block."""
+    return [jnp.zeros((batch, config.sliding_window, config.head_dim), dtype)
+            for _ in range(config.num_nextn_predict_layers)]
+
+
+def seed_rings(params: dict, rings: list, features: jax.Array, pos0: jax.Array, n_valid: jax.Array, *,
+               config: ModelConfig, quant_on: bool) -> list:
+    """Write the context latents of target features [B, C, n_targets * d] (token i of row b at position
+    pos0[b] + i, valid for i < n_valid[b]) into every block's ring."""
+    pos = pos0[:, None] + jnp.arange(features.shape[1], dtype=jnp.int32)[None, :]
+    kvs = context_kvs(params["dspark"], features, pos, config, quant_on)
+    return [ring_write(r, kv, pos0, n_valid) for r, kv in zip(rings, kvs)]
+
+
+def ring_context(rings: list, length: jax.Array, floor: jax.Array):
+    """(per-block latents [B, W, hd] in position order, their positions [B, W] with -1 = invisible)."""
+    vals = [ring_read(r, length)[0] for r in rings]
+    _, pos = ring_read(rings[0], length)
+    return vals, jnp.where(pos >= floor[:, None], pos, -1)
+
+
+def draft_from_rings(params: dict, rings: list, length: jax.Array, floor: jax.Array, first: jax.Array, *,
+                     config: ModelConfig, quant_on: bool, moe_impl: str) -> Draft:
+    """Greedy drafts after the pending tokens ``first`` [B] (at positions ``length``)."""
+    ctx, ctx_pos = ring_context(rings, length, floor)
+    return draft(params, first, length, ctx, ctx_pos, config=config, quant_on=quant_on, moe_impl=moe_impl)
+
+
+def verify_chunk(params: dict, cache: dict, tokens: jax.Array, n_valid: jax.Array, engram_ids, *,
+                 config: ModelConfig, opts: InferenceOptions):
+    """The target over a chunk of new tokens [B, K] (valid prefix n_valid [B]) through every layer, as a decode
+    step does: (logits [B, K, V] float32, DSpark features [B, K, n_targets * d], cache advanced by n_valid)."""
+    pos0 = cache["length"]
+    streams, pre_mix = embed(params, tokens, config)
+    streams, pre_mix, cache, feats = run_layers(params, cache, streams, pre_mix, pos0, n_valid, engram_ids,
+                                                config=config, lo=0, hi=config.num_hidden_layers, opts=opts,
+                                                capture=tuple(config.dspark_target_layer_ids))
+    return head(params, streams, pre_mix, config), feats, dict(cache, length=pos0 + n_valid)
+
+
+def greedy_acceptance(drafts: np.ndarray, target: np.ndarray, n_valid: np.ndarray) -> np.ndarray:
+    """Accepted drafts per row: the longest prefix k < n_valid with drafts[:, k] == target[:, k] (target[:, k] is
+    the target's argmax after the chunk's token k, i.e. its choice for the position draft k occupies)."""
+    b, g = drafts.shape
+    match = (drafts == target[:, :g]) & (np.arange(g)[None, :] < (n_valid[:, None] - 1))
+    return np.cumprod(match, axis=1).sum(axis=1).astype(np.int64)
+
+
+_seed_jit = jax.jit(seed_rings, static_argnames=("config", "quant_on"), donate_argnames=("rings",))
+_draft_jit = jax.jit(draft_from_rings, static_argnames=("config", "quant_on", "moe_impl"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The host loop
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class SpeculativeStats:
+    steps: int = 0  # verification passes
+    rows_verified: int = 0  # (sequence, step) pairs verified
+    drafted: int = 0  # drafts sent to verification
+    accepted: int = 0  # drafts accepted
+    emitted: int = 0  # tokens produced by verification steps (accepted + one correction / bonus per row)
+    reruns: int = 0  # steps that rolled back (some row rejected a draft)
+    decode_s: float = 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verified sequence-step (accepted drafts + the target's token): 1.0 = no speed-up."""
+        return self.emitted / self.rows_verified if self.rows_verified else float("nan")
+
+
+Drafter = Callable[["SpeculativeDecoder", np.ndarray, np.ndarray], np.ndarray]
+
+
+class SpeculativeDecoder:
+    """Greedy speculative generation on top of an :class:`Engine` (its cache, Engram history and options).
+
+    ``drafter(decoder, pending [B], active [B]) -> drafts [B, γ]`` proposes the tokens after each slot's pending
+    token; by default the DSpark drafter of ``engine.params["dspark"]``. Any drafter gives output identical to
+    plain greedy decoding; a good one needs fewer target passes.
+    """
+
+    def __init__(self, engine: Engine, drafter: Drafter | None = None, *, num_draft: int | None = None):
+        c = engine.config
+        self.engine = engine
+        self.config = c
+        self.quant_on = engine.options.resolved_quant(c)
+        # the verification pass is a decode step over a chunk: the prefill-only options do not apply
+        self.opts = dataclasses.replace(engine.options, ced=True, replay_len=None)
+        self.rings = None
+        if drafter is None:
+            check_dspark(engine.params, c)
+            drafter = SpeculativeDecoder.dspark_drafter
+        if isinstance(engine.params, dict) and "dspark" in engine.params and c.num_nextn_predict_layers > 0:
+            self.rings = init_dspark_rings(c, engine.max_batch, engine.cache_dtype)
+        self.drafter = drafter
+        self.num_draft = c.dspark_block_size if num_draft is None else int(num_draft)
+        if self.num_draft < 1:
+            raise EngineError(f"num_draft must be >= 1, got {self.num_draft}")
+        self.stats = SpeculativeStats()
+        self.last_draft: Draft | None = None
+
+    # ------------------------------------------------------------------------------------------------------
+    def prefill(self, prompts: Sequence[Sequence[int]], slots: Sequence[int] | None = None):
+        """Engine.prefill that also seeds the DSpark rings. Returns the last logits [n, V]."""
+        return self.engine.prefill(prompts, slots, on_features=self._on_features if self.rings is not None else None)
+
+    def _on_features(self, features, pos0, n_valid) -> None:
+        self.rings = _seed_jit(self.engine.params, self.rings, features, pos0, n_valid, config=self.config,
+                               quant_on=self.quant_on)
+
+    @staticmethod
+    def dspark_drafter(dec: "SpeculativeDecoder", pending: np.ndarray, active: np.ndarray) -> np.ndarray:
+        e = dec.engine
+        d = _draft_jit(e.params, dec.rings, e.cache["length"], e.cache["floor"],
+                       jnp.asarray(pending.astype(np.int32)), config=dec.config, quant_on=dec.quant_on,
+                       moe_impl=dec.opts.moe_impl)
+        dec.last_draft = d
+        return np.asarray(d.tokens)
+
+    # ------------------------------------------------------------------------------------------------------
+    def _engram_rows(self, chunk: np.ndarray, active: np.ndarray):
+        e = self.engine
+        if e.hasher is None:
+            return None
+        rows, _ = e.hasher.step(np.where(active[:, None], chunk, 0), e._hist)
+        return jnp.asarray(rows)
+
+    def _advance_engram(self, chunk: np.ndarray, n_keep: np.ndarray) -> None:
+        """The host Engram history after each row's first n_keep[b] chunk tokens (rows with 0 are unchanged)."""
+        e = self.engine
+        if e.hasher is None:
+            return
+        old = e._hist
+        new = [a.copy() for a in (old.tokens, old.segments, old.num_positions, old.num_valid)]
+        for row in np.flatnonzero(n_keep > 0):
+            one = EngramHistory(*(a[row:row + 1] for a in (old.tokens, old.segments, old.num_positions,
+                                                           old.num_valid)))
+            _, h = e.hasher.step(chunk[row:row + 1, :n_keep[row]], one)
+            for a, v in zip(new, (h.tokens, h.segments, h.num_positions, h.num_valid)):
+                a[row] = v[0]
+        e._hist = EngramHistory(*new)
+
+    def verify_greedy(self, pending: np.ndarray, drafts: np.ndarray, active: np.ndarray):
+        """Verify ``drafts`` [B, γ] after the pending tokens [B] of the active slots, roll back what was rejected.
+
+        Returns (new tokens per slot: accepted drafts then the target's next token, which is also the new pending
+        token; accepted draft counts [B])."""
+        e = self.engine
+        c = self.config
+        b = e.max_batch
+        pending = np.asarray(pending, np.int64)
+        drafts = np.asarray(drafts, np.int64)
+        active = np.asarray(active, bool)
+        if drafts.ndim != 2 or drafts.shape[0] != b or pending.shape != (b,) or active.shape != (b,):
+            raise EngineError(f"verify_greedy: need pending [{b}], drafts [{b}, k], active [{b}]; got "
+                              f"{pending.shape}, {drafts.shape}, {active.shape}")
+        bad = active[:, None] & ((drafts < 0) | (drafts >= c.vocab_size))
+        if bad.any():
+            row = int(np.argmax(bad.any(axis=1)))
+            raise EngineError(f"drafter proposed token ids outside the vocabulary for slot {row}: {drafts[row].tolist()}")
+        length = e.lengths().astype(np.int64)
+        chunk = np.concatenate([pending[:, None], np.where(active[:, None], drafts, 0)], axis=1)
+        room = np.maximum(e.max_len - length, 0)
+        n_valid = np.where(active, np.minimum(chunk.shape[1], room), 0).astype(np.int32)
+        eids = self._engram_rows(chunk, active)
+        verify = jit_for(verify_chunk, self.opts, donate=())
+        tok = jnp.asarray(chunk.astype(np.int32))
+        logits, feats, verified = verify(e.params, e.cache, tok, jnp.asarray(n_valid), eids, config=c,
+                                         opts=self.opts)
+        target = np.asarray(jnp.argmax(logits, axis=-1))
+        n_acc = np.where(active, greedy_acceptance(drafts, target, n_valid), 0)
+        n_keep = np.where(n_valid > 0, n_acc + 1, 0).astype(np.int32)
+        if (n_keep == n_valid).all():
+            e.cache = verified
+        else:  # roll back: redo the step from the untouched cache with only the accepted tokens valid
+            self.stats.reruns += 1
+            _, feats, e.cache = verify(e.params, e.cache, tok, jnp.asarray(n_keep), eids, config=c, opts=self.opts)
+        self._advance_engram(chunk, n_keep)
+        if self.rings is not None:
+            self.rings = _seed_jit(e.params, self.rings, feats, jnp.asarray(length.astype(np.int32)),
+                                   jnp.asarray(n_keep), config=c, quant_on=self.quant_on)
+        new = [[int(t) for t in drafts[s, :n_acc[s]]] + [int(target[s, n_acc[s]])] if n_keep[s] else []
+               for s in range(b)]
+        st = self.stats
+        st.steps += 1
+        st.rows_verified += int((n_keep > 0).sum())
+        st.drafted += int(np.maximum(n_valid - 1, 0).sum())
+        st.accepted += int(n_acc.sum())
+        st.emitted += sum(len(x) for x in new)
+        return new, n_acc
+
+    # ------------------------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence, *, max_new_tokens: int = 32, stop_tokens: Sequence[int] | None = None,
+                 on_token: Callable[[int, int], None] | None = None) -> list[Result]:
+        """Greedy generation (as ``Engine.generate(..., temperature=0)``, token for token), by speculation."""
+        e = self.engine
+        reqs = [p if isinstance(p, Request) else Request(prompt=p, max_new_tokens=max_new_tokens,
+                                                         stop_tokens=stop_tokens) for p in prompts]
+        if len(reqs) > e.max_batch:
+            raise EngineError(f"{len(reqs)} requests but the engine serves at most max_batch={e.max_batch}")
+        results: list[Result | None] = [None] * len(reqs)
+        ok = []
+        for i, r in enumerate(reqs):
+            try:
+                ids, sp, stops = e._validate(r)
+                if sp.temperature != 0:
+                    raise EngineError("speculative decoding is greedy only for now (temperature 0)")
+            except EngineError as err:
+                results[i] = Result([], "error", 0, error=str(err))
+                continue
+            ok.append((i, ids, stops, r.max_new_tokens))
+        self.stats = SpeculativeStats()
+        if not ok:
+            return results  # type: ignore[return-value]
+        b = e.max_batch
+        slot_of = {i: s for s, (i, *_rest) in enumerate(ok)}
+        last = self.prefill([ids for _, ids, *_ in ok], [slot_of[i] for i, *_ in ok])
+        pending = np.zeros((b,), np.int64)
+        pending[[slot_of[i] for i, *_ in ok]] = np.asarray(jnp.argmax(last, axis=-1))
+        out = {i: [] for i, *_ in ok}
+        info = {slot_of[i]: (i, ids, stops, mnt) for i, ids, stops, mnt in ok}
+        active = np.zeros((b,), bool)
+        active[list(info)] = True
+        t0 = time.perf_counter()
+
+        def account(s: int, toks: list[int]) -> None:
+            i, ids, stops, mnt = info[s]
+            for t in toks:
+                out[i].append(t)
+                if on_token is not None:
+                    on_token(i, t)
+                reason = None
+                if t in stops:
+                    reason = "stop"
+                elif len(out[i]) >= mnt:
+                    reason = "length"
+                elif len(ids) + len(out[i]) > e.max_len:
+                    reason = "max_len"  # the next token would not fit in the cache
+                if reason is not None:
+                    active[s] = False
+                    results[i] = Result(out[i], reason, len(ids), text=e._decode_text(out[i]))
+                    return
+
+        for s in list(info):
+            account(s, [int(pending[s])])
+        while active.any():
+            drafts = np.asarray(self.drafter(self, pending, active.copy()))[:, :self.num_draft]
+            new, _ = self.verify_greedy(pending, drafts, active)
+            for s in np.flatnonzero(active):
+                pending[s] = new[s][-1]
+                account(int(s), new[s])
+        self.stats.decode_s = time.perf_counter() - t0
+        return results  # type: ignore[return-value]
+
+
+__all__ = ["init_dspark_rings", "seed_rings", "ring_context", "draft_from_rings", "verify_chunk",
+           "greedy_acceptance", "SpeculativeStats", "SpeculativeDecoder"]
