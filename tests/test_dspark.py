@@ -58,32 +58,46 @@ def test_parameter_names_are_the_official_ones():
     assert tiny.num_nextn_predict_layers == 2 and tiny.dspark_block_size == 4
 
 
-def test_capture_matches_training_forward_and_seeds_the_rings():
-    """Prefill's captured features (full replay and CED) equal the training forward's, and the rings it seeds hold
-    each block's context latents of the last W positions."""
+def _check_capture(ced: bool):
+    """Prefill's captured features equal the training forward's (with bounded replay under CED); returns the
+    forward's features [T, 3d]."""
     config, params = _setup()
     prompt = _prompt(21, 3)  # > 2 windows of 8
     hasher = default_hasher(config)
     tokens = jnp.asarray([prompt])
     eids = hasher.row_ids(np.asarray([prompt]))
-    for ced in (False, True):
-        # CED's decoder replays the last sliding_window tokens only: the forward's bounded replay
-        _, aux = forward(params, tokens, config=config, engram_ids=eids, return_dspark_features=True,
-                         options=ForwardOptions(bounded_replay=ced))
-        feats = np.asarray(aux["dspark_features"][0])  # [T, 3d]
-        assert feats.shape == (21, 3 * config.hidden_size)
-        eng = _engine(ced)
-        got = []
-        eng.prefill([prompt], [1], on_features=lambda f, p0, nv: got.append((np.asarray(f), np.asarray(p0),
-                                                                             np.asarray(nv))))
-        seen = {}
-        for f, p0, nv in got:
-            for i in range(int(nv[1])):
-                seen[int(p0[1]) + i] = f[1, i]
-        first = 21 - 8 if ced else 0  # CED replays the decoder (layers 4-7 hold the targets) over 8 tokens
-        assert sorted(seen) == list(range(first, 21))
-        for p, v in seen.items():
-            np.testing.assert_allclose(v, feats[p], rtol=1e-5, atol=1e-5)
+    # CED's decoder replays the last sliding_window tokens only: the forward's bounded replay
+    run = jax.jit(functools.partial(forward, config=config, return_dspark_features=True,
+                                    options=ForwardOptions(bounded_replay=ced, moe_impl="dense")),
+                  compiler_options=dict(FAST_COMPILE))
+    _, aux = run(params, tokens, engram_ids=jnp.asarray(eids))
+    feats = np.asarray(aux["dspark_features"][0])  # [T, 3d]
+    assert feats.shape == (21, 3 * config.hidden_size)
+    eng = _engine(ced)
+    got = []
+    eng.prefill([prompt], [1], on_features=lambda f, p0, nv: got.append((np.asarray(f), np.asarray(p0),
+                                                                         np.asarray(nv))))
+    seen = {}
+    for f, p0, nv in got:
+        for i in range(int(nv[1])):
+            seen[int(p0[1]) + i] = f[1, i]
+    first = 21 - 8 if ced else 0  # CED replays the decoder (layers 4-7 hold the targets) over 8 tokens
+    assert sorted(seen) == list(range(first, 21))
+    for p, v in seen.items():
+        np.testing.assert_allclose(v, feats[p], rtol=1e-5, atol=1e-5)
+    return prompt, feats
+
+
+@pytest.mark.slow
+def test_capture_in_full_replay_prefill():
+    _check_capture(ced=False)
+
+
+def test_capture_matches_training_forward_and_seeds_the_rings():
+    """CED prefill's captured features equal the bounded-replay training forward's, and the rings they seed hold
+    each block's context latents of the last W positions (per slot, mixed lengths)."""
+    config, params = _setup()
+    prompt, feats = _check_capture(ced=True)
     dec = SpeculativeDecoder(_engine(True))
     dec.prefill([prompt, prompt[:5]], [0, 2])
     cache = dec.engine.cache
@@ -229,3 +243,80 @@ def test_rollback_leaves_the_caches_of_plain_decoding():
     assert got.keys() == want.keys()
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)
+
+
+def test_speculative_sampling_is_lossless_on_a_small_vocabulary():
+    """Chi-square test: tokens emitted by draft-then-verify (2 drafts from a deliberately different draft model,
+    temperature 0.8 and top-k 4 on the target and the drafter alike) are distributed as plain sampling from the
+    target, jointly over three positions (125 cells, 40 000 sequences, p-value threshold 1e-3)."""
+    from jax.scipy.stats import chi2
+
+    from dsv41_jax.inference.sampling import filter_logits
+    from dsv41_jax.inference.speculative import speculative_accept
+
+    v, n, temp, topk = 5, 40_000, 0.8, 4
+    rng = np.random.default_rng(0)
+    t1, t2, t3 = (rng.standard_normal(s) * 1.5 for s in ((v,), (v, v), (v, v, v)))  # target logits tables
+    d1, d2 = (rng.standard_normal(s) * 1.5 for s in ((v,), (v, v)))  # draft logits tables
+
+    def dist(z):  # what plain sampling draws from
+        z = jnp.asarray(z, jnp.float32).reshape(-1, v)
+        m = z.shape[0]
+        f = filter_logits(z, jnp.full((m,), temp), jnp.full((m,), topk), jnp.ones((m,)))
+        return np.asarray(jax.nn.softmax(f, -1), np.float64)
+
+    def draw(probs):
+        c = np.cumsum(probs, -1)
+        return np.minimum((rng.random(len(probs))[:, None] > c).sum(-1), v - 1)
+
+    x1 = draw(dist(d1)[np.zeros(n, int)])
+    x2 = draw(dist(d2)[x1])
+    drafts = np.stack([x1, x2], 1)
+    target = np.stack([np.broadcast_to(t1, (n, v)), t2[x1], t3[x1, x2]], 1)
+    draft_logits = np.stack([np.broadcast_to(d1, (n, v)), d2[x1]], 1)
+    keys = jax.random.split(jax.random.PRNGKey(1), n)
+    n_acc, nxt = jax.jit(speculative_accept)(
+        jnp.asarray(target, jnp.float32), jnp.asarray(draft_logits, jnp.float32), jnp.asarray(drafts, jnp.int32),
+        jnp.full((n,), 3, jnp.int32), jnp.full((n,), temp), jnp.full((n,), topk, jnp.int32), jnp.ones((n,)), keys)
+    n_acc, nxt = np.asarray(n_acc), np.asarray(nxt)
+    assert set(np.unique(n_acc)) == {0, 1, 2}  # every acceptance path taken
+    y = np.zeros((n, 3), int)
+    y[:, 0] = np.where(n_acc == 0, nxt, x1)
+    y[:, 1] = np.where(n_acc == 1, nxt, x2)
+    y[:, 2] = nxt
+    # positions the step did not reach are what the next steps sample from the target
+    p2, p3 = dist(t2), dist(t3).reshape(v, v, v)
+    y[n_acc == 0, 1] = draw(p2[y[n_acc == 0, 0]])
+    late = n_acc < 2
+    y[late, 2] = draw(p3[y[late, 0], y[late, 1]])
+    expected = dist(t1)[0][:, None, None] * p2[:, :, None] * p3 * n
+    counts = np.zeros((v, v, v))
+    np.add.at(counts, (y[:, 0], y[:, 1], y[:, 2]), 1)
+    keep = expected > 0
+    assert counts[~keep].sum() == 0  # nothing outside the target's top-k support
+    stat = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+    assert float(chi2.sf(stat, keep.sum() - 1)) > 1e-3, stat
+    # greedy rows: exact argmax matching, the correction / bonus is the target's argmax
+    g_acc, g_next = speculative_accept(
+        jnp.asarray(target[:4], jnp.float32), jnp.asarray(draft_logits[:4], jnp.float32),
+        jnp.asarray(drafts[:4], jnp.int32), jnp.full((4,), 3, jnp.int32), jnp.zeros((4,)), jnp.zeros((4,), jnp.int32),
+        jnp.ones((4,)), keys[:4])
+    want_acc = greedy_acceptance(drafts[:4], target[:4].argmax(-1), np.full(4, 3))
+    assert np.asarray(g_acc).tolist() == want_acc.tolist()
+    assert np.asarray(g_next).tolist() == target[:4].argmax(-1)[np.arange(4), want_acc].tolist()
+
+
+def test_speculative_sampling_in_the_engine_keeps_greedy_rows_exact():
+    """A batch mixing a greedy row and sampled rows: the greedy row reproduces plain greedy decoding token for
+    token, the sampled rows produce valid tokens (deterministic per seed) and the acceptance paths run."""
+    eng = _engine(True)
+    prompts = [_prompt(3, 10), _prompt(11, 11), _prompt(20, 12)]
+    plain = _plain(eng, prompts, 20)
+    reqs = [Request(prompts[0], max_new_tokens=20, stop_tokens=()),
+            Request(prompts[1], max_new_tokens=20, temperature=0.7, top_k=20, seed=3, stop_tokens=()),
+            Request(prompts[2], max_new_tokens=20, temperature=1.0, top_p=0.9, seed=4, stop_tokens=())]
+    spec = SpeculativeDecoder(eng)
+    a = spec.generate(reqs)
+    assert a[0].tokens == plain[0]
+    assert all(r.ok and len(r.tokens) == 20 and all(0 <= t < 259 for t in r.tokens) for r in a)
+    assert spec.generate(reqs)[1].tokens == a[1].tokens  # seeded

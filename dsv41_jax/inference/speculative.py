@@ -1,5 +1,5 @@
-"""Speculative decoding with the DSpark drafter (SPEC §9): per-block context rings, drafting, lossless greedy
-verification with rollback.
+"""Speculative decoding with the DSpark drafter (SPEC §9): per-block context rings, drafting, lossless
+verification (greedy: exact argmax match; sampling: speculative rejection sampling) with rollback.
 
 State next to the target's cache (``inference.cache``): one ring of ``sliding_window`` context latents per draft
 block, ``rings[i]`` [B, W, hd]. Like the target's SWA rings, slot s of a sequence holding L tokens contains the
@@ -11,21 +11,23 @@ verification step, for the accepted tokens only.
 A step, per sequence holding L tokens with the pending token x (sampled, not yet fed):
 
 1. draft: one parallel pass of the drafter over ``[x, noise, ...]`` at positions L .. L + S - 1 gives S = γ
-   drafts d_1 .. d_γ (d_k for position L + k);
+   drafts d_1 .. d_γ (d_k for position L + k), drawn left to right with the Markov bias;
 2. verify: the target consumes the chunk ``[x, d_1, .., d_γ]`` (positions L .. L + γ) in one pass through the
    normal layer code (``step.run_layers``), logits at every position;
-3. accept (greedy): the longest prefix with d_k == argmax(target logits at L + k - 1), say a drafts; the new
-   tokens are d_1 .. d_a and the target's argmax after them (the correction, or the bonus when a == γ), which
-   becomes the pending token: output identical to plain greedy decoding;
-4. roll back: the verification pass ran on a copy (the cache is not donated); when a < γ the step is re-run
-   from the untouched cache with only the a + 1 accepted tokens valid, so every cache (SWA rings, compressor
-   partial groups, compressed entries and indexer keys, lengths) is what feeding those tokens gives, and the
-   host Engram history is advanced by the accepted tokens only. The DSpark rings get the accepted tokens'
-   features.
+3. accept (:func:`speculative_accept`): greedy rows keep the longest prefix with d_k == argmax(target logits at
+   L + k - 1) and then the target's argmax (the correction, or the bonus when all γ match): output identical to
+   plain greedy decoding. Sampled rows accept d_k with probability min(1, p_k(d_k) / q_k(d_k)) against the
+   distribution q the drafter drew from and draw the correction from normalise(max(p - q, 0)): output
+   distributed as plain sampling. The last new token becomes the pending token;
+4. roll back: the verification pass ran on a copy (the cache is not donated); when a draft was rejected the step
+   is re-run from the untouched cache with only the a + 1 accepted tokens valid, so every cache (SWA rings,
+   compressor partial groups, compressed entries and indexer keys, lengths) is what feeding those tokens gives,
+   and the host Engram history is advanced by the accepted tokens only. The DSpark rings get the accepted
+   tokens' features.
 
 Correctness first: a rejection costs a second target pass; restoring only the touched state from one pass is the
-planned optimisation. Sampling (rejection sampling against the Markov-corrected draft distribution) and the
-confidence scheduler are not implemented yet.
+planned optimisation. The verification length is fixed (γ, less near ``max_len``); choosing it from the
+confidences (and the hardware-aware prefix scheduler) is not implemented yet.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import numpy as np
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.inference.engine import Engine, EngineError, Request, Result
+from dsv41_jax.inference.sampling import filter_logits, sample_jit
 from dsv41_jax.inference.step import InferenceOptions, embed, head, jit_for, ring_read, ring_write, run_layers
 from dsv41_jax.model.dspark import Draft, check_dspark, context_kvs, draft
 from dsv41_jax.ops.engram_hash import EngramHistory
@@ -72,11 +75,18 @@ def ring_context(rings: list, length: jax.Array, floor: jax.Array):
     return vals, jnp.where(pos >= floor[:, None], pos, -1)
 
 
-def draft_from_rings(params: dict, rings: list, length: jax.Array, floor: jax.Array, first: jax.Array, *,
-                     config: ModelConfig, quant_on: bool, moe_impl: str) -> Draft:
-    """Greedy drafts after the pending tokens ``first`` [B] (at positions ``length``)."""
+def draft_from_rings(params: dict, rings: list, length: jax.Array, floor: jax.Array, first: jax.Array,
+                     sampling=None, *, config: ModelConfig, quant_on: bool, moe_impl: str) -> Draft:
+    """Drafts after the pending tokens ``first`` [B] (at positions ``length``): greedy, or with ``sampling`` =
+    (temperature, top_k, top_p [B], keys [B, S]) drawn from the filtered Markov-corrected logits like the
+    target's sampler (``sampling.filter_logits``; temperature 0 rows stay greedy)."""
     ctx, ctx_pos = ring_context(rings, length, floor)
-    return draft(params, first, length, ctx, ctx_pos, config=config, quant_on=quant_on, moe_impl=moe_impl)
+    kw = {}
+    if sampling is not None:
+        temperature, top_k, top_p, keys = sampling
+        kw = dict(temperature=temperature, keys=keys,
+                  filter_fn=lambda z: filter_logits(z, temperature, top_k, top_p))
+    return draft(params, first, length, ctx, ctx_pos, config=config, quant_on=quant_on, moe_impl=moe_impl, **kw)
 
 
 def verify_chunk(params: dict, cache: dict, tokens: jax.Array, n_valid: jax.Array, engram_ids, *,
@@ -99,6 +109,47 @@ def greedy_acceptance(drafts: np.ndarray, target: np.ndarray, n_valid: np.ndarra
     return np.cumprod(match, axis=1).sum(axis=1).astype(np.int64)
 
 
+def speculative_accept(target_logits: jax.Array, draft_logits: jax.Array, drafts: jax.Array, n_valid: jax.Array,
+                       temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Array):
+    """Lossless acceptance of verified chunks (standard speculative sampling; greedy rows: exact argmax match).
+
+    target_logits [B, K + 1, V]: the target's logits after each chunk token; draft_logits [B, K, V]: the logits
+    the drafts [B, K] were drawn from (DSpark: base + Markov bias), through the same sampling filter
+    (``sampling.filter_logits`` with the row's temperature / top-k / top-p) as the target's; n_valid [B]: chunk
+    tokens verified (1 + drafts); keys [B] PRNG keys. Draft k is accepted with probability min(1, p_k(x)/q_k(x));
+    at the first rejection the next token is drawn from normalise(max(p - q, 0)) (p where that is empty), after
+    all accepted from the target's next distribution: the emitted tokens are distributed as plain sampling's.
+    Rows with temperature 0 use one-hot p = argmax of the target and q = the draft. Returns (accepted drafts [B],
+    next token [B])."""
+    b, k1, v = target_logits.shape
+    k = k1 - 1
+
+    def probs(z):
+        n = z.shape[1]
+        rep = lambda a: jnp.repeat(a, n)  # noqa: E731
+        f = filter_logits(z.reshape(b * n, v), rep(temperature), rep(top_k), rep(top_p))
+        return jax.nn.softmax(f, axis=-1).reshape(b, n, v)
+
+    greedy = (temperature <= 0)[:, None, None]
+    p = jnp.where(greedy, jax.nn.one_hot(jnp.argmax(target_logits, -1), v), probs(target_logits))
+    q = jnp.where(greedy, jax.nn.one_hot(drafts, v), probs(draft_logits))
+    px = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+    qx = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    split = jax.vmap(lambda key: jax.random.split(key, 2))(keys)
+    u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(split[:, 0])
+    ok = (u * jnp.maximum(qx, 1e-8) < px) & (jnp.arange(k)[None, :] < (n_valid[:, None] - 1))
+    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]
+    q_at = jnp.take_along_axis(q, jnp.minimum(n_acc, k - 1)[:, None, None], axis=1)[:, 0]
+    rejected = (n_acc < n_valid - 1)[:, None]
+    resid = jnp.where(rejected, jnp.maximum(p_at - q_at, 0.0), p_at)
+    resid = jnp.where(jnp.sum(resid, -1, keepdims=True) > 1e-8, resid, p_at)
+    drawn = jax.vmap(jax.random.categorical)(split[:, 1], jnp.log(resid))
+    nxt = jnp.where(temperature <= 0, jnp.argmax(resid, -1), drawn)
+    return n_acc.astype(jnp.int32), nxt.astype(jnp.int32)
+
+
+_accept_jit = jax.jit(speculative_accept)
 _seed_jit = jax.jit(seed_rings, static_argnames=("config", "quant_on"), donate_argnames=("rings",))
 _draft_jit = jax.jit(draft_from_rings, static_argnames=("config", "quant_on", "moe_impl"))
 
@@ -126,12 +177,21 @@ class SpeculativeStats:
 Drafter = Callable[["SpeculativeDecoder", np.ndarray, np.ndarray], np.ndarray]
 
 
-class SpeculativeDecoder:
-    """Greedy speculative generation on top of an :class:`Engine` (its cache, Engram history and options).
+def _row_keys(seeds: jax.Array, step: int, stream: int) -> jax.Array:
+    """Per-row PRNG keys of one speculative step: fold_in(fold_in(PRNGKey(seed), step), stream)."""
+    return jax.vmap(lambda s: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), step), stream))(
+        seeds.astype(jnp.uint32))
 
-    ``drafter(decoder, pending [B], active [B]) -> drafts [B, γ]`` proposes the tokens after each slot's pending
-    token; by default the DSpark drafter of ``engine.params["dspark"]``. Any drafter gives output identical to
-    plain greedy decoding; a good one needs fewer target passes.
+
+class SpeculativeDecoder:
+    """Speculative generation on top of an :class:`Engine` (its cache, Engram history and options).
+
+    ``drafter(decoder, pending [B], active [B])`` proposes the tokens after each slot's pending token: drafts
+    [B, γ], or (drafts, draft logits [B, γ, V]) — the logits they were drawn from, needed when sampling; by
+    default the DSpark drafter of ``engine.params["dspark"]``. With any drafter greedy output is identical to
+    plain greedy decoding and sampled output is distributed as plain sampling; a good drafter needs fewer target
+    passes. ``self.sampling`` (temperature, top_k, top_p, seeds: [B] arrays, set by :meth:`generate`) selects
+    sampling; None is greedy.
     """
 
     def __init__(self, engine: Engine, drafter: Drafter | None = None, *, num_draft: int | None = None):
@@ -153,6 +213,7 @@ class SpeculativeDecoder:
             raise EngineError(f"num_draft must be >= 1, got {self.num_draft}")
         self.stats = SpeculativeStats()
         self.last_draft: Draft | None = None
+        self.sampling = None  # (temperature, top_k, top_p, seeds) device arrays [B], or None: greedy
 
     # ------------------------------------------------------------------------------------------------------
     def prefill(self, prompts: Sequence[Sequence[int]], slots: Sequence[int] | None = None):
@@ -164,13 +225,19 @@ class SpeculativeDecoder:
                                quant_on=self.quant_on)
 
     @staticmethod
-    def dspark_drafter(dec: "SpeculativeDecoder", pending: np.ndarray, active: np.ndarray) -> np.ndarray:
+    def dspark_drafter(dec: "SpeculativeDecoder", pending: np.ndarray, active: np.ndarray):
         e = dec.engine
+        sampling = None
+        if dec.sampling is not None:
+            temperature, top_k, top_p, seeds = dec.sampling
+            keys = jax.vmap(lambda k: jax.random.split(k, dec.config.dspark_block_size))(
+                _row_keys(seeds, dec.stats.steps, 0))
+            sampling = (temperature, top_k, top_p, keys)
         d = _draft_jit(e.params, dec.rings, e.cache["length"], e.cache["floor"],
-                       jnp.asarray(pending.astype(np.int32)), config=dec.config, quant_on=dec.quant_on,
+                       jnp.asarray(pending.astype(np.int32)), sampling, config=dec.config, quant_on=dec.quant_on,
                        moe_impl=dec.opts.moe_impl)
         dec.last_draft = d
-        return np.asarray(d.tokens)
+        return np.asarray(d.tokens), d.logits
 
     # ------------------------------------------------------------------------------------------------------
     def _engram_rows(self, chunk: np.ndarray, active: np.ndarray):
@@ -196,10 +263,19 @@ class SpeculativeDecoder:
         e._hist = EngramHistory(*new)
 
     def verify_greedy(self, pending: np.ndarray, drafts: np.ndarray, active: np.ndarray):
-        """Verify ``drafts`` [B, γ] after the pending tokens [B] of the active slots, roll back what was rejected.
+        """:meth:`verify` without sampling (exact argmax matching)."""
+        saved, self.sampling = self.sampling, None
+        try:
+            return self.verify(pending, drafts, active)
+        finally:
+            self.sampling = saved
 
-        Returns (new tokens per slot: accepted drafts then the target's next token, which is also the new pending
-        token; accepted draft counts [B])."""
+    def verify(self, pending: np.ndarray, drafts: np.ndarray, active: np.ndarray, draft_logits=None):
+        """Verify ``drafts`` [B, γ] after the pending tokens [B] of the active slots (greedy, or by speculative
+        sampling against ``draft_logits`` [B, γ, V] when ``self.sampling`` is set), roll back what was rejected.
+
+        Returns (new tokens per slot: accepted drafts then the target's next token — the correction, or the bonus
+        when all were accepted — which is also the new pending token; accepted draft counts [B])."""
         e = self.engine
         c = self.config
         b = e.max_batch
@@ -222,8 +298,19 @@ class SpeculativeDecoder:
         tok = jnp.asarray(chunk.astype(np.int32))
         logits, feats, verified = verify(e.params, e.cache, tok, jnp.asarray(n_valid), eids, config=c,
                                          opts=self.opts)
-        target = np.asarray(jnp.argmax(logits, axis=-1))
-        n_acc = np.where(active, greedy_acceptance(drafts, target, n_valid), 0)
+        k = drafts.shape[1]
+        if self.sampling is None:
+            sampling = (jnp.zeros((b,)), jnp.zeros((b,), jnp.int32), jnp.ones((b,)), jnp.zeros((b,), jnp.int32))
+        else:
+            sampling = self.sampling
+            if draft_logits is None:
+                raise EngineError("sampling needs the draft logits the drafts were drawn from (drafter returns "
+                                  "(drafts, logits))")
+        q = logits[:, :k] if draft_logits is None else jnp.asarray(draft_logits)[:, :k]
+        n_acc, nxt = _accept_jit(logits, q, jnp.asarray(drafts.astype(np.int32)), jnp.asarray(n_valid),
+                                 *sampling[:3], _row_keys(sampling[3], self.stats.steps, 1))
+        n_acc = np.where(active, np.asarray(n_acc), 0).astype(np.int64)
+        nxt = np.asarray(nxt)
         n_keep = np.where(n_valid > 0, n_acc + 1, 0).astype(np.int32)
         if (n_keep == n_valid).all():
             e.cache = verified
@@ -234,8 +321,7 @@ class SpeculativeDecoder:
         if self.rings is not None:
             self.rings = _seed_jit(e.params, self.rings, feats, jnp.asarray(length.astype(np.int32)),
                                    jnp.asarray(n_keep), config=c, quant_on=self.quant_on)
-        new = [[int(t) for t in drafts[s, :n_acc[s]]] + [int(target[s, n_acc[s]])] if n_keep[s] else []
-               for s in range(b)]
+        new = [[int(t) for t in drafts[s, :n_acc[s]]] + [int(nxt[s])] if n_keep[s] else [] for s in range(b)]
         st = self.stats
         st.steps += 1
         st.rows_verified += int((n_keep > 0).sum())
@@ -245,12 +331,15 @@ class SpeculativeDecoder:
         return new, n_acc
 
     # ------------------------------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence, *, max_new_tokens: int = 32, stop_tokens: Sequence[int] | None = None,
+    def generate(self, prompts: Sequence, *, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] | None = None,
                  on_token: Callable[[int, int], None] | None = None) -> list[Result]:
-        """Greedy generation (as ``Engine.generate(..., temperature=0)``, token for token), by speculation."""
+        """``Engine.generate`` by speculation: greedy output is identical token for token; sampled output has
+        the same distribution (not the same draws: the random streams differ)."""
         e = self.engine
         reqs = [p if isinstance(p, Request) else Request(prompt=p, max_new_tokens=max_new_tokens,
-                                                         stop_tokens=stop_tokens) for p in prompts]
+                                                         temperature=temperature, top_k=top_k, top_p=top_p,
+                                                         seed=seed, stop_tokens=stop_tokens) for p in prompts]
         if len(reqs) > e.max_batch:
             raise EngineError(f"{len(reqs)} requests but the engine serves at most max_batch={e.max_batch}")
         results: list[Result | None] = [None] * len(reqs)
@@ -258,22 +347,28 @@ class SpeculativeDecoder:
         for i, r in enumerate(reqs):
             try:
                 ids, sp, stops = e._validate(r)
-                if sp.temperature != 0:
-                    raise EngineError("speculative decoding is greedy only for now (temperature 0)")
             except EngineError as err:
                 results[i] = Result([], "error", 0, error=str(err))
                 continue
-            ok.append((i, ids, stops, r.max_new_tokens))
+            ok.append((i, ids, stops, r.max_new_tokens, sp))
         self.stats = SpeculativeStats()
         if not ok:
             return results  # type: ignore[return-value]
         b = e.max_batch
         slot_of = {i: s for s, (i, *_rest) in enumerate(ok)}
+        samp = [np.zeros((b,), np.float32), np.zeros((b,), np.int32), np.ones((b,), np.float32),
+                np.zeros((b,), np.int32)]
+        for i, *_, sp in ok:
+            for a, v in zip(samp, (sp.temperature, sp.top_k, sp.top_p, sp.seed)):
+                a[slot_of[i]] = v
+        samp = tuple(jnp.asarray(a) for a in samp)
+        self.sampling = samp if (samp[0] > 0).any() else None
         last = self.prefill([ids for _, ids, *_ in ok], [slot_of[i] for i, *_ in ok])
-        pending = np.zeros((b,), np.int64)
-        pending[[slot_of[i] for i, *_ in ok]] = np.asarray(jnp.argmax(last, axis=-1))
+        full_last = jnp.zeros((b, last.shape[-1]), last.dtype).at[jnp.asarray([slot_of[i] for i, *_ in ok])].set(last)
+        # the first token as the plain engine samples it (same key: step 0 of the row's seed)
+        pending = np.asarray(sample_jit(full_last, *samp, jnp.zeros((b,), jnp.int32))).astype(np.int64)
         out = {i: [] for i, *_ in ok}
-        info = {slot_of[i]: (i, ids, stops, mnt) for i, ids, stops, mnt in ok}
+        info = {slot_of[i]: (i, ids, stops, mnt) for i, ids, stops, mnt, _ in ok}
         active = np.zeros((b,), bool)
         active[list(info)] = True
         t0 = time.perf_counter()
@@ -299,8 +394,10 @@ class SpeculativeDecoder:
         for s in list(info):
             account(s, [int(pending[s])])
         while active.any():
-            drafts = np.asarray(self.drafter(self, pending, active.copy()))[:, :self.num_draft]
-            new, _ = self.verify_greedy(pending, drafts, active)
+            proposal = self.drafter(self, pending, active.copy())
+            drafts, draft_logits = proposal if isinstance(proposal, tuple) else (proposal, None)
+            drafts = np.asarray(drafts)[:, :self.num_draft]
+            new, _ = self.verify(pending, drafts, active, draft_logits)
             for s in np.flatnonzero(active):
                 pending[s] = new[s][-1]
                 account(int(s), new[s])
@@ -309,4 +406,4 @@ class SpeculativeDecoder:
 
 
 __all__ = ["init_dspark_rings", "seed_rings", "ring_context", "draft_from_rings", "verify_chunk",
-           "greedy_acceptance", "SpeculativeStats", "SpeculativeDecoder"]
+           "greedy_acceptance", "speculative_accept", "SpeculativeStats", "SpeculativeDecoder"]

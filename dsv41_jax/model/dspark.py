@@ -174,11 +174,11 @@ def confidence_logits(dp: dict, hidden: jax.Array, markov_embeds: jax.Array) -> 
 
 
 def sample_sequential(dp: dict, base_logits: jax.Array, first: jax.Array, *, temperature: jax.Array | None = None,
-                      keys: jax.Array | None = None):
+                      keys: jax.Array | None = None, filter_fn=None):
     """Left-to-right drafting: slot k adds the Markov bias of its predecessor (``first`` [B] for slot 0) and draws
-    its token (argmax where ``temperature`` [B] is 0 or None; else a categorical draw at that temperature with
-    ``keys`` [B, S] PRNG keys). Returns (tokens [B, S] int32, corrected logits [B, S, V], Markov embeddings
-    [B, S, r] of each slot's predecessor)."""
+    its token: argmax where ``temperature`` [B] is 0 or None, else a categorical draw from
+    ``filter_fn(corrected logits)`` (default: logits / temperature) with ``keys`` [B, S] PRNG keys. Returns
+    (tokens [B, S] int32, corrected logits [B, S, V], Markov embeddings [B, S, r] of each slot's predecessor)."""
     b, s, _ = base_logits.shape
 
     def body(prev, k):
@@ -187,7 +187,8 @@ def sample_sequential(dp: dict, base_logits: jax.Array, first: jax.Array, *, tem
         tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         if temperature is not None:
             t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-            drawn = jax.vmap(jax.random.categorical)(keys[:, k], logits / t).astype(jnp.int32)
+            z = logits / t if filter_fn is None else filter_fn(logits)
+            drawn = jax.vmap(jax.random.categorical)(keys[:, k], z).astype(jnp.int32)
             tok = jnp.where(temperature > 0, drawn, tok)
         return tok, (tok, logits, e)
 
@@ -197,7 +198,7 @@ def sample_sequential(dp: dict, base_logits: jax.Array, first: jax.Array, *, tem
 
 def draft(params: dict, first: jax.Array, first_pos: jax.Array, ctx_kvs, ctx_pos: jax.Array, *,
           config: ModelConfig, quant_on: bool, moe_impl: str = "dense", temperature: jax.Array | None = None,
-          keys: jax.Array | None = None) -> Draft:
+          keys: jax.Array | None = None, filter_fn=None) -> Draft:
     """Draft ``dspark_block_size`` tokens after ``first`` [B] (the token at position first_pos [B], not yet seen
     by the target; its context latents ctx_kvs / ctx_pos cover positions < first_pos)."""
     c = config
@@ -209,7 +210,8 @@ def draft(params: dict, first: jax.Array, first_pos: jax.Array, ctx_kvs, ctx_pos
     hidden, base = run_blocks(params, block, block_pos, ctx_kvs, ctx_pos, config=c, quant_on=quant_on,
                               moe_impl=moe_impl)
     dp = params["dspark"]
-    tokens, logits, embeds = sample_sequential(dp, base, first, temperature=temperature, keys=keys)
+    tokens, logits, embeds = sample_sequential(dp, base, first, temperature=temperature, keys=keys,
+                                               filter_fn=filter_fn)
     return Draft(tokens, logits, confidence_logits(dp, hidden, embeds), hidden)
 
 
