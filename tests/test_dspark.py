@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax import load_config
-from dsv41_jax.inference import FAST_COMPILE, Engine, InferenceOptions, Request
+from dsv41_jax.inference import FAST_COMPILE, Engine, EngineError, InferenceOptions, Request
 from dsv41_jax.inference.speculative import SpeculativeDecoder, greedy_acceptance, ring_context
 from dsv41_jax.inference.weights import host_random_params
 from dsv41_jax.model import dspark
@@ -274,10 +274,19 @@ def test_speculative_sampling_is_lossless_on_a_small_vocabulary():
     drafts = np.stack([x1, x2], 1)
     target = np.stack([np.broadcast_to(t1, (n, v)), t2[x1], t3[x1, x2]], 1)
     draft_logits = np.stack([np.broadcast_to(d1, (n, v)), d2[x1]], 1)
-    keys = jax.random.split(jax.random.PRNGKey(1), n)
-    n_acc, nxt = jax.jit(speculative_accept)(
-        jnp.asarray(target, jnp.float32), jnp.asarray(draft_logits, jnp.float32), jnp.asarray(drafts, jnp.int32),
-        jnp.full((n,), 3, jnp.int32), jnp.full((n,), temp), jnp.full((n,), topk, jnp.int32), jnp.ones((n,)), keys)
+    # 64 extra greedy rows (temperature 0) in the same call: exact argmax matching
+    g = 64
+    cat = lambda a, b: np.concatenate([a, b])  # noqa: E731
+    keys = jax.random.split(jax.random.PRNGKey(1), n + g)
+    acc_all, nxt_all = jax.jit(speculative_accept)(
+        jnp.asarray(cat(target, target[:g]), jnp.float32), jnp.asarray(cat(draft_logits, draft_logits[:g]), jnp.float32),
+        jnp.asarray(cat(drafts, drafts[:g]), jnp.int32), jnp.full((n + g,), 3, jnp.int32),
+        jnp.asarray(cat(np.full(n, temp), np.zeros(g)), jnp.float32), jnp.full((n + g,), topk, jnp.int32),
+        jnp.ones((n + g,)), keys)
+    n_acc, nxt = np.asarray(acc_all)[:n], np.asarray(nxt_all)[:n]
+    want_acc = greedy_acceptance(drafts[:g], target[:g].argmax(-1), np.full(g, 3))
+    assert np.asarray(acc_all)[n:].tolist() == want_acc.tolist() and set(want_acc) >= {0, 1}
+    assert np.asarray(nxt_all)[n:].tolist() == target[:g].argmax(-1)[np.arange(g), want_acc].tolist()
     n_acc, nxt = np.asarray(n_acc), np.asarray(nxt)
     assert set(np.unique(n_acc)) == {0, 1, 2}  # every acceptance path taken
     y = np.zeros((n, 3), int)
@@ -296,14 +305,7 @@ def test_speculative_sampling_is_lossless_on_a_small_vocabulary():
     assert counts[~keep].sum() == 0  # nothing outside the target's top-k support
     stat = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
     assert float(chi2.sf(stat, keep.sum() - 1)) > 1e-3, stat
-    # greedy rows: exact argmax matching, the correction / bonus is the target's argmax
-    g_acc, g_next = speculative_accept(
-        jnp.asarray(target[:4], jnp.float32), jnp.asarray(draft_logits[:4], jnp.float32),
-        jnp.asarray(drafts[:4], jnp.int32), jnp.full((4,), 3, jnp.int32), jnp.zeros((4,)), jnp.zeros((4,), jnp.int32),
-        jnp.ones((4,)), keys[:4])
-    want_acc = greedy_acceptance(drafts[:4], target[:4].argmax(-1), np.full(4, 3))
-    assert np.asarray(g_acc).tolist() == want_acc.tolist()
-    assert np.asarray(g_next).tolist() == target[:4].argmax(-1)[np.arange(4), want_acc].tolist()
+
 
 
 def test_speculative_sampling_in_the_engine_keeps_greedy_rows_exact():
@@ -320,3 +322,39 @@ def test_speculative_sampling_in_the_engine_keeps_greedy_rows_exact():
     assert a[0].tokens == plain[0]
     assert all(r.ok and len(r.tokens) == 20 and all(0 <= t < 259 for t in r.tokens) for r in a)
     assert spec.generate(reqs)[1].tokens == a[1].tokens  # seeded
+
+
+def test_confidence_schedules():
+    from dsv41_jax.inference.speculative import prefix_schedule, prefix_survival, threshold_lengths
+
+    logit = lambda p: np.log(p / (1 - p))  # noqa: E731
+    conf = logit(np.array([[0.9, 0.8, 0.5, 0.9], [0.4, 0.9, 0.9, 0.9]]))
+    a = prefix_survival(conf)
+    np.testing.assert_allclose(a[0], [0.9, 0.72, 0.36, 0.324])
+    assert threshold_lengths(conf, 0.5).tolist() == [2, 0]
+    assert threshold_lengths(conf, 0.3).tolist() == [4, 3]
+    # flat step rate: every admission with a > 0 pays off; a step rate halving past 3 tokens stops after one draft
+    assert prefix_schedule(a, lambda n: 1.0).tolist() == [4, 4]
+    assert prefix_schedule(a, lambda n: 1.0 if n <= 3 else 0.5).tolist() == [1, 0]
+    # against brute force over every length vector, for a smooth (unimodal) step-time curve
+    rng = np.random.default_rng(0)
+    sps = lambda n: 1.0 / (1.0 + 0.08 * n)  # noqa: E731
+    for _ in range(20):
+        a = prefix_survival(rng.normal(1.0, 1.5, (3, 3)))
+        got = prefix_schedule(a, sps)
+        value = lambda l: (3 + sum(a[r, :l[r]].sum() for r in range(3))) * sps(3 + sum(l))  # noqa: E731
+        best = max(value((i, j, k)) for i in range(4) for j in range(4) for k in range(4))
+        assert value(got) == pytest.approx(best, rel=1e-12)
+
+
+def test_scheduled_speculation_stays_lossless():
+    eng = _engine(True)
+    prompts = [_prompt(3, 10), _prompt(11, 11), _prompt(20, 12)]
+    plain = _plain(eng, prompts, 20)
+    for kw in (dict(schedule="threshold", threshold=0.3),
+               dict(schedule="prefix", steps_per_s=lambda n: 1.0 / (1.0 + 0.1 * n), early_stop=False)):
+        spec = SpeculativeDecoder(eng, **kw)
+        assert [r.tokens for r in spec.generate(prompts, max_new_tokens=20, stop_tokens=())] == plain
+        assert spec.stats.drafted < 3 * 4 * spec.stats.steps  # fewer drafts verified than proposed
+    with pytest.raises(EngineError, match="steps_per_s"):
+        SpeculativeDecoder(eng, schedule="prefix")

@@ -26,8 +26,8 @@ A step, per sequence holding L tokens with the pending token x (sampled, not yet
    tokens' features.
 
 Correctness first: a rejection costs a second target pass; restoring only the touched state from one pass is the
-planned optimisation. The verification length is fixed (γ, less near ``max_len``); choosing it from the
-confidences (and the hardware-aware prefix scheduler) is not implemented yet.
+planned optimisation. The verification length is γ (less near ``max_len``), or chosen per row from the drafter's
+confidences: a survival threshold, or the hardware-aware prefix scheduler over a measured step rate.
 """
 
 from __future__ import annotations
@@ -149,6 +149,50 @@ def speculative_accept(target_logits: jax.Array, draft_logits: jax.Array, drafts
     return n_acc.astype(jnp.int32), nxt.astype(jnp.int32)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Verification length from the confidences (non-anticipating: the decision for draft k uses the confidences
+# c_1..c_k, and c_k depends on the drafts before k only, never on d_k itself; so truncation stays lossless)
+# ----------------------------------------------------------------------------------------------------------
+
+def prefix_survival(confidence_logits: np.ndarray) -> np.ndarray:
+    """a[r, k] = prod_{i <= k} sigmoid(c[r, i]): the predicted probability that drafts 1..k are all accepted."""
+    c = 1.0 / (1.0 + np.exp(-np.asarray(confidence_logits, np.float64)))
+    return np.cumprod(c, axis=-1)
+
+
+def threshold_lengths(confidence_logits: np.ndarray, threshold: float) -> np.ndarray:
+    """Drafts to verify per row: the longest prefix whose survival a[r, k] stays >= threshold."""
+    a = prefix_survival(confidence_logits)
+    return (a >= threshold).cumprod(axis=-1).sum(axis=-1).astype(np.int64)
+
+
+def prefix_schedule(a: np.ndarray, steps_per_s: Callable[[int], float], *, early_stop: bool = True) -> np.ndarray:
+    """The hardware-aware prefix scheduler (DSpark paper, Algorithm 1): drafts to verify per request.
+
+    ``a`` [R, γ] prefix survivals (non-increasing along each row); ``steps_per_s(n)``: verification steps per
+    second for a batch of n tokens (measured). Candidates (r, j) are admitted in decreasing a (a row's drafts in
+    order), each adding one token to the batch and a[r, j] expected accepted tokens; the prefix maximising the
+    expected tokens per second tau * SPS(B), B = sum_r (1 + l_r), tau = sum_r (1 + sum_{j <= l_r} a[r, j]), is
+    returned. ``early_stop`` stops at the first admission that does not improve it (optimal when the objective is
+    unimodal along the path); False searches the whole path (jagged step-time curves)."""
+    a = np.asarray(a, np.float64)
+    r, g = a.shape
+    lengths = np.zeros((r,), np.int64)
+    n_tokens, tau = r, float(r)
+    best, best_lengths = tau * steps_per_s(n_tokens), lengths.copy()
+    order = sorted(((-a[i, j], j, i) for i in range(r) for j in range(g) if a[i, j] > 0))
+    for _, j, i in order:
+        lengths[i] = j + 1
+        n_tokens += 1
+        tau += a[i, j]
+        value = tau * steps_per_s(n_tokens)
+        if value > best:
+            best, best_lengths = value, lengths.copy()
+        elif early_stop:
+            break
+    return best_lengths
+
+
 _accept_jit = jax.jit(speculative_accept)
 _seed_jit = jax.jit(seed_rings, static_argnames=("config", "quant_on"), donate_argnames=("rings",))
 _draft_jit = jax.jit(draft_from_rings, static_argnames=("config", "quant_on", "moe_impl"))
@@ -194,7 +238,9 @@ class SpeculativeDecoder:
     sampling; None is greedy.
     """
 
-    def __init__(self, engine: Engine, drafter: Drafter | None = None, *, num_draft: int | None = None):
+    def __init__(self, engine: Engine, drafter: Drafter | None = None, *, num_draft: int | None = None,
+                 schedule: str | None = None, threshold: float = 0.5,
+                 steps_per_s: Callable[[int], float] | None = None, early_stop: bool = True):
         c = engine.config
         self.engine = engine
         self.config = c
@@ -211,6 +257,13 @@ class SpeculativeDecoder:
         self.num_draft = c.dspark_block_size if num_draft is None else int(num_draft)
         if self.num_draft < 1:
             raise EngineError(f"num_draft must be >= 1, got {self.num_draft}")
+        if schedule not in (None, "threshold", "prefix"):
+            raise EngineError(f"schedule must be None, 'threshold' or 'prefix', got {schedule!r}")
+        if schedule == "prefix" and steps_per_s is None:
+            raise EngineError("schedule='prefix' needs steps_per_s(n_tokens), the measured verification step rate")
+        if schedule is not None and drafter is not SpeculativeDecoder.dspark_drafter:
+            raise EngineError("confidence scheduling needs the DSpark drafter's confidences")
+        self.schedule, self.threshold, self.steps_per_s, self.early_stop = schedule, threshold, steps_per_s, early_stop
         self.stats = SpeculativeStats()
         self.last_draft: Draft | None = None
         self.sampling = None  # (temperature, top_k, top_p, seeds) device arrays [B], or None: greedy
@@ -238,6 +291,18 @@ class SpeculativeDecoder:
                        moe_impl=dec.opts.moe_impl)
         dec.last_draft = d
         return np.asarray(d.tokens), d.logits
+
+    def verification_lengths(self, active: np.ndarray) -> np.ndarray | None:
+        """Drafts to verify per slot from the last draft's confidences (None: all)."""
+        if self.schedule is None:
+            return None
+        conf = np.asarray(self.last_draft.confidence)[:, :self.num_draft]
+        if self.schedule == "threshold":
+            return threshold_lengths(conf, self.threshold)
+        rows = np.flatnonzero(active)
+        lengths = np.zeros((len(active),), np.int64)
+        lengths[rows] = prefix_schedule(prefix_survival(conf[rows]), self.steps_per_s, early_stop=self.early_stop)
+        return lengths
 
     # ------------------------------------------------------------------------------------------------------
     def _engram_rows(self, chunk: np.ndarray, active: np.ndarray):
@@ -270,12 +335,14 @@ class SpeculativeDecoder:
         finally:
             self.sampling = saved
 
-    def verify(self, pending: np.ndarray, drafts: np.ndarray, active: np.ndarray, draft_logits=None):
+    def verify(self, pending: np.ndarray, drafts: np.ndarray, active: np.ndarray, draft_logits=None,
+               num_verify: np.ndarray | None = None):
         """Verify ``drafts`` [B, γ] after the pending tokens [B] of the active slots (greedy, or by speculative
         sampling against ``draft_logits`` [B, γ, V] when ``self.sampling`` is set), roll back what was rejected.
 
         Returns (new tokens per slot: accepted drafts then the target's next token — the correction, or the bonus
-        when all were accepted — which is also the new pending token; accepted draft counts [B])."""
+        when all were accepted — which is also the new pending token; accepted draft counts [B]).
+        ``num_verify`` [B]: drafts to verify per row (default all; a scheduler's choice, 0 = plain decoding)."""
         e = self.engine
         c = self.config
         b = e.max_batch
@@ -292,7 +359,8 @@ class SpeculativeDecoder:
         length = e.lengths().astype(np.int64)
         chunk = np.concatenate([pending[:, None], np.where(active[:, None], drafts, 0)], axis=1)
         room = np.maximum(e.max_len - length, 0)
-        n_valid = np.where(active, np.minimum(chunk.shape[1], room), 0).astype(np.int32)
+        want = chunk.shape[1] if num_verify is None else 1 + np.clip(np.asarray(num_verify), 0, drafts.shape[1])
+        n_valid = np.where(active, np.minimum(want, room), 0).astype(np.int32)
         eids = self._engram_rows(chunk, active)
         verify = jit_for(verify_chunk, self.opts, donate=())
         tok = jnp.asarray(chunk.astype(np.int32))
@@ -397,7 +465,7 @@ class SpeculativeDecoder:
             proposal = self.drafter(self, pending, active.copy())
             drafts, draft_logits = proposal if isinstance(proposal, tuple) else (proposal, None)
             drafts = np.asarray(drafts)[:, :self.num_draft]
-            new, _ = self.verify(pending, drafts, active, draft_logits)
+            new, _ = self.verify(pending, drafts, active, draft_logits, self.verification_lengths(active))
             for s in np.flatnonzero(active):
                 pending[s] = new[s][-1]
                 account(int(s), new[s])
@@ -406,4 +474,5 @@ class SpeculativeDecoder:
 
 
 __all__ = ["init_dspark_rings", "seed_rings", "ring_context", "draft_from_rings", "verify_chunk",
-           "greedy_acceptance", "speculative_accept", "SpeculativeStats", "SpeculativeDecoder"]
+           "greedy_acceptance", "speculative_accept", "prefix_survival", "threshold_lengths", "prefix_schedule",
+           "SpeculativeStats", "SpeculativeDecoder"]
