@@ -358,3 +358,51 @@ def test_scheduled_speculation_stays_lossless():
         assert spec.stats.drafted < 3 * 4 * spec.stats.steps  # fewer drafts verified than proposed
     with pytest.raises(EngineError, match="steps_per_s"):
         SpeculativeDecoder(eng, schedule="prefix")
+
+
+@pytest.mark.slow
+def test_training_forward_equals_drafting_and_the_loss_trains():
+    """train_forward at an anchor reproduces an inference drafting step over the same features (ring seeded with
+    the positions before the anchor, labels = the drafted tokens so teacher forcing = the sampled predecessors),
+    and a few gradient steps on the DSpark objective lower it."""
+    from dsv41_jax.inference.speculative import _draft_jit, _seed_jit, init_dspark_rings
+    from dsv41_jax.train.dspark import anchor_targets, dspark_loss
+
+    config, params = _setup()
+    rng = np.random.default_rng(1)
+    t, s, p = 20, config.dspark_block_size, 11
+    feats = jnp.asarray(rng.standard_normal((1, t, 3 * config.hidden_size)), jnp.float32)
+    tokens = rng.integers(3, 259, (1, t))
+    rings = _seed_jit(params, init_dspark_rings(config, 1), feats[:, :p], jnp.zeros((1,), jnp.int32),
+                      jnp.asarray([p], jnp.int32), config=config, quant_on=True)
+    d = _draft_jit(params, rings, jnp.asarray([p], jnp.int32), jnp.zeros((1,), jnp.int32),
+                   jnp.asarray(tokens[:, p], jnp.int32), config=config, quant_on=True, moe_impl="dense")
+    tokens[0, p + 1:p + 1 + s] = np.asarray(d.tokens[0])
+    anchors = jnp.asarray([[p, 3, 0, t - 2]], jnp.int32)
+    run = jax.jit(functools.partial(dspark.train_forward, config=config, quant_on=True))
+    logits, conf, labels, valid = run(params, feats, jnp.asarray(tokens, jnp.int32), anchors)
+    np.testing.assert_allclose(np.asarray(logits[0, 0]), np.asarray(d.logits[0]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(conf[0, 0]), np.asarray(d.confidence[0]), rtol=1e-4, atol=1e-4)
+    assert np.asarray(labels[0, 0]).tolist() == np.asarray(d.tokens[0]).tolist()
+    assert np.asarray(valid[0]).sum(-1).tolist() == [s, s, s, 1]  # the last anchor has one label left
+    assert bool(jnp.isfinite(logits).all())
+
+    target = jnp.asarray(rng.standard_normal((1, t, config.vocab_size)), jnp.float32)
+    tgt = anchor_targets(target, anchors, s)
+    np.testing.assert_array_equal(np.asarray(tgt[0, 1, 2]), np.asarray(target[0, 5]))
+
+    def objective(dp):
+        lg, cf, lb, vd = dspark.train_forward(dict(params, dspark=dp), feats, jnp.asarray(tokens, jnp.int32),
+                                              anchors, config=config, quant_on=False)
+        return dspark_loss(lg, cf, lb, vd, tgt)[0]
+
+    step = jax.jit(jax.value_and_grad(objective))
+    dp = params["dspark"]
+    losses = []
+    for _ in range(4):
+        loss, g = step(dp)
+        losses.append(float(loss))
+        dp = jax.tree.map(lambda w, gw: w - 0.5 * gw, dp, g)
+    assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
+    _, m = dspark_loss(logits, conf, labels, valid)
+    assert 0.0 <= float(m["accept_rate"]) <= 1.0

@@ -215,6 +215,52 @@ def draft(params: dict, first: jax.Array, first_pos: jax.Array, ctx_kvs, ctx_pos
     return Draft(tokens, logits, confidence_logits(dp, hidden, embeds), hidden)
 
 
+def anchor_context(ctx_kvs, anchors: jax.Array, window: int, floor: jax.Array | int = 0):
+    """Training: each anchor's context latents, the ``window`` positions before it (what the inference ring holds
+    when the anchor token is pending). ctx_kvs: per block [B, T, hd] latents of every position; anchors [B, A].
+    Returns (per block [B, A, window, hd], positions [B, A, window] with -1 = none)."""
+    p = anchors[..., None] - window + jnp.arange(window)  # [B, A, W]
+    floor = jnp.asarray(floor)
+    valid = (p >= 0) & (p >= (floor[:, None, None] if floor.ndim else floor))
+    safe = jnp.clip(p, 0, None)
+    gather = jax.vmap(lambda kv, idx: kv[idx])  # per batch row: [T, hd][A, W] -> [A, W, hd]
+    return [gather(kv, safe) for kv in ctx_kvs], jnp.where(valid, p, -1)
+
+
+def train_forward(params: dict, features: jax.Array, tokens: jax.Array, anchors: jax.Array, *, config: ModelConfig,
+                  quant_on: bool, moe_impl: str = "dense"):
+    """The drafter over many anchors of whole sequences at once (training; the target is frozen: ``features``
+    [B, T, n_targets * d] come from ``forward(..., return_dspark_features=True)``).
+
+    Anchor p (``anchors`` [B, A], 0 <= p < T) runs the block ``[tokens[p], noise ...]`` at positions p .. p + S - 1
+    over the context latents of positions p - W .. p - 1, exactly as a drafting step with tokens[p] pending. Slot k
+    is trained to predict tokens[p + k + 1]; its Markov predecessor is the true token (teacher forcing).
+    Returns (Markov-corrected logits [B, A, S, V], confidence logits [B, A, S], labels [B, A, S], valid [B, A, S]:
+    the label exists inside the sequence)."""
+    c = config
+    b, t = tokens.shape
+    a = anchors.shape[1]
+    s = c.dspark_block_size
+    dp = params["dspark"]
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    kvs = context_kvs(dp, features, pos, c, quant_on)
+    ctx, ctx_pos = anchor_context(kvs, anchors, c.sliding_window)
+    first = jnp.take_along_axis(tokens, anchors, axis=1)  # [B, A]
+    block = jnp.concatenate([first[..., None], jnp.full((b, a, s - 1), c.dspark_noise_token_id, tokens.dtype)], -1)
+    block_pos = anchors[..., None] + jnp.arange(s, dtype=anchors.dtype)
+    fold = lambda x: x.reshape(b * a, *x.shape[2:])  # noqa: E731
+    hidden, base = run_blocks(params, fold(block), fold(block_pos), [fold(x) for x in ctx], fold(ctx_pos), config=c,
+                              quant_on=quant_on, moe_impl=moe_impl)
+    label_pos = anchors[..., None] + 1 + jnp.arange(s, dtype=anchors.dtype)  # [B, A, S]
+    valid = label_pos < t
+    labels = jnp.take_along_axis(tokens, jnp.clip(label_pos, 0, t - 1).reshape(b, a * s), axis=1).reshape(b, a, s)
+    prev = jnp.concatenate([first[..., None], labels[..., :-1]], axis=-1)  # teacher-forced predecessors
+    bias, embeds = markov_bias(dp, fold(prev))
+    logits = (base + bias).reshape(b, a, s, -1)
+    conf = confidence_logits(dp, hidden, embeds).reshape(b, a, s)
+    return logits, conf, labels, valid
+
+
 __all__ = ["DSparkError", "Draft", "check_dspark", "target_features", "project_context", "main_rope", "context_kv",
            "context_kvs", "block_attention", "run_blocks", "markov_bias", "confidence_logits", "sample_sequential",
-           "draft"]
+           "draft", "anchor_context", "train_forward"]
