@@ -19,14 +19,14 @@ A step, per sequence holding L tokens with the pending token x (sampled, not yet
    plain greedy decoding. Sampled rows accept d_k with probability min(1, p_k(d_k) / q_k(d_k)) against the
    distribution q the drafter drew from and draw the correction from normalise(max(p - q, 0)): output
    distributed as plain sampling. The last new token becomes the pending token;
-4. roll back: the verification pass ran on a copy (the cache is not donated); when a draft was rejected the step
-   is re-run from the untouched cache with only the a + 1 accepted tokens valid, so every cache (SWA rings,
-   compressor partial groups, compressed entries and indexer keys, lengths) is what feeding those tokens gives,
-   and the host Engram history is advanced by the accepted tokens only. The DSpark rings get the accepted
-   tokens' features.
+4. roll back (:func:`rollback`): the verification pass ran on a copy (the cache is not donated); when a draft
+   was rejected, the SWA ring slots of the rejected tokens are restored from the cache before the pass and every
+   KV source's update (compressed entries, indexer keys, partial group) is redone from the pass's compressor
+   inputs with only the a + 1 accepted tokens valid, so every cache is what feeding those tokens gives (or, with
+   ``rollback="rerun"``, the step is re-run on them: a second target pass). The host Engram history is advanced
+   by the accepted tokens only; the DSpark rings get the accepted tokens' features.
 
-Correctness first: a rejection costs a second target pass; restoring only the touched state from one pass is the
-planned optimisation. The verification length is γ (less near ``max_len``), or chosen per row from the drafter's
+The verification length is γ (less near ``max_len``), or chosen per row from the drafter's
 confidences: a survival threshold, or the hardware-aware prefix scheduler over a measured step rate.
 """
 
@@ -44,9 +44,11 @@ import numpy as np
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.inference.engine import Engine, EngineError, Request, Result
 from dsv41_jax.inference.sampling import filter_logits, sample_jit
-from dsv41_jax.inference.step import InferenceOptions, embed, head, jit_for, ring_read, ring_write, run_layers
+from dsv41_jax.inference.step import (InferenceOptions, embed, emit_entries, head, jit_for, ring_read, ring_write,
+                                      run_layers)
 from dsv41_jax.model.dspark import Draft, check_dspark, context_kvs, draft
 from dsv41_jax.ops.engram_hash import EngramHistory
+from dsv41_jax.ops.rope import rope_tables
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -92,13 +94,43 @@ def draft_from_rings(params: dict, rings: list, length: jax.Array, floor: jax.Ar
 def verify_chunk(params: dict, cache: dict, tokens: jax.Array, n_valid: jax.Array, engram_ids, *,
                  config: ModelConfig, opts: InferenceOptions):
     """The target over a chunk of new tokens [B, K] (valid prefix n_valid [B]) through every layer, as a decode
-    step does: (logits [B, K, V] float32, DSpark features [B, K, n_targets * d], cache advanced by n_valid)."""
+    step does: (logits [B, K, V] float32, DSpark features [B, K, n_targets * d], cache advanced by n_valid, the KV
+    sources' compressor inputs for :func:`rollback`)."""
     pos0 = cache["length"]
     streams, pre_mix = embed(params, tokens, config)
-    streams, pre_mix, cache, feats = run_layers(params, cache, streams, pre_mix, pos0, n_valid, engram_ids,
-                                                config=config, lo=0, hi=config.num_hidden_layers, opts=opts,
-                                                capture=tuple(config.dspark_target_layer_ids))
-    return head(params, streams, pre_mix, config), feats, dict(cache, length=pos0 + n_valid)
+    streams, pre_mix, cache, feats, comp = run_layers(
+        params, cache, streams, pre_mix, pos0, n_valid, engram_ids, config=config, lo=0,
+        hi=config.num_hidden_layers, opts=opts, capture=tuple(config.dspark_target_layer_ids),
+        return_compressor_inputs=True)
+    return head(params, streams, pre_mix, config), feats, dict(cache, length=pos0 + n_valid), comp
+
+
+def rollback(params: dict, before: dict, after: dict, compressor_inputs: dict, n_keep: jax.Array, *,
+             config: ModelConfig, opts: InferenceOptions, chunk: int) -> dict:
+    """The cache after only the first n_keep [B] tokens of a verified chunk, from the caches ``before`` and
+    ``after`` the pass (which consumed more) — what feeding just those tokens gives, without a second pass:
+
+    * SWA rings: the slots the kept tokens wrote come from ``after``, every other slot from ``before`` (the chunk
+      is at most a window long, so no slot was written twice);
+    * KV sources: the compressor update is redone on ``before`` from the pass's compressor inputs with n_keep
+      valid tokens (entries of the kept complete groups, the kept partial group), as the step itself does it;
+    * lengths: ``before`` + n_keep. Everything else (floor) is unchanged by a step."""
+    c = config
+    w = c.sliding_window
+    pos0 = before["length"]
+    i = jnp.arange(chunk)[None, :]
+    slot = jnp.where(i < n_keep[:, None], jnp.mod(pos0[:, None] + i, w), w)  # w: not written
+    written = jnp.any(slot[:, :, None] == jnp.arange(w)[None, None, :], axis=1)  # [B, W]
+    swa = [jnp.where(written[:, :, None], a, b) for a, b in zip(after["swa"], before["swa"])]
+    rope = {k: jnp.asarray(v) for k, v in rope_tables(c).items()}
+    quant_on = opts.resolved_quant(c)
+    sources = {}
+    for key, src in before["sources"].items():
+        layer = int(key)
+        attn = params["layers"][layer]["attn"]
+        sources[key] = emit_entries(src, compressor_inputs[layer], attn["compressor"], attn["indexer"],
+                                    c.compress_ratios[layer], pos0, n_keep, c, rope, quant_on)
+    return dict(after, length=pos0 + n_keep, swa=swa, sources=sources)
 
 
 def greedy_acceptance(drafts: np.ndarray, target: np.ndarray, n_valid: np.ndarray) -> np.ndarray:
@@ -209,7 +241,8 @@ class SpeculativeStats:
     drafted: int = 0  # drafts sent to verification
     accepted: int = 0  # drafts accepted
     emitted: int = 0  # tokens produced by verification steps (accepted + one correction / bonus per row)
-    reruns: int = 0  # steps that rolled back (some row rejected a draft)
+    rollbacks: int = 0  # steps that rolled back (some row rejected a draft)
+    reruns: int = 0  # ... of which by a second target pass (rollback="rerun")
     decode_s: float = 0.0
 
     @property
@@ -240,7 +273,8 @@ class SpeculativeDecoder:
 
     def __init__(self, engine: Engine, drafter: Drafter | None = None, *, num_draft: int | None = None,
                  schedule: str | None = None, threshold: float = 0.5,
-                 steps_per_s: Callable[[int], float] | None = None, early_stop: bool = True):
+                 steps_per_s: Callable[[int], float] | None = None, early_stop: bool = True,
+                 rollback: str = "restore"):
         c = engine.config
         self.engine = engine
         self.config = c
@@ -257,6 +291,9 @@ class SpeculativeDecoder:
         self.num_draft = c.dspark_block_size if num_draft is None else int(num_draft)
         if self.num_draft < 1:
             raise EngineError(f"num_draft must be >= 1, got {self.num_draft}")
+        if rollback not in ("restore", "rerun"):
+            raise EngineError(f"rollback must be 'restore' or 'rerun', got {rollback!r}")
+        self.rollback = rollback
         if schedule not in (None, "threshold", "prefix"):
             raise EngineError(f"schedule must be None, 'threshold' or 'prefix', got {schedule!r}")
         if schedule == "prefix" and steps_per_s is None:
@@ -364,8 +401,8 @@ class SpeculativeDecoder:
         eids = self._engram_rows(chunk, active)
         verify = jit_for(verify_chunk, self.opts, donate=())
         tok = jnp.asarray(chunk.astype(np.int32))
-        logits, feats, verified = verify(e.params, e.cache, tok, jnp.asarray(n_valid), eids, config=c,
-                                         opts=self.opts)
+        logits, feats, verified, comp = verify(e.params, e.cache, tok, jnp.asarray(n_valid), eids, config=c,
+                                               opts=self.opts)
         k = drafts.shape[1]
         if self.sampling is None:
             sampling = (jnp.zeros((b,)), jnp.zeros((b,), jnp.int32), jnp.ones((b,)), jnp.zeros((b,), jnp.int32))
@@ -382,9 +419,17 @@ class SpeculativeDecoder:
         n_keep = np.where(n_valid > 0, n_acc + 1, 0).astype(np.int32)
         if (n_keep == n_valid).all():
             e.cache = verified
-        else:  # roll back: redo the step from the untouched cache with only the accepted tokens valid
+        elif self.rollback == "restore" and chunk.shape[1] <= c.sliding_window:
+            self.stats.rollbacks += 1
+            # no donation: unchanged leaves (floor) may be one buffer in both caches
+            fn = jit_for(rollback, self.opts, static=("config", "opts", "chunk"), donate=())
+            e.cache = fn(e.params, e.cache, verified, comp, jnp.asarray(n_keep), config=c, opts=self.opts,
+                         chunk=chunk.shape[1])
+        else:  # redo the step from the untouched cache with only the accepted tokens valid
+            self.stats.rollbacks += 1
             self.stats.reruns += 1
-            _, feats, e.cache = verify(e.params, e.cache, tok, jnp.asarray(n_keep), eids, config=c, opts=self.opts)
+            _, feats, e.cache, _ = verify(e.params, e.cache, tok, jnp.asarray(n_keep), eids, config=c,
+                                          opts=self.opts)
         self._advance_engram(chunk, n_keep)
         if self.rings is not None:
             self.rings = _seed_jit(e.params, self.rings, feats, jnp.asarray(length.astype(np.int32)),
@@ -473,6 +518,6 @@ class SpeculativeDecoder:
         return results  # type: ignore[return-value]
 
 
-__all__ = ["init_dspark_rings", "seed_rings", "ring_context", "draft_from_rings", "verify_chunk",
+__all__ = ["init_dspark_rings", "seed_rings", "ring_context", "draft_from_rings", "verify_chunk", "rollback",
            "greedy_acceptance", "speculative_accept", "prefix_survival", "threshold_lengths", "prefix_schedule",
            "SpeculativeStats", "SpeculativeDecoder"]
