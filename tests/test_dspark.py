@@ -89,8 +89,13 @@ def _check_capture(ced: bool):
 
 
 @pytest.mark.slow
-def test_capture_in_full_replay_prefill():
+def test_capture_and_speculation_with_full_replay_prefill():
     _check_capture(ced=False)
+    eng = _engine(False)
+    prompts = [_prompt(3, 10), _prompt(20, 12)]
+    plain = _plain(eng, prompts, 12)
+    spec = SpeculativeDecoder(eng)
+    assert [r.tokens for r in spec.generate(prompts, max_new_tokens=12, stop_tokens=())] == plain
 
 
 def test_capture_matches_training_forward_and_seeds_the_rings():
