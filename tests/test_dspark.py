@@ -107,7 +107,8 @@ def test_capture_matches_training_forward_and_seeds_the_rings():
     dec.prefill([prompt, prompt[:5]], [0, 2])
     cache = dec.engine.cache
     ctx, pos = ring_context(dec.rings, cache["length"], cache["floor"])
-    assert np.asarray(pos)[0].tolist() == list(range(13, 21)) and np.asarray(pos)[2].tolist() == [-1] * 3 + [0, 1, 2, 3, 4]
+    pos = np.asarray(pos)
+    assert pos[0].tolist() == list(range(13, 21)) and pos[2].tolist() == [-1] * 3 + [0, 1, 2, 3, 4]
     want = dspark.context_kvs(params["dspark"], jnp.asarray(feats[13:21])[None], jnp.arange(13, 21)[None], config,
                               False)
     for block in range(config.num_nextn_predict_layers):
@@ -290,7 +291,8 @@ def test_speculative_sampling_is_lossless_on_a_small_vocabulary():
     cat = lambda a, b: np.concatenate([a, b])  # noqa: E731
     keys = jax.random.split(jax.random.PRNGKey(1), n + g)
     acc_all, nxt_all = jax.jit(speculative_accept)(
-        jnp.asarray(cat(target, target[:g]), jnp.float32), jnp.asarray(cat(draft_logits, draft_logits[:g]), jnp.float32),
+        jnp.asarray(cat(target, target[:g]), jnp.float32),
+        jnp.asarray(cat(draft_logits, draft_logits[:g]), jnp.float32),
         jnp.asarray(cat(drafts, drafts[:g]), jnp.int32), jnp.full((n + g,), 3, jnp.int32),
         jnp.asarray(cat(np.full(n, temp), np.zeros(g)), jnp.float32), jnp.full((n + g,), topk, jnp.int32),
         jnp.ones((n + g,)), keys)
@@ -417,3 +419,21 @@ def test_training_forward_equals_drafting_and_the_loss_trains():
     assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
     _, m = dspark_loss(logits, conf, labels, valid)
     assert 0.0 <= float(m["accept_rate"]) <= 1.0
+
+
+def test_bad_drafter_output_and_options_are_clear_errors():
+    eng = _engine(True)
+    dec = SpeculativeDecoder(eng, drafter=lambda *a: None)
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        dec.verify_greedy(np.zeros(3, np.int64), np.full((3, 4), 999), np.ones(3, bool))
+    with pytest.raises(EngineError, match="need pending"):
+        dec.verify_greedy(np.zeros(2, np.int64), np.zeros((3, 4), np.int64), np.ones(3, bool))
+    with pytest.raises(EngineError, match="rollback"):
+        SpeculativeDecoder(eng, rollback="undo")
+    with pytest.raises(EngineError, match="confidences"):
+        SpeculativeDecoder(eng, drafter=lambda *a: None, schedule="threshold")
+    config, params = _setup()
+    with pytest.raises(dspark.DSparkError, match="width"):
+        dspark.project_context(params["dspark"], jnp.zeros((1, 2, 5)), config)
+    with pytest.raises(dspark.DSparkError, match="no DSpark"):
+        dspark.check_dspark(params, config.replace(num_nextn_predict_layers=0))

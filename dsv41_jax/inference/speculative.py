@@ -33,7 +33,6 @@ confidences: a survival threshold, or the hardware-aware prefix scheduler over a
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Callable, Sequence
 
@@ -387,12 +386,13 @@ class SpeculativeDecoder:
         drafts = np.asarray(drafts, np.int64)
         active = np.asarray(active, bool)
         if drafts.ndim != 2 or drafts.shape[0] != b or pending.shape != (b,) or active.shape != (b,):
-            raise EngineError(f"verify_greedy: need pending [{b}], drafts [{b}, k], active [{b}]; got "
+            raise EngineError(f"verify: need pending [{b}], drafts [{b}, k], active [{b}]; got "
                               f"{pending.shape}, {drafts.shape}, {active.shape}")
         bad = active[:, None] & ((drafts < 0) | (drafts >= c.vocab_size))
         if bad.any():
             row = int(np.argmax(bad.any(axis=1)))
-            raise EngineError(f"drafter proposed token ids outside the vocabulary for slot {row}: {drafts[row].tolist()}")
+            raise EngineError(f"the drafter proposed token ids outside the vocabulary [0, {c.vocab_size}) for slot "
+                              f"{row}: {drafts[row].tolist()}")
         length = e.lengths().astype(np.int64)
         chunk = np.concatenate([pending[:, None], np.where(active[:, None], drafts, 0)], axis=1)
         room = np.maximum(e.max_len - length, 0)
