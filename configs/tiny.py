@@ -50,7 +50,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.engram_head_dim = 32
     c.engram_pad_id = 2
     c.engram_compressed_vocab_size = 230  # the byte tokenizer's canonical map (case- and whitespace-merged)
-    c.num_nextn_predict_layers = 0
+    # DSpark (SPEC §9) at toy size: 2 draft blocks (the first owns main_proj, the last the heads) drafting 4
+    # tokens from the residual entering decoder layers 9-11; its parameters exist only with include_dspark=True.
+    c.num_nextn_predict_layers = 2
+    c.dspark_block_size = 4
     c.dspark_target_layer_ids = [9, 10, 11]
     c.dspark_n_routed_experts = 8
     c.dspark_num_experts_per_tok = 2

@@ -168,10 +168,11 @@ class Engine:
         return ids
 
     def prefill(self, prompts: Sequence[Sequence[int]], slots: Sequence[int] | None = None, *,
-                return_logits: bool = False, progress=None):
+                return_logits: bool = False, progress=None, on_features=None):
         """Start new sequences: prompt i goes into slot ``slots[i]`` (default 0..n-1), replacing what was there.
         Returns the logits of each prompt's last token, [n, V] (and with ``return_logits`` the replayed
-        positions' logits [n, R, V])."""
+        positions' logits [n, R, V]). ``on_features``: see :func:`dsv41_jax.inference.prefill.prefill` (the
+        DSpark target features, over all ``max_batch`` slots)."""
         prompts = [self._check_prompt(p) for p in prompts]
         slots = list(range(len(prompts))) if slots is None else [int(s) for s in slots]
         if len(slots) != len(prompts) or len(set(slots)) != len(slots):
@@ -202,7 +203,8 @@ class Engine:
                     a[s] = v[0]
         chunk = self.prefill_chunk
         out = _prefill(self.params, self.cache, tokens, lengths, eids, config=self.config, opts=self.options,
-                       chunk=chunk, reset=reset, return_logits=return_logits, progress=progress)
+                       chunk=chunk, reset=reset, return_logits=return_logits, progress=progress,
+                       on_features=on_features)
         if return_logits:
             last, self.cache, logits = out
         else:

@@ -66,7 +66,7 @@ def _ced_chunk(params, cache, stash, tokens, n_valid, engram_ids, *, config: Mod
 
 
 def _ced_decoder(params, cache, stash, n_new, engram_ids, *, config: ModelConfig, opts: InferenceOptions,
-                 all_logits: bool):
+                 all_logits: bool, capture: tuple = ()):
     r = opts.resolved_replay(config)
     total = cache["length"]
     n_seg = jnp.minimum(n_new, r)
@@ -76,33 +76,37 @@ def _ced_decoder(params, cache, stash, n_new, engram_ids, *, config: ModelConfig
     floor = jnp.where(n_new > r, total - r, cache["floor"])
     cache = dict(cache, floor=floor)
     ds = config.plan.decoder_start
-    streams, pre_mix, cache = run_layers(params, cache, streams, pre_mix, pos0, n_seg, engram_ids, config=config,
-                                         lo=ds, hi=config.num_hidden_layers, opts=opts, no_emit=(ds,))
+    out = run_layers(params, cache, streams, pre_mix, pos0, n_seg, engram_ids, config=config, lo=ds,
+                     hi=config.num_hidden_layers, opts=opts, no_emit=(ds,), capture=capture)
+    streams, pre_mix, cache = out[:3]
+    extra = (out[3], pos0, n_seg) if capture else ()  # DSpark features of the replayed segment
     if all_logits:
         logits = head(params, streams, pre_mix, config)
         last = jnp.take_along_axis(logits, jnp.maximum(n_seg - 1, 0)[:, None, None], axis=1)[:, 0]
-        return last, logits, cache
+        return (last, logits, cache) + extra
     idx = jnp.maximum(n_seg - 1, 0)[:, None, None, None]
     s_last = jnp.take_along_axis(streams, idx, axis=1)
     p_last = jnp.take_along_axis(pre_mix, idx[..., 0], axis=1)
-    return head(params, s_last, p_last, config)[:, 0], None, cache
+    return (head(params, s_last, p_last, config)[:, 0], None, cache) + extra
 
 
 def _full_chunk(params, cache, tokens, n_valid, engram_ids, *, config: ModelConfig, opts: InferenceOptions,
-                all_logits: bool):
+                all_logits: bool, capture: tuple = ()):
     pos0 = cache["length"]
     streams, pre_mix = embed(params, tokens, config)
-    streams, pre_mix, cache = run_layers(params, cache, streams, pre_mix, pos0, n_valid, engram_ids, config=config,
-                                         lo=0, hi=config.num_hidden_layers, opts=opts)
+    out = run_layers(params, cache, streams, pre_mix, pos0, n_valid, engram_ids, config=config, lo=0,
+                     hi=config.num_hidden_layers, opts=opts, capture=capture)
+    streams, pre_mix, cache = out[:3]
+    extra = (out[3], pos0, n_valid) if capture else ()  # DSpark features of the chunk
     cache = dict(cache, length=pos0 + n_valid)
     if all_logits:
         logits = head(params, streams, pre_mix, config)
         last = jnp.take_along_axis(logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
-        return last, logits, cache
+        return (last, logits, cache) + extra
     idx = jnp.maximum(n_valid - 1, 0)[:, None, None, None]
     s_last = jnp.take_along_axis(streams, idx, axis=1)
     p_last = jnp.take_along_axis(pre_mix, idx[..., 0], axis=1)
-    return head(params, s_last, p_last, config)[:, 0], None, cache
+    return (head(params, s_last, p_last, config)[:, 0], None, cache) + extra
 
 
 def _check_inputs(config: ModelConfig, cache: dict, tokens: np.ndarray, lengths: np.ndarray, engram_ids):
@@ -148,7 +152,7 @@ def _cols(a: np.ndarray, start: int, width: int) -> np.ndarray:
 
 def prefill(params: dict, cache: dict, tokens, lengths=None, engram_ids=None, *, config: ModelConfig,
             opts: InferenceOptions = InferenceOptions(), chunk: int | None = None, reset=None,
-            return_logits: bool = False, progress=None):
+            return_logits: bool = False, progress=None, on_features=None):
     """Append ``tokens[b, :lengths[b]]`` to every slot b of the cache (rows with length 0 are untouched).
 
     Args:
@@ -161,6 +165,10 @@ def prefill(params: dict, cache: dict, tokens, lengths=None, engram_ids=None, *,
       return_logits: also return the logits of every replayed position ([B, replay_len, V] under CED, the segment
         left-aligned; [B, T, V] for full replay).
       progress: optional callable(done_tokens, total_tokens) called after every chunk.
+      on_features: optional callable(features [B, C, n_targets * d], pos0 [B], n_valid [B]) receiving the DSpark
+        target features (``run_layers(capture=...)``) of every pass that runs the target layers: token i of row b
+        is at position pos0[b] + i, valid for i < n_valid[b] (under CED: the replayed segment only, which is
+        every position at or after the cache's ``floor``).
     Returns ``(last_logits [B, V], cache)`` — logits of each row's last new token — or
     ``(last_logits, cache, logits)`` with ``return_logits``. The input cache is donated.
     """
@@ -178,6 +186,11 @@ def prefill(params: dict, cache: dict, tokens, lengths=None, engram_ids=None, *,
         raise PrefillError("empty prompt: no row has any token to prefill")
     if opts.ced:
         check_ced_plan(c)
+    capture = tuple(c.dspark_target_layer_ids) if on_features is not None else ()
+    if capture and opts.ced and min(capture) < c.plan.decoder_start:
+        raise PrefillError(f"DSpark target layers {list(capture)} include encoder layers (decoder starts at "
+                           f"{c.plan.decoder_start}); CED prefill runs them before the replay segment is known. "
+                           "Use InferenceOptions(ced=False).")
     if chunk is not None and (not isinstance(chunk, int) or chunk <= 0):
         raise PrefillError(f"chunk must be a positive integer, got {chunk!r}")
     width = int(lengths.max())
@@ -203,16 +216,24 @@ def prefill(params: dict, cache: dict, tokens, lengths=None, engram_ids=None, *,
             cols = (lengths - n_seg)[:, None] + np.arange(r)[None, :]
             cols = np.minimum(cols, max(t - 1, 0))
             seg_e = jnp.asarray(np.take_along_axis(n_eid, cols[:, :, None, None], axis=1))
-        last, logits, cache = jit_for(_ced_decoder, opts, static=("config", "opts", "all_logits"))(params, cache, stash, jnp.asarray(lengths.astype(np.int32)), seg_e,
-                                           config=c, opts=opts, all_logits=return_logits)
+        out = jit_for(_ced_decoder, opts, static=("config", "opts", "all_logits", "capture"))(
+            params, cache, stash, jnp.asarray(lengths.astype(np.int32)), seg_e, config=c, opts=opts,
+            all_logits=return_logits, capture=capture)
+        last, logits, cache = out[:3]
+        if capture:
+            on_features(*out[3:])
     else:
         last = None
         all_l = []
         for s in range(0, width, size):
             nv = np.clip(lengths - s, 0, size).astype(np.int32)
             e = None if n_eid is None else jnp.asarray(_cols(n_eid, s, size))
-            lg, chunk_logits, cache = jit_for(_full_chunk, opts, static=("config", "opts", "all_logits"))(params, cache, jnp.asarray(_cols(tok, s, size)), jnp.asarray(nv), e,
-                                                  config=c, opts=opts, all_logits=return_logits)
+            out = jit_for(_full_chunk, opts, static=("config", "opts", "all_logits", "capture"))(
+                params, cache, jnp.asarray(_cols(tok, s, size)), jnp.asarray(nv), e, config=c, opts=opts,
+                all_logits=return_logits, capture=capture)
+            lg, chunk_logits, cache = out[:3]
+            if capture:
+                on_features(*out[3:])
             last = lg if last is None else jnp.where(jnp.asarray(nv > 0)[:, None], lg, last)
             if return_logits:
                 all_l.append(chunk_logits)

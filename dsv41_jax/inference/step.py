@@ -440,9 +440,20 @@ def embed(params: dict, tokens: jax.Array, config: ModelConfig):
 
 def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array, pos0: jax.Array,
                n_valid: jax.Array, engram_ids: jax.Array | None, *, config: ModelConfig, lo: int, hi: int,
-               opts: InferenceOptions, no_emit: tuple[int, ...] = ()):
-    """Layers [lo, hi) over a chunk. Returns (streams, pre_mix, cache). Does not advance ``cache['length']``."""
+               opts: InferenceOptions, no_emit: tuple[int, ...] = (), capture: tuple[int, ...] = (),
+               return_compressor_inputs: bool = False):
+    """Layers [lo, hi) over a chunk. Returns (streams, pre_mix, cache). Does not advance ``cache['length']``.
+
+    ``capture`` (layer ids, all in [lo, hi)): also return the DSpark target features, the mean over the mHC
+    streams of the residual entering each of these layers (after its Engram write), concatenated in ``capture``
+    order: a further value [B, C, len(capture) * d]. ``return_compressor_inputs``: also return (last) a dict
+    {layer: [B, C, d]} of every KV source's compressor input (its normalised attention-site input), from which
+    :func:`emit_entries` can redo a source's update for a shorter valid prefix (speculative rollback)."""
     c = config
+    missing = [i for i in capture if not lo <= i < hi]
+    if missing:
+        raise ValueError(f"capture layers {missing} are outside the layers [{lo}, {hi}) of this pass")
+    captured, compressor_inputs = {}, {}
     b, t = streams.shape[:2]
     quant_on = opts.resolved_quant(c)
     rope = _rope(c)
@@ -456,8 +467,12 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
         if spec.engram_slot is not None:
             streams = engram_write(streams, engram_ids[:, :, spec.engram_slot], lp["engram"], eps=c.rms_norm_eps,
                                    live=valid)
+        if spec.index in capture:
+            captured[spec.index] = jnp.mean(streams, axis=2)
         a_pre, a_post, a_comb = mhc_coefficients(streams, **lp["hc_attn"], **mhc_kw)
         h = rms_norm(collapse(streams, pre_mix), lp["attn_norm"], c.rms_norm_eps)
+        if return_compressor_inputs and spec.mode == FULL:
+            compressor_inputs[spec.index] = h
         y, cache, shared = attention_step(lp["attn"], h, spec, pos, pos0, n_valid, cache, shared, c, rope, opts,
                                           quant_on, emit=spec.index not in no_emit)
         streams = expand(streams, y, a_post, a_comb)
@@ -471,7 +486,12 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
                        limit=c.swiglu_limit, impl=opts.moe_impl, normalize=c.norm_topk_prob)
         streams = expand(streams, y, f_post, f_comb)
         pre_mix = f_pre
-    return streams, pre_mix, cache
+    out = (streams, pre_mix, cache)
+    if capture:
+        out += (jnp.concatenate([captured[i] for i in capture], axis=-1),)
+    if return_compressor_inputs:
+        out += (compressor_inputs,)
+    return out
 
 
 def emit_decoder_source(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array, pos0: jax.Array,

@@ -13,7 +13,7 @@ from dsv41_jax.model.params import FP32, is_spec, param_specs
 
 
 def host_random_params(config: ModelConfig, seed: int = 0, *, std: float = 0.02, dtype=jnp.float32,
-                       perturb_constants: float = 0.0) -> dict:
+                       perturb_constants: float = 0.0, include_dspark: bool = False) -> dict:
     """normal(0, std) matrices; ones / zeros for norm weights, sinks, biases, mHC base/scale, Engram q/k weights —
     plus ``perturb_constants`` x normal noise on those when given (tests: exercise the paths constants hide)."""
     rng = np.random.default_rng(seed)
@@ -27,7 +27,7 @@ def host_random_params(config: ModelConfig, seed: int = 0, *, std: float = 0.02,
             value = base + perturb_constants * noise if perturb_constants else np.full(spec.shape, base, np.float32)
         return jnp.asarray(value, jnp.float32 if spec.dtype == FP32 else dtype)
 
-    return jax.tree.map(make, param_specs(config), is_leaf=is_spec)
+    return jax.tree.map(make, param_specs(config, include_dspark=include_dspark), is_leaf=is_spec)
 
 
 __all__ = ["host_random_params"]

@@ -161,7 +161,8 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
             positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
             options: ForwardOptions = ForwardOptions(),
             return_hidden: bool = False, return_topk: bool = False, return_router: bool = False,
-            return_attn_inputs: bool = False, return_site_inputs: bool = False):
+            return_attn_inputs: bool = False, return_site_inputs: bool = False,
+            return_dspark_features: bool = False):
     """Logits [B, T, V] (float32) of a whole sequence, every token through every layer.
 
     ``engram_ids`` [B, T, n_engram_layers, n_hash_cols] int32 are the host-computed Engram row ids
@@ -172,7 +173,10 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
     value is returned: a dict with ``hidden`` ([L, B, T, hc, d] streams after each layer), ``topk`` (per layer
     that runs an indexer), ``router`` (per-layer expert indices and scores) and ``attn_inputs`` (the normalised
     attention-site input [B, T, d] of every layer that runs an indexer; training's indexer KL); ``site_inputs`` is
-    the same for every layer (``return_site_inputs``: analyses of what a Reuse layer's own queries would pick).
+    the same for every layer (``return_site_inputs``: analyses of what a Reuse layer's own queries would pick);
+    ``dspark_features`` ([B, T, len(dspark_target_layer_ids) * d]: the mean over the mHC streams of the residual
+    entering each DSpark target layer, after its Engram write, concatenated in config order; the drafter's input,
+    ``dsv41_jax.model.dspark``).
     """
     c = config
     check_tokens(tokens, c)
@@ -206,11 +210,13 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
     streams = constrain(jnp.broadcast_to(x[:, :, None, :], (b, t, c.hc_mult, c.hidden_size)), _STREAM_AXES)
     pre_mix = jax.nn.one_hot(jnp.zeros((b, t), jnp.int32), c.hc_mult, dtype=jnp.float32)
     state = _GroupState()
-    hidden, topks, router, attn_inputs, site_inputs = [], {}, [], {}, {}
+    hidden, topks, router, attn_inputs, site_inputs, dspark_features = [], {}, [], {}, {}, {}
     mhc_kw = dict(hc_eps=c.hc_eps, rms_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters)
     for spec, lp in zip(c.plan, params["layers"]):
         if spec.engram_slot is not None:
             streams = engram_write(streams, engram_ids[:, :, spec.engram_slot], lp["engram"], eps=c.rms_norm_eps)
+        if return_dspark_features and spec.index in c.dspark_target_layer_ids:
+            dspark_features[spec.index] = jnp.mean(streams, axis=2)
         a_pre, a_post, a_comb = mhc_coefficients(streams, **lp["hc_attn"], **mhc_kw)
         h = rms_norm(collapse(streams, pre_mix), lp["attn_norm"], c.rms_norm_eps)
         h_attn = h
@@ -237,7 +243,8 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
             router.append(stats)
     h = rms_norm(collapse(streams, pre_mix), params["norm"], c.rms_norm_eps)
     logits = constrain(linear(h, params["lm_head"]).astype(jnp.float32), ("batch", "seq", "vocab"))
-    if not (return_hidden or return_topk or return_router or return_attn_inputs or return_site_inputs):
+    if not (return_hidden or return_topk or return_router or return_attn_inputs or return_site_inputs
+            or return_dspark_features):
         return logits
     aux: dict[str, Any] = {}
     if return_hidden:
@@ -250,4 +257,8 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
         aux["attn_inputs"] = attn_inputs
     if return_site_inputs:
         aux["site_inputs"] = site_inputs
+    if return_dspark_features:
+        if not c.dspark_target_layer_ids:
+            raise ForwardError("return_dspark_features: this config has no dspark_target_layer_ids")
+        aux["dspark_features"] = jnp.concatenate([dspark_features[i] for i in c.dspark_target_layer_ids], axis=-1)
     return logits, aux

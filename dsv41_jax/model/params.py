@@ -129,8 +129,11 @@ def _block_specs(c: ModelConfig, spec, prefix: str, n_experts: int, engram_slot:
 
 
 def _dspark_specs(c: ModelConfig) -> dict:
-    """The three DSpark draft blocks (SWA-only V4.1 blocks with their own MoE), the context projection, the
-    Markov and confidence heads (released names ``mtp.{i}.*``; SPEC §9)."""
+    """The DSpark draft blocks (3 in the release: SWA-only V4.1 blocks with their own MoE), the context projection,
+    the Markov and confidence heads, under the released names ``mtp.{i}.*`` of the official ``inference/model.py``
+    (``DSparkBlock``: ``main_proj`` / ``main_norm`` on block 0; ``norm``, ``markov_head.{embed,head}`` and
+    ``confidence_head.proj`` on the last block). The embedding and the LM head are the target's (shared). The
+    confidence projection is kept in float32 like the official code (stored bf16 in the checkpoint)."""
     d, r = c.hidden_size, c.dspark_markov_rank
     n_targets = len(c.dspark_target_layer_ids)
     blocks = [_block_specs(c, None, f"mtp.{i}", c.dspark_n_routed_experts, None)
@@ -143,7 +146,7 @@ def _dspark_specs(c: ModelConfig) -> dict:
         "norm": _w((d,), ("embed",), f"{last}.norm.weight", "ones"),
         "markov_embed": _w((c.vocab_size, r), ("vocab", None), f"{last}.markov_head.embed.weight"),
         "markov_head": _w((c.vocab_size, r), ("vocab", None), f"{last}.markov_head.head.weight"),
-        "confidence": _w((1, d + r), (None, None), f"{last}.confidence_head.proj.weight"),
+        "confidence": _w((1, d + r), (None, None), f"{last}.confidence_head.proj.weight", dtype=FP32),
     }
 
 
