@@ -21,6 +21,7 @@ from dsv41_jax import kernels as _kernels  # sparse attention / indexer dispatch
 from dsv41_jax.ops.attention import attention_inputs, attention_output
 from dsv41_jax.ops.compressor import compress_packed, compress_sequence, compressed_entries
 from dsv41_jax.ops.engram import engram_write
+from dsv41_jax.ops.gather import take_rows
 from dsv41_jax.ops.indexer import indexer_queries, packed_entry_layout, packed_indexer_topk
 from dsv41_jax.ops.mhc import collapse, expand, mhc_coefficients
 from dsv41_jax.ops.moe import moe
@@ -79,6 +80,12 @@ def check_tokens(tokens, config: ModelConfig) -> None:
         pos = tuple(int(i) for i in np.argwhere(bad)[0])
         raise ForwardError(f"token id {int(arr[pos])} at position {pos} is outside the vocabulary "
                            f"[0, {config.vocab_size})")
+
+
+def embed_tokens(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Token embedding rows [B, T, d] of ``table`` [V, d]; a row read by many tokens gets its gradient summed in
+    float32 (ops.gather), not by a bf16 scatter-add."""
+    return take_rows(table, tokens)
 
 
 def attention_layer(p: dict, x: jax.Array, spec: LayerSpec, positions: jax.Array, state: _GroupState,
@@ -201,7 +208,7 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
     replay = c.sliding_window if options.replay_len is None else options.replay_len
     decoder_floor = t - min(replay, t) if options.bounded_replay else 0
 
-    x = params["embed"][tokens]
+    x = embed_tokens(params["embed"], tokens)
     streams = constrain(jnp.broadcast_to(x[:, :, None, :], (b, t, c.hc_mult, c.hidden_size)), _STREAM_AXES)
     pre_mix = jax.nn.one_hot(jnp.zeros((b, t), jnp.int32), c.hc_mult, dtype=jnp.float32)
     state = _GroupState()

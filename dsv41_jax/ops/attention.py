@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.ops import quant
+from dsv41_jax.ops.gather import take_rows_batched
 from dsv41_jax.ops.linear import linear
 from dsv41_jax.ops.norms import rms_norm
 from dsv41_jax.ops.rope import apply_rope
@@ -68,7 +69,8 @@ def sparse_attention(q: jax.Array, q_pos: jax.Array, win_kv: jax.Array, win_pos:
     qf = q.astype(jnp.float32)
     floor = jnp.asarray(floor)
     floor = floor.reshape(-1, 1, 1) if floor.ndim == 1 else floor
-    s_win = jnp.einsum("bchd,bld->bhcl", qf, win_kv.astype(jnp.float32), precision=_HI) * scale
+    wf = win_kv.astype(jnp.float32)
+    s_win = jnp.einsum("bchd,bld->bhcl", qf, wf, precision=_HI) * scale
     kp = win_pos[:, None, :]
     qp = q_pos[:, :, None]
     visible = (kp >= 0) & (kp <= qp) & (kp > qp - window) & (kp >= floor)
@@ -79,7 +81,8 @@ def sparse_attention(q: jax.Array, q_pos: jax.Array, win_kv: jax.Array, win_pos:
     gathered = None
     if compressed_kv is not None and topk is not None and topk.shape[-1] > 0:
         safe = jnp.clip(topk, 0, compressed_kv.shape[1] - 1)
-        gathered = jax.vmap(lambda kv_b, idx_b: kv_b[idx_b])(compressed_kv, safe).astype(jnp.float32)  # [B,C,K,D]
+        # [B, C, K, D]; an entry picked by many queries gets its gradient summed in float32 (ops.gather)
+        gathered = take_rows_batched(compressed_kv, safe, jnp.float32)
         s_cmp = jnp.einsum("bchd,bckd->bhck", qf, gathered, precision=_HI) * scale
         s_cmp = jnp.where((topk >= 0)[:, None], s_cmp, -jnp.inf)
         logits.append(s_cmp)
@@ -89,7 +92,7 @@ def sparse_attention(q: jax.Array, q_pos: jax.Array, win_kv: jax.Array, win_pos:
     p = jnp.exp(all_logits - m[..., None])
     denom = jnp.sum(p, axis=-1) + jnp.exp(sink_b - m)
     n_win = s_win.shape[-1]
-    out = jnp.einsum("bhcl,bld->bchd", p[..., :n_win], win_kv.astype(jnp.float32), precision=_HI)
+    out = jnp.einsum("bhcl,bld->bchd", p[..., :n_win], wf, precision=_HI)
     if gathered is not None:
         out = out + jnp.einsum("bhck,bckd->bchd", p[..., n_win:], gathered, precision=_HI)
     out = out / jnp.moveaxis(denom, 1, 2)[..., None]
@@ -112,6 +115,11 @@ def sequence_sparse_attention(q: jax.Array, kv: jax.Array, positions: jax.Array,
     n_chunks = -(-t // chunk)
     pad = n_chunks * chunk - t
     lead = window - 1  # keys a chunk may need from before its first query
+    # The chunks share kv and compressed_kv: lax.map carries their cotangents across chunks in their own dtype, so
+    # they enter the map in float32 (no head axis: cheap) and their gradients are summed in float32 (ops.gather).
+    kv = kv.astype(jnp.float32)
+    if compressed_kv is not None:
+        compressed_kv = compressed_kv.astype(jnp.float32)
     kv_p = jnp.pad(kv, ((0, 0), (lead, pad), (0, 0)))
     pos_k = jnp.pad(positions, ((0, 0), (lead, pad)), constant_values=-1)
     q_p = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))

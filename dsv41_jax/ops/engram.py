@@ -4,6 +4,8 @@ Row ids come from the host (:mod:`dsv41_jax.ops.engram_hash`)."""
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.ops.gather import take_rows
+
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -16,7 +18,7 @@ def engram_write(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: f
     streams += gate · value. ``live`` [B, T] = False shuts the gate (padding).
     """
     b, t, hc, d = streams.shape
-    rows = jnp.take(params["embed"], row_ids, axis=0)  # [B, T, cols, ehd]
+    rows = take_rows(params["embed"], row_ids)  # [B, T, cols, ehd]; a row shared by many n-grams: f32 gradient sum
     e = rows.reshape(b, t, -1).astype(params["wkv"].dtype)
     kv = jnp.einsum("btc,fc->btf", e, params["wkv"], precision=_HI)
     key = kv[..., : hc * d].astype(jnp.float32).reshape(b, t, hc, d)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.ops import quant
 from dsv41_jax.ops.compressor import compress_sequence
+from dsv41_jax.ops.gather import take_rows_batched
 from dsv41_jax.ops.indexer import indexer_queries, indexer_scores
 from dsv41_jax.ops.linear import linear
 from dsv41_jax.ops.norms import rms_norm
@@ -145,6 +146,9 @@ def indexer_kl_loss(params: dict, attn_inputs: dict, topk: dict | None, config: 
         if quant_on:
             keys = quant.fake_quant_fp4_e2m1_block(keys, 32, scale_format="ue8m0")
             kv = sg(quant.fake_quant_fp4_e2m1_block(kv, 16, scale_format="e4m3"))
+        # Every query block reads the keys: they enter the query-block map in float32 so that their gradient (each
+        # key is scored by many queries) is summed in float32, not in a bf16 carry (ops.gather).
+        keys, kv = keys.astype(jnp.float32), kv.astype(jnp.float32)
 
         pa = sg({k: v for k, v in params["layers"][spec.index]["attn"].items() if k != "indexer"})
         ip = params["layers"][spec.index]["attn"]["indexer"]
@@ -180,14 +184,12 @@ def indexer_kl_loss(params: dict, attn_inputs: dict, topk: dict | None, config: 
 
             def one(qc, qic, wc, selc, wtc):
                 safe = jnp.clip(selc, 0, n_entries - 1)
-                k_sel = jax.vmap(lambda kb, ib: kb[ib])(keys, safe)  # [B, C, K, di]
-                c_sel = jax.vmap(lambda cb, ib: cb[ib])(kv, safe)  # [B, C, K, hd]
-                dots = jnp.einsum("bchd,bckd->bchk", qic.astype(jnp.float32), k_sel.astype(jnp.float32),
-                                  precision=_HI)
+                k_sel = take_rows_batched(keys, safe)  # [B, C, K, di]
+                c_sel = take_rows_batched(kv, safe)  # [B, C, K, hd]
+                dots = jnp.einsum("bchd,bckd->bchk", qic.astype(jnp.float32), k_sel, precision=_HI)
                 scores = jnp.einsum("bchk,bch->bck", jax.nn.relu(dots) * (c.index_head_dim ** -0.5),
                                     wc.astype(jnp.float32), precision=_HI)
-                logits = jnp.einsum("bchd,bckd->bchk", qc.astype(jnp.float32), c_sel.astype(jnp.float32),
-                                    precision=_HI) * scale
+                logits = jnp.einsum("bchd,bckd->bchk", qc.astype(jnp.float32), c_sel, precision=_HI) * scale
                 return _kl_rows(logits, scores, selc >= 0, wtc)
 
             args = (q, qi, w, sel, weight)

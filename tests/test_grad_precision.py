@@ -1,0 +1,124 @@
+"""bf16 gradients where many contributions meet, judged against float32 gradients on the same (upcast) inputs.
+
+A compressed KV entry picked by hundreds of queries, an indexer key scored by every later query, an embedding row
+read by thousands of tokens and an Engram row shared by many n-grams each sum hundreds of same-sign contributions
+in their gradient. Summed in bf16 (a gather's scatter-add transpose, a ``lax.map`` carry) that sum stalls; summed in
+float32 and rounded once, the bf16 gradient stays within bf16's own rounding of the float32 one.
+
+Bound: relative L2 error ||g_bf16 - g_f32|| / ||g_f32|| <= 1e-2 for every gradient. Sizes are the smallest at
+which the float32-vs-bf16 accumulation defect shows clearly on CPU (T in the thousands, a few heads).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax import kernels
+from dsv41_jax.model.params import init_params
+
+BOUND = 1e-2
+BF16 = jnp.bfloat16
+
+
+def _rel(got, want) -> float:
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    want = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def _up(tree):
+    return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def _attention_inputs(t=2048, h=2, d=64, n=64, k=64, seed=0):
+    """Random bf16 inputs: every query picks k of the entries visible to it (n entries, one per t // n tokens)."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((1, t, h, d)), BF16)
+    kv = jnp.asarray(rng.standard_normal((1, t, d)), BF16)
+    ckv = jnp.asarray(rng.standard_normal((1, n, d)), BF16)
+    vis = (np.arange(t) + 1) // (t // n)
+    topk = np.full((1, t, k), -1, np.int32)
+    for i in range(t):
+        m = min(int(vis[i]), k)
+        topk[0, i, :m] = np.sort(rng.choice(int(vis[i]), m, replace=False)) if m else []
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    return q, kv, ckv, jnp.asarray(topk), sink, pos
+
+
+def _attention_grads(fn, q, kv, ckv, sink):
+    # loss = sum of outputs: every entry's contributions share a sign, the worst case for a stalled sum
+    return jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3)))(q, kv, ckv, sink)
+
+
+def test_sparse_attention_bf16_gradients_match_float32():
+    q, kv, ckv, topk, sink, pos = _attention_inputs()
+
+    def attn(q_, kv_, ckv_, sink_):
+        return kernels.sequence_sparse_attention(q_, kv_, pos, ckv_, topk, sink_, window=16, chunk=256,
+                                                 backend="reference")
+
+    want = _attention_grads(attn, *_up((q, kv, ckv, sink)))
+    got = _attention_grads(attn, q, kv, ckv, sink)
+    errs = {name: _rel(g, w) for name, g, w in zip(("dq", "dkv", "dckv", "dsink"), got, want)}
+    assert all(e <= BOUND for e in errs.values()), errs
+
+
+def test_reference_recompute_backward_bf16_matches_float32():
+    """The backward the kernel backends without a fused kernel use (TPU; any non-fused GPU config)."""
+    from dsv41_jax.kernels import _AttnCfg, _attention_bwd, _attn_reference
+
+    q, kv, ckv, topk, sink, pos = _attention_inputs(seed=1)
+    b, t = pos.shape
+    cfg = _AttnCfg("pallas_tpu_interpret", "sequence", 16, 64 ** -0.5, 16, 256, ())
+    wstart = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) - 15, (b, t))
+    floor = jnp.zeros((b,), jnp.int32)
+
+    def grads(q_, kv_, ckv_, sink_):
+        out = _attn_reference(cfg, q_, pos, kv_, pos, floor, ckv_, topk, sink_, None, None)
+        res = (q_, pos, kv_, pos, wstart, floor, ckv_, topk, sink_, None, None, out, None)
+        g = _attention_bwd(cfg, res, jnp.ones_like(out))
+        return g[0], g[2], g[6], g[8]
+
+    want = jax.jit(grads)(*_up((q, kv, ckv, sink)))
+    got = jax.jit(grads)(q, kv, ckv, sink)
+    errs = {name: _rel(g, w) for name, g, w in zip(("dq", "dkv", "dckv", "dsink"), got, want)}
+    assert all(e <= BOUND for e in errs.values()), errs
+
+
+def test_token_embedding_bf16_gradient_matches_float32():
+    from dsv41_jax.model.forward import embed_tokens
+
+    rng = np.random.default_rng(3)
+    table = jnp.asarray(rng.standard_normal((64, 32)), BF16)
+    tokens = jnp.asarray(rng.integers(0, 16, (2, 4096)), jnp.int32)  # ~512 reads per used row
+    w = jnp.asarray(rng.uniform(0.5, 1.5, (2, 4096, 32)), jnp.float32)  # same-sign, not exactly summable
+
+    def grad(tab):
+        return jax.jit(jax.grad(lambda x: jnp.sum(embed_tokens(x, tokens).astype(jnp.float32) * w)))(tab)
+
+    err = _rel(grad(table), grad(table.astype(jnp.float32)))
+    assert err <= BOUND, err
+
+
+def test_engram_table_bf16_gradient_matches_float32():
+    from dsv41_jax.ops.engram import engram_write
+
+    rng = np.random.default_rng(4)
+    b, t, hc, d, cols, ehd, rows = 1, 2048, 2, 32, 4, 16, 20
+    # q_weight = 0 holds the gate at sigmoid(sqrt(clamp)): the square root's infinite slope at a zero dot would
+    # otherwise turn bf16 rounding of the forward into gate-gradient noise that has nothing to do with summation
+    params = {"embed": rng.standard_normal((rows, ehd)), "wkv": 0.3 * rng.standard_normal(((hc + 1) * d, cols * ehd)),
+              "q_weight": np.zeros((hc, d)), "k_weight": rng.standard_normal((hc, d))}
+    params = {k: jnp.asarray(v, BF16) for k, v in params.items()}
+    streams = jnp.asarray(rng.standard_normal((b, t, hc, d)), BF16)
+    row_ids = jnp.asarray(rng.integers(0, rows, (b, t, cols)), jnp.int32)  # ~400 reads per row
+
+    def grad(p, s):
+        return jax.jit(jax.grad(lambda p_: jnp.sum(engram_write(s, row_ids, p_, eps=1e-6).astype(jnp.float32))))(p)
+
+    want = grad(_up(params), streams.astype(jnp.float32))
+    got = grad(params, streams)
+    errs = {k: _rel(got[k], want[k]) for k in ("embed", "wkv")}
+    assert all(e <= BOUND for e in errs.values()), errs
