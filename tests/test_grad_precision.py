@@ -122,3 +122,50 @@ def test_engram_table_bf16_gradient_matches_float32():
     got = grad(params, streams)
     errs = {k: _rel(got[k], want[k]) for k in ("embed", "wkv")}
     assert all(e <= BOUND for e in errs.values()), errs
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the official V4.1 numerics (SPEC §12) and their HF-port switches
+# ----------------------------------------------------------------------------------------------------------------
+
+def test_rms_norm_and_head_follow_the_official_rounding():
+    from dsv41_jax.ops.linear import head_logits
+    from dsv41_jax.ops.norms import rms_norm
+
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((3, 64)), BF16)
+    w = jnp.asarray(1 + 0.1 * rng.standard_normal(64), BF16)
+    x32 = x.astype(jnp.float32)
+    normed = x32 / np.sqrt(np.mean(np.square(np.asarray(x32)), -1, keepdims=True) + 1e-6)
+    official = rms_norm(x, w, 1e-6)
+    assert official.dtype == BF16
+    np.testing.assert_array_equal(np.asarray(official, np.float32),
+                                  np.asarray((w.astype(jnp.float32) * normed).astype(BF16), np.float32))
+    hf = rms_norm(x, w, 1e-6, hf_rounding=True)
+    np.testing.assert_array_equal(np.asarray(hf, np.float32), np.asarray(w * normed.astype(BF16), np.float32))
+    assert not np.array_equal(np.asarray(hf, np.float32), np.asarray(official, np.float32))  # bf16 tells them apart
+    np.testing.assert_array_equal(rms_norm(x32, w.astype(jnp.float32), 1e-6),
+                                  rms_norm(x32, w.astype(jnp.float32), 1e-6, hf_rounding=True))  # fp32: identical
+
+    head = jnp.asarray(rng.standard_normal((50, 64)), BF16)
+    logits = head_logits(x, head)
+    assert logits.dtype == jnp.float32
+    exact = np.asarray(x, np.float64) @ np.asarray(head, np.float64).T  # x.float() @ head.float()
+    np.testing.assert_allclose(np.asarray(logits), exact, rtol=1e-5, atol=1e-5)
+    hf_logits = head_logits(x, head, hf_rounding=True)  # lm_head(x).float(): rounded to bf16 first
+    np.testing.assert_array_equal(np.asarray(hf_logits), np.asarray(jnp.asarray(exact, jnp.float32).astype(BF16),
+                                                                     np.float32))
+
+
+def test_yarn_factor_is_read_from_the_config():
+    from dsv41_jax.config import ModelConfig
+
+    d = {"num_hidden_layers": 40, "num_nextn_predict_layers": 3, "max_position_embeddings": 1048576,
+         "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 65536,
+                          "beta_fast": 32, "beta_slow": 1}}
+    assert ModelConfig.from_hf_dict(d).compress_yarn.factor == 8.0  # official: the field as written
+    assert ModelConfig.from_hf_dict(d, yarn_factor="hf").compress_yarn.factor == 16.0  # HF: max_pos / original
+    del d["rope_scaling"]["factor"]
+    assert ModelConfig.from_hf_dict(d).compress_yarn.factor == 16.0
+    with pytest.raises(ValueError, match="yarn_factor"):
+        ModelConfig.from_hf_dict(d, yarn_factor="bogus")

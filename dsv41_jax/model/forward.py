@@ -25,7 +25,7 @@ from dsv41_jax.ops.gather import take_rows
 from dsv41_jax.ops.indexer import indexer_queries, packed_entry_layout, packed_indexer_topk
 from dsv41_jax.ops.mhc import collapse, expand, mhc_coefficients
 from dsv41_jax.ops.moe import moe
-from dsv41_jax.ops.linear import linear
+from dsv41_jax.ops.linear import head_logits
 from dsv41_jax.ops.norms import rms_norm
 from dsv41_jax.ops.query_blocks import map_query_blocks
 from dsv41_jax.ops.rope import cos_sin, rope_tables
@@ -240,7 +240,7 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
         if return_router:
             router.append(stats)
     h = rms_norm(collapse(streams, pre_mix), params["norm"], c.rms_norm_eps)
-    logits = constrain(linear(h, params["lm_head"]).astype(jnp.float32), ("batch", "seq", "vocab"))
+    logits = constrain(head_logits(h, params["lm_head"]), ("batch", "seq", "vocab"))  # official fp32 head
     if not (return_hidden or return_topk or return_router or return_attn_inputs):
         return logits
     aux: dict[str, Any] = {}
