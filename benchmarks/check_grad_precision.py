@@ -71,12 +71,15 @@ def decode_case(b, n, h, d, k, window, seed=1):
     return (q, win, ckv, sink), topk, q_pos, win_pos, cot
 
 
+LOSSES = ("sum", "random")
+
+
 def grad_fn(attn, cot):
     def loss(q, kv, ckv, sink, which):
         out = attn(q, kv, ckv, sink).astype(jnp.float32)
         return jnp.sum(out) if which == "sum" else jnp.sum(out * cot)
 
-    return {w: jax.jit(jax.grad(lambda *a, w=w: loss(*a, w), argnums=(0, 1, 2, 3))) for w in ("sum", "random")}
+    return {w: jax.jit(jax.grad(lambda *a, w=w: loss(*a, w), argnums=(0, 1, 2, 3))) for w in LOSSES}
 
 
 def run(args):
@@ -156,7 +159,11 @@ if __name__ == "__main__":
     ap.add_argument("--backend", default="pallas_gpu", help="kernel backend (pallas_gpu_interpret: a CPU smoke run)")
     ap.add_argument("--label", default="")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--loss", choices=("sum", "random", "both"), default="both",
+                    help="one loss halves the compilations (the float32 truth and every backward)")
     a = ap.parse_args()
+    if a.loss != "both":
+        LOSSES = (a.loss,)
     rows = run(a)
     print(table(rows, a.label))
     if a.json:

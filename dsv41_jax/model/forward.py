@@ -50,7 +50,7 @@ class ForwardOptions:
 class _GroupState:
     """What a CSA2 layer reads from earlier layers of the same forward."""
 
-    compressed_kv: jax.Array | None = None  # [B, N, hd] rotated (+ quantised) entries of the latest KV source
+    compressed_kv: jax.Array | None = None  # [B, N, hd] float32 rotated (+ quantised) entries of the latest KV source
     index_keys: jax.Array | None = None  # [B, N, di] indexer keys of the latest KV source
     topk: jax.Array | None = None  # [B, T, K] of the latest index source
     pool: jax.Array | None = None  # [B, T, n_blocks] HSI candidate blocks ([B, T, T] key slots when packed)
@@ -115,7 +115,11 @@ def attention_layer(p: dict, x: jax.Array, spec: LayerSpec, positions: jax.Array
                 entries = packed_entry_layout(positions, segments, valid, spec.ratio, c.candidate_block_size)
             ccos, csin = cos_sin(rope["compress"], entry_pos)
             rotated, keys = compressed_entries(latent, p["indexer"], ccos, csin, c.rms_norm_eps, quant_on)
-            state = dataclasses.replace(state, compressed_kv=rotated, index_keys=keys, entries=entries)
+            # Every Reuse / Reindex layer of the group attends to these entries, and JAX sums their gradients in the
+            # array's dtype: kept in float32 (the attention reads the same values), so up to 20 layers' gradients
+            # are summed in float32 rather than bf16.
+            state = dataclasses.replace(state, compressed_kv=rotated.astype(jnp.float32), index_keys=keys,
+                                        entries=entries)
         if spec.mode in (FULL, REINDEX):
             state = _run_indexer(p["indexer"], x, q_res, spec, positions, state, config, rope, opts, quant_on,
                                  segments)

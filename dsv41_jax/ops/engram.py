@@ -5,8 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.ops.gather import take_rows
-
-_HI = jax.lax.Precision.HIGHEST
+from dsv41_jax.ops.linear import matmul_precision
 
 
 def engram_write(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: float, live: jax.Array | None = None,
@@ -20,7 +19,7 @@ def engram_write(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: f
     b, t, hc, d = streams.shape
     rows = take_rows(params["embed"], row_ids)  # [B, T, cols, ehd]; a row shared by many n-grams: f32 gradient sum
     e = rows.reshape(b, t, -1).astype(params["wkv"].dtype)
-    kv = jnp.einsum("btc,fc->btf", e, params["wkv"], precision=_HI)
+    kv = jnp.einsum("btc,fc->btf", e, params["wkv"], precision=matmul_precision(e, params["wkv"]))
     key = kv[..., : hc * d].astype(jnp.float32).reshape(b, t, hc, d)
     value = kv[..., hc * d:].astype(jnp.float32)
     weight = params["q_weight"].astype(jnp.float32) * params["k_weight"].astype(jnp.float32)  # [hc, D]

@@ -4,9 +4,18 @@ import jax
 import jax.numpy as jnp
 
 
+def matmul_precision(*operands):
+    """The matmul precision for these operands: HIGHEST when any is float32 (float32 parity with the reference),
+    the backend default for 16-bit ones. Products of two bf16 values are exact in the float32 accumulator that every
+    backend uses for 16-bit dots (MXU, tensor cores, XLA:CPU), so HIGHEST buys nothing there but can force
+    multi-pass or float32 emulation (and Mosaic rejects it on a bf16 ragged_dot)."""
+    wide = any(jnp.dtype(o.dtype).itemsize >= 4 for o in operands)
+    return jax.lax.Precision.HIGHEST if wide else None
+
+
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] · w [out, in] -> [..., out], at HIGHEST precision (float32 parity with the reference)."""
-    return jnp.einsum("...i,oi->...o", x, w, precision=jax.lax.Precision.HIGHEST)
+    """x [..., in] · w [out, in] -> [..., out] (precision: ``matmul_precision``)."""
+    return jnp.einsum("...i,oi->...o", x, w, precision=matmul_precision(x, w))
 
 
 def head_logits(h: jax.Array, w: jax.Array, *, hf_rounding: bool = False) -> jax.Array:
@@ -19,5 +28,4 @@ def head_logits(h: jax.Array, w: jax.Array, *, hf_rounding: bool = False) -> jax
     fixtures are float32)."""
     if hf_rounding:
         return linear(h, w).astype(jnp.float32)
-    return jnp.einsum("...i,oi->...o", h, w, precision=jax.lax.Precision.HIGHEST,
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum("...i,oi->...o", h, w, precision=matmul_precision(h, w), preferred_element_type=jnp.float32)
