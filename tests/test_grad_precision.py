@@ -87,6 +87,34 @@ def test_reference_recompute_backward_bf16_matches_float32():
     assert all(e <= BOUND for e in errs.values()), errs
 
 
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_indexer_kl_key_gradient_bf16_matches_float32(mode):
+    """The indexer keys' gradient in the KL objective (every later query scores a key): bf16 keys vs the same keys
+    upcast, every other input float32, so the forward is identical and only the gradient's summation differs."""
+    from dsv41_jax.ops.attention import sequence_window_lse
+    from dsv41_jax.train.loss import indexer_kl_sum
+
+    rng = np.random.default_rng(6)
+    t, n, h, d, hi, di, ratio = 2048, 1024, 2, 32, 4, 32, 2
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    q, kv, win, qi, w = f32(1, t, h, d), f32(1, n, d), f32(1, t, d), f32(1, t, hi, di), f32(1, t, hi)
+    keys = jnp.asarray(rng.standard_normal((1, n, di)), BF16)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    outside = sequence_window_lse(q, win, pos, f32(h), window=16, chunk=16)
+    topk = None
+    if mode == "sparse":  # 16 picks per query among the first 32 entries: ~1000 queries read each of them
+        picks = np.sort(np.stack([rng.choice(32, 16, replace=False) for _ in range(t)]), axis=-1)[None]
+        picks[:, :64] = -1
+        topk = jnp.asarray(picks, jnp.int32)
+
+    def grad(k):
+        return jax.jit(jax.grad(lambda k_: indexer_kl_sum(q, kv, outside, qi, w, k_, jnp.ones((1, t)), pos,
+                                                           ratio=ratio, mode=mode, topk=topk, chunk=16)[0]))(k)
+
+    err = _rel(grad(keys), grad(keys.astype(jnp.float32)))
+    assert err <= BOUND, err
+
+
 def test_token_embedding_bf16_gradient_matches_float32():
     from dsv41_jax.model.forward import embed_tokens
 

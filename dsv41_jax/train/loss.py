@@ -129,6 +129,49 @@ def _kl_rows(p_logits: jax.Array, i_scores: jax.Array, cand: jax.Array, weight: 
     return jnp.sum(kl * w), jnp.sum(w)
 
 
+def indexer_kl_sum(q, kv, outside_lse, qi, w, keys, weight, positions, *, ratio: int, mode: str, topk=None,
+                   chunk: int = 256, segments=None, entries=None):
+    """One indexer layer's Σ weight · KL over its queries (in query blocks of ``chunk``) and Σ weight.
+
+    q [B, T, H, D] main queries, kv [B, N, D] rotated compressed entries, outside_lse [B, T, H]
+    (``ops.attention.sequence_window_lse``) — the detached target side; qi [B, T, Hi, di], w [B, T, Hi] and keys
+    [B, N, di] — the indexer side the gradient reaches; weight [B, T]; ``topk`` [B, T, K] (sparse mode);
+    ``segments`` / ``entries`` for packed rows (dense mode)."""
+    n_entries = keys.shape[1]
+    scale = q.shape[-1] ** -0.5
+    index_dim = qi.shape[-1]
+    # Every query block reads the keys: they enter the query-block map in float32 so that their gradient (each key
+    # is scored by many queries) is summed in float32, not in a bf16 carry (ops.gather).
+    keys, kv = keys.astype(jnp.float32), kv.astype(jnp.float32)
+    t = q.shape[1]
+    if mode == "dense":
+        def one(qc, qic, wc, pc, wtc, oc, *seg):
+            scores = indexer_scores(qic, wc, keys)  # [B, C, N]
+            logits = jnp.einsum("bchd,bnd->bchn", qc.astype(jnp.float32), kv, precision=_HI) * scale
+            ent = jnp.arange(n_entries)
+            if entries is None:
+                cand = ent[None, None, :] < ((pc + 1) // ratio)[..., None]
+            else:
+                cand = (entries["valid"][:, None, :] & (entries["segments"][:, None, :] == seg[0][:, :, None])
+                        & (entries["rank"][:, None, :] < ((pc + 1) // ratio)[..., None]))
+            return _kl_rows(logits, scores, cand, wtc, oc)
+
+        args = (q, qi, w, positions, weight, outside_lse) + ((segments,) if segments is not None else ())
+    else:
+        def one(qc, qic, wc, selc, wtc, oc):
+            safe = jnp.clip(selc, 0, n_entries - 1)
+            k_sel = take_rows_batched(keys, safe)  # [B, C, K, di]
+            c_sel = take_rows_batched(kv, safe)  # [B, C, K, hd]
+            dots = jnp.einsum("bchd,bckd->bchk", qic.astype(jnp.float32), k_sel, precision=_HI)
+            scores = jnp.einsum("bchk,bch->bck", jax.nn.relu(dots) * (index_dim ** -0.5), wc.astype(jnp.float32),
+                                precision=_HI)
+            logits = jnp.einsum("bchd,bckd->bchk", qc.astype(jnp.float32), c_sel, precision=_HI) * scale
+            return _kl_rows(logits, scores, selc >= 0, wtc, oc)
+
+        args = (q, qi, w, topk, weight, outside_lse)
+    return sum_query_blocks(one, t, chunk, *args)
+
+
 def indexer_kl_loss(params: dict, attn_inputs: dict, topk: dict | None, config: ModelConfig, positions: jax.Array,
                     rope: dict, *, mode: str, quant_on: bool, weight: jax.Array, chunk: int = 256,
                     segments: jax.Array | None = None):
@@ -167,14 +210,9 @@ def indexer_kl_loss(params: dict, attn_inputs: dict, topk: dict | None, config: 
         if quant_on:
             keys = quant.fake_quant_fp4_e2m1_block(keys, 32, scale_format="ue8m0")
             kv = sg(quant.fake_quant_fp4_e2m1_block(kv, 16, scale_format="e4m3"))
-        # Every query block reads the keys: they enter the query-block map in float32 so that their gradient (each
-        # key is scored by many queries) is summed in float32, not in a bf16 carry (ops.gather).
-        keys, kv = keys.astype(jnp.float32), kv.astype(jnp.float32)
-
         pa = sg({k: v for k, v in params["layers"][spec.index]["attn"].items() if k != "indexer"})
         ip = params["layers"][spec.index]["attn"]["indexer"]
         x = sg(attn_inputs[spec.index])
-        b, t, _ = x.shape
         cos, sin = cos_sin(rope[spec.rope], positions)
         q_res, q, win_kv = sg(attention_inputs(pa, x, cos, sin, c, quant_on))
         # the window keys and the sink share each head's softmax with the compressed entries (kl_target)
@@ -182,40 +220,13 @@ def indexer_kl_loss(params: dict, attn_inputs: dict, topk: dict | None, config: 
                                       segments=segments)
         qi, w = indexer_queries(ip, x, q_res, cos, sin, n_heads=c.index_n_heads, head_dim=c.index_head_dim,
                                 quant_on=quant_on)
-        scale = c.head_dim ** -0.5
-        ratio = spec.ratio
-
-        if mode == "dense":
-            def one(qc, qic, wc, pc, wtc, oc, *seg):
-                scores = indexer_scores(qic, wc, keys)  # [B, C, N]
-                logits = jnp.einsum("bchd,bnd->bchn", qc.astype(jnp.float32), kv.astype(jnp.float32),
-                                    precision=_HI) * scale
-                ent = jnp.arange(n_entries)
-                if entries is None:
-                    cand = ent[None, None, :] < ((pc + 1) // ratio)[..., None]
-                else:
-                    cand = (entries["valid"][:, None, :] & (entries["segments"][:, None, :] == seg[0][:, :, None])
-                            & (entries["rank"][:, None, :] < ((pc + 1) // ratio)[..., None]))
-                return _kl_rows(logits, scores, cand, wtc, oc)
-
-            args = (q, qi, w, positions, weight, outside) + ((segments,) if segments is not None else ())
-        else:
+        sel = None
+        if mode == "sparse":
             sel = topk[spec.index]  # [B, T, K]
             if sel.shape[-1] == 0:
                 continue
-
-            def one(qc, qic, wc, selc, wtc, oc):
-                safe = jnp.clip(selc, 0, n_entries - 1)
-                k_sel = take_rows_batched(keys, safe)  # [B, C, K, di]
-                c_sel = take_rows_batched(kv, safe)  # [B, C, K, hd]
-                dots = jnp.einsum("bchd,bckd->bchk", qic.astype(jnp.float32), k_sel, precision=_HI)
-                scores = jnp.einsum("bchk,bch->bck", jax.nn.relu(dots) * (c.index_head_dim ** -0.5),
-                                    wc.astype(jnp.float32), precision=_HI)
-                logits = jnp.einsum("bchd,bckd->bchk", qc.astype(jnp.float32), c_sel, precision=_HI) * scale
-                return _kl_rows(logits, scores, selc >= 0, wtc, oc)
-
-            args = (q, qi, w, sel, weight, outside)
-        s, n = sum_query_blocks(one, t, chunk, *args)
+        s, n = indexer_kl_sum(q, kv, outside, qi, w, keys, weight, positions, ratio=spec.ratio, mode=mode, topk=sel,
+                              chunk=chunk, segments=segments, entries=entries)
         kl = s / jnp.maximum(n, 1.0)
         per_layer[spec.index] = kl
         total = total + kl
