@@ -258,8 +258,16 @@ class ModelConfig:
         return cls(**{k: v for k, v in d.items() if k in known})
 
     @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any], *, name: str = "hf") -> "ModelConfig":
-        """Build from a released / HF ``config.json`` (flat text config or composite with ``text_config``)."""
+    def from_hf_dict(cls, d: Mapping[str, Any], *, name: str = "hf", yarn_factor: str = "config") -> "ModelConfig":
+        """Build from a released / HF ``config.json`` (flat text config or composite with ``text_config``).
+
+        ``yarn_factor``: "config" (official V4.1 inference: the YaRN ``factor`` field as written; when absent,
+        max_position_embeddings / original_max_position_embeddings) or "hf" (the HF rope utilities: that ratio
+        whenever ``original_max_position_embeddings`` is given, overriding ``factor``). They differ only for a
+        config whose ``factor`` is not that ratio; the release (16 = 1048576 / 65536) and the golden fixtures agree
+        under both."""
+        if yarn_factor not in ("config", "hf"):
+            raise ValueError(f"yarn_factor must be 'config' or 'hf', got {yarn_factor!r}")
         if isinstance(d.get("text_config"), Mapping):
             d = d["text_config"]
         d = dict(d)
@@ -313,8 +321,11 @@ class ModelConfig:
         if scaling.get("rope_type", scaling.get("type")) == "yarn":
             orig = scaling.get("original_max_position_embeddings", 65536)
             max_pos = int(d.get("max_position_embeddings", 1048576))
-            # HF derives the factor from max_position / original when the original is given.
-            factor = max_pos / orig if orig else scaling.get("factor", 1.0)
+            ratio = max_pos / orig if orig else None
+            if yarn_factor == "hf" and ratio is not None:
+                factor = ratio  # HF overrides `factor` with max_position / original
+            else:
+                factor = scaling.get("factor", ratio if ratio is not None else 1.0)
             out["compress_yarn"] = YarnConfig(factor=float(factor), original_max_position_embeddings=int(orig),
                                               beta_fast=float(scaling.get("beta_fast", 32)),
                                               beta_slow=float(scaling.get("beta_slow", 1)))

@@ -34,7 +34,7 @@ def test_dispatch_resolution():
     with pytest.raises(ValueError, match="unknown kernel backend"):
         KN.resolve_backend("cuda")
     assert KN.backward_kind("pallas_gpu") == "fused"
-    assert KN.backward_kind("pallas_gpu", jnp.bfloat16) == "reference-recompute"  # fused is opt-in for 16-bit
+    assert KN.backward_kind("pallas_gpu", jnp.bfloat16) == "fused"  # accurate in bf16 too (fp32 atomics)
     assert KN.backward_kind("pallas_gpu_interpret", jnp.bfloat16) == "fused"
     assert KN.backward_kind("pallas_tpu") == "reference-recompute"
 

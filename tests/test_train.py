@@ -296,6 +296,41 @@ def test_indexer_kl_trains_only_the_indexer(cfg, mode):
     assert float(new_value) < float(value)
 
 
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_indexer_kl_target_is_the_attention_distribution(chunk):
+    """V3.2's target against a direct dense computation: per head one softmax over the window keys, the candidate
+    entries and the sink; the candidates' probabilities summed over heads and L1-normalised."""
+    from dsv41_jax.ops.attention import sequence_window_lse
+    from dsv41_jax.train.loss import kl_target
+
+    rng = np.random.default_rng(7)
+    t, h, d, window, ratio = 40, 3, 16, 5, 2
+    n = t // ratio
+    q = rng.standard_normal((1, t, h, d)).astype(np.float32)
+    kv = rng.standard_normal((1, t, d)).astype(np.float32)
+    ckv = rng.standard_normal((1, n, d)).astype(np.float32)
+    sink = rng.standard_normal(h).astype(np.float32)
+    scale = d ** -0.5
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    cand = (np.arange(n)[None, :] < ((np.arange(t) + 1) // ratio)[:, None])[None]  # dense: every visible entry
+    outside = sequence_window_lse(jnp.asarray(q), jnp.asarray(kv), pos, jnp.asarray(sink), window=window,
+                                  chunk=chunk)
+    cmp_logits = jnp.einsum("bthd,bnd->bthn", q, ckv) * scale
+    got = np.asarray(kl_target(cmp_logits, jnp.asarray(cand), outside))
+
+    want = np.zeros((t, n))
+    for i in range(t):
+        for j in range(h):
+            win = [float(q[0, i, j] @ kv[0, k]) * scale for k in range(max(0, i - window + 1), i + 1)]
+            ent = {s_: float(q[0, i, j] @ ckv[0, s_]) * scale for s_ in range(n) if cand[0, i, s_]}
+            z = np.exp(win).sum() + sum(np.exp(v) for v in ent.values()) + np.exp(float(sink[j]))
+            for s_, v in ent.items():
+                want[i, s_] += np.exp(v) / z
+    want = want / np.maximum(want.sum(-1, keepdims=True), 1e-30)
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-7)
+    assert np.all(got[0, 0] == 0)  # no visible entry: an all-zero target (the row does not count)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the train step
 # ----------------------------------------------------------------------------------------------------------------

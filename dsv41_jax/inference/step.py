@@ -37,7 +37,7 @@ from dsv41_jax.ops.indexer import indexer_queries, indexer_scores, mask_invisibl
 from dsv41_jax.ops.mhc import collapse, expand, mhc_coefficients
 from dsv41_jax.inference.moe import moe_inference
 from dsv41_jax.ops.moe import moe
-from dsv41_jax.ops.linear import linear
+from dsv41_jax.ops.linear import head_logits, linear
 from dsv41_jax.ops.norms import rms_norm
 from dsv41_jax.ops.query_blocks import map_query_blocks
 from dsv41_jax.ops.rope import cos_sin, rope_tables
@@ -517,7 +517,7 @@ def emit_decoder_source(params: dict, cache: dict, streams: jax.Array, pre_mix: 
 
 def head(params: dict, streams: jax.Array, pre_mix: jax.Array, config: ModelConfig) -> jax.Array:
     h = rms_norm(collapse(streams, pre_mix), params["norm"], config.rms_norm_eps)
-    return linear(h, params["lm_head"]).astype(jnp.float32)
+    return head_logits(h, params["lm_head"])
 
 
 def check_ced_plan(config: ModelConfig) -> None:

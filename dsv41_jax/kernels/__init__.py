@@ -8,11 +8,13 @@ Backends
   ``"auto"`` (default)        pallas_gpu on GPU, pallas_tpu on TPU, reference elsewhere (CPU).
 
 Gradients (``jax.custom_vjp``): ``pallas_gpu`` has a FUSED backward kernel (dQ in registers, dKV by fp32 atomic
-scatter-add, sink gradient from the saved log-sum-exp), used by default for fp32 (checked on the H200) and opt-in
-for 16-bit inputs (``tuning={"fused_bwd": True}``; its H200 bf16 check was inconclusive, see RESULTS.md).
-``pallas_tpu`` and 16-bit ``pallas_gpu`` use a REFERENCE-RECOMPUTE backward (the VJP of the plain-JAX reference,
-recomputed from the saved inputs): correct, not fast. The indexer returns integer indices (no gradient), as in the
-reference.
+scatter-add, sink gradient from the saved log-sum-exp), the default for every dtype (``tuning={"fused_bwd": False}``
+opts out). Its bf16 gradients are within bf16 rounding of float32 on the H200 (benchmarks/RESULTS.md: an earlier
+"0.30 error" compared it against a reference backward whose bf16 accumulation was the inaccurate side).
+``pallas_tpu`` uses a REFERENCE-RECOMPUTE backward (the VJP of the plain-JAX reference recomputed from the saved
+inputs, every sum in float32: the shared KV enters the query-chunk map in float32 and gathered rows scatter-add their
+gradient in float32, ``ops.gather``): accurate, not fast. The indexer returns integer indices (no gradient), as in
+the reference.
 
 Sequence-variant note: ``sequence_sparse_attention`` takes query t's window keys from the index range
 [t - window + 1, t] and masks them by position (and document); that equals the reference whenever positions
@@ -112,14 +114,11 @@ def _gpu_tuning(cfg: _AttnCfg, q, topk, bwd=False):
 
 
 def _fused_bwd(cfg: _AttnCfg, q) -> bool:
-    """Fused GPU backward: default for fp32 (verified on the H200); opt-in (tuning={"fused_bwd": True}) for 16-bit,
-    whose H200 check was not conclusive (benchmarks/RESULTS.md) — those use the reference-recompute backward."""
+    """Fused GPU backward: the default for every dtype (fp32 atomics accumulate dKV; checked against float32 on the
+    H200, benchmarks/RESULTS.md); ``tuning={"fused_bwd": False}`` selects the reference-recompute backward."""
     if not cfg.backend.startswith("pallas_gpu"):
         return False
-    flag = dict(cfg.tuning).get("fused_bwd")
-    if flag is not None:
-        return bool(flag)
-    return cfg.backend.endswith("interpret") or jnp.dtype(q.dtype).itemsize >= 4
+    return bool(dict(cfg.tuning).get("fused_bwd", True))
 
 
 def _attn_fwd_impl(cfg: _AttnCfg, q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg, wseg):
@@ -179,7 +178,7 @@ def _attention_bwd(cfg, res, g):
                                          interpret=interp, **_gpu_tuning(cfg, q, topk, bwd=True))
         dw = dw.astype(wkv.dtype)
         dc = None if ckv is None else dc.astype(ckv.dtype)
-    else:  # reference-recompute backward (TPU; GPU 16-bit by default): VJP of the plain-JAX reference
+    else:  # reference-recompute backward (TPU; GPU with fused_bwd=False): VJP of the plain-JAX reference
         def f(q_, wkv_, ckv_, sink_):
             return _attn_reference(cfg, q_, q_pos, wkv_, wpos, floor, ckv_, topk, sink_, qseg, wseg)
 

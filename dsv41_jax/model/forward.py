@@ -21,10 +21,11 @@ from dsv41_jax import kernels as _kernels  # sparse attention / indexer dispatch
 from dsv41_jax.ops.attention import attention_inputs, attention_output
 from dsv41_jax.ops.compressor import compress_packed, compress_sequence, compressed_entries
 from dsv41_jax.ops.engram import engram_write
+from dsv41_jax.ops.gather import take_rows
 from dsv41_jax.ops.indexer import indexer_queries, packed_entry_layout, packed_indexer_topk
 from dsv41_jax.ops.mhc import collapse, expand, mhc_coefficients
 from dsv41_jax.ops.moe import moe
-from dsv41_jax.ops.linear import linear
+from dsv41_jax.ops.linear import head_logits
 from dsv41_jax.ops.norms import rms_norm
 from dsv41_jax.ops.query_blocks import map_query_blocks
 from dsv41_jax.ops.rope import cos_sin, rope_tables
@@ -49,7 +50,7 @@ class ForwardOptions:
 class _GroupState:
     """What a CSA2 layer reads from earlier layers of the same forward."""
 
-    compressed_kv: jax.Array | None = None  # [B, N, hd] rotated (+ quantised) entries of the latest KV source
+    compressed_kv: jax.Array | None = None  # [B, N, hd] float32 rotated (+ quantised) entries of the latest KV source
     index_keys: jax.Array | None = None  # [B, N, di] indexer keys of the latest KV source
     topk: jax.Array | None = None  # [B, T, K] of the latest index source
     pool: jax.Array | None = None  # [B, T, n_blocks] HSI candidate blocks ([B, T, T] key slots when packed)
@@ -81,6 +82,12 @@ def check_tokens(tokens, config: ModelConfig) -> None:
                            f"[0, {config.vocab_size})")
 
 
+def embed_tokens(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Token embedding rows [B, T, d] of ``table`` [V, d]; a row read by many tokens gets its gradient summed in
+    float32 (ops.gather), not by a bf16 scatter-add."""
+    return take_rows(table, tokens)
+
+
 def attention_layer(p: dict, x: jax.Array, spec: LayerSpec, positions: jax.Array, state: _GroupState,
                     config: ModelConfig, rope: dict, opts: ForwardOptions, quant_on: bool, floor,
                     segments: jax.Array | None = None):
@@ -108,7 +115,11 @@ def attention_layer(p: dict, x: jax.Array, spec: LayerSpec, positions: jax.Array
                 entries = packed_entry_layout(positions, segments, valid, spec.ratio, c.candidate_block_size)
             ccos, csin = cos_sin(rope["compress"], entry_pos)
             rotated, keys = compressed_entries(latent, p["indexer"], ccos, csin, c.rms_norm_eps, quant_on)
-            state = dataclasses.replace(state, compressed_kv=rotated, index_keys=keys, entries=entries)
+            # Every Reuse / Reindex layer of the group attends to these entries, and JAX sums their gradients in the
+            # array's dtype: kept in float32 (the attention reads the same values), so up to 20 layers' gradients
+            # are summed in float32 rather than bf16.
+            state = dataclasses.replace(state, compressed_kv=rotated.astype(jnp.float32), index_keys=keys,
+                                        entries=entries)
         if spec.mode in (FULL, REINDEX):
             state = _run_indexer(p["indexer"], x, q_res, spec, positions, state, config, rope, opts, quant_on,
                                  segments)
@@ -206,7 +217,7 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
     replay = c.sliding_window if options.replay_len is None else options.replay_len
     decoder_floor = t - min(replay, t) if options.bounded_replay else 0
 
-    x = params["embed"][tokens]
+    x = embed_tokens(params["embed"], tokens)
     streams = constrain(jnp.broadcast_to(x[:, :, None, :], (b, t, c.hc_mult, c.hidden_size)), _STREAM_AXES)
     pre_mix = jax.nn.one_hot(jnp.zeros((b, t), jnp.int32), c.hc_mult, dtype=jnp.float32)
     state = _GroupState()
@@ -242,7 +253,7 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
         if return_router:
             router.append(stats)
     h = rms_norm(collapse(streams, pre_mix), params["norm"], c.rms_norm_eps)
-    logits = constrain(linear(h, params["lm_head"]).astype(jnp.float32), ("batch", "seq", "vocab"))
+    logits = constrain(head_logits(h, params["lm_head"]), ("batch", "seq", "vocab"))  # official fp32 head
     if not (return_hidden or return_topk or return_router or return_attn_inputs or return_site_inputs
             or return_dspark_features):
         return logits

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.ops import quant
-from dsv41_jax.ops.linear import linear
+from dsv41_jax.ops.gather import take_rows_batched
+from dsv41_jax.ops.linear import linear, matmul_precision
 from dsv41_jax.ops.norms import rms_norm
 from dsv41_jax.ops.rope import apply_rope
 
@@ -42,8 +43,19 @@ def attention_output(p: dict, out: jax.Array, cos: jax.Array, sin: jax.Array, co
     out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True)
     grouped = out.reshape(b, t, c.o_groups, -1)
     wo_a = p["wo_a"].reshape(c.o_groups, c.o_lora_rank, -1)
-    y = jnp.einsum("btgi,goi->btgo", grouped, wo_a, precision=_HI).reshape(b, t, -1)
+    y = jnp.einsum("btgi,goi->btgo", grouped, wo_a, precision=matmul_precision(grouped, wo_a)).reshape(b, t, -1)
     return linear(y, p["wo_b"])
+
+
+def _window_logits(qf, q_pos, wf, win_pos, window, floor, scale, q_seg, k_seg):
+    """[B, H, C, L] float32 logits of the queries against their candidate window keys, -inf where invisible."""
+    s_win = jnp.einsum("bchd,bld->bhcl", qf, wf, precision=_HI) * scale
+    kp = win_pos[:, None, :]
+    qp = q_pos[:, :, None]
+    visible = (kp >= 0) & (kp <= qp) & (kp > qp - window) & (kp >= floor)
+    if q_seg is not None:
+        visible = visible & (k_seg[:, None, :] == q_seg[:, :, None])
+    return jnp.where(visible[:, None], s_win, -jnp.inf)
 
 
 def sparse_attention(q: jax.Array, q_pos: jax.Array, win_kv: jax.Array, win_pos: jax.Array,
@@ -68,18 +80,14 @@ def sparse_attention(q: jax.Array, q_pos: jax.Array, win_kv: jax.Array, win_pos:
     qf = q.astype(jnp.float32)
     floor = jnp.asarray(floor)
     floor = floor.reshape(-1, 1, 1) if floor.ndim == 1 else floor
-    s_win = jnp.einsum("bchd,bld->bhcl", qf, win_kv.astype(jnp.float32), precision=_HI) * scale
-    kp = win_pos[:, None, :]
-    qp = q_pos[:, :, None]
-    visible = (kp >= 0) & (kp <= qp) & (kp > qp - window) & (kp >= floor)
-    if q_seg is not None:
-        visible = visible & (k_seg[:, None, :] == q_seg[:, :, None])
-    s_win = jnp.where(visible[:, None], s_win, -jnp.inf)
+    wf = win_kv.astype(jnp.float32)
+    s_win = _window_logits(qf, q_pos, wf, win_pos, window, floor, scale, q_seg, k_seg)
     logits = [s_win]
     gathered = None
     if compressed_kv is not None and topk is not None and topk.shape[-1] > 0:
         safe = jnp.clip(topk, 0, compressed_kv.shape[1] - 1)
-        gathered = jax.vmap(lambda kv_b, idx_b: kv_b[idx_b])(compressed_kv, safe).astype(jnp.float32)  # [B,C,K,D]
+        # [B, C, K, D]; an entry picked by many queries gets its gradient summed in float32 (ops.gather)
+        gathered = take_rows_batched(compressed_kv, safe, jnp.float32)
         s_cmp = jnp.einsum("bchd,bckd->bhck", qf, gathered, precision=_HI) * scale
         s_cmp = jnp.where((topk >= 0)[:, None], s_cmp, -jnp.inf)
         logits.append(s_cmp)
@@ -89,7 +97,7 @@ def sparse_attention(q: jax.Array, q_pos: jax.Array, win_kv: jax.Array, win_pos:
     p = jnp.exp(all_logits - m[..., None])
     denom = jnp.sum(p, axis=-1) + jnp.exp(sink_b - m)
     n_win = s_win.shape[-1]
-    out = jnp.einsum("bhcl,bld->bchd", p[..., :n_win], win_kv.astype(jnp.float32), precision=_HI)
+    out = jnp.einsum("bhcl,bld->bchd", p[..., :n_win], wf, precision=_HI)
     if gathered is not None:
         out = out + jnp.einsum("bhck,bckd->bchd", p[..., n_win:], gathered, precision=_HI)
     out = out / jnp.moveaxis(denom, 1, 2)[..., None]
@@ -105,16 +113,50 @@ def sequence_sparse_attention(q: jax.Array, kv: jax.Array, positions: jax.Array,
     Queries are processed in chunks of ``chunk`` so memory is O(T · (chunk + window)), never O(T²).
     ``segments`` [B, T] (packed documents): positions are document-relative and windows stop at document starts.
     """
-    b, t, h, d = q.shape
-    if t <= chunk:
+    if q.shape[1] <= chunk:
         return sparse_attention(q, positions, kv, positions, compressed_kv, topk, sink, window=window, floor=floor,
                                 q_seg=segments, k_seg=segments)
+    # The chunks share kv and compressed_kv: lax.map carries their cotangents across chunks in their own dtype, so
+    # they enter the map in float32 (no head axis: cheap) and their gradients are summed in float32 (ops.gather).
+    if compressed_kv is not None:
+        compressed_kv = compressed_kv.astype(jnp.float32)
+
+    def one(qc, pc, kc, kpc, tc, sq, sk):
+        return sparse_attention(qc, pc, kc, kpc, compressed_kv, tc, sink, window=window, floor=floor, q_seg=sq,
+                                k_seg=sk)
+
+    return _map_query_chunks(one, q, kv.astype(jnp.float32), positions, topk, window=window, chunk=chunk,
+                             segments=segments)
+
+
+def sequence_window_lse(q: jax.Array, kv: jax.Array, positions: jax.Array, sink: jax.Array, *, window: int,
+                        chunk: int = 256, segments: jax.Array | None = None) -> jax.Array:
+    """Per query and head, the log-sum-exp of the attention logits outside the compressed entries: the visible
+    sliding-window keys and the sink. [B, T, H] float32 (same windows, scale and chunking as
+    ``sequence_sparse_attention``; no gradient is meant to flow through it)."""
+    scale = q.shape[-1] ** -0.5
+
+    def one(qc, pc, kc, kpc, tc, sq, sk):
+        s_win = _window_logits(qc.astype(jnp.float32), pc, kc.astype(jnp.float32), kpc, window, 0, scale, sq, sk)
+        sink_b = jnp.broadcast_to(sink.astype(jnp.float32)[None, :, None, None], s_win.shape[:3] + (1,))
+        lse = jax.nn.logsumexp(jnp.concatenate([s_win, sink_b], axis=-1), axis=-1)  # [B, H, C]
+        return jnp.moveaxis(lse, 1, 2)
+
+    if q.shape[1] <= chunk:
+        return one(q, positions, kv, positions, None, segments, segments)
+    return _map_query_chunks(one, q, kv, positions, None, window=window, chunk=chunk, segments=segments)
+
+
+def _map_query_chunks(one, q, kv, positions, topk, *, window: int, chunk: int, segments):
+    """``one(q_chunk, q_pos, window_kv, window_pos, topk_chunk, q_seg, k_seg)`` over chunks of ``chunk`` queries,
+    each with the ``chunk + window - 1`` keys its window can reach; outputs [B, chunk, ...] concatenated to T."""
+    b, t = q.shape[:2]
     n_chunks = -(-t // chunk)
     pad = n_chunks * chunk - t
     lead = window - 1  # keys a chunk may need from before its first query
     kv_p = jnp.pad(kv, ((0, 0), (lead, pad), (0, 0)))
     pos_k = jnp.pad(positions, ((0, 0), (lead, pad)), constant_values=-1)
-    q_p = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    q_p = jnp.pad(q, ((0, 0), (0, pad)) + ((0, 0),) * (q.ndim - 2))
     pos_q = jnp.pad(positions, ((0, 0), (0, pad)), constant_values=-1)
     topk_p = None if topk is None else jnp.pad(topk, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
     seg_q = seg_k = None
@@ -122,7 +164,7 @@ def sequence_sparse_attention(q: jax.Array, kv: jax.Array, positions: jax.Array,
         seg_k = jnp.pad(segments, ((0, 0), (lead, pad)), constant_values=-1)
         seg_q = jnp.pad(segments, ((0, 0), (0, pad)), constant_values=-2)
 
-    def one(c):
+    def body(c):
         start = c * chunk
         qc = jax.lax.dynamic_slice_in_dim(q_p, start, chunk, axis=1)
         pc = jax.lax.dynamic_slice_in_dim(pos_q, start, chunk, axis=1)
@@ -133,9 +175,8 @@ def sequence_sparse_attention(q: jax.Array, kv: jax.Array, positions: jax.Array,
         if seg_q is not None:
             sq = jax.lax.dynamic_slice_in_dim(seg_q, start, chunk, axis=1)
             sk = jax.lax.dynamic_slice_in_dim(seg_k, start, chunk + lead, axis=1)
-        return sparse_attention(qc, pc, kc, kpc, compressed_kv, tc, sink, window=window, floor=floor, q_seg=sq,
-                                k_seg=sk)
+        return one(qc, pc, kc, kpc, tc, sq, sk)
 
-    out = jax.lax.map(one, jnp.arange(n_chunks))  # [n_chunks, B, chunk, H, D]
-    out = jnp.moveaxis(out, 0, 1).reshape(b, n_chunks * chunk, h, d)
-    return out[:, :t]
+    out = jax.lax.map(body, jnp.arange(n_chunks))  # [n_chunks, B, chunk, ...]
+    out = jnp.moveaxis(out, 0, 1)
+    return out.reshape(b, n_chunks * chunk, *out.shape[3:])[:, :t]

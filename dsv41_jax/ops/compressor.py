@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.ops import quant
-from dsv41_jax.ops.linear import linear
+from dsv41_jax.ops.linear import linear, matmul_precision
 from dsv41_jax.ops.norms import rms_norm
 from dsv41_jax.ops.rope import apply_rope
 
@@ -58,7 +58,7 @@ def compress_sequence(x: jax.Array, params: dict, ratio: int, eps: float) -> jax
     usable = (x.shape[1] // ratio) * ratio
     if ratio == 1:
         # Ratio 1 projects in the model dtype (the reference's plain Linear); ratio > 1 pools in fp32.
-        kv = jnp.einsum("btd,fd->btf", x, params["wkv"], precision=_HI)
+        kv = jnp.einsum("btd,fd->btf", x, params["wkv"], precision=matmul_precision(x, params["wkv"]))
         return rms_norm(kv, params["norm"], eps)
     kv, gate = project_compressor_inputs(x[:, :usable], params["wkv"], params.get("wgate"))
     return pool_groups(kv, gate, params["norm"], ratio, eps, x.dtype)
@@ -73,7 +73,7 @@ def compress_packed(x: jax.Array, params: dict, ratio: int, eps: float, position
     """
     b, t, _ = x.shape
     if ratio == 1:
-        kv = jnp.einsum("btd,fd->btf", x, params["wkv"], precision=_HI)
+        kv = jnp.einsum("btd,fd->btf", x, params["wkv"], precision=matmul_precision(x, params["wkv"]))
         return rms_norm(kv, params["norm"], eps), jnp.ones((b, t), bool)
     kv, gate = project_compressor_inputs(x, params["wkv"], params["wgate"])
     pad = ((0, 0), (0, ratio - 1), (0, 0))

@@ -4,7 +4,8 @@ Row ids come from the host (:mod:`dsv41_jax.ops.engram_hash`)."""
 import jax
 import jax.numpy as jnp
 
-_HI = jax.lax.Precision.HIGHEST
+from dsv41_jax.ops.gather import take_rows
+from dsv41_jax.ops.linear import matmul_precision
 
 
 def engram_gates(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: float,
@@ -16,9 +17,9 @@ def engram_gates(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: f
     gate = σ(sign(dot)·sqrt(max(|dot|, clamp))), dot = Σ_D h·(q_w·k_w)·key · rstd(h)·rstd(key) · D^-0.5.
     """
     b, t, hc, d = streams.shape
-    rows = jnp.take(params["embed"], row_ids, axis=0)  # [B, T, cols, ehd]
+    rows = take_rows(params["embed"], row_ids)  # [B, T, cols, ehd]; a row shared by many n-grams: f32 gradient sum
     e = rows.reshape(b, t, -1).astype(params["wkv"].dtype)
-    kv = jnp.einsum("btc,fc->btf", e, params["wkv"], precision=_HI)
+    kv = jnp.einsum("btc,fc->btf", e, params["wkv"], precision=matmul_precision(e, params["wkv"]))
     key = kv[..., : hc * d].astype(jnp.float32).reshape(b, t, hc, d)
     value = kv[..., hc * d:].astype(jnp.float32)
     weight = params["q_weight"].astype(jnp.float32) * params["k_weight"].astype(jnp.float32)  # [hc, D]

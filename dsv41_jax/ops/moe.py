@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.ops.linear import matmul_precision
+
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -27,8 +29,8 @@ def route(x: jax.Array, gate_weight: jax.Array, gate_bias: jax.Array, *, top_k: 
 
 def swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, limit: float) -> jax.Array:
     """silu(min(W1 x, limit)) · clip(W3 x, ±limit) in fp32 (the pre-down-projection activation)."""
-    gate = jnp.einsum("...d,fd->...f", x, w1, precision=_HI).astype(jnp.float32)
-    up = jnp.einsum("...d,fd->...f", x, w3, precision=_HI).astype(jnp.float32)
+    gate = jnp.einsum("...d,fd->...f", x, w1, precision=matmul_precision(x, w1)).astype(jnp.float32)
+    up = jnp.einsum("...d,fd->...f", x, w3, precision=matmul_precision(x, w3)).astype(jnp.float32)
     if limit > 0:
         up = jnp.clip(up, -limit, limit)
         gate = jnp.minimum(gate, limit)
@@ -39,7 +41,7 @@ def expert_mlp(x, w1, w2, w3, limit, weight=None):
     y = swiglu(x, w1, w3, limit)
     if weight is not None:
         y = y * weight
-    return jnp.einsum("...f,df->...d", y.astype(x.dtype), w2, precision=_HI)
+    return jnp.einsum("...f,df->...d", y.astype(x.dtype), w2, precision=matmul_precision(x, w2))
 
 
 def routed_dense(x, weights, idx, w1, w2, w3, limit):
@@ -48,7 +50,7 @@ def routed_dense(x, weights, idx, w1, w2, w3, limit):
     dense_w = jnp.zeros((x.shape[0], n_exp), jnp.float32).at[jnp.arange(x.shape[0])[:, None], idx].add(weights)
     act = jax.vmap(lambda a, c: swiglu(x, a, c, limit), out_axes=1)(w1, w3)  # [M, E, F]
     act = act * dense_w[..., None]
-    return jnp.einsum("mef,edf->md", act.astype(x.dtype), w2, precision=_HI).astype(jnp.float32)
+    return jnp.einsum("mef,edf->md", act.astype(x.dtype), w2, precision=matmul_precision(x, w2)).astype(jnp.float32)
 
 
 def routed_ragged(x, weights, idx, w1, w2, w3, limit):
@@ -60,9 +62,7 @@ def routed_ragged(x, weights, idx, w1, w2, w3, limit):
     token_of = order // k
     xs = x[token_of]
     group_sizes = jnp.bincount(flat_expert, length=n_exp).astype(jnp.int32)
-    # HIGHEST only for float32 operands: 16-bit products are exact in the float32 accumulator anyway, and Mosaic
-    # (TPU) rejects HIGHEST on bf16 ragged_dot.
-    prec = _HI if jnp.dtype(x.dtype) == jnp.float32 else None
+    prec = matmul_precision(x, w1)  # HIGHEST only for float32 operands (Mosaic rejects it on a bf16 ragged_dot)
     gate = jax.lax.ragged_dot(xs, jnp.swapaxes(w1, 1, 2), group_sizes, precision=prec).astype(jnp.float32)
     up = jax.lax.ragged_dot(xs, jnp.swapaxes(w3, 1, 2), group_sizes, precision=prec).astype(jnp.float32)
     if limit > 0:

@@ -1,12 +1,22 @@
 """Training losses: masked next-token cross-entropy, DeepSeekMoE balance terms, and the indexer KL objective.
 
-Indexer objective (the DSA / V3.2 lineage, adapted to CSA2): for every layer that runs an indexer (Full and
-Reindex), the target distribution over compressed entries is that layer's own main attention restricted to the
-compressed entries — a softmax per head over the candidate set, summed over heads and L1-normalised — and the
-indexer is trained to match it with ``KL(p_t || softmax(I_t))``:
+Indexer objective (DeepSeek-V3.2's, adapted to CSA2): for every layer that runs an indexer (Full and Reindex),
+the target is that layer's main attention distribution — per head, ONE softmax over the sliding-window keys, the
+candidate compressed entries and the sink, exactly as the attention computes it — restricted to the candidate
+entries, summed over heads and L1-normalised; the indexer is trained to match it with ``KL(p_t || softmax(I_t))``:
 
-* ``dense`` (warm-up): the candidate set is every entry visible to query t (causal, same document);
-* ``sparse``: the candidate set is the top-k the forward actually selected for t.
+* ``dense`` (warm-up): the candidates are every entry visible to query t (causal, same document), i.e. the target
+  is the dense attention's distribution;
+* ``sparse``: the candidates are the top-k the forward actually selected for t (the attention the forward ran).
+
+A query whose heads put most of their mass on the window or the sink still yields a normalised target, but heads
+that attend to the compressed entries weigh more in the sum over heads — the V3.2 definition (a per-head softmax
+over the candidates alone would give every head the same weight).
+
+Reuse layers: a Reuse layer attends with its index source's top-k but has no indexer of its own. The target of an
+index source is its OWN attention only; the Reuse layers that consume its selection do not add to it (their
+attention inputs would have to be kept for the loss as well). This is a choice, not a V3.2 rule (V3.2 has an
+indexer in every layer).
 
 The indexer input is detached: the target, the attention-site input, the query latent, the compressed latent and
 (in Reindex layers) the shared indexer keys are ``stop_gradient``-ed, so the KL trains only the indexer's own
@@ -20,7 +30,9 @@ import jax.numpy as jnp
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.ops import quant
+from dsv41_jax.ops.attention import attention_inputs, sequence_window_lse
 from dsv41_jax.ops.compressor import compress_sequence
+from dsv41_jax.ops.gather import take_rows_batched
 from dsv41_jax.ops.indexer import indexer_queries, indexer_scores
 from dsv41_jax.ops.linear import linear
 from dsv41_jax.ops.norms import rms_norm
@@ -93,18 +105,71 @@ def load_balance_stats(loads: jax.Array) -> dict:
 # indexer KL
 # ----------------------------------------------------------------------------------------------------------------
 
-def _kl_rows(p_logits: jax.Array, i_scores: jax.Array, cand: jax.Array, weight: jax.Array):
+def kl_target(cmp_logits: jax.Array, cand: jax.Array, outside_lse: jax.Array) -> jax.Array:
+    """The indexer KL target (V3.2): cmp_logits [B, C, H, K] main attention logits of the candidate entries, cand
+    [B, C, K] bool, outside_lse [B, C, H] the log-sum-exp of the rest of the attention's softmax (window keys and
+    sink, ``ops.attention.sequence_window_lse``) -> p [B, C, K]: the attention probabilities of the candidates
+    (softmax over window + candidates + sink per head), summed over heads, L1-normalised (all zero without a
+    candidate)."""
+    masked = jnp.where(cand[:, :, None, :], cmp_logits.astype(jnp.float32), _NEG)
+    lse = jnp.logaddexp(jax.nn.logsumexp(masked, axis=-1), outside_lse.astype(jnp.float32))  # [B, C, H]
+    probs = jnp.where(cand[:, :, None, :], jnp.exp(masked - lse[..., None]), 0.0)
+    p = jnp.sum(probs, axis=2)
+    return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+
+
+def _kl_rows(p_logits: jax.Array, i_scores: jax.Array, cand: jax.Array, weight: jax.Array, outside_lse: jax.Array):
     """p_logits [B, C, H, K] main attention logits, i_scores [B, C, K] indexer scores, cand [B, C, K] bool
-    candidate set, weight [B, C] query weights -> (Σ weight · KL, Σ weight over rows with a candidate)."""
-    p_logits = jnp.where(cand[:, :, None, :], p_logits, _NEG)
-    p = jax.nn.softmax(p_logits, axis=-1) * cand[:, :, None, :]
-    p = jnp.sum(p, axis=2)
-    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-    p = jax.lax.stop_gradient(p)
+    candidate set, weight [B, C] query weights, outside_lse [B, C, H] (see ``kl_target``) -> (Σ weight · KL,
+    Σ weight over rows with a candidate)."""
+    p = jax.lax.stop_gradient(kl_target(p_logits, cand, outside_lse))
     log_q = jax.nn.log_softmax(jnp.where(cand, i_scores, _NEG), axis=-1)
     kl = jnp.sum(jax.scipy.special.xlogy(p, p) - jnp.where(cand, p * log_q, 0.0), axis=-1)
     w = weight * jnp.any(cand, axis=-1)
     return jnp.sum(kl * w), jnp.sum(w)
+
+
+def indexer_kl_sum(q, kv, outside_lse, qi, w, keys, weight, positions, *, ratio: int, mode: str, topk=None,
+                   chunk: int = 256, segments=None, entries=None):
+    """One indexer layer's Σ weight · KL over its queries (in query blocks of ``chunk``) and Σ weight.
+
+    q [B, T, H, D] main queries, kv [B, N, D] rotated compressed entries, outside_lse [B, T, H]
+    (``ops.attention.sequence_window_lse``) — the detached target side; qi [B, T, Hi, di], w [B, T, Hi] and keys
+    [B, N, di] — the indexer side the gradient reaches; weight [B, T]; ``topk`` [B, T, K] (sparse mode);
+    ``segments`` / ``entries`` for packed rows (dense mode)."""
+    n_entries = keys.shape[1]
+    scale = q.shape[-1] ** -0.5
+    index_dim = qi.shape[-1]
+    # Every query block reads the keys: they enter the query-block map in float32 so that their gradient (each key
+    # is scored by many queries) is summed in float32, not in a bf16 carry (ops.gather).
+    keys, kv = keys.astype(jnp.float32), kv.astype(jnp.float32)
+    t = q.shape[1]
+    if mode == "dense":
+        def one(qc, qic, wc, pc, wtc, oc, *seg):
+            scores = indexer_scores(qic, wc, keys)  # [B, C, N]
+            logits = jnp.einsum("bchd,bnd->bchn", qc.astype(jnp.float32), kv, precision=_HI) * scale
+            ent = jnp.arange(n_entries)
+            if entries is None:
+                cand = ent[None, None, :] < ((pc + 1) // ratio)[..., None]
+            else:
+                cand = (entries["valid"][:, None, :] & (entries["segments"][:, None, :] == seg[0][:, :, None])
+                        & (entries["rank"][:, None, :] < ((pc + 1) // ratio)[..., None]))
+            return _kl_rows(logits, scores, cand, wtc, oc)
+
+        args = (q, qi, w, positions, weight, outside_lse) + ((segments,) if segments is not None else ())
+    else:
+        def one(qc, qic, wc, selc, wtc, oc):
+            safe = jnp.clip(selc, 0, n_entries - 1)
+            k_sel = take_rows_batched(keys, safe)  # [B, C, K, di]
+            c_sel = take_rows_batched(kv, safe)  # [B, C, K, hd]
+            dots = jnp.einsum("bchd,bckd->bchk", qic.astype(jnp.float32), k_sel, precision=_HI)
+            scores = jnp.einsum("bchk,bch->bck", jax.nn.relu(dots) * (index_dim ** -0.5), wc.astype(jnp.float32),
+                                precision=_HI)
+            logits = jnp.einsum("bchd,bckd->bchk", qc.astype(jnp.float32), c_sel, precision=_HI) * scale
+            return _kl_rows(logits, scores, selc >= 0, wtc, oc)
+
+        args = (q, qi, w, topk, weight, outside_lse)
+    return sum_query_blocks(one, t, chunk, *args)
 
 
 def indexer_kl_loss(params: dict, attn_inputs: dict, topk: dict | None, config: ModelConfig, positions: jax.Array,
@@ -145,53 +210,23 @@ def indexer_kl_loss(params: dict, attn_inputs: dict, topk: dict | None, config: 
         if quant_on:
             keys = quant.fake_quant_fp4_e2m1_block(keys, 32, scale_format="ue8m0")
             kv = sg(quant.fake_quant_fp4_e2m1_block(kv, 16, scale_format="e4m3"))
-
         pa = sg({k: v for k, v in params["layers"][spec.index]["attn"].items() if k != "indexer"})
         ip = params["layers"][spec.index]["attn"]["indexer"]
         x = sg(attn_inputs[spec.index])
-        b, t, _ = x.shape
-        cos, sin = cos_sin(rope["compress"], positions)
-        q_res = sg(rms_norm(linear(x, pa["wq_a"]), pa["q_norm"], c.rms_norm_eps))
-        q = sg(apply_rope(linear(q_res, pa["wq_b"]).reshape(b, t, c.num_attention_heads, c.head_dim),
-                          cos[:, :, None], sin[:, :, None]))
+        cos, sin = cos_sin(rope[spec.rope], positions)
+        q_res, q, win_kv = sg(attention_inputs(pa, x, cos, sin, c, quant_on))
+        # the window keys and the sink share each head's softmax with the compressed entries (kl_target)
+        outside = sequence_window_lse(q, win_kv, positions, pa["attn_sink"], window=c.sliding_window, chunk=chunk,
+                                      segments=segments)
         qi, w = indexer_queries(ip, x, q_res, cos, sin, n_heads=c.index_n_heads, head_dim=c.index_head_dim,
                                 quant_on=quant_on)
-        scale = c.head_dim ** -0.5
-        ratio = spec.ratio
-
-        if mode == "dense":
-            def one(qc, qic, wc, pc, wtc, *seg):
-                scores = indexer_scores(qic, wc, keys)  # [B, C, N]
-                logits = jnp.einsum("bchd,bnd->bchn", qc.astype(jnp.float32), kv.astype(jnp.float32),
-                                    precision=_HI) * scale
-                ent = jnp.arange(n_entries)
-                if entries is None:
-                    cand = ent[None, None, :] < ((pc + 1) // ratio)[..., None]
-                else:
-                    cand = (entries["valid"][:, None, :] & (entries["segments"][:, None, :] == seg[0][:, :, None])
-                            & (entries["rank"][:, None, :] < ((pc + 1) // ratio)[..., None]))
-                return _kl_rows(logits, scores, cand, wtc)
-
-            args = (q, qi, w, positions, weight) + ((segments,) if segments is not None else ())
-        else:
+        sel = None
+        if mode == "sparse":
             sel = topk[spec.index]  # [B, T, K]
             if sel.shape[-1] == 0:
                 continue
-
-            def one(qc, qic, wc, selc, wtc):
-                safe = jnp.clip(selc, 0, n_entries - 1)
-                k_sel = jax.vmap(lambda kb, ib: kb[ib])(keys, safe)  # [B, C, K, di]
-                c_sel = jax.vmap(lambda cb, ib: cb[ib])(kv, safe)  # [B, C, K, hd]
-                dots = jnp.einsum("bchd,bckd->bchk", qic.astype(jnp.float32), k_sel.astype(jnp.float32),
-                                  precision=_HI)
-                scores = jnp.einsum("bchk,bch->bck", jax.nn.relu(dots) * (c.index_head_dim ** -0.5),
-                                    wc.astype(jnp.float32), precision=_HI)
-                logits = jnp.einsum("bchd,bckd->bchk", qc.astype(jnp.float32), c_sel.astype(jnp.float32),
-                                    precision=_HI) * scale
-                return _kl_rows(logits, scores, selc >= 0, wtc)
-
-            args = (q, qi, w, sel, weight)
-        s, n = sum_query_blocks(one, t, chunk, *args)
+        s, n = indexer_kl_sum(q, kv, outside, qi, w, keys, weight, positions, ratio=spec.ratio, mode=mode, topk=sel,
+                              chunk=chunk, segments=segments, entries=entries)
         kl = s / jnp.maximum(n, 1.0)
         per_layer[spec.index] = kl
         total = total + kl

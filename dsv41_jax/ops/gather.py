@@ -1,0 +1,61 @@
+"""Row gathers whose gradient is accumulated in float32.
+
+The transpose of a gather is a scatter-add into the table. When the table is bf16, a plain gather transposes to a
+bf16 scatter-add: an embedding row read by thousands of tokens, a compressed KV entry picked by hundreds of queries
+or an Engram row shared by many n-grams then sums hundreds of same-sign contributions in 8 mantissa bits, and the
+sum stalls (relative errors of several percent to tens of percent, benchmarks/RESULTS.md). ``take_rows`` /
+``take_rows_batched`` gather in the table's dtype (no full-table upcast in the forward) but scatter-add their
+cotangent into a float32 buffer, rounding to the table's dtype once at the end.
+
+The same stall happens to an array that ``lax.map`` / ``lax.scan`` closes over: its cotangent is carried across the
+iterations in the array's own dtype. Callers therefore upcast such shared arrays (compressed KV, indexer keys) to
+float32 before the map — cheap, they carry no head axis — and gather from the float32 copy inside.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _take(table: jax.Array, ids: jax.Array, out_dtype, batched: bool) -> jax.Array:
+    if batched:
+        rows = jax.vmap(lambda t_b, i_b: jnp.take(t_b, i_b, axis=0, mode="clip"))(table, ids)
+    else:
+        rows = jnp.take(table, ids, axis=0, mode="clip")
+    return rows.astype(out_dtype)
+
+
+def _take_fwd(table, ids, out_dtype, batched):
+    # the table rides along only for its shape / dtype (it is live anyway: a parameter or a cached activation)
+    return _take(table, ids, out_dtype, batched), (table, ids)
+
+
+def _take_bwd(out_dtype, batched, res, g):
+    table, ids = res
+    acc = jnp.zeros(table.shape, jnp.float32)
+    g = g.astype(jnp.float32)
+    if batched:
+        b_idx = jnp.arange(table.shape[0]).reshape((-1,) + (1,) * (ids.ndim - 1))
+        acc = acc.at[b_idx, ids].add(g, mode="clip")
+    else:
+        acc = acc.at[ids].add(g, mode="clip")
+    return acc.astype(table.dtype), None
+
+
+_take.defvjp(_take_fwd, _take_bwd)
+
+
+def take_rows(table: jax.Array, ids: jax.Array, dtype=None) -> jax.Array:
+    """``table[ids]`` along axis 0 (indices clamped into [0, N)), as ``dtype`` (default: the
+    table's); the gradient w.r.t. ``table`` is scatter-added in float32. table [N, ...], ids int [...]."""
+    return _take(table, ids, jnp.dtype(table.dtype if dtype is None else dtype), False)
+
+
+def take_rows_batched(table: jax.Array, ids: jax.Array, dtype=None) -> jax.Array:
+    """Per batch row: table [B, N, ...], ids int [B, ...] -> [B, ..., *table.shape[2:]] (``table[b][ids[b]]``), as
+    ``dtype``; the gradient w.r.t. ``table`` is scatter-added in float32."""
+    return _take(table, ids, jnp.dtype(table.dtype if dtype is None else dtype), True)
