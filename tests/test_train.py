@@ -3,28 +3,22 @@ data packing, the train step (a tiny model overfits a batch), bad input, and the
 
 import json
 import os
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-# One XLA compilation cache for every process of the test run (workers and the subprocesses of the crash tests):
-# the train-step program is identical across tests, so only the first compile is paid.
-jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "dsv41_jax_test_xla_cache"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-
-from dsv41_jax.model.model import default_hasher  # noqa: E402
-from dsv41_jax.ops import quant  # noqa: E402
-from dsv41_jax.ops.attention import sparse_attention  # noqa: E402
-from dsv41_jax.tokenizer import ByteTokenizer  # noqa: E402
-from dsv41_jax.train import TrainConfig, TrainConfigError, TrainError, lr_at, make_train_step, train  # noqa: E402
-from dsv41_jax.train.data import (DataError, Dataset, build_rows, load_corpus, read_documents,  # noqa: E402
+from dsv41_jax.model.model import default_hasher
+from dsv41_jax.ops import quant
+from dsv41_jax.ops.attention import sparse_attention
+from dsv41_jax.tokenizer import ByteTokenizer
+from dsv41_jax.train import TrainConfig, TrainConfigError, TrainError, lr_at, make_train_step, train
+from dsv41_jax.train.data import (DataError, Dataset, build_rows, load_corpus, read_documents,
                                   tokenize_documents)
-from dsv41_jax.train.loss import balance_loss, expert_load, indexer_kl_loss, noaux_bias_update  # noqa: E402
-from dsv41_jax.train.optimizer import build_optimizer, trainable_mask  # noqa: E402
-from dsv41_jax.train.testing import random_batch, small_config, write_corpus  # noqa: E402
+from dsv41_jax.train.loss import balance_loss, expert_load, indexer_kl_loss, noaux_bias_update
+from dsv41_jax.train.optimizer import build_optimizer, trainable_mask
+from dsv41_jax.train.testing import random_batch, small_config, write_corpus
 
 # The one train-step program most tests share (same HLO as `dsv41 train ... --seq-len 32 --batch-size 2
 # --weight-decay 0` on the small config): bf16 compute, release fake quantisation with straight-through gradients.
