@@ -18,6 +18,8 @@ from dsv41_jax.train import TrainConfig, make_train_step, train
 from dsv41_jax.train.step import canonical_shardings, canonical_state, place_state
 from dsv41_jax.train.testing import small_config, write_corpus
 
+from conftest import XLA_CACHE  # the run's compilation cache, shared with the training subprocesses
+
 STD = dict(seq_len=32, batch_size=2, weight_decay=0.0, warmup_steps=2)  # the program test_train.py shares
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -81,6 +83,8 @@ def test_sigterm_saves_and_stops(cfg, corpus, straight, tmp_path):
 _CRASH_SCRIPT = textwrap.dedent("""
     import os, signal, sys
     import jax
+    jax.config.update("jax_compilation_cache_dir", sys.argv[4])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     from dsv41_jax.checkpoint import orbax_ckpt
     from dsv41_jax.train import TrainConfig, train
     from dsv41_jax.train.testing import small_config
@@ -101,13 +105,14 @@ _CRASH_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a subprocess that imports jax and compiles
 def test_sigkill_during_save_leaves_previous_checkpoint_and_restart_continues(cfg, corpus, straight, tmp_path):
     tc, ref = straight
     ckpt = str(tmp_path / "ckpt")
     script = tmp_path / "crash.py"
     script.write_text(_CRASH_SCRIPT)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, str(script), corpus, ckpt, "4"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(script), corpus, ckpt, "4", XLA_CACHE], capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert "SAVE_IN_FLIGHT 4" in proc.stdout
@@ -136,6 +141,9 @@ def test_sigkill_during_save_leaves_previous_checkpoint_and_restart_continues(cf
 # printing BLOCKED), so a real SIGINT lands while a given step is pending.
 _BLOCKING_CLI = textwrap.dedent("""
     import sys, time
+    import jax
+    jax.config.update("jax_compilation_cache_dir", sys.argv[3])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     from dsv41_jax.train import trainer
 
     block_at, block_s = int(sys.argv[1]), float(sys.argv[2])
@@ -151,7 +159,7 @@ _BLOCKING_CLI = textwrap.dedent("""
 
     trainer.DataLoader.__next__ = blocking_next
     from dsv41_jax.cli import main
-    sys.exit(main(sys.argv[3:]))
+    sys.exit(main(sys.argv[4:]))
 """)
 
 
@@ -168,12 +176,13 @@ def _start_blocking_cli(tmp_path, cfg, corpus, ckpt, block_at, block_s):
             "--lr", "3e-3", "--seq-len", "32", "--batch-size", "2", "--weight-decay", "0", "--warmup", "2",
             "--ckpt-dir", ckpt, "--save-every", "100", "--log-every", "1"]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, str(script), str(block_at), str(block_s), *args], env=env,
+    proc = subprocess.Popen([sys.executable, str(script), str(block_at), str(block_s), XLA_CACHE, *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "BLOCKED"
     return proc
 
 
+@pytest.mark.slow  # a subprocess that imports jax and compiles
 def test_ctrl_c_saves_the_step_in_flight_and_resume_is_exact(cfg, corpus, straight, tmp_path):
     """SIGINT as Ctrl-C sends it, while step 3 is pending: the step finishes, is saved, and the command exits 130 with
     one line naming the step and the directory; the same command again resumes to the uninterrupted result."""
