@@ -302,7 +302,7 @@ def train(config: ModelConfig, tc: TrainConfig, data: Sequence[str] | str, *, to
                   train_config=tc, extra_meta=extra_meta(), force=force)
         last_saved = step
 
-    say(f"# compiling the train step (the first step includes XLA compilation)…")
+    say("# compiling the train step (the first step includes XLA compilation)…")
     t_first = None
     try:
         while step < schedule_steps and not stop.is_set():
