@@ -3,7 +3,77 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's real default, except where there is nothing to show (None, False, an empty list) or the
+    help text already says it (``[default: ...]``)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        nothing = default is None or default is False or default is argparse.SUPPRESS or default in ([], "")
+        if "default:" in text or nothing:
+            return text
+        return super()._get_help_string(action)
+
+
+class StatusLine:
+    """One updating progress line on a TTY (carriage return); elsewhere at most one line per tenth of the work."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self._last_tenth = -1
+        self._open = False
+
+    def update(self, text: str, done: int, total: int) -> None:
+        if self.tty:
+            self.stream.write("\r" + text.ljust(79))
+            self._open = True
+            if done >= total:
+                self.end()
+        else:
+            tenth = 10 * done // max(total, 1)
+            if tenth > self._last_tenth or done >= total:
+                self._last_tenth = tenth
+                self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def end(self) -> None:
+        if self._open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._open = False
+
+
+def _shorten(text: str, head: int = 120, tail: int = 200) -> str:
+    """``text``, or for a long one its start and end around a note of what was left out (prompt echoes)."""
+    if len(text) <= head + tail + 40:
+        return text
+    return f"{text[:head]}\n[... {len(text) - head - tail:,} characters of the prompt not shown ...]\n{text[-tail:]}"
+
+
+def _trained_context(args, source: str) -> int | None:
+    """Row length the weights were trained on, where recorded: the embedded default model, or a parameter export
+    written by ``dsv41 train`` (its marker file records ``train_seq_len``)."""
+    from dsv41_jax.checkpoint.orbax_ckpt import EXPORT_MARKER
+    from dsv41_jax.default_model import TRAINED_SEQ_LEN
+
+    if source == "the embedded default model":
+        return TRAINED_SEQ_LEN
+    if args.checkpoint is None:
+        return None
+    marker = os.path.join(args.checkpoint, EXPORT_MARKER)
+    try:
+        with open(marker) as f:
+            value = json.load(f).get("train_seq_len")
+        return int(value) if value else None
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
 
 
 def _cmd_plan(args) -> int:
@@ -79,8 +149,14 @@ def _cmd_generate(args) -> int:
     print(f"# released FP4/FP8 storage would be {release.per_token:,.1f} B/token ({dtype} here: "
           f"{engine.footprint().per_token:,.1f} B/token)", file=err)
 
+    trained = _trained_context(args, source)
+    if trained is not None and len(prompt) > trained:
+        print(f"dsv41: warning: the prompt is {len(prompt):,} tokens but the model was trained on rows of {trained} "
+              "tokens: text beyond that is outside what it learnt (and the prefill takes longer)", file=err)
+    status = StatusLine(err)
+
     def progress(done, total):
-        print(f"# prefill {done}/{total} prompt tokens", file=err, flush=True)
+        status.update(f"# prefill {done:,}/{total:,} prompt tokens", done, total)
 
     stream = n == 1
     pending: list[int] = []
@@ -90,7 +166,8 @@ def _cmd_generate(args) -> int:
         if not stream:
             return
         if not echoed:
-            print(args.prompt, end="", flush=True)
+            status.end()
+            print(_shorten(args.prompt), end="", flush=True)
             echoed.append(True)
         pending.append(tok)
         text = tokenizer.decode(pending)
@@ -104,58 +181,63 @@ def _cmd_generate(args) -> int:
     for r in results:
         if r.error:
             raise ValueError(r.error)
+    status.end()
     if stream:
         if not echoed:
-            print(args.prompt, end="")
+            print(_shorten(args.prompt), end="")
         if pending:
             print(tokenizer.decode(pending), end="")
         print()
     for i, r in enumerate(results):
         if not stream:
             print(f"--- sample {i} ({r.finish_reason}) ---")
-            print(args.prompt + (r.text or ""))
+            print(_shorten(args.prompt) + (r.text or ""))
     st = engine.last_stats
-    print(f"# prefill: {st.prompt_tokens} tokens in {st.prefill_s:.2f} s (compile included); decode: "
-          f"{st.new_tokens} tokens in {st.decode_s:.2f} s = {st.decode_tokens_per_s:.1f} tok/s "
-          f"({st.steady_tokens_per_s:.1f} tok/s after the first, compiling, step); finish: "
+    steady = (f"{st.steady_tokens_per_s:,.1f} tok/s steady (the steps after the first)"
+              if st.steady_tokens_per_s == st.steady_tokens_per_s else "too few steps for a steady rate")
+    print(f"# compile: {st.compile_s:.1f} s (lowering + XLA, inside the times below) | time to first token: "
+          f"{st.time_to_first_token_s:.2f} s (prefill of {st.prompt_tokens:,} tokens) | decode: {st.new_tokens:,} "
+          f"tokens in {st.decode_s:.2f} s, {steady}, first step {st.first_step_s:.2f} s | finish: "
           f"{', '.join(r.finish_reason for r in results)}", file=err)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash in JAX")
+    p = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash in JAX", formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("plan", help="print the unrolled layer plan")
+    s = sub.add_parser("plan", help="print the unrolled layer plan", formatter_class=HelpFormatter)
     s.add_argument("--config", default="flash", help="preset name (configs/*.py) or config.json / checkpoint dir")
     s.set_defaults(fn=_cmd_plan)
-    s = sub.add_parser("params", help="print parameter counts (total, backbone, Engram, DSpark, active per token)")
-    s.add_argument("--config", default="flash")
+    s = sub.add_parser("params", help="print parameter counts (total, backbone, Engram, DSpark, active per token)",
+                       formatter_class=HelpFormatter)
+    s.add_argument("--config", default="flash", help="preset name (configs/*.py) or config.json / checkpoint dir")
     s.set_defaults(fn=_cmd_params)
-    s = sub.add_parser("generate", help="generate text (cached CED prefill + jitted decode)")
+    s = sub.add_parser("generate", help="generate text (cached CED prefill + jitted decode)",
+                       formatter_class=HelpFormatter)
     s.add_argument("--config", default=None, help="preset name with random weights, or 'default' for the embedded "
-                   "trained model (the default when it is installed; else 'tiny')")
+                   "trained model [default: 'default' when it is installed, else 'tiny']")
     s.add_argument("--checkpoint", default=None, help="checkpoint directory (config.json + safetensors, ...)")
-    s.add_argument("--prompt", default="Hello")
-    s.add_argument("--max-new-tokens", type=int, default=200)
+    s.add_argument("--prompt", default="Hello", help="text to continue")
+    s.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per sample")
     # Sampling by default (seeded, so reproducible): greedy decoding of a small model loops on a phrase.
     s.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     s.add_argument("--top-k", type=int, default=0, help="0 = off")
     s.add_argument("--top-p", type=float, default=0.95, help="1 = off")
     s.add_argument("--seed", type=int, default=0, help="weights seed (random weights) and sampling seed")
     s.add_argument("--num-samples", type=int, default=1, help="samples generated as one batch (seeds seed+i)")
-    s.add_argument("--max-len", type=int, default=None, help="cache length (default: prompt + max-new-tokens)")
+    s.add_argument("--max-len", type=int, default=None, help="cache length [default: prompt + max-new-tokens]")
     s.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill chunk")
     s.add_argument("--no-ced", action="store_true", help="full-replay prefill (every layer over the prompt)")
     s.add_argument("--fast-compile", choices=("auto", "on", "off"), default="auto",
                    help="unoptimised XLA compiles (auto: on CPU, where compile time dominates small models)")
-    s.add_argument("--tokenizer", default=None, help="path to an HF tokenizer.json (default: byte-level)")
+    s.add_argument("--tokenizer", default=None, help="path to an HF tokenizer.json [default: byte-level]")
     s.set_defaults(fn=_cmd_generate)
     from dsv41_jax.train.cli import add_parser as _add_train_parser  # `dsv41 train` (dsv41_jax/train/cli.py)
 
-    _add_train_parser(sub)
+    _add_train_parser(sub, formatter_class=HelpFormatter)
     from dsv41_jax.checkpoint.cli import add_parsers as _add_checkpoint_parsers  # `dsv41 convert` / `dsv41 inspect`
 
-    _add_checkpoint_parsers(sub)
+    _add_checkpoint_parsers(sub, formatter_class=HelpFormatter)
     return p
 
 

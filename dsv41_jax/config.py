@@ -9,7 +9,6 @@ here, at construction, with a message naming the offending field.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Mapping
 
@@ -338,11 +337,19 @@ class ModelConfig:
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
-        with open(path) as f:
-            d = json.load(f)
-        if "dsv41_jax" in d:  # our own format
-            return cls.from_dict(d["dsv41_jax"])
-        return cls.from_hf_dict(d, name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+        """A ``config.json`` (ours or HF's). A file that is not a JSON object, or whose fields are invalid, raises
+        :class:`ConfigError` naming the file."""
+        from dsv41_jax.jsonfile import read_json_object
+
+        d = read_json_object(path, "a JSON object of model config fields (config.json)", ConfigError)
+        try:
+            if "dsv41_jax" in d:  # our own format
+                return cls.from_dict(d["dsv41_jax"])
+            return cls.from_hf_dict(d, name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+        except (TypeError, ValueError, KeyError) as e:  # wrong value types deep inside the conversion
+            raise ConfigError(f"{path}: invalid model config: {type(e).__name__}: {e}") from None
 
     def to_hf_dict(self) -> dict:
         """The HF-style ``config.json`` content (for exporting checkpoints the reference can read)."""

@@ -10,6 +10,9 @@ from __future__ import annotations
 import os
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "default_model")
+# The rows it was trained on: `--seq-len 512` byte tokens (TRAINING.md, "Command"). Longer prompts run (the
+# architecture has no such limit) but are outside what the model saw; `dsv41 generate` warns.
+TRAINED_SEQ_LEN = 512
 
 
 def default_model_available() -> bool:

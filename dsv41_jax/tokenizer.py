@@ -16,7 +16,6 @@ the number of compressed ids, so this must reproduce the reference exactly.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Callable, Optional, Protocol, Sequence, Union
 
@@ -159,6 +158,9 @@ class HFTokenizer:
         self.path = file
         if not os.path.isfile(file):
             raise FileNotFoundError(f"tokenizer not found: {file} (pass a tokenizer.json or a directory holding one)")
+        from dsv41_jax.jsonfile import read_json_object
+
+        read_json_object(file, "an HF tokenizer.json (a JSON object)")  # names the file for empty / bad JSON
         try:
             self.backend = _RustTokenizer.from_file(file)
         except Exception as e:  # noqa: BLE001 - the Rust error is a bare Exception
@@ -170,8 +172,7 @@ class HFTokenizer:
         config: dict = {}
         config_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
         if os.path.exists(config_file):
-            with open(config_file, encoding="utf-8") as f:
-                config = json.load(f)
+            config = read_json_object(config_file, "a JSON object (tokenizer_config.json)")
 
         def resolve(explicit: Optional[int], key: str, default: int) -> int:
             if explicit is not None:

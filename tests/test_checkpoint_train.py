@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import jax
@@ -13,15 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-CACHE = os.path.join(tempfile.gettempdir(), "dsv41_jax_test_xla_cache")
-jax.config.update("jax_compilation_cache_dir", CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+import dsv41_jax
+from dsv41_jax.checkpoint.orbax_ckpt import TrainCheckpointer, export_params
+from dsv41_jax.train import TrainConfig, make_train_step, train
+from dsv41_jax.train.step import canonical_shardings, canonical_state, place_state
+from dsv41_jax.train.testing import small_config, write_corpus
 
-import dsv41_jax  # noqa: E402
-from dsv41_jax.checkpoint.orbax_ckpt import TrainCheckpointer, export_params  # noqa: E402
-from dsv41_jax.train import TrainConfig, make_train_step, train  # noqa: E402
-from dsv41_jax.train.step import canonical_shardings, canonical_state, place_state  # noqa: E402
-from dsv41_jax.train.testing import small_config, write_corpus  # noqa: E402
+from conftest import XLA_CACHE  # the run's compilation cache, shared with the training subprocesses
 
 STD = dict(seq_len=32, batch_size=2, weight_decay=0.0, warmup_steps=2)  # the program test_train.py shares
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,13 +105,14 @@ _CRASH_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a subprocess that imports jax and compiles
 def test_sigkill_during_save_leaves_previous_checkpoint_and_restart_continues(cfg, corpus, straight, tmp_path):
     tc, ref = straight
     ckpt = str(tmp_path / "ckpt")
     script = tmp_path / "crash.py"
     script.write_text(_CRASH_SCRIPT)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, str(script), corpus, ckpt, "4", CACHE], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(script), corpus, ckpt, "4", XLA_CACHE], capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert "SAVE_IN_FLIGHT 4" in proc.stdout
@@ -137,6 +135,94 @@ def test_sigkill_during_save_leaves_previous_checkpoint_and_restart_continues(cf
     assert resumed.resumed_from == committed[-1] and resumed.step == 6
     assert not [d for d in os.listdir(ckpt) if "tmp" in d]  # the partial write was cleaned up
     _assert_trees_equal(resumed.state, ref.state)  # as if never interrupted
+
+
+# `dsv41 train` in a subprocess whose data loader blocks before batch `block_at` (sleeping `block_s` seconds, after
+# printing BLOCKED), so a real SIGINT lands while a given step is pending.
+_BLOCKING_CLI = textwrap.dedent("""
+    import sys, time
+    import jax
+    jax.config.update("jax_compilation_cache_dir", sys.argv[3])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    from dsv41_jax.train import trainer
+
+    block_at, block_s = int(sys.argv[1]), float(sys.argv[2])
+    original = trainer.DataLoader.__next__
+    calls = [0]
+
+    def blocking_next(self):
+        calls[0] += 1
+        if calls[0] == block_at:
+            print("BLOCKED", flush=True)
+            time.sleep(block_s)
+        return original(self)
+
+    trainer.DataLoader.__next__ = blocking_next
+    from dsv41_jax.cli import main
+    sys.exit(main(sys.argv[4:]))
+""")
+
+
+def _start_blocking_cli(tmp_path, cfg, corpus, ckpt, block_at, block_s):
+    from dsv41_jax.checkpoint.orbax_ckpt import write_config_json
+
+    cfg_dir = tmp_path / "cfg"
+    cfg_dir.mkdir(exist_ok=True)
+    write_config_json(str(cfg_dir), cfg)
+    script = tmp_path / "blocking_cli.py"
+    script.write_text(_BLOCKING_CLI)
+    # the program of `straight`: TrainConfig(steps=6, lr=3e-3, **STD) on the same corpus
+    args = ["train", "--config", str(cfg_dir / "config.json"), "--data", corpus, "--glob", "*.txt", "--steps", "6",
+            "--lr", "3e-3", "--seq-len", "32", "--batch-size", "2", "--weight-decay", "0", "--warmup", "2",
+            "--ckpt-dir", ckpt, "--save-every", "100", "--log-every", "1"]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, str(script), str(block_at), str(block_s), XLA_CACHE, *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "BLOCKED"
+    return proc
+
+
+@pytest.mark.slow  # a subprocess that imports jax and compiles
+def test_ctrl_c_saves_the_step_in_flight_and_resume_is_exact(cfg, corpus, straight, tmp_path):
+    """SIGINT as Ctrl-C sends it, while step 3 is pending: the step finishes, is saved, and the command exits 130 with
+    one line naming the step and the directory; the same command again resumes to the uninterrupted result."""
+    import time
+
+    tc, ref = straight
+    ckpt = str(tmp_path / "ckpt")
+    proc = _start_blocking_cli(tmp_path, cfg, corpus, ckpt, block_at=3, block_s=2.0)
+    t0 = time.perf_counter()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert "SIGINT: finishing the current step, then saving" in err
+    assert err.strip().splitlines()[-1] == f"saved step 3 to {ckpt}; rerun to resume"
+    assert time.perf_counter() - t0 < 60, "the interrupted run took too long to stop"
+    ck = TrainCheckpointer(ckpt)
+    assert ck.latest_step() == 3
+    ck.close()
+    done = train(cfg, tc, [corpus], glob="*.txt", ckpt_dir=ckpt, save_every=100, progress=False, log_every=1)
+    assert done.resumed_from == 3 and done.step == 6
+    _assert_trees_equal(done.state, ref.state)  # parameters, optimiser state, step, RNG: as if never interrupted
+
+
+def test_second_ctrl_c_aborts_at_once(cfg, corpus, tmp_path):
+    """A second SIGINT does not wait for the pending step (blocked here for 120 s): the process exits at once."""
+    import time
+
+    ckpt = str(tmp_path / "ckpt")
+    proc = _start_blocking_cli(tmp_path, cfg, corpus, ckpt, block_at=1, block_s=120.0)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert time.perf_counter() - t0 < 10
+    assert proc.returncode == 130, err[-3000:]
+    assert "aborting without saving" in err
+    saved = [d for d in os.listdir(ckpt) if d.isdigit()] if os.path.isdir(ckpt) else []
+    assert saved == []  # aborted before any step finished: nothing written
 
 
 def test_restore_onto_another_mesh(cfg, tmp_path):

@@ -78,3 +78,35 @@ def test_invalid_configs_name_the_field(tiny_config, changes, field):
 def test_unknown_preset_is_a_clear_error():
     with pytest.raises(ConfigError, match="unknown config"):
         load_config("no_such_config")
+
+
+@pytest.mark.parametrize("content,problem", [
+    (b'{"vocab_size": 259, "hidden', "the file looks truncated"),
+    (b"", "the file is empty"),
+    (b"<html>not json</html>", "invalid JSON"),
+    (b"\x89PNG\r\n\x1a\n\xff\xfe", "not a text file"),
+    (b"[1, 2]", "got a JSON list"),
+    (b'{"hidden_size": "wide"}', "`hidden_size`: must be a positive integer"),
+])
+def test_corrupt_config_json_names_the_file_and_the_problem(tmp_path, capsys, content, problem):
+    from dsv41_jax.cli import main
+
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(ConfigError, match=problem) as e:
+        load_config(str(tmp_path))
+    assert str(tmp_path / "config.json") in str(e.value)
+    assert main(["plan", "--config", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "config.json") in err and problem in err
+
+
+def test_corrupt_tokenizer_json_names_the_file(tmp_path):
+    from dsv41_jax.tokenizer import load_tokenizer
+
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0')
+    with pytest.raises(ValueError, match="tokenizer.json: invalid JSON .*truncated"):
+        load_tokenizer(str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "tokenizer_config.json").write_text("")
+    with pytest.raises(ValueError, match="tokenizer"):
+        load_tokenizer(str(tmp_path))

@@ -30,10 +30,11 @@ def _model(variant: str):
     base = load_config("tiny")
     if variant == "tiny":
         config = base.replace(quant_sim=False)
-    elif variant == "small_window_quant":
-        # smaller window, bigger HSI blocks, fewer picks: pruning starts early; the release's fake quantisation on
+    elif variant in ("small_window", "small_window_quant"):
+        # smaller window, bigger HSI blocks, fewer picks: pruning starts early; optionally the release's fake
+        # quantisation on
         config = base.replace(sliding_window=4, candidate_block_size=4, candidate_topk_blocks=2, index_topk=3,
-                              quant_sim=True)
+                              quant_sim=variant == "small_window_quant")
     else:
         raise ValueError(variant)
     # std 0.1 (0.02 gives near-uniform attention and routing); the initialiser's constants perturbed
@@ -56,6 +57,41 @@ def _oracle(config, params, hasher, seq: np.ndarray, prompt_len: int, replay: in
     out = _forward_jit(params, jnp.asarray(toks), config=config, engram_ids=jnp.asarray(hasher.row_ids(toks)),
                        options=opts)
     return np.asarray(out)[0]
+
+
+FLIP = 5e-4  # a logit change this large under 1e-6 weight noise is an FP4 / FP8 code flip, not continuous drift
+
+
+def _stable_positions(config, params, hasher, seq, prompt_len, replay, ref, first, draws=8) -> np.ndarray:
+    """[positions first..] bool: where no draw of a relative 1e-6 perturbation of every weight flips the reference.
+
+    With the release's fake quantisation on the network is discontinuous: FP4 / FP8 rounding turns a last-bit
+    difference (another summation order, another CPU's XLA code) into another code, moving the logits by 1e-3..0.5
+    from that position on. Measured on the small-window config: under 1e-6 noise half of the draws flip from
+    position 6 on, while the continuous drift stays below 1.5e-4. The engine sums in another order than the forward
+    (~1e-6 apart), so a quant-on comparison means something only where the reference does not flip under such
+    noise (as in the golden tests); elsewhere it measures which side of a rounding boundary the last bits fell."""
+    stable = np.ones(len(seq) - first, bool)
+    for seed in range(draws):
+        rng = np.random.default_rng(seed)
+        noisy = jax.tree.map(lambda p: (np.asarray(p) * (1 + 1e-6 * rng.standard_normal(np.shape(p)))).astype(
+            np.asarray(p).dtype), params)
+        other = _oracle(config, noisy, hasher, seq, prompt_len, replay)[first:]
+        stable &= np.abs(other - ref[first:]).max(-1) < FLIP
+    return stable
+
+
+def _assert_matches_oracle(config, params, hasher, seq, prompt_len, replay, logits, first) -> int:
+    """Engine logits vs the training forward within TOL at every position (quant off), or at the positions where
+    the quant-on reference is stable (see _stable_positions). Returns how many positions were compared."""
+    ref = _oracle(config, params, hasher, seq, prompt_len, replay)
+    assert logits.shape[0] == len(seq) - first
+    if not config.quant_sim:
+        np.testing.assert_allclose(logits, ref[first:], rtol=0, atol=TOL)
+        return len(logits)
+    stable = _stable_positions(config, params, hasher, seq, prompt_len, replay, ref, first)
+    np.testing.assert_allclose(logits[stable], ref[first:][stable], rtol=0, atol=TOL)
+    return int(stable.sum())
 
 
 def _opts(config, **kw):
@@ -121,11 +157,12 @@ def _random_seq(config, n, seed):
     return np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (n,), 3, config.vocab_size)).astype(np.int32)
 
 
-@pytest.mark.parametrize("variant", ["tiny", "small_window_quant"])
+@pytest.mark.parametrize("variant", ["tiny", "small_window", "small_window_quant"])
 def test_prefill_and_decode_equal_the_training_forward(variant):
     """A mixed-length batch: a short prompt (within the replay window: the full forward) and a long one that ends
     mid-group (ratio 2) and mid-block (HSI blocks), decoding across the points where top-k and the HSI pool
-    start pruning. Every logit within 1e-5 of the forward at the same positions."""
+    start pruning. Every logit within 1e-5 of the forward at the same positions (with the fake quantisation on:
+    at the positions where the forward is stable, see _stable_positions)."""
     config, params, hasher = _model(variant)
     r = config.sliding_window
     n_steps = 9
@@ -133,11 +170,14 @@ def test_prefill_and_decode_equal_the_training_forward(variant):
     assert lens[1] % 2 == 1 and lens[1] % config.candidate_block_size != 0
     seqs = [_random_seq(config, t + n_steps, seed) for t, seed in zip(lens, (1, 2))]
     got, _ = _run_engine_path(config, params, hasher, seqs, lens, n_steps, chunk=16)
+    compared = 0
     for seq, t, (logits, first) in zip(seqs, lens, got):
-        ref = _oracle(config, params, hasher, seq, t, r)
         # positions first .. t-1 come from prefill, t .. t+n_steps-1 from the decode steps
-        assert logits.shape[0] == len(seq) - first
-        np.testing.assert_allclose(logits, ref[first:], rtol=0, atol=TOL)
+        compared += _assert_matches_oracle(config, params, hasher, seq, t, r, logits, first)
+    # quant on: the short prompt's first positions are stable (measured: 5-6 of its 10 under 8 noise draws); the
+    # long prompt's bounded-replay positions all lie past a flip-prone point, so the quant-off small-window variant
+    # is what checks them
+    assert compared >= (4 if config.quant_sim else sum(len(x) for x, _ in got))
     # the decode steps did cross the pruning points: ratio-2 sources see more than index_topk entries and the
     # candidate source's pool holds fewer entries than are visible
     last_pos = max(t + n_steps - 1 for t in lens)
@@ -148,8 +188,11 @@ def test_prefill_and_decode_equal_the_training_forward(variant):
 @pytest.mark.parametrize("backend", ["pallas_gpu_interpret", "pallas_tpu_interpret"])
 def test_engine_on_pallas_kernels_equals_the_training_forward(backend):
     """The engine's sparse attention and indexer top-k through the Pallas kernels (interpret mode on CPU): prefill +
-    decode across the pruning points still equal the plain-JAX training forward."""
-    config, params, hasher = _model("small_window_quant")
+    decode across the pruning points still equal the plain-JAX training forward. Fake quantisation off: the kernels
+    sum in another order than the reference (~1e-6), which under FP4 / FP8 rounding can flip a code and move every
+    later logit by ~1e-2 depending on the machine's last bits; the quantised engine path is compared (at the stable
+    positions) in test_prefill_and_decode_equal_the_training_forward."""
+    config, params, hasher = _model("small_window")
     r = config.sliding_window
     n_steps = 3
     lens = [r - 1, 3 * r - 1]
@@ -157,8 +200,7 @@ def test_engine_on_pallas_kernels_equals_the_training_forward(backend):
     got, _ = _run_engine_path(config, params, hasher, seqs, lens, n_steps, chunk=8,
                               opts=_opts(config, kernel_backend=backend))
     for seq, t, (logits, first) in zip(seqs, lens, got):
-        ref = _oracle(config, params, hasher, seq, t, r)
-        np.testing.assert_allclose(logits, ref[first:], rtol=0, atol=TOL)
+        _assert_matches_oracle(config, params, hasher, seq, t, r, logits, first)
     last_pos = max(t + n_steps - 1 for t in lens)
     assert (last_pos + 1) // 2 > config.index_topk
 

@@ -153,3 +153,33 @@ def test_cli_generate(capsys):
     assert "B/token" in err and "890" not in err and "tok/s" in err and "prefill" in err
     assert main(["generate", "--config", "tiny", "--prompt", "Hi", "--max-new-tokens", "0"]) == 2
     assert "max-new-tokens" in capsys.readouterr().err
+
+
+def test_cli_generate_long_prompt_warns_shortens_its_echo_and_times_separately(tmp_path, capsys):
+    """A prompt longer than the rows the weights were trained on (recorded by `dsv41 train --export`) warns; the
+    echo of a long prompt is shortened; progress is a few lines off a TTY; compile time, time to first token and the
+    steady decode rate are reported apart."""
+    from dsv41_jax.checkpoint.orbax_ckpt import export_params
+    from dsv41_jax.default_model import DEFAULT_MODEL_DIR, TRAINED_SEQ_LEN
+
+    # the embedded model's record: TRAINING.md's command trained on --seq-len TRAINED_SEQ_LEN rows
+    with open(f"{DEFAULT_MODEL_DIR}/TRAINING.md") as f:
+        assert f"--seq-len {TRAINED_SEQ_LEN} " in f.read()
+    config = load_config("tiny").replace(quant_sim=False)
+    ckpt = export_params(str(tmp_path / "export"), host_random_params(config, 0), config, fmt="safetensors",
+                         extra={"train_seq_len": 16})
+    prompt = "".join(chr(97 + i % 26) for i in range(700))
+    rc = main(["generate", "--checkpoint", ckpt, "--prompt", prompt, "--max-new-tokens", "4", "--prefill-chunk",
+               "64", "--temperature", "0"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "warning: the prompt is 701 tokens but the model was trained on rows of 16 tokens" in err
+    assert out.startswith(prompt[:120]) and "characters of the prompt not shown" in out and prompt not in out
+    assert len(out) < 500
+    assert err.count("# prefill") <= 11  # not one line per chunk (12 chunks here), at most one per tenth
+    timing = [line for line in err.splitlines() if line.startswith("# compile:")]
+    assert len(timing) == 1 and "time to first token:" in timing[0] and "tok/s steady" in timing[0]
+    # a short prompt: no warning, the echo in full
+    assert main(["generate", "--checkpoint", ckpt, "--prompt", "abc", "--max-new-tokens", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("abc") and "warning" not in err

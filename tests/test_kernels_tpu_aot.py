@@ -29,6 +29,7 @@ print(json.dumps([[k, c.memory_analysis() is not None, "tpu_custom_call" in c.as
 
 # every kernel on v5p; on v6e the decode attention and the indexer (the prefill variant is the same kernel body with
 # the index list in a per-query SMEM block instead of scalar prefetch) — keeps the CI compile time down
+@pytest.mark.slow  # a subprocess that imports jax and compiles
 @pytest.mark.parametrize("topology,kernels", [("v5p:2x2x1", ALL),
                                               ("v6e:2x2", ("sparse_attention_decode", "indexer_score_pool"))])
 def test_mosaic_kernels_compile_for_tpu(topology, kernels):

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                 reason='libtpu not installed (pip install -e ".[tpu]")')
 
 
+@pytest.mark.slow  # a subprocess that imports jax and compiles
 def test_aot_compile_tiny_decode_for_v5p_2x2x2(tmp_path):
     out = tmp_path / "aot.json"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}

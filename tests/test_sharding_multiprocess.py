@@ -10,6 +10,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import dsv41_jax
 from dsv41_jax import ForwardOptions
@@ -25,6 +26,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # a subprocess that imports jax and compiles
 def test_two_process_launch_equals_unsharded(tmp_path):
     out = tmp_path / "logits.npy"
     port = _free_port()

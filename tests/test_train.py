@@ -3,28 +3,22 @@ data packing, the train step (a tiny model overfits a batch), bad input, and the
 
 import json
 import os
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-# One XLA compilation cache for every process of the test run (workers and the subprocesses of the crash tests):
-# the train-step program is identical across tests, so only the first compile is paid.
-jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "dsv41_jax_test_xla_cache"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-
-from dsv41_jax.model.model import default_hasher  # noqa: E402
-from dsv41_jax.ops import quant  # noqa: E402
-from dsv41_jax.ops.attention import sparse_attention  # noqa: E402
-from dsv41_jax.tokenizer import ByteTokenizer  # noqa: E402
-from dsv41_jax.train import TrainConfig, TrainConfigError, TrainError, lr_at, make_train_step, train  # noqa: E402
-from dsv41_jax.train.data import (DataError, Dataset, build_rows, load_corpus, read_documents,  # noqa: E402
+from dsv41_jax.model.model import default_hasher
+from dsv41_jax.ops import quant
+from dsv41_jax.ops.attention import sparse_attention
+from dsv41_jax.tokenizer import ByteTokenizer
+from dsv41_jax.train import TrainConfig, TrainConfigError, TrainError, lr_at, make_train_step, train
+from dsv41_jax.train.data import (DataError, Dataset, build_rows, load_corpus, read_documents,
                                   tokenize_documents)
-from dsv41_jax.train.loss import balance_loss, expert_load, indexer_kl_loss, noaux_bias_update  # noqa: E402
-from dsv41_jax.train.optimizer import build_optimizer, trainable_mask  # noqa: E402
-from dsv41_jax.train.testing import random_batch, small_config, write_corpus  # noqa: E402
+from dsv41_jax.train.loss import balance_loss, expert_load, indexer_kl_loss, noaux_bias_update
+from dsv41_jax.train.optimizer import build_optimizer, trainable_mask
+from dsv41_jax.train.testing import random_batch, small_config, write_corpus
 
 # The one train-step program most tests share (same HLO as `dsv41 train ... --seq-len 32 --batch-size 2
 # --weight-decay 0` on the small config): bf16 compute, release fake quantisation with straight-through gradients.
@@ -127,6 +121,61 @@ def test_read_documents_jsonl_binary_and_errors(tmp_path):
     (tmp_path / "empty" / "e.txt").write_text("")
     with pytest.raises(DataError, match="empty corpus"):
         read_documents([str(tmp_path / "empty")])
+
+
+def test_binary_and_undecodable_files_are_counted_and_reported(tmp_path):
+    from dsv41_jax.train.data import ReadReport
+    from dsv41_jax.train.trainer import corpus_warnings
+
+    only_binary = tmp_path / "bin"
+    only_binary.mkdir()
+    for i in range(3):
+        (only_binary / f"blob{i}.dat").write_bytes(b"\x7fELF\0\0" + bytes(range(256)))
+    with pytest.raises(DataError, match=r"3 binary file\(s\) skipped \(e\.g\. .*blob0\.dat\)"):
+        read_documents([str(only_binary)])
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.txt").write_text("fine")
+    (mixed / "b.dat").write_bytes(b"\0binary")
+    (mixed / "c.txt").write_bytes(b"caf\xe9 latin-1")  # not UTF-8: read with U+FFFD, counted
+    report = ReadReport()
+    docs = read_documents([str(mixed)], report=report)
+    assert docs == ["fine", "caf\ufffd latin-1"]
+    assert report.files == 3 and report.documents == 2
+    assert [os.path.basename(p) for p in report.binary] == ["b.dat"]
+    assert [os.path.basename(p) for p in report.undecodable] == ["c.txt"]
+    assert "1 binary file(s) skipped" in report.describe() and "1 file(s) with invalid UTF-8" in report.describe()
+    warned = corpus_warnings(report, 10, TrainConfig(seq_len=32, batch_size=2))
+    assert any("binary" in w for w in warned) and any("UTF-8" in w for w in warned)
+    assert any("fewer than one batch" in w for w in warned)
+
+
+def test_suspicious_train_settings_warn():
+    assert TrainConfig(steps=1000, warmup_steps=100).warnings() == []
+    short = TrainConfig(steps=20, warmup_steps=100).warnings()  # the default warm-up on a 20-step run
+    assert len(short) == 1 and "warmup_steps 100 >= steps 20" in short[0] and "never reaches its peak" in short[0]
+    assert any("decay" in w for w in TrainConfig(steps=100, warmup_steps=99).warnings())
+    assert any("constant" in w for w in TrainConfig(min_lr_ratio=1.0).warnings())
+    assert any("unusually high" in w for w in TrainConfig(lr=0.5).warnings())
+
+
+def test_cli_fine_tunes_the_default_model_from_its_weights(tmp_path, monkeypatch):
+    """`dsv41 train --init-from default` takes the embedded model's config and starts from its parameters."""
+    import argparse
+
+    from dsv41_jax.default_model import default_model
+    from dsv41_jax.train.cli import _resolve_config
+    from dsv41_jax.train.trainer import load_init_params
+
+    config, params, _ = default_model()
+    args = argparse.Namespace(config=None, init_from="default")
+    assert _resolve_config(args) == config
+    got = load_init_params("default", config)
+    for (pa, a), (pb, b) in zip(jax.tree_util.tree_flatten_with_path(got)[0],
+                                jax.tree_util.tree_flatten_with_path(params)[0]):
+        assert pa == pb
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert _resolve_config(argparse.Namespace(config=None, init_from=None)).name == "tiny"
 
 
 def test_hf_tokenizer_json_corpus():

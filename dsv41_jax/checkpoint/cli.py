@@ -25,18 +25,19 @@ def _config(name):
     return load_config(name)
 
 
-def add_parsers(sub) -> None:
+def add_parsers(sub, formatter_class=None) -> None:
+    kw = {"formatter_class": formatter_class} if formatter_class else {}
     s = sub.add_parser("convert", help="convert a release / HF safetensors checkpoint into an orbax parameter export "
-                                       "(streamed, resumable, verified)")
+                                       "(streamed, resumable, verified)", **kw)
     s.add_argument("src", help="safetensors checkpoint directory (release or HF naming)")
     s.add_argument("dst", help="output directory (written atomically: <dst>.tmp-convert until verified)")
     s.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="dtype of the dequantised weights (mHC, sinks and router biases stay float32)")
-    s.add_argument("--config", default=None, help="config preset / config.json (default: the checkpoint's)")
+    s.add_argument("--config", default=None, help="config preset / config.json [default: the checkpoint's]")
     s.add_argument("--overwrite", action="store_true", help="replace a non-empty destination")
     s.set_defaults(fn=_cmd_convert)
     s = sub.add_parser("inspect", help="describe a safetensors checkpoint: naming, dtypes, bytes by component, "
-                                       "missing / unknown / skipped tensors against a config")
+                                       "missing / unknown / skipped tensors against a config", **kw)
     s.add_argument("dir")
-    s.add_argument("--config", default=None, help="config preset / config.json to match (default: the checkpoint's)")
+    s.add_argument("--config", default=None, help="config preset / config.json to match [default: the checkpoint's]")
     s.set_defaults(fn=_cmd_inspect)

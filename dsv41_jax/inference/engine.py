@@ -71,6 +71,7 @@ class GenerationStats:
     decode_s: float = 0.0
     decode_steps: int = 0
     first_step_s: float = 0.0  # the first decode step (includes its compile when not cached yet)
+    compile_s: float = 0.0  # JAX lowering + XLA compilation during this generate call (jax.monitoring events)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -89,6 +90,32 @@ class GenerationStats:
     @property
     def prefill_tokens_per_s(self) -> float:
         return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+    @property
+    def time_to_first_token_s(self) -> float:
+        """From the call to the first sampled token: the prefill (and its compiles) plus the first sampling."""
+        return self.prefill_s
+
+
+# Seconds of lowering + XLA compilation in this process, from jax.monitoring (registered once, on first use), so
+# generate can report compile time apart from prefill and decode time. Tracing events are not counted: a jit
+# traced inside another's trace reports its own (nested) duration.
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_to_mlir_module_duration", "/jax/core/compile/backend_compile_duration")
+_compile_seconds = [0.0]
+_compile_listener_registered = []
+
+
+def compile_seconds() -> float:
+    if not _compile_listener_registered:
+        import jax.monitoring
+
+        def listen(event: str, duration: float, **_kw) -> None:
+            if event in _COMPILE_EVENTS:
+                _compile_seconds[0] += duration
+
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        _compile_listener_registered.append(listen)
+    return _compile_seconds[0]
 
 
 class Engine:
@@ -315,6 +342,7 @@ class Engine:
             temp[s], topk[s], topp[s], seeds[s] = sp.temperature, sp.top_k, sp.top_p, sp.seed
         samp = tuple(jnp.asarray(a) for a in (temp, topk, topp, seeds))
 
+        c0 = compile_seconds()
         t0 = time.perf_counter()
         last = self.prefill([ids for _, ids, *_ in ok], [slot_of[i] for i, *_ in ok], progress=progress)
         full_last = jnp.zeros((b, last.shape[-1]), last.dtype).at[jnp.asarray([slot_of[i] for i, *_ in ok])].set(last)
@@ -361,6 +389,7 @@ class Engine:
                 stats.first_step_s = time.perf_counter() - t1
                 stats.first_step_tokens = int(active.sum())
         stats.decode_s = time.perf_counter() - t1
+        stats.compile_s = compile_seconds() - c0
         stats.decode_steps = step
         stats.new_tokens = sum(len(v) for v in out.values())
         return results  # type: ignore[return-value]

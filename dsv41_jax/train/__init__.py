@@ -8,10 +8,10 @@
 * ``dsv41_jax.train.loss`` — cross-entropy, noaux bias update, balance loss, indexer KL.
 """
 
-from dsv41_jax.train.config import TrainConfig, TrainConfigError
+from dsv41_jax.train.config import TrainConfig, TrainConfigError, TrainWarning
 from dsv41_jax.train.optimizer import build_optimizer, lr_at
 from dsv41_jax.train.step import TrainError, TrainStep, make_train_step
 from dsv41_jax.train.trainer import TrainResult, train
 
-__all__ = ["TrainConfig", "TrainConfigError", "build_optimizer", "lr_at", "TrainError", "TrainStep",
+__all__ = ["TrainConfig", "TrainConfigError", "TrainWarning", "build_optimizer", "lr_at", "TrainError", "TrainStep",
            "make_train_step", "TrainResult", "train"]

@@ -15,6 +15,10 @@ class TrainConfigError(ValueError):
     """An invalid training configuration; the message names the field."""
 
 
+class TrainWarning(UserWarning):
+    """A valid but suspicious training setting (``TrainConfig.warnings``); ``dsv41 train`` prints it."""
+
+
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 PACKING = ("concat", "pad", "segments")
@@ -102,6 +106,29 @@ class TrainConfig:
                     re.compile(pattern)
                 except re.error as e:
                     raise err(name, f"invalid regex {pattern!r}: {e}") from None
+
+    def warnings(self) -> list[str]:
+        """Valid but suspicious settings, each a sentence naming the field (``train`` emits them as
+        :class:`TrainWarning`): a warm-up as long as the run, a schedule that never reaches or never leaves its peak
+        as asked, learning rates far outside the usual range."""
+        from dsv41_jax.train.optimizer import lr_at
+
+        out = []
+        if self.warmup_steps >= self.steps:
+            last = lr_at(self.steps - 1, self)
+            out.append(f"warmup_steps {self.warmup_steps} >= steps {self.steps}: the whole run is warm-up and the "
+                       f"learning rate never reaches its peak {self.lr:g} (last step {last:.3g}, "
+                       f"{last / self.lr:.2g} of the peak); lower --warmup")
+        elif self.schedule != "constant" and self.steps - self.warmup_steps < max(2, self.steps // 20):
+            out.append(f"only {self.steps - self.warmup_steps} step(s) after warmup_steps {self.warmup_steps}: the "
+                       f"{self.schedule} decay is (almost) empty")
+        if self.schedule != "constant" and self.min_lr_ratio == 1.0:
+            out.append(f"min_lr_ratio 1 makes the {self.schedule} schedule constant")
+        if self.optimizer == "adamw" and self.lr > 1e-2:
+            out.append(f"lr {self.lr:g} is unusually high for AdamW (typical: 1e-4 to 3e-3)")
+        if self.lr < 1e-7:
+            out.append(f"lr {self.lr:g} is so small that the parameters will barely change")
+        return out
 
     def replace(self, **changes: Any) -> "TrainConfig":
         return dataclasses.replace(self, **changes)

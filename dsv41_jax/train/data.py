@@ -68,45 +68,86 @@ def _is_binary(path: str) -> bool:
         return b"\0" in f.read(8192)
 
 
+def _read_text(path: str, report: "ReadReport") -> str:
+    """UTF-8 text of a file; invalid bytes are replaced and the file is counted in ``report.undecodable``."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        report.undecodable.append(path)
+        return raw.decode("utf-8", errors="replace")
+
+
+@dataclasses.dataclass
+class ReadReport:
+    """What :func:`read_documents` read and skipped (``dsv41 train`` prints it)."""
+
+    files: int = 0  # files that matched
+    documents: int = 0
+    binary: list = dataclasses.field(default_factory=list)  # skipped: a NUL byte in the first 8 KiB
+    undecodable: list = dataclasses.field(default_factory=list)  # read with invalid UTF-8 bytes replaced
+    empty: int = 0  # files (or JSONL lines) with no text
+
+    def describe(self) -> str:
+        parts = [f"{self.documents:,} document(s) from {self.files:,} file(s)"]
+        if self.binary:
+            parts.append(f"{len(self.binary):,} binary file(s) skipped (e.g. {self.binary[0]})")
+        if self.undecodable:
+            parts.append(f"{len(self.undecodable):,} file(s) with invalid UTF-8, bytes replaced "
+                         f"(e.g. {self.undecodable[0]})")
+        if self.empty:
+            parts.append(f"{self.empty:,} empty")
+        return "; ".join(parts)
+
+
 def read_documents(paths: Sequence[str], *, glob: str = "*", text_key: str = "text",
-                   max_docs: int | None = None, exclude: str = "") -> list[str]:
-    """Documents (strings) from text / JSONL files and directories; empty documents are dropped."""
+                   max_docs: int | None = None, exclude: str = "", report: ReadReport | None = None) -> list[str]:
+    """Documents (strings) from text / JSONL files and directories; empty documents are dropped. Skipped binary
+    files and files with invalid UTF-8 are counted in ``report`` (and named in the empty-corpus error)."""
     docs: list[str] = []
+    report = report if report is not None else ReadReport()
     files = list_files(paths, glob, exclude)
+    report.files = len(files)
     for path in files:
         if path.endswith(".jsonl"):
-            with open(path, encoding="utf-8", errors="replace") as f:
-                for lineno, line in enumerate(f, 1):
-                    line = line.strip()
-                    if not line:
-                        continue
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-                    if isinstance(obj, str):
-                        text = obj
-                    elif isinstance(obj, dict) and isinstance(obj.get(text_key), str):
-                        text = obj[text_key]
-                    else:
-                        raise DataError(f"{path}:{lineno}: expected a JSON string or an object with a string "
-                                        f"field {text_key!r}")
-                    if text:
-                        docs.append(text)
+            for lineno, line in enumerate(_read_text(path, report).split("\n"), 1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+                if isinstance(obj, str):
+                    text = obj
+                elif isinstance(obj, dict) and isinstance(obj.get(text_key), str):
+                    text = obj[text_key]
+                else:
+                    raise DataError(f"{path}:{lineno}: expected a JSON string or an object with a string "
+                                    f"field {text_key!r}")
+                if text:
+                    docs.append(text)
+                else:
+                    report.empty += 1
         else:
             if _is_binary(path):
+                report.binary.append(path)
                 continue
-            with open(path, encoding="utf-8", errors="replace") as f:
-                text = f.read()
+            text = _read_text(path, report)
             if text:
                 docs.append(text)
+            else:
+                report.empty += 1
         if max_docs is not None and len(docs) >= max_docs:
             docs = docs[:max_docs]
             break
+    report.documents = len(docs)
     if not docs:
         what = ", ".join(paths) if not isinstance(paths, str) else paths
+        skipped = f": {report.describe()}" if files else ""
         raise DataError(f"empty corpus: no non-empty documents in {what} "
-                        f"({len(files)} file(s) matched glob {glob!r})")
+                        f"({len(files)} file(s) matched glob {glob!r}{skipped})")
     return docs
 
 
@@ -337,6 +378,7 @@ class DataLoader:
 
 
 def load_corpus(paths: Sequence[str], tokenizer, *, glob: str = "*", text_key: str = "text",
-                model_vocab_size: int | None = None, max_docs: int | None = None, exclude: str = "") -> TokenizedCorpus:
-    docs = read_documents(paths, glob=glob, text_key=text_key, max_docs=max_docs, exclude=exclude)
+                model_vocab_size: int | None = None, max_docs: int | None = None, exclude: str = "",
+                report: ReadReport | None = None) -> TokenizedCorpus:
+    docs = read_documents(paths, glob=glob, text_key=text_key, max_docs=max_docs, exclude=exclude, report=report)
     return tokenize_documents(docs, tokenizer, model_vocab_size=model_vocab_size)

@@ -3,7 +3,8 @@
 ``train(...)`` is what ``dsv41 train`` runs. Resuming is automatic: with a checkpoint directory that already holds a
 checkpoint of the same model config, the parameters, optimiser state, RNG and data position are restored and the
 run continues where the checkpoint left off (bit-identical to an uninterrupted run on the same machine). SIGTERM
-makes the loop save a checkpoint at the next step boundary and return.
+and SIGINT (Ctrl-C) make the loop finish the step in flight, save a checkpoint and return; a second SIGINT exits at
+once.
 """
 
 from __future__ import annotations
@@ -13,16 +14,18 @@ import json
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
+import warnings
 from typing import Sequence
 
 import jax
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.train.config import TrainConfig
-from dsv41_jax.train.data import DataError, DataLoader, Dataset, load_corpus
+from dsv41_jax.train.config import TrainConfig, TrainWarning
+from dsv41_jax.train.data import DataError, DataLoader, Dataset, ReadReport, load_corpus
 from dsv41_jax.train.optimizer import lr_at
 from dsv41_jax.train.step import TrainError, canonical_shardings, canonical_state, make_train_step, place_state
 
@@ -36,6 +39,7 @@ class TrainResult:
     stopped_by_signal: bool = False
     resumed_from: int | None = None
     export_dir: str | None = None
+    stop_signal: str | None = None  # "SIGTERM" / "SIGINT" when a signal stopped the run
 
     @property
     def final_loss(self) -> float | None:
@@ -70,6 +74,115 @@ class Progress:
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
+
+
+class StopSignals:
+    """SIGTERM / SIGINT -> a stop request at the next step boundary; a second SIGINT exits the process at once.
+
+    The signals are read by a thread through ``signal.set_wakeup_fd``: a Python signal handler runs only when the main
+    thread executes bytecode, which it does not while XLA compiles or runs a step (minutes for a first compile), so
+    the stop request, its message and the second Ctrl-C's exit happen at once from the reader thread instead.
+    Installed only from the main thread (signal handlers cannot be set elsewhere); otherwise a no-op.
+    """
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.event = threading.Event()
+        self.received: str | None = None  # "SIGTERM" / "SIGINT" once a stop was requested
+        self._old_handlers: dict = {}
+        self._old_wakeup = None
+        self._socks = None
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        rd, wr = socket.socketpair()
+        wr.setblocking(False)
+        self._socks = (rd, wr)
+        self._old_wakeup = signal.set_wakeup_fd(wr.fileno(), warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            # the Python-level handler (main thread, between bytecodes) and the reader thread (at once) both request
+            # the stop; only the reader counts deliveries and reports
+            self._old_handlers[sig] = signal.signal(sig, self._request)
+        self._thread = threading.Thread(target=self._read, args=(rd,), daemon=True, name="dsv41-stop-signals")
+        self._thread.start()
+        return self
+
+    def _request(self, signum, _frame=None) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+        self.event.set()
+
+    def _read(self, rd) -> None:
+        n_int = 0
+        reported = False
+        while True:
+            try:
+                data = rd.recv(16)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum not in (signal.SIGTERM, signal.SIGINT):
+                    continue
+                n_int += signum == signal.SIGINT
+                if n_int >= 2:  # the second Ctrl-C: abort now, without saving
+                    self.stream.write("\n# interrupted again: aborting without saving\n")
+                    self.stream.flush()
+                    os._exit(130)
+                self._request(signum)
+                if not reported:
+                    reported = True
+                    again = "; Ctrl-C again aborts without saving" if signum == signal.SIGINT else ""
+                    self.stream.write(f"\n# {signal.Signals(signum).name}: finishing the current step, then "
+                                      f"saving{again}\n")
+                    self.stream.flush()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def __exit__(self, *exc) -> None:
+        if self._socks is None:
+            return
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old)
+        signal.set_wakeup_fd(self._old_wakeup if self._old_wakeup is not None else -1)
+        rd, wr = self._socks
+        wr.close()  # the reader sees the end of the stream and returns
+        self._thread.join(timeout=5)
+        rd.close()
+        self._socks = None
+
+
+def load_init_params(init_from: str, config: ModelConfig):
+    """Parameters to start from: ``"default"`` (the embedded default model) or any checkpoint directory kind."""
+    from dsv41_jax.checkpoint.orbax_ckpt import load_checkpoint
+
+    if init_from == "default" and not os.path.exists(init_from):
+        from dsv41_jax.default_model import DEFAULT_MODEL_DIR
+
+        init_from = DEFAULT_MODEL_DIR
+    _, params = load_checkpoint(init_from, config=config)
+    return params
+
+
+def corpus_warnings(read: ReadReport, n_tokens: int, tc: TrainConfig) -> list[str]:
+    """Suspicious data for this run: skipped files, a corpus smaller than one batch or repeated many times."""
+    out = []
+    if read.binary:
+        out.append(f"{len(read.binary)} binary file(s) skipped (a NUL byte in the first 8 KiB), e.g. {read.binary[0]}")
+    if read.undecodable:
+        out.append(f"{len(read.undecodable)} file(s) are not valid UTF-8 (bytes replaced by U+FFFD), e.g. "
+                   f"{read.undecodable[0]}")
+    per_step = tc.batch_size * tc.seq_len
+    if n_tokens < per_step:
+        out.append(f"the corpus has {n_tokens:,} tokens, fewer than one batch ({tc.batch_size} x {tc.seq_len} = "
+                   f"{per_step:,}): every step repeats it")
+    elif tc.steps * per_step > 100 * n_tokens:
+        out.append(f"{tc.steps} steps x {per_step:,} tokens read the {n_tokens:,}-token corpus "
+                   f"{tc.steps * per_step / n_tokens:,.0f} times: expect over-fitting")
+    return out
 
 
 def _to_host(m: dict) -> dict:
@@ -108,9 +221,17 @@ def train(config: ModelConfig, tc: TrainConfig, data: Sequence[str] | str, *, to
     if tc.seq_len > config.max_position_embeddings:
         raise TrainError(f"seq_len {tc.seq_len} exceeds the model's max_position_embeddings "
                          f"{config.max_position_embeddings}")
+    def say(msg: str) -> None:  # stage messages, so a run shows progress from its start (compiles take minutes)
+        if progress:
+            print(msg, file=sys.stderr, flush=True)
+
     tok = _load_tokenizer(tokenizer, config)
+    read = ReadReport()
     corpus = load_corpus(data, tok, glob=glob, text_key=text_key, model_vocab_size=config.vocab_size,
-                         max_docs=max_docs, exclude=exclude)
+                         max_docs=max_docs, exclude=exclude, report=read)
+    say(f"# data: {read.describe()}; {len(corpus.tokens):,} tokens")
+    for msg in tc.warnings() + corpus_warnings(read, len(corpus.tokens), tc):
+        warnings.warn(msg, TrainWarning, stacklevel=2)
     hasher = default_hasher(config, tok)
     dataset = Dataset(corpus, seq_len=tc.seq_len, batch_size=tc.batch_size, packing=tc.packing, seed=tc.seed,
                       hasher=hasher)
@@ -144,12 +265,12 @@ def train(config: ModelConfig, tc: TrainConfig, data: Sequence[str] | str, *, to
             if saved_tc.get("steps") != tc.steps:
                 schedule_steps = tc.steps
             resumed_from = latest
+            say(f"# resuming from step {latest} ({ckpt_dir})")
         else:
             params = None
             if init_from:
-                from dsv41_jax.checkpoint.orbax_ckpt import load_checkpoint
-
-                _, params = load_checkpoint(init_from, config=config)
+                params = load_init_params(init_from, config)
+                say(f"# starting from the parameters of {init_from}")
             state = step_fn.init_state(params)
     except BaseException:
         if ckpt:
@@ -161,10 +282,9 @@ def train(config: ModelConfig, tc: TrainConfig, data: Sequence[str] | str, *, to
     history: list = []
     metrics_file = open(metrics_path, "a") if metrics_path else None
     bar = Progress(schedule_steps, start, enabled=progress)
-    stop = threading.Event()
-    old_handler = None
-    if handle_sigterm and threading.current_thread() is threading.main_thread():
-        old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = StopSignals()
+    if handle_sigterm:  # SIGTERM and SIGINT
+        stop.__enter__()
     tokens_per_step = tc.batch_size * tc.seq_len
     step = start
     last_saved = resumed_from
@@ -182,6 +302,8 @@ def train(config: ModelConfig, tc: TrainConfig, data: Sequence[str] | str, *, to
                   train_config=tc, extra_meta=extra_meta(), force=force)
         last_saved = step
 
+    say("# compiling the train step (the first step includes XLA compilation)…")
+    t_first = None
     try:
         while step < schedule_steps and not stop.is_set():
             if stop_after is not None and step - start >= stop_after:
@@ -190,6 +312,10 @@ def train(config: ModelConfig, tc: TrainConfig, data: Sequence[str] | str, *, to
             state, m = step_fn(state, batch, lr_at(step, tc, schedule_steps))
             step += 1
             n_log += 1
+            if t_first is None:
+                jax.block_until_ready(state["step"])
+                t_first = time.perf_counter() - t_run
+                say(f"# first step done in {t_first:.1f} s (compilation included)")
             if time_limit and step == start + 2:
                 jax.block_until_ready(state["step"])
                 t_probe = time.perf_counter()
@@ -230,16 +356,17 @@ def train(config: ModelConfig, tc: TrainConfig, data: Sequence[str] | str, *, to
 
             params = jax.device_get(canonical_state(step_fn, state)["params"])
             exported = export_params(export_dir, params, config, fmt=export_format,
-                                     extra={"step": step, "final_loss": history[-1][1]["ce"] if history else None})
-        return TrainResult(state, step, history, schedule_steps, stop.is_set(), resumed_from, exported)
+                                     extra={"step": step, "final_loss": history[-1][1]["ce"] if history else None,
+                                            "train_seq_len": tc.seq_len})
+        return TrainResult(state, step, history, schedule_steps, stop.is_set(), resumed_from, exported,
+                           stop.received)
     finally:
         loader.close()
         if metrics_file:
             metrics_file.close()
-        if old_handler is not None:
-            signal.signal(signal.SIGTERM, old_handler)
+        stop.__exit__(None, None, None)
         if ckpt:
             ckpt.close()
 
 
-__all__ = ["train", "TrainResult", "Progress"]
+__all__ = ["train", "TrainResult", "Progress", "StopSignals", "load_init_params", "corpus_warnings"]
