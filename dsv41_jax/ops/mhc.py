@@ -33,7 +33,9 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
         c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
         return c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
 
-    comb = jax.lax.fori_loop(0, sinkhorn_iters - 1, body, comb)
+    # unrolled: a few elementwise ops on [.., hc, hc] per iteration, which XLA fuses into one kernel; a rolled loop
+    # would launch them one iteration at a time (dozens of tiny kernels per site in a decode step on a GPU)
+    comb = jax.lax.fori_loop(0, sinkhorn_iters - 1, body, comb, unroll=True)
     return pre, post, comb
 
 
