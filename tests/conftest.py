@@ -5,6 +5,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("DSV41_COMPILATION_CACHE", "off")  # no persistent compilation cache in the suite's processes
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
