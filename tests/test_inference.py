@@ -306,7 +306,7 @@ def test_tiled_moe_equals_the_model_moe():
         return moe_inference(x, p, tile=tile, **kw), moe(x, p, impl="dense", **kw)[0]
 
     rng = np.random.default_rng(0)
-    for m, tile in [(1, None), (3, None), (5, 8), (70, None), (70, 16), (200, None)]:
+    for m, tile in [(1, None), (3, None), (5, 8), (40, None), (70, None), (70, 16)]:
         x = jnp.asarray(rng.standard_normal((m, config.hidden_size)), jnp.float32)
         got, want = both(x, tile)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
