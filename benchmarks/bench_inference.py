@@ -2,6 +2,7 @@
 
     python benchmarks/bench_inference.py --preset cpu  [--out DIR]     # tiny config on the CPU
     python benchmarks/bench_inference.py --preset h200 [--out DIR]     # full-width layers on one H200
+    python benchmarks/bench_inference.py --preset h200 --model bench40  # the 40-layer plan (configs/bench40.py)
 
 Model sizes:
   * cpu:  the tiny config (d=64, 12 layers: 6 encoder / 6 decoder, window 8), float32, quant_sim off.
@@ -10,6 +11,8 @@ Model sizes:
           12 layers (the tiny plan: 0-1 SWA, 2-5 ratio-2 encoder with sources 2 and 4, 6-11 ratio-1 decoder with
           source/HSI candidate 6 and Reindex 8, 10) and 16 routed experts (top-6, width 2304) + 1 shared; bf16
           parameters and caches, quant_sim off (fake quantisation is numerics emulation, not a storage format).
+          ``--model bench40``: the release's 40-layer plan at full width with 16 routed experts
+          (configs/bench40.py, 62.7 GB of bf16 parameters).
 
 What is measured (same process, same run):
   1. prefill of one prompt of T tokens (chunks of ``--chunk``), CED (encoder over the prompt, decoder over the
@@ -61,6 +64,15 @@ def h200_config(engram_vocab: int = 40_000, **overrides) -> ModelConfig:
         engram_layer_ids=(1, 4), engram_vocab_size=engram_vocab,
         engram_num_embeddings=tuple(int(r) for r in layout.rows_per_layer), dspark_target_layer_ids=(9, 10, 11),
         quant_sim=False)
+
+
+def bench40_config() -> ModelConfig:
+    from dsv41_jax.config import load_config
+
+    return load_config("bench40")
+
+
+BENCH_MODELS = {"12L": h200_config, "bench40": bench40_config}
 
 
 def cpu_config() -> ModelConfig:
@@ -158,6 +170,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", choices=("cpu", "h200"), default="cpu")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--model", choices=sorted(BENCH_MODELS), default="12L",
+                    help="h200 preset's model: 12L (bench-h200-12L) or bench40 (configs/bench40.py)")
     ap.add_argument("--lengths", default=None, help="comma-separated prompt lengths")
     ap.add_argument("--contexts", default=None, help="comma-separated decode contexts (batch 1)")
     ap.add_argument("--contexts32", default=None, help="comma-separated decode contexts (batch 32)")
@@ -188,7 +202,7 @@ def main(argv=None):
         chunk = args.chunk or 1024
         opts = InferenceOptions(quant_sim=False, compiler_options=FAST_COMPILE, index_block_elems=1 << 24)
     else:
-        config, dtype = h200_config(), jnp.bfloat16
+        config, dtype = BENCH_MODELS[args.model](), jnp.bfloat16
         lengths = [1024, 4096, 16384, 32768]
         contexts, contexts32 = [8192, 32768, 131072, 524288, 1048000], [8192, 32768, 131072]
         chunk = args.chunk or 1024

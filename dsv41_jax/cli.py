@@ -125,7 +125,10 @@ def _cmd_generate(args) -> int:
     from dsv41_jax.inference.cache import cache_footprint
     from dsv41_jax.inference.engine import Engine, Request
     from dsv41_jax.inference.step import FAST_COMPILE, InferenceOptions
+    from dsv41_jax.compilation_cache import enable_compilation_cache
 
+    cache_setting = False if args.no_compilation_cache else None
+    enable_compilation_cache(cache_setting)  # before anything compiles (loading the weights does)
     config, params, tokenizer, source = _load_for_generate(args)
     prompt = tokenizer.encode(args.prompt, add_bos=True)
     n = args.num_samples
@@ -137,7 +140,7 @@ def _cmd_generate(args) -> int:
     fast = args.fast_compile == "on" or (args.fast_compile == "auto" and jax.default_backend() == "cpu")
     opts = InferenceOptions(ced=not args.no_ced, compiler_options=FAST_COMPILE if fast else ())
     engine = Engine(config, params, max_batch=n, max_len=max_len, tokenizer=tokenizer,
-                    prefill_chunk=args.prefill_chunk, options=opts)
+                    prefill_chunk=args.prefill_chunk, options=opts, compilation_cache=cache_setting)
     err = sys.stderr
     print(f"# {config.name}: {config.num_hidden_layers} layers, d={config.hidden_size}, {source}; prompt "
           f"{len(prompt)} tokens, {n} sample(s), max_len {max_len}, {jax.default_backend()}"
@@ -231,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fast-compile", choices=("auto", "on", "off"), default="auto",
                    help="unoptimised XLA compiles (auto: on CPU, where compile time dominates small models)")
     s.add_argument("--tokenizer", default=None, help="path to an HF tokenizer.json [default: byte-level]")
+    s.add_argument("--no-compilation-cache", action="store_true",
+                   help="do not use JAX's persistent compilation cache (on by default, in $XDG_CACHE_HOME/dsv41_jax "
+                        "or ~/.cache/dsv41_jax; also DSV41_COMPILATION_CACHE=off)")
     s.set_defaults(fn=_cmd_generate)
     from dsv41_jax.train.cli import add_parser as _add_train_parser  # `dsv41 train` (dsv41_jax/train/cli.py)
 

@@ -20,6 +20,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # set by the controller before the xdist workers start; the workers and subprocesses inherit it
 os.environ.setdefault("DSV41_TEST_RUN_ID", uuid.uuid4().hex[:12])
 XLA_CACHE = os.path.join(tempfile.gettempdir(), f"dsv41_jax_test_xla_cache_{os.environ['DSV41_TEST_RUN_ID']}")
+os.environ.setdefault("DSV41_COMPILATION_CACHE", "off")  # the CLI / Engine's own persistent cache stays off in tests
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -334,7 +334,8 @@ def test_decode_gather_and_mask_paths_agree():
 
 def test_tiled_moe_equals_the_model_moe():
     """The engine's tiled grouped-matmul MoE computes ops.moe exactly (up to float32 summation order), from one
-    token (decode) to many (prefill chunks), with experts that get no tokens."""
+    token (decode) to many (prefill chunks), with experts that get no tokens: the static expert-slot loop (few
+    tokens, including slots beyond the used experts) and the tiled loop (explicit tile or many tokens)."""
     from dsv41_jax.inference.moe import moe_inference
     from dsv41_jax.ops.moe import moe
 
@@ -347,7 +348,7 @@ def test_tiled_moe_equals_the_model_moe():
         return moe_inference(x, p, tile=tile, **kw), moe(x, p, impl="dense", **kw)[0]
 
     rng = np.random.default_rng(0)
-    for m, tile in [(1, None), (5, 8), (70, None), (70, 16)]:
+    for m, tile in [(1, None), (3, None), (5, 8), (40, None), (70, None), (70, 16)]:
         x = jnp.asarray(rng.standard_normal((m, config.hidden_size)), jnp.float32)
         got, want = both(x, tile)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)

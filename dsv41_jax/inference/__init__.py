@@ -7,6 +7,8 @@
 * ``sampling`` — greedy / temperature / top-k / top-p with explicit per-request seeds
 * ``engine``   — :class:`Engine`: batched generation, streaming, per-request errors
 * ``recompute``— the slow full-recompute generator, kept as an oracle
+* ``audit``    — what in the decode program could stall a GPU (data-dependent loops, conditionals, callbacks,
+                 cache-sized copies), for tests and ``benchmarks/decode_graph_report.py``
 """
 
 from dsv41_jax.inference.cache import cache_bytes, cache_bytes_per_token, cache_footprint, init_cache

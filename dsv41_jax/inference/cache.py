@@ -82,6 +82,33 @@ def _make_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> dict:
     }
 
 
+def cache_capacity(config: ModelConfig, cache: dict) -> int:
+    """Tokens a slot of ``cache`` can hold: the fewest any compressed-KV source's entry slots cover (``entries *
+    ratio``, at least the ``max_len`` the cache was made for: entries are rounded up to whole HSI blocks) and at
+    most the model's ``max_position_embeddings``. Static (read from shapes), so jitted code can use it too.
+
+    A token at position ``p >= capacity`` would have its compressed entry dropped by the cache writes (XLA's
+    out-of-range scatter semantics): every writer checks this bound instead (prefill, decode, ``Engine``)."""
+    cap = int(config.max_position_embeddings)
+    for layer, src in cache["sources"].items():
+        cap = min(cap, int(src["kv"].shape[1]) * int(config.compress_ratios[int(layer)]))
+    return cap
+
+
+def check_capacity(config: ModelConfig, cache: dict, lengths, new_tokens, *, error=None) -> None:
+    """Raise ``error`` (default :class:`CacheError`) naming the first slot whose ``lengths + new_tokens`` exceeds
+    :func:`cache_capacity`. ``lengths`` / ``new_tokens`` are host integers per slot (0 new tokens never fails)."""
+    cap = cache_capacity(config, cache)
+    have = np.asarray(lengths, np.int64)
+    add = np.broadcast_to(np.asarray(new_tokens, np.int64), have.shape)
+    over = (add > 0) & (have + add > cap)
+    if over.any():
+        row = int(np.argmax(over))
+        raise (error or CacheError)(
+            f"slot {row} is full: {int(have[row])} cached + {int(add[row])} new tokens exceed the cache's capacity "
+            f"of {cap} tokens (init_cache max_len); start a new sequence there or use a larger cache")
+
+
 def abstract_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32):
     """ShapeDtypeStructs of :func:`init_cache` (nothing allocated)."""
     return jax.eval_shape(lambda: _make_cache(config, batch, max_len, jnp.dtype(dtype)))
@@ -183,5 +210,5 @@ def tree_bytes(tree) -> int:
     return int(sum(np.prod(x.shape, dtype=np.int64) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
-__all__ = ["CacheError", "source_entries", "init_cache", "abstract_cache", "kv_sources", "CacheFootprint", "cache_footprint",
+__all__ = ["CacheError", "cache_capacity", "check_capacity", "source_entries", "init_cache", "abstract_cache", "kv_sources", "CacheFootprint", "cache_footprint",
            "cache_bytes_per_token", "cache_bytes", "tree_bytes"]

@@ -5,6 +5,14 @@ emits a compressed entry (main KV + indexer keys) when the group completes; ever
 against its own group's current keys (decode ≡ prefill; the official code's stale indexer-key pointer is not
 reproduced); the HSI candidate source publishes its pool and Reindex layers score only the pool's entries
 (gathered); Reuse layers take the latest top-k. Inactive slots pass through untouched.
+
+Capacity (a slot holds at most ``cache_capacity`` tokens; a token past it would lose its compressed entry):
+``decode_step`` reads the slots' lengths on the host and raises :class:`DecodeError` for a full active slot; the
+``Engine`` tracks lengths itself and stops a sequence at its ``max_len``. The jitted programs
+(``decode_step_jit``, ``decode_and_sample``) cannot raise from the device without a host round-trip per step, so
+they guard in the graph instead: a full slot is not fed (nothing is written, its length stays), its logits row is
+NaN and its sampled token -1 — an invalid token id that every checked entry point rejects — so a caller that
+ignores capacity gets a loud result, never a silently truncated cache.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.inference.cache import cache_capacity, check_capacity
 from dsv41_jax.inference.sampling import sample
 from dsv41_jax.inference.step import InferenceOptions, embed, head, jit_for, run_layers
 
@@ -24,14 +33,17 @@ class DecodeError(ValueError):
 
 
 def _step(params, cache, tokens, engram_ids, active, config: ModelConfig, opts: InferenceOptions):
+    """(logits [B, V], cache, full [B] bool): ``full`` marks active slots refused for lack of room."""
     pos0 = cache["length"]
-    n_valid = active.astype(jnp.int32)
+    full = active & (pos0 >= cache_capacity(config, cache))
+    n_valid = (active & ~full).astype(jnp.int32)
     streams, pre_mix = embed(params, tokens[:, None], config)
     eids = None if engram_ids is None else engram_ids[:, None]
     streams, pre_mix, cache = run_layers(params, cache, streams, pre_mix, pos0, n_valid, eids, config=config, lo=0,
                                          hi=config.num_hidden_layers, opts=opts)
     logits = head(params, streams, pre_mix, config)[:, 0]
-    return logits, dict(cache, length=pos0 + n_valid)
+    logits = jnp.where(full[:, None], jnp.nan, logits)
+    return logits, dict(cache, length=pos0 + n_valid), full
 
 
 def _decode_opts(opts: InferenceOptions) -> InferenceOptions:
@@ -40,13 +52,13 @@ def _decode_opts(opts: InferenceOptions) -> InferenceOptions:
 
 
 def _decode(params, cache, tokens, engram_ids, active, *, config: ModelConfig, opts: InferenceOptions):
-    return _step(params, cache, tokens, engram_ids, active, config, opts)
+    return _step(params, cache, tokens, engram_ids, active, config, opts)[:2]
 
 
 def _decode_sample(params, cache, tokens, engram_ids, active, temperature, top_k, top_p, seeds, steps, *,
                    config: ModelConfig, opts: InferenceOptions, return_logits: bool):
-    logits, cache = _step(params, cache, tokens, engram_ids, active, config, opts)
-    nxt = sample(logits, temperature, top_k, top_p, seeds, steps)
+    logits, cache, full = _step(params, cache, tokens, engram_ids, active, config, opts)
+    nxt = jnp.where(full, -1, sample(logits, temperature, top_k, top_p, seeds, steps))
     if return_logits:
         return nxt, cache, logits
     return nxt, cache
@@ -54,14 +66,16 @@ def _decode_sample(params, cache, tokens, engram_ids, active, temperature, top_k
 
 def decode_step_jit(params, cache, tokens, engram_ids, active, *, config: ModelConfig,
                     opts: InferenceOptions = InferenceOptions()):
-    """The jitted decode step without host checks: (logits [B, V], cache); the cache is donated."""
+    """The jitted decode step without host checks: (logits [B, V], cache); the cache is donated. An active slot
+    already at the cache's capacity is not fed: its logits row is NaN and its cache untouched."""
     opts = _decode_opts(opts)
     return jit_for(_decode, opts)(params, cache, tokens, engram_ids, active, config=config, opts=opts)
 
 
 def decode_and_sample(params, cache, tokens, engram_ids, active, temperature, top_k, top_p, seeds, steps, *,
                       config: ModelConfig, opts: InferenceOptions = InferenceOptions(), return_logits: bool = False):
-    """One decode step fused with sampling: (next tokens [B] int32, cache[, logits]); the cache is donated."""
+    """One decode step fused with sampling: (next tokens [B] int32, cache[, logits]); the cache is donated. An
+    active slot already at the cache's capacity is not fed: its next token is -1 and its cache untouched."""
     opts = _decode_opts(opts)
     fn = jit_for(_decode_sample, opts, static=("config", "opts", "return_logits"))
     return fn(params, cache, tokens, engram_ids, active, temperature, top_k, top_p, seeds, steps, config=config,
@@ -72,7 +86,8 @@ def decode_step(params: dict, cache: dict, tokens, engram_ids=None, active=None,
                 opts: InferenceOptions = InferenceOptions()):
     """Feed one token per slot: ``tokens`` int [B]; ``engram_ids`` int32 [B, n_engram_layers, n_hash_cols] (the
     host hasher's ``step`` output for these tokens); ``active`` bool [B] (default: all). Returns
-    ``(logits [B, V] float32, cache)``; the input cache is donated. Checks concrete inputs on the host."""
+    ``(logits [B, V] float32, cache)``; the input cache is donated. Checks concrete inputs on the host, including
+    that every active slot has room for one more token (this reads the slots' lengths back from the device)."""
     tok = np.asarray(tokens)
     b = cache["length"].shape[0]
     if tok.shape != (b,) or not np.issubdtype(tok.dtype, np.integer):
@@ -90,6 +105,7 @@ def decode_step(params: dict, cache: dict, tokens, engram_ids=None, active=None,
             raise DecodeError(f"engram_ids must have shape {expect} (hasher.step of these tokens), got "
                               f"{None if engram_ids is None else tuple(np.shape(engram_ids))}")
         engram_ids = jnp.asarray(engram_ids, jnp.int32)
+    check_capacity(config, cache, np.asarray(cache["length"]), act.astype(np.int64), error=DecodeError)
     return decode_step_jit(params, cache, jnp.asarray(tok.astype(np.int32)), engram_ids, jnp.asarray(act),
                            config=config, opts=opts)
 

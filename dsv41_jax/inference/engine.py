@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv41_jax.compilation_cache import enable_compilation_cache
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.inference.cache import CacheFootprint, cache_footprint, init_cache, tree_bytes
 from dsv41_jax.inference.decode import decode_and_sample, decode_step_jit
@@ -123,7 +124,10 @@ class Engine:
 
     def __init__(self, config: ModelConfig, params: dict, *, max_batch: int = 8, max_len: int = 4096,
                  tokenizer=None, hasher=None, prefill_chunk: int = 512,
-                 options: InferenceOptions = InferenceOptions(), cache_dtype=None):
+                 options: InferenceOptions = InferenceOptions(), cache_dtype=None, compilation_cache=None):
+        """``compilation_cache``: JAX's persistent compilation cache — None (default: on, under
+        ``$XDG_CACHE_HOME/dsv41_jax`` or ``~/.cache/dsv41_jax``, unless ``DSV41_COMPILATION_CACHE=off``), False (off),
+        True, or a directory (``dsv41_jax.compilation_cache``)."""
         if not isinstance(max_batch, int) or max_batch <= 0:
             raise EngineError(f"max_batch must be a positive integer, got {max_batch!r}")
         if not isinstance(max_len, int) or max_len <= 0:
@@ -134,6 +138,7 @@ class Engine:
         if not isinstance(prefill_chunk, int) or prefill_chunk <= 0:
             raise EngineError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         validate_params(params, config)
+        self.compilation_cache_dir = enable_compilation_cache(compilation_cache)  # before the first compile
         if options.ced:
             check_ced_plan(config)
         self.config = config

@@ -6,6 +6,17 @@ loop over the tiles that exist (a dynamic count) multiplies each tile by its own
 that received tokens are read — a decode step with 6 active experts reads 6 experts' weights — and the work is
 the assignments' work rounded up to tiles, not every expert on every token (``dense``). ``jax.lax.ragged_dot``
 (``ragged``) computes the same thing but is slow on this JAX's CPU backend (measured: 4-13x slower than dense).
+
+A decode step has few tokens (m <= ``STATIC_MAX_TOKENS``) and needs a loop whose trip count XLA knows: on a GPU a
+loop with a data-dependent trip count copies its predicate to the host before every iteration (a host round-trip
+inside the step). :func:`routed_slots` gives every used expert one slot of ``pow2(m)`` rows (an expert takes each
+token at most once, so its rows fit) and loops over ``min(n_experts, m * top_k)`` slots — a static count. Each used
+expert's weights are read once, as in the tiled loop; slots beyond the used experts (possible only when fewer than
+``min(n_experts, m * top_k)`` distinct experts are picked) read one unused expert each and add nothing. The work is
+``slots * pow2(m)`` rows, which for m <= 64 stays under the GPU's bytes-to-FLOPs balance (the step is bound by
+reading the weights). Larger token counts (prefill chunks, the CED decoder replay) keep the tiled loop. With many
+experts (the release's 384) and a large batch, fewer distinct experts than slots are picked (batch 64: ~243 of 384)
+and the spare slots' weight reads are wasted; a grouped-matmul kernel that skips empty slots removes that.
 """
 
 from __future__ import annotations
@@ -16,6 +27,58 @@ import jax.numpy as jnp
 from dsv41_jax.ops.moe import expert_mlp, route
 
 _HI = jax.lax.Precision.HIGHEST
+
+
+STATIC_MAX_TOKENS = 64
+
+
+def _pow2_at_least(n: int, lo: int = 8) -> int:
+    p = lo
+    while p < n:
+        p *= 2
+    return p
+
+
+def _swiglu_expert(rows, w1, w2, w3, wts, limit, dtype):
+    """One expert's clamped SwiGLU on ``rows`` [R, d], each output row scaled by ``wts`` [R] (float32 out)."""
+    gate = jnp.einsum("td,fd->tf", rows, w1, precision=_HI).astype(jnp.float32)
+    up = jnp.einsum("td,fd->tf", rows, w3, precision=_HI).astype(jnp.float32)
+    if limit > 0:
+        up = jnp.clip(up, -limit, limit)
+        gate = jnp.minimum(gate, limit)
+    act = jax.nn.silu(gate) * up * wts[:, None]
+    return jnp.einsum("tf,df->td", act.astype(dtype), w2, precision=_HI).astype(jnp.float32)
+
+
+def routed_slots(x, weights, idx, w1, w2, w3, limit):
+    """x [M, d]; weights / idx [M, k] -> [M, d] float32, with a static loop over min(n_experts, M * k) expert slots
+    (see the module docstring). Same maths as :func:`routed_tiled`."""
+    m, k = idx.shape
+    n_exp = w1.shape[0]
+    rows = _pow2_at_least(m)
+    n_slots = min(n_exp, m * k)
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # assignments sorted by expert
+    token = order // k
+    wts = weights.reshape(-1)[order].astype(jnp.float32)
+    counts = jnp.bincount(flat, length=n_exp).astype(jnp.int32)
+    row_start = jnp.cumsum(counts) - counts
+    slot_expert = jnp.argsort(counts == 0, stable=True)[:n_slots].astype(jnp.int32)  # used experts first, ascending
+    r = row_start[slot_expert][:, None] + jnp.arange(rows, dtype=jnp.int32)[None, :]  # [slots, rows]
+    ok = jnp.arange(rows)[None, :] < counts[slot_expert][:, None]
+    r = jnp.where(ok, r, 0)
+    slot_token = token[r]
+    slot_wts = jnp.where(ok, wts[r], 0.0)
+    xs = x[slot_token]  # [slots, rows, d]: each slot's tokens, gathered once
+
+    def body(s, out):
+        e = slot_expert[s]
+        y = _swiglu_expert(xs[s], w1[e], w2[e], w3[e], slot_wts[s], limit, x.dtype)
+        return out.at[s].set(y)
+
+    ys = jax.lax.fori_loop(0, n_slots, body, jnp.zeros((n_slots, rows, x.shape[-1]), jnp.float32))
+    ys = jnp.where(ok[..., None], ys, 0.0)
+    return jnp.zeros((m, x.shape[-1]), jnp.float32).at[slot_token.reshape(-1)].add(ys.reshape(-1, x.shape[-1]))
 
 
 def _tile_rows(assignments: int, n_experts: int) -> int:
@@ -50,13 +113,7 @@ def routed_tiled(x, weights, idx, w1, w2, w3, limit, tile: int | None = None):
         r0 = row_start[e] + (t - tile_start[e]) * tile
         rows = jax.lax.dynamic_slice_in_dim(xs, r0, tile, axis=0)
         valid = (r0 + jnp.arange(tile)) < row_start[e] + counts[e]
-        gate = jnp.einsum("td,fd->tf", rows, w1[e], precision=_HI).astype(jnp.float32)
-        up = jnp.einsum("td,fd->tf", rows, w3[e], precision=_HI).astype(jnp.float32)
-        if limit > 0:
-            up = jnp.clip(up, -limit, limit)
-            gate = jnp.minimum(gate, limit)
-        act = jax.nn.silu(gate) * up * jax.lax.dynamic_slice_in_dim(wts, r0, tile)[:, None]
-        y = jnp.einsum("tf,df->td", act.astype(x.dtype), w2[e], precision=_HI).astype(jnp.float32)
+        y = _swiglu_expert(rows, w1[e], w2[e], w3[e], jax.lax.dynamic_slice_in_dim(wts, r0, tile), limit, x.dtype)
         y = jnp.where(valid[:, None], y, 0.0)
         old = jax.lax.dynamic_slice_in_dim(out, r0, tile, axis=0)
         return jax.lax.dynamic_update_slice_in_dim(out, old + y, r0, axis=0)
@@ -73,10 +130,13 @@ def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scalin
     weights, idx, _ = route(flat, params["gate"]["weight"], params["gate"]["bias"], top_k=top_k, temp=temp,
                             scaling=scaling, normalize=normalize)
     e = params["experts"]
-    y = routed_tiled(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, tile)
+    if tile is None and flat.shape[0] <= STATIC_MAX_TOKENS:  # decode: a loop with a static trip count
+        y = routed_slots(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit)
+    else:
+        y = routed_tiled(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, tile)
     s = params["shared_experts"]
     y = y + expert_mlp(flat, s["w1"], s["w2"], s["w3"], limit).astype(jnp.float32)
     return y.astype(x.dtype).reshape(shape)
 
 
-__all__ = ["moe_inference", "routed_tiled"]
+__all__ = ["moe_inference", "routed_tiled", "routed_slots", "STATIC_MAX_TOKENS"]

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.inference.cache import check_capacity
 from dsv41_jax.inference.step import (InferenceOptions, check_ced_plan, embed, emit_decoder_source, head,
                                       jit_for, ring_read, ring_write, run_layers)
 
@@ -126,14 +127,7 @@ def _check_inputs(config: ModelConfig, cache: dict, tokens: np.ndarray, lengths:
         row, col = (int(i) for i in np.argwhere(bad)[0])
         raise PrefillError(f"token id {int(tokens[row, col])} (row {row}, position {col}) is outside the vocabulary "
                            f"[0, {config.vocab_size})")
-    max_len = min(v["kv"].shape[1] * r for v, r in
-                  ((cache["sources"][k], config.compress_ratios[int(k)]) for k in cache["sources"])) \
-        if cache["sources"] else None
-    have = np.asarray(cache["length"])
-    if max_len is not None and (have + lengths > max_len).any():
-        row = int(np.argmax(have + lengths > max_len))
-        raise PrefillError(f"row {row}: {int(have[row])} cached + {int(lengths[row])} new tokens exceed the cache's "
-                           f"max_len {max_len}")
+    check_capacity(config, cache, np.asarray(cache["length"]), lengths, error=PrefillError)
     if config.engram_layer_ids:
         expect = (b, t, len(config.engram_layer_ids), config.n_hash_cols)
         if engram_ids is None:

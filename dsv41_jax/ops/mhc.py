@@ -11,12 +11,15 @@ from dsv41_jax.ops.norms import rms_normalize
 
 
 def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, hc_eps: float,
-                     rms_eps: float, sinkhorn_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     rms_eps: float, sinkhorn_iters: int,
+                     unroll: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """streams [..., hc, D] -> (pre [..., hc], post [..., hc], comb [..., hc, hc]).
 
     ``fn`` [(2+hc)*hc, hc*D] rows are ordered pre(hc), post(hc), comb(hc*hc, row-major i -> j). ``comb`` is
     Sinkhorn-projected to (nearly) doubly stochastic, ending column-normalised: comb[i, j] weighs input stream i
-    into output stream j.
+    into output stream j. ``unroll``: unroll the Sinkhorn loop (same result) — a GPU decode step then runs a few
+    fused kernels instead of launching the loop body's tiny kernels once per iteration; a rolled loop compiles
+    faster (CPU, training).
     """
     hc = streams.shape[-2]
     flat = rms_normalize(streams.reshape(*streams.shape[:-2], -1), rms_eps)
@@ -33,7 +36,7 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
         c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
         return c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
 
-    comb = jax.lax.fori_loop(0, sinkhorn_iters - 1, body, comb)
+    comb = jax.lax.fori_loop(0, sinkhorn_iters - 1, body, comb, unroll=True if unroll else 1)
     return pre, post, comb
 
 

@@ -53,7 +53,7 @@ def sharded_decode_step(config, mesh, rules, opts, cache):
     step = _unwrap(dec._step)
 
     def fn(params, cache, tokens, engram_ids, active):
-        return step(params, cache, tokens, engram_ids, active, config, opts)
+        return step(params, cache, tokens, engram_ids, active, config, opts)[:2]  # (a full slot's logits: NaN)
 
     return sharded_jit(fn, mesh, rules, in_shardings=(p_sh, c_sh, vec, eng, vec), out_shardings=(logits, c_sh),
                        params_argnum=0, config=config, donate_argnums=(1,))

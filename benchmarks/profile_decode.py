@@ -1,0 +1,319 @@
+"""Profile the engine's decode step on a GPU and compare it with the weight-streaming floor, in one process.
+
+    python benchmarks/profile_decode.py --models 12L,bench40 --batches 1,32 --context 32768 [--out DIR]
+    python benchmarks/profile_decode.py --code /path/to/other/checkout ...   # profile another version's code
+
+For every (model, batch): bf16 parameters and cache, the cache filled with random entries at ``--context`` tokens
+per slot; the step is the Engine's (``decode_and_sample``: decode + sampling, cache donated), timed over
+``--steps`` steps with a host sync after each (what a serving loop does), then ``--profile-steps`` steps under
+``jax.profiler.trace``. The trace's device events are summed by name and kind:
+
+* busy: the union of the device's kernel / copy intervals, against the steps' wall time;
+* launches per step (device events) and per layer; device->host / host->device / device->device copies per step;
+* the top events by device time.
+
+Floor: the bytes one step must read (``step_bytes``: every weight the step touches — attention, indexer and
+compressor, mHC, norms, shared expert, the expected number of distinct routed experts the batch selects, the
+embedding rows, Engram rows, the head — plus the KV it reads: SWA rings, the top-k compressed entries, the indexer
+keys the Full layers scan and the HSI pool the Reindex layers score), divided by the bandwidth of a read-only
+kernel (a bf16 sum over a 4 GiB buffer) measured in the same process.
+Prints a Markdown table; writes ``DIR/profile_decode.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+
+def _args(argv):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="12L", help="comma-separated: 12L (bench-h200-12L), bench40, smoke")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--code", default=None, help="import dsv41_jax from this checkout (default: this one)")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--floor-gib", type=float, default=4.0, help="buffer size of the read-only bandwidth kernel")
+    return ap.parse_args(argv)
+
+
+ARGS = _args(None if __name__ == "__main__" else [])
+HERE = os.path.dirname(os.path.abspath(__file__))
+CODE = os.path.abspath(ARGS.code) if ARGS.code else os.path.dirname(HERE)
+sys.path.insert(0, CODE)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import dsv41_jax  # noqa: E402,F401  (first: the version under --code wins over this directory's)
+
+sys.path.insert(1, HERE)
+from bench_inference import fill_cache, h200_config  # noqa: E402
+from dsv41_jax.config import ModelConfig  # noqa: E402
+from dsv41_jax.inference.cache import init_cache  # noqa: E402
+from dsv41_jax.inference.decode import decode_and_sample  # noqa: E402
+from dsv41_jax.inference.step import InferenceOptions  # noqa: E402
+from dsv41_jax.model.params import init_params  # noqa: E402
+from dsv41_jax.plan import FULL, REINDEX  # noqa: E402
+
+
+def bench40() -> ModelConfig:
+    """configs/bench40.py, read from this checkout (the profiled code may predate it)."""
+    from dsv41_jax.presets import from_config_dict
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench40_cfg", os.path.join(os.path.dirname(HERE), "configs",
+                                                                            "bench40.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return from_config_dict(mod.get_config())
+
+
+def smoke() -> ModelConfig:
+    return h200_config(engram_vocab=500, hidden_size=128, num_attention_heads=4, head_dim=64, q_lora_rank=64,
+                       o_groups=2, o_lora_rank=32, index_n_heads=4, index_head_dim=32, index_topk=16,
+                       candidate_topk_blocks=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                       qk_rope_head_dim=16, vocab_size=1000, engram_head_dim=32, name="smoke")
+
+
+MODELS = {"12L": h200_config, "bench40": bench40, "smoke": smoke}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The floor
+# ----------------------------------------------------------------------------------------------------------------
+
+def step_bytes(config: ModelConfig, params, batch: int, context: int) -> dict:
+    """Bytes one decode step must read, by part (see the module docstring)."""
+    c = config
+    n_exp, k = c.n_routed_experts, c.num_experts_per_tok
+    used = n_exp * (1 - (1 - k / n_exp) ** batch)  # expected distinct routed experts per layer
+    parts = collections.Counter()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        key = jax.tree_util.keystr(path)
+        nbytes = leaf.size * leaf.dtype.itemsize
+        if "['experts']" in key:
+            parts["routed experts"] += nbytes * used / n_exp
+        elif key == "['embed']":
+            parts["embedding rows"] += batch * leaf.shape[-1] * leaf.dtype.itemsize
+        elif "['engram']['embed']" in key:
+            parts["engram rows"] += batch * c.n_hash_cols * leaf.shape[-1] * leaf.dtype.itemsize
+        elif "['lm_head']" in key:
+            parts["head"] += nbytes
+        elif "shared_experts" in key:
+            parts["shared expert"] += nbytes
+        else:
+            parts["attention, indexer, mHC, norms, router"] += nbytes
+    item = 2  # bf16 cache
+    for s in c.plan.layers:
+        parts["KV: SWA rings"] += batch * c.sliding_window * c.head_dim * item
+        if s.ratio > 0:
+            visible = context // s.ratio
+            parts["KV: top-k entries"] += batch * min(c.index_topk, visible) * c.head_dim * item
+            if s.mode == FULL:
+                parts["KV: indexer keys (Full)"] += batch * visible * c.index_head_dim * item
+            elif s.mode == REINDEX:
+                pool = min(visible, c.candidate_topk_blocks * c.candidate_block_size)
+                parts["KV: indexer keys (HSI pool)"] += batch * pool * c.index_head_dim * item
+    return dict(parts)
+
+
+def read_bandwidth(gib: float) -> float:
+    """Bytes/s of a read-only kernel (a bf16 sum) over a buffer of ``gib`` GiB: median of 10 runs."""
+    n = int(gib * 2 ** 30) // 2
+    x = jnp.ones((n,), jnp.bfloat16)
+    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    del x
+    return n * 2 / statistics.median(ts)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The trace
+# ----------------------------------------------------------------------------------------------------------------
+
+def _kind(name: str) -> str:
+    n = name.lower().replace(" ", "")
+    if "memcpy" in n or "memcpy" in n or n.startswith("copy") and "d2" in n:
+        if re.search(r"dtoh|d2h|devicetohost", n):
+            return "copy D2H"
+        if re.search(r"htod|h2d|hosttodevice", n):
+            return "copy H2D"
+        if re.search(r"dtod|d2d|devicetodevice|peer", n):
+            return "copy D2D"
+        return "copy other"
+    if "memset" in n:
+        return "memset"
+    return "kernel"
+
+
+def _union(intervals) -> float:
+    total, end = 0.0, -float("inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def summarize_trace(log_dir: str, steps: int, layers: int) -> dict:
+    files = glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True)
+    if not files:
+        return {"error": f"no *.trace.json.gz under {log_dir}"}
+    with gzip.open(max(files, key=os.path.getmtime)) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pname = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    tname = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    dev_pids = {p for p, n in pname.items() if re.search(r"/device:(GPU|gpu)|GPU", n) and "host" not in n.lower()}
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    kinds = collections.Counter()
+    intervals = []
+    streams = collections.Counter()
+    host_d2h = 0
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        name = e.get("name", "")
+        if e["pid"] in dev_pids:
+            thread = tname.get((e["pid"], e.get("tid")), "")
+            if not re.search(r"stream", thread, re.I):  # per-stream rows only (not the XLA-op / module rows)
+                continue
+            dur = float(e.get("dur", 0))
+            by_name[name][0] += 1
+            by_name[name][1] += dur
+            kinds[_kind(name)] += 1
+            streams[thread] += 1
+            intervals.append((float(e["ts"]), float(e["ts"]) + dur))
+        elif re.search(r"memcpy.*(dtoh|d2h)|cuMemcpyDtoH|cudaMemcpy.*DeviceToHost", name, re.I):
+            host_d2h += 1
+    if not intervals:
+        return {"error": "no device events in the trace", "processes": sorted(set(pname.values()))[:20],
+                "threads": sorted(set(tname.values()))[:40]}
+    busy_us = _union(intervals)
+    span_us = max(e for _, e in intervals) - min(s for s, _ in intervals)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]
+    return dict(device_events_per_step=sum(kinds.values()) / steps,
+                launches_per_layer=kinds["kernel"] / steps / layers,
+                d2h_per_step=kinds["copy D2H"] / steps, h2d_per_step=kinds["copy H2D"] / steps,
+                d2d_per_step=kinds["copy D2D"] / steps, memset_per_step=kinds["memset"] / steps,
+                host_d2h_calls_per_step=host_d2h / steps,
+                busy_ms_per_step=busy_us / 1e3 / steps, device_span_ms_per_step=span_us / 1e3 / steps,
+                streams=dict(streams),
+                top=[dict(name=n[:90], count_per_step=v[0] / steps, ms_per_step=v[1] / 1e3 / steps) for n, v in top])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+def profile_one(config, params, batch, context, opts, steps, profile_steps, out_dir):
+    cache = init_cache(config, batch, context + 64, jnp.bfloat16)
+    cache = jax.jit(fill_cache, static_argnums=(1,), donate_argnums=(0,))(cache, context, jax.random.PRNGKey(1))
+    zeros = lambda dt: jnp.zeros((batch,), dt)  # noqa: E731
+    samp = (zeros(jnp.float32), zeros(jnp.int32), jnp.ones((batch,), jnp.float32), zeros(jnp.int32))
+    eids = None
+    if config.engram_layer_ids:
+        eids = jnp.zeros((batch, len(config.engram_layer_ids), config.n_hash_cols), jnp.int32)
+    tok = jnp.full((batch,), 5, jnp.int32)
+    act = jnp.ones((batch,), bool)
+
+    def step(cache, i):
+        nxt, cache = decode_and_sample(params, cache, tok, eids, act, *samp, jnp.full((batch,), i, jnp.int32),
+                                       config=config, opts=opts)
+        np.asarray(nxt)  # the serving loop reads the tokens back every step
+        return cache
+
+    t0 = time.perf_counter()
+    cache = step(cache, 0)
+    compile_s = time.perf_counter() - t0
+    cache = step(cache, 1)
+    ts = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        cache = step(cache, 2 + i)
+        ts.append(time.perf_counter() - t0)
+    log_dir = tempfile.mkdtemp(prefix="decode_trace_")  # traces stay on the machine; the summary is returned
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        t0 = time.perf_counter()
+        for i in range(profile_steps):
+            with jax.profiler.StepTraceAnnotation("decode", step_num=i):
+                cache = step(cache, 100 + i)
+        wall = (time.perf_counter() - t0) / profile_steps
+    del cache
+    summary = summarize_trace(log_dir, profile_steps, config.num_hidden_layers)
+    return dict(step_ms=statistics.median(ts) * 1e3, step_ms_min=min(ts) * 1e3, compile_s=compile_s,
+                profiled_wall_ms=wall * 1e3, **summary)
+
+
+def main():
+    args = ARGS
+    out = args.out or os.environ.get("OUT") or "."
+    os.makedirs(out, exist_ok=True)
+    bw = read_bandwidth(args.floor_gib)
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), jax=jax.__version__, device=jax.devices()[0].device_kind,
+                code=CODE, label=args.label, context=args.context, read_bandwidth_tb_s=bw / 1e12,
+                command="python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]))
+    print(json.dumps(meta), flush=True)
+    rows = []
+    opts = InferenceOptions(quant_sim=False, index_block_elems=1 << 28)
+    for name in args.models.split(","):
+        config = MODELS[name]()
+        params = init_params(config, jax.random.PRNGKey(0), jnp.bfloat16)
+        jax.block_until_ready(params)
+        for b in (int(x) for x in args.batches.split(",")):
+            parts = step_bytes(config, params, b, args.context)
+            floor_ms = sum(parts.values()) / bw * 1e3
+            try:
+                r = profile_one(config, params, b, args.context, opts, args.steps, args.profile_steps, out)
+            except Exception as e:  # noqa: BLE001 - report and continue with the next size
+                r = dict(error=repr(e)[:400])
+            r.update(model=config.name, batch=b, floor_ms=floor_ms, step_gb=sum(parts.values()) / 1e9,
+                     bytes=parts)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+        del params
+    with open(os.path.join(out, f"profile_decode{('_' + args.label) if args.label else ''}.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"\n{args.label} — JAX {jax.__version__}, {meta['device']}, context {args.context}, bf16, read-only "
+          f"kernel {bw / 1e12:.2f} TB/s")
+    print("| model | batch | step ms | floor ms | step / floor | busy ms | busy % | launches/step | per layer | "
+          "D2H/step | D2D/step | compile s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "busy_ms_per_step" not in r:
+            print(f"| {r['model']} | {r['batch']} | error: {r.get('error')} |")
+            continue
+        print(f"| {r['model']} | {r['batch']} | {r['step_ms']:.2f} | {r['floor_ms']:.2f} | "
+              f"{r['step_ms'] / r['floor_ms']:.2f} | {r['busy_ms_per_step']:.2f} | "
+              f"{100 * r['busy_ms_per_step'] / r['profiled_wall_ms']:.0f} | {r['device_events_per_step']:.0f} | "
+              f"{r['launches_per_layer']:.0f} | {r['d2h_per_step']:.1f} | {r['d2d_per_step']:.1f} | "
+              f"{r['compile_s']:.1f} |")
+    for r in rows:
+        for t in r.get("top", [])[:8]:
+            print(f"  {r['model']} B={r['batch']}: {t['ms_per_step']:.3f} ms/step x{t['count_per_step']:.0f} "
+                  f"{t['name']}")
+
+
+if __name__ == "__main__":
+    main()
