@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.ops import quant
 from dsv41_jax.ops.attention import attention_inputs, attention_output, sparse_attention
-from dsv41_jax.ops.linear import linear
+from dsv41_jax.ops.linear import head_logits, linear
 from dsv41_jax.ops.mhc import collapse, expand, mhc_coefficients
 from dsv41_jax.ops.moe import moe
 from dsv41_jax.ops.norms import rms_norm
@@ -157,7 +157,7 @@ def run_blocks(params: dict, block_tokens: jax.Array, block_pos: jax.Array, ctx_
         streams = expand(streams, _ffn(bp["ffn"], h, c, moe_impl), f_post, f_comb)
         pre_mix = f_pre
     hidden = collapse(streams, pre_mix)
-    logits = linear(rms_norm(hidden, dp["norm"], c.rms_norm_eps), params["lm_head"]).astype(jnp.float32)
+    logits = head_logits(rms_norm(hidden, dp["norm"], c.rms_norm_eps), params["lm_head"])  # the shared fp32 head
     return hidden, logits
 
 
