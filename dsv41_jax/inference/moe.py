@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.ops.linear import linear, select_expert
 from dsv41_jax.ops.moe import expert_mlp, route
 
 _HI = jax.lax.Precision.HIGHEST
@@ -50,13 +51,14 @@ def routed_tiled(x, weights, idx, w1, w2, w3, limit, tile: int | None = None):
         r0 = row_start[e] + (t - tile_start[e]) * tile
         rows = jax.lax.dynamic_slice_in_dim(xs, r0, tile, axis=0)
         valid = (r0 + jnp.arange(tile)) < row_start[e] + counts[e]
-        gate = jnp.einsum("td,fd->tf", rows, w1[e], precision=_HI).astype(jnp.float32)
-        up = jnp.einsum("td,fd->tf", rows, w3[e], precision=_HI).astype(jnp.float32)
+        # select_expert: only this expert's weights are read (and, in the release's FP4 form, dequantised)
+        gate = linear(rows, select_expert(w1, e)).astype(jnp.float32)
+        up = linear(rows, select_expert(w3, e)).astype(jnp.float32)
         if limit > 0:
             up = jnp.clip(up, -limit, limit)
             gate = jnp.minimum(gate, limit)
         act = jax.nn.silu(gate) * up * jax.lax.dynamic_slice_in_dim(wts, r0, tile)[:, None]
-        y = jnp.einsum("tf,df->td", act.astype(x.dtype), w2[e], precision=_HI).astype(jnp.float32)
+        y = linear(act.astype(x.dtype), select_expert(w2, e)).astype(jnp.float32)
         y = jnp.where(valid[:, None], y, 0.0)
         old = jax.lax.dynamic_slice_in_dim(out, r0, tile, axis=0)
         return jax.lax.dynamic_update_slice_in_dim(out, old + y, r0, axis=0)

@@ -66,6 +66,7 @@ class InferenceOptions:
     compiler_options: tuple = ()  # XLA compiler options as (name, value) pairs, e.g. fast compiles for CPU tests
     kernel_backend: str = "auto"  # dsv41_jax.kernels backend for sparse attention and the indexer top-k: "auto"
     #                               (Pallas on GPU / TPU, the plain-JAX reference on CPU) or one of kernels.BACKENDS
+    gemm_input_fp8: bool = False  # the release's FP8 rounding of every FP8 / FP4 GEMM's input (ForwardOptions)
 
     def resolved_quant(self, config: ModelConfig) -> bool:
         return config.quant_sim if self.quant_sim is None else self.quant_sim
@@ -426,6 +427,16 @@ def attention_step(p: dict, x: jax.Array, spec: LayerSpec, pos: jax.Array, pos0:
     return attention_output(p, out, cos, sin, c), cache, shared
 
 
+def _gemm_view(params: dict, config: ModelConfig, opts: InferenceOptions) -> dict:
+    """The parameters as the layers consume them: with ``gemm_input_fp8`` the release's FP8 / FP4 GEMM weights
+    are marked so their inputs are rounded to FP8 (trace-time restructure, no data movement)."""
+    if not opts.gemm_input_fp8:
+        return params
+    from dsv41_jax.model.release_weights import mark_fp8_gemm_inputs
+
+    return mark_fp8_gemm_inputs(params, config)
+
+
 def _mhc_kw(c: ModelConfig) -> dict:
     return dict(hc_eps=c.hc_eps, rms_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters)
 
@@ -444,6 +455,7 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
     """Layers [lo, hi) over a chunk. Returns (streams, pre_mix, cache). Does not advance ``cache['length']``."""
     c = config
     b, t = streams.shape[:2]
+    params = _gemm_view(params, c, opts)
     quant_on = opts.resolved_quant(c)
     rope = _rope(c)
     pos = pos0[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -483,7 +495,7 @@ def emit_decoder_source(params: dict, cache: dict, streams: jax.Array, pre_mix: 
     c = config
     ds = c.plan.decoder_start
     spec = c.plan[ds]
-    lp = params["layers"][ds]
+    lp = _gemm_view(params, c, opts)["layers"][ds]
     if spec.engram_slot is not None:
         valid = jnp.arange(streams.shape[1])[None, :] < n_valid[:, None]
         streams = engram_write(streams, engram_ids[:, :, spec.engram_slot], lp["engram"], eps=c.rms_norm_eps,

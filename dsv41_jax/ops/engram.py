@@ -1,8 +1,12 @@
 """Engram's device-side part: table lookup, key/value projection and the gated per-stream write (SPEC §7).
 Row ids come from the host (:mod:`dsv41_jax.ops.engram_hash`)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+
+from dsv41_jax.ops.linear import Fp8GemmInput, linear
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -16,9 +20,13 @@ def engram_write(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: f
     streams += gate · value. ``live`` [B, T] = False shuts the gate (padding).
     """
     b, t, hc, d = streams.shape
-    rows = jnp.take(params["embed"], row_ids, axis=0)  # [B, T, cols, ehd]
-    e = rows.reshape(b, t, -1).astype(params["wkv"].dtype)
-    kv = jnp.einsum("btc,fc->btf", e, params["wkv"], precision=_HI)
+    rows = take_rows(params["embed"], row_ids, streams.dtype)  # [B, T, cols, ehd]
+    wkv = params["wkv"]
+    if isinstance(wkv, jax.Array):
+        e = rows.reshape(b, t, -1).astype(wkv.dtype)
+        kv = jnp.einsum("btc,fc->btf", e, wkv, precision=_HI)
+    else:  # release-format and / or FP8-input weight (ops.linear)
+        kv = linear(rows.reshape(b, t, -1).astype(streams.dtype), wkv)
     key = kv[..., : hc * d].astype(jnp.float32).reshape(b, t, hc, d)
     value = kv[..., hc * d:].astype(jnp.float32)
     weight = params["q_weight"].astype(jnp.float32) * params["k_weight"].astype(jnp.float32)  # [hc, D]
@@ -30,3 +38,16 @@ def engram_write(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: f
     if live is not None:
         gate = jnp.where(live[..., None], gate, 0.0)
     return (h + gate[..., None] * value[:, :, None, :]).astype(streams.dtype)
+
+
+def take_rows(table, row_ids: jax.Array, dtype) -> jax.Array:
+    """``table[row_ids]``; a release-format (FP8 rows + scales) table gathers the stored bytes of the needed rows
+    only and dequantises them (to ``dtype``)."""
+    if isinstance(table, Fp8GemmInput):
+        table = table.weight
+    if isinstance(table, jax.Array) or not hasattr(table, "scales"):
+        return jnp.take(table, row_ids, axis=0)
+    rows = dataclasses.replace(table, values=jnp.take(table.values, row_ids, axis=0),
+                               scales=jnp.take(table.scales, row_ids, axis=0),
+                               shape=tuple(row_ids.shape) + tuple(table.shape[1:]))
+    return rows.dequantize(dtype)
