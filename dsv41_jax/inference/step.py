@@ -35,6 +35,7 @@ from dsv41_jax.ops.compressor import compressed_entries, pool_groups, project_co
 from dsv41_jax.ops.engram import engram_write
 from dsv41_jax.ops.indexer import indexer_queries, indexer_scores, mask_invisible, select_topk, visible_counts
 from dsv41_jax.ops.mhc import collapse, expand, mhc_coefficients
+from dsv41_jax.inference import packed_cache as PC
 from dsv41_jax.inference.moe import moe_inference
 from dsv41_jax.ops.moe import moe
 from dsv41_jax.ops.linear import linear
@@ -103,6 +104,7 @@ def _batch_index(b: int, c: int) -> jax.Array:
 
 def ring_read(ring: jax.Array, pos0: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The ring's contents in position order (positions pos0 - W .. pos0 - 1) and those positions (-1 = none)."""
+    ring = PC.read(ring)  # packed (release) layout: unpacked at read in this reference path
     b, w = ring.shape[:2]
     p = pos0[:, None] - w + jnp.arange(w)[None, :]
     vals = jnp.take_along_axis(ring, jnp.mod(p, w).reshape(b, w, *([1] * (ring.ndim - 2))), axis=1)
@@ -116,7 +118,7 @@ def ring_write(ring: jax.Array, vals: jax.Array, pos0: jax.Array, n_valid: jax.A
     i = jnp.arange(c)[None, :]
     keep = (i < n_valid[:, None]) & (i >= n_valid[:, None] - w)
     slot = jnp.where(keep, jnp.mod(pos0[:, None] + i, w), w)  # w is out of range: dropped
-    return ring.at[_batch_index(b, c), slot].set(vals.astype(ring.dtype), mode="drop")
+    return PC.set_rows(ring, (_batch_index(b, c), slot), vals)  # either layout
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -159,8 +161,8 @@ def emit_entries(src: dict, x: jax.Array, comp: dict, idx_p: dict, ratio: int, p
     rotated, keys = compressed_entries(latent, idx_p, ccos, csin, c.rms_norm_eps, quant_on)
     where = jnp.where(complete, entry, nmax)
     bi = _batch_index(b, entry.shape[1])
-    src["kv"] = src["kv"].at[bi, where].set(rotated.astype(src["kv"].dtype), mode="drop")
-    src["keys"] = src["keys"].at[bi, where].set(keys.astype(src["keys"].dtype), mode="drop")
+    src["kv"] = PC.set_rows(src["kv"], (bi, where), rotated)  # either layout (packed_cache)
+    src["keys"] = PC.set_rows(src["keys"], (bi, where), keys)
     return src
 
 
@@ -413,7 +415,8 @@ def attention_step(p: dict, x: jax.Array, spec: LayerSpec, pos: jax.Array, pos0:
             if emit:
                 cache["sources"][key] = emit_entries(cache["sources"][key], x, p["compressor"], p["indexer"],
                                                      spec.ratio, pos0, n_valid, c, rope, quant_on)
-            shared = dataclasses.replace(shared, kv=cache["sources"][key]["kv"], keys=cache["sources"][key]["keys"])
+            shared = dataclasses.replace(shared, kv=PC.read(cache["sources"][key]["kv"]),
+                                         keys=PC.read(cache["sources"][key]["keys"]))
         if spec.mode in (FULL, REINDEX):
             new_topk, new_pool = run_indexer(p["indexer"], x, q_res, spec, pos, shared.keys, shared.pool, c, rope,
                                              opts, quant_on)
