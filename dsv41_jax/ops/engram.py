@@ -6,7 +6,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.ops.linear import Fp8GemmInput, linear
+from dsv41_jax.ops.linear import Fp8GemmInput, is_plain_weight, linear
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -22,7 +22,7 @@ def engram_write(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: f
     b, t, hc, d = streams.shape
     rows = take_rows(params["embed"], row_ids, streams.dtype)  # [B, T, cols, ehd]
     wkv = params["wkv"]
-    if isinstance(wkv, jax.Array):
+    if is_plain_weight(wkv):
         e = rows.reshape(b, t, -1).astype(wkv.dtype)
         kv = jnp.einsum("btc,fc->btf", e, wkv, precision=_HI)
     else:  # release-format and / or FP8-input weight (ops.linear)
@@ -45,7 +45,7 @@ def take_rows(table, row_ids: jax.Array, dtype) -> jax.Array:
     only and dequantises them (to ``dtype``)."""
     if isinstance(table, Fp8GemmInput):
         table = table.weight
-    if isinstance(table, jax.Array) or not hasattr(table, "scales"):
+    if is_plain_weight(table):
         return jnp.take(table, row_ids, axis=0)
     rows = dataclasses.replace(table, values=jnp.take(table.values, row_ids, axis=0),
                                scales=jnp.take(table.scales, row_ids, axis=0),

@@ -50,6 +50,11 @@ def _is_quantized(w) -> bool:
     return hasattr(w, "fmt") and hasattr(w, "scales")  # a QuantizedTensor (duck-typed: ops stay checkpoint-free)
 
 
+def is_plain_weight(w) -> bool:
+    """A float array (not a QuantizedTensor, not marked)."""
+    return not isinstance(w, Fp8GemmInput) and not _is_quantized(w)
+
+
 def weight_array(w, dtype=None) -> jax.Array:
     """The weight as a float array: a QuantizedTensor is dequantised exactly (to ``dtype``, default float32), a
     marker unwrapped, an array returned as is (cast to ``dtype`` when given)."""
@@ -86,4 +91,4 @@ def select_expert(w, e):
     return w[e]
 
 
-__all__ = ["linear", "Fp8GemmInput", "weight_array", "gemm_input", "gemm_operands", "select_expert"]
+__all__ = ["linear", "Fp8GemmInput", "is_plain_weight", "weight_array", "gemm_input", "gemm_operands", "select_expert"]

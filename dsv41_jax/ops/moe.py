@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.ops.linear import gemm_input, linear, weight_array
+from dsv41_jax.ops.linear import gemm_input, is_plain_weight, linear, weight_array
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -96,7 +96,7 @@ def moe(x: jax.Array, params: dict, *, top_k: int, temp: float, scaling: float, 
     if impl == "expert_parallel":
         from dsv41_jax.parallel.expert_parallel import routed_expert_parallel  # lazy: ops stay mesh-agnostic
 
-        if any(not isinstance(e[k], jax.Array) for k in ("w1", "w2", "w3")):
+        if not all(is_plain_weight(e[k]) for k in ("w1", "w2", "w3")):
             raise NotImplementedError("moe_impl='expert_parallel' takes float expert weights; release-format / "
                                       "FP8-input experts run with 'ragged' or 'dense'")
 
