@@ -119,6 +119,9 @@ def test_weight_forms_dequantise_at_use_and_round_gemm_inputs():
     assert not any(p.endswith(("compressor/wkv", "indexer/wk", "weights_proj", "gate/weight")) or p == "lm_head"
                    for p in marked)
     assert RW.weight_bytes(qparams) < RW.weight_bytes(dparams) / 2.5
+    # the shape-only accounting (used for the full model) equals the bytes really held
+    assert sum(RW.weight_footprint(config, "release", jnp.float32).values()) == RW.weight_bytes(qparams)
+    assert sum(RW.weight_footprint(config, "bf16", jnp.float32).values()) == RW.weight_bytes(dparams)
 
 
 def test_quantised_weights_shard_by_the_logical_axis_rules():

@@ -116,6 +116,37 @@ def weight_bytes(params) -> int:
                    for x in jax.tree.leaves(params)))
 
 
+def stored_bytes(shape: tuple[int, ...], fmt: str, float_itemsize: int = 2) -> int:
+    """Bytes one parameter holds in a storage format (values + scales; ``float_itemsize`` for FLOAT)."""
+    lead = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) > 2 else 1
+    if fmt == N.FLOAT:
+        return int(np.prod(shape, dtype=np.int64)) * float_itemsize
+    o, i = shape[-2:]
+    if fmt == N.FP8_BLOCK:
+        bo, bi = QZ.FP8_BLOCK_SHAPE
+        return lead * (o * i + -(-o // bo) * -(-i // bi))
+    if fmt == N.FP4_ROWS:
+        return lead * (o * i // 2 + o * i // N.FP4_BLOCK)
+    return lead * (o * i + o * i // N.ENGRAM_BLOCK)  # ENGRAM_ROWS
+
+
+def weight_footprint(config: ModelConfig, weights: str = "release", dtype=jnp.bfloat16) -> dict[str, int]:
+    """Bytes of the parameters by component (``names.COMPONENTS``) from shapes alone: ``weights="release"`` — the
+    release's FP8 / FP4 forms, other tensors in ``dtype`` (float32 ones stay float32); ``"bf16"`` — all ``dtype``."""
+    if weights not in WEIGHT_FORMS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMS}, got {weights!r}")
+    from dsv41_jax.model.params import FP32
+
+    formats = storage_formats(config)
+    out: dict[str, int] = {}
+    for path, spec in flat_specs(config):
+        fmt = formats[path] if weights == "release" else N.FLOAT
+        item = 4 if spec.dtype == FP32 else jnp.dtype(dtype).itemsize
+        comp = N.component(N.to_release(spec.hf_name.replace("{e}", "0")))
+        out[comp] = out.get(comp, 0) + stored_bytes(spec.shape, fmt, item)
+    return out
+
+
 def quantized_partition_spec(qt: QZ.QuantizedTensor, axes, mesh, rules):
     """One PartitionSpec for a QuantizedTensor's values and scales, from its logical axes and its scale grid: a
     dim is split only where the mesh divides the number of scale blocks, so every shard holds whole blocks."""
@@ -147,4 +178,4 @@ def _flat(tree):
 
 
 __all__ = ["WEIGHT_FORMS", "storage_formats", "fp8_gemm_paths", "mark_fp8_gemm_inputs", "quantize_params",
-           "dequantize_params", "weight_bytes", "quantized_partition_spec", "release_shardings"]
+           "dequantize_params", "weight_bytes", "stored_bytes", "weight_footprint", "quantized_partition_spec", "release_shardings"]
