@@ -87,12 +87,13 @@ def quantize_params(params: dict, config: ModelConfig) -> dict:
     """Float parameters -> the release's storage forms (QuantizedTensor leaves for its FP8 / FP4 tensors; every
     other parameter unchanged). Host-side, once, before serving."""
     formats = storage_formats(config)
+    shapes = {p: tuple(s.shape) for p, s in flat_specs(config)}
 
     def one(path, w):
         fmt = formats.get(path, N.FLOAT)
         if fmt == N.FLOAT or isinstance(w, QZ.QuantizedTensor):
             return w
-        if tuple(w.shape) != tuple(next(s for p, s in flat_specs(config) if p == path).shape):
+        if tuple(w.shape) != shapes[path]:
             raise ValueError(f"parameter {path}: shape {tuple(w.shape)} (padded?) cannot be quantised; quantise "
                              "before padding / sharding")
         return _quantize(np.asarray(jax.device_get(w), np.float32), fmt)
