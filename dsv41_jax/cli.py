@@ -106,7 +106,7 @@ def _load_for_generate(args):
     from dsv41_jax.default_model import default_model, default_model_available
 
     if args.checkpoint:
-        config, params = load_checkpoint(args.checkpoint)
+        config, params = load_checkpoint(args.checkpoint, keep_quantized=args.weights == "release")
         source = args.checkpoint
     elif args.config in (None, "default") and default_model_available():
         config, params, _ = default_model()
@@ -140,7 +140,8 @@ def _cmd_generate(args) -> int:
     fast = args.fast_compile == "on" or (args.fast_compile == "auto" and jax.default_backend() == "cpu")
     opts = InferenceOptions(ced=not args.no_ced, compiler_options=FAST_COMPILE if fast else ())
     engine = Engine(config, params, max_batch=n, max_len=max_len, tokenizer=tokenizer,
-                    prefill_chunk=args.prefill_chunk, options=opts, compilation_cache=cache_setting)
+                    prefill_chunk=args.prefill_chunk, options=opts, compilation_cache=cache_setting,
+                    weights=args.weights, cache=args.cache)
     err = sys.stderr
     print(f"# {config.name}: {config.num_hidden_layers} layers, d={config.hidden_size}, {source}; prompt "
           f"{len(prompt)} tokens, {n} sample(s), max_len {max_len}, {jax.default_backend()}"
@@ -148,6 +149,8 @@ def _cmd_generate(args) -> int:
           file=err)
     dtype = str(engine.cache_dtype.name if hasattr(engine.cache_dtype, "name") else engine.cache_dtype)
     print(f"# {engine.footprint().describe()}", file=err)
+    print(f"# weights [{engine.weights_format}]: {engine.weight_bytes():,} B; cache [{args.cache}]: "
+          f"{engine.footprint().per_token:,.1f} B/token", file=err)
     release = cache_footprint(config, "release")
     print(f"# released FP4/FP8 storage would be {release.per_token:,.1f} B/token ({dtype} here: "
           f"{engine.footprint().per_token:,.1f} B/token)", file=err)
@@ -237,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-compilation-cache", action="store_true",
                    help="do not use JAX's persistent compilation cache (on by default, in $XDG_CACHE_HOME/dsv41_jax "
                         "or ~/.cache/dsv41_jax; also DSV41_COMPILATION_CACHE=off)")
+    s.add_argument("--weights", choices=("bf16", "release"), default=None, help="release: FP8 / FP4 weights on "
+                   "device, GEMM inputs rounded to FP8 [default: release for quantised parameters, else bf16]")
+    s.add_argument("--cache", choices=("bf16", "release"), default="bf16", help="release: packed FP8 / FP4 KV cache")
     s.set_defaults(fn=_cmd_generate)
     from dsv41_jax.train.cli import add_parser as _add_train_parser  # `dsv41 train` (dsv41_jax/train/cli.py)
 

@@ -17,6 +17,10 @@ Ring positions are not stored: slot s of a ring whose sequence holds L tokens co
 p < L with p ≡ s (mod W), or nothing when that p < 0. Entries beyond a slot's length, or ring slots of an earlier
 occupant, are therefore invisible without any clearing, so restarting a slot is just ``length = 0``.
 
+``packed=True`` keeps ``swa``, ``kv`` and ``keys`` in the release's packed formats (:mod:`packed_cache`: FP8 window,
+FP4 compressed KV and indexer keys, each with its block scales) — the bytes ``cache_footprint(config, "release")``
+counts; the cached forward reads and writes them through ``packed_cache.read`` / ``set_rows``.
+
 Engram's look-back state (the last n-1 compressed ids per slot) depends only on tokens and lives on the host next
 to the hasher (``EngramHistory``); it is accounted for here all the same. Top-k selections and the HSI pool are
 per-step values, not cache.
@@ -32,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.config import ModelConfig, ceil_div
+from dsv41_jax.inference import packed_cache as PC
 from dsv41_jax.plan import FULL
 
 
@@ -51,25 +56,30 @@ def source_entries(config: ModelConfig, max_len: int, ratio: int) -> int:
     return ceil_div(ceil_div(max_len, ratio), bs) * bs
 
 
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
-    """An empty cache for ``batch`` slots of up to ``max_len`` tokens each (every slot at length 0)."""
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *, packed: bool = False) -> dict:
+    """An empty cache for ``batch`` slots of up to ``max_len`` tokens each (every slot at length 0). ``packed``:
+    window KV, compressed KV and indexer keys in the release's packed formats (read back as ``dtype``)."""
     if batch <= 0 or max_len <= 0:
         raise CacheError(f"max_batch and max_len must be positive, got {batch} and {max_len}")
-    return _init_cache_jit(config, batch, max_len, jnp.dtype(dtype))
+    return _init_cache_jit(config, batch, max_len, jnp.dtype(dtype), packed)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _init_cache_jit(config: ModelConfig, batch: int, max_len: int, dtype) -> dict:
-    return _make_cache(config, batch, max_len, dtype)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _init_cache_jit(config: ModelConfig, batch: int, max_len: int, dtype, packed: bool = False) -> dict:
+    return _make_cache(config, batch, max_len, dtype, packed)
 
 
-def _make_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> dict:
+def _make_cache(config: ModelConfig, batch: int, max_len: int, dtype, packed: bool = False) -> dict:
     c = config
     w, hd, di = c.sliding_window, c.head_dim, c.index_head_dim
+
+    def buf(shape, fmt):
+        return PC.zeros(shape, fmt, dtype) if packed else jnp.zeros(shape, dtype)
+
     sources = {}
     for layer, m in kv_sources(c):
         n = source_entries(c, max_len, m)
-        src = {"kv": jnp.zeros((batch, n, hd), dtype), "keys": jnp.zeros((batch, n, di), dtype)}
+        src = {"kv": buf((batch, n, hd), PC.FP4_E4M3_16), "keys": buf((batch, n, di), PC.FP4_UE8M0_32)}
         if m > 1:
             src["buf_kv"] = jnp.zeros((batch, m, hd), jnp.float32)
             src["buf_gate"] = jnp.zeros((batch, m, hd), jnp.float32)
@@ -77,7 +87,7 @@ def _make_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> dict:
     return {
         "length": jnp.zeros((batch,), jnp.int32),
         "floor": jnp.zeros((batch,), jnp.int32),
-        "swa": [jnp.zeros((batch, w, hd), dtype) for _ in range(c.num_hidden_layers)],
+        "swa": [buf((batch, w, hd), PC.FP8_UE8M0_32) for _ in range(c.num_hidden_layers)],
         "sources": sources,
     }
 
@@ -109,9 +119,9 @@ def check_capacity(config: ModelConfig, cache: dict, lengths, new_tokens, *, err
             f"of {cap} tokens (init_cache max_len); start a new sequence there or use a larger cache")
 
 
-def abstract_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32):
+def abstract_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *, packed: bool = False):
     """ShapeDtypeStructs of :func:`init_cache` (nothing allocated)."""
-    return jax.eval_shape(lambda: _make_cache(config, batch, max_len, jnp.dtype(dtype)))
+    return jax.eval_shape(lambda: _make_cache(config, batch, max_len, jnp.dtype(dtype), packed))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -124,7 +124,8 @@ class Engine:
 
     def __init__(self, config: ModelConfig, params: dict, *, max_batch: int = 8, max_len: int = 4096,
                  tokenizer=None, hasher=None, prefill_chunk: int = 512,
-                 options: InferenceOptions = InferenceOptions(), cache_dtype=None, compilation_cache=None):
+                 options: InferenceOptions = InferenceOptions(), cache_dtype=None, weights: str | None = None,
+                 cache: str = "bf16", compilation_cache=None):
         """``compilation_cache``: JAX's persistent compilation cache — None (default: on, under
         ``$XDG_CACHE_HOME/dsv41_jax`` or ``~/.cache/dsv41_jax``, unless ``DSV41_COMPILATION_CACHE=off``), False (off),
         True, or a directory (``dsv41_jax.compilation_cache``)."""
@@ -139,6 +140,7 @@ class Engine:
             raise EngineError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         validate_params(params, config)
         self.compilation_cache_dir = enable_compilation_cache(compilation_cache)  # before the first compile
+        params, options = _precision(config, params, options, weights, cache)  # weights= / cache= (release)
         if options.ced:
             check_ced_plan(config)
         self.config = config
@@ -154,7 +156,8 @@ class Engine:
             hasher = default_hasher(config, tokenizer)
         self.hasher = hasher
         self.cache_dtype = cache_dtype or params["embed"].dtype
-        self.cache = init_cache(config, max_batch, max_len, self.cache_dtype)
+        self.cache_format = cache
+        self.cache = init_cache(config, max_batch, max_len, self.cache_dtype, packed=cache == "release")
         k = config.engram_max_ngram_size - 1 if config.engram_layer_ids else 1
         self._hist = EngramHistory.empty(max_batch, k + 1) if self.hasher is not None else None
         self.default_stop = (tokenizer.eos_id if tokenizer is not None else config.eos_token_id,)
@@ -163,11 +166,19 @@ class Engine:
     # ------------------------------------------------------------------------------------------------------
     def footprint(self, storage: str | None = None) -> CacheFootprint:
         """Cache bytes per token for ``storage`` (default: the engine's cache dtype) and for this engine's sizes."""
-        storage = storage or str(jnp.dtype(self.cache_dtype))
+        storage = storage or ("release" if self.cache_format == "release" else str(jnp.dtype(self.cache_dtype)))
         return cache_footprint(self.config, storage, batch=self.max_batch, max_len=self.max_len)
 
     def allocated_bytes(self) -> int:
         return tree_bytes(self.cache)
+
+    @property
+    def weights_format(self) -> str:
+        return "release" if self.options.gemm_input_fp8 else "bf16"
+
+    def weight_bytes(self) -> int:
+        """Bytes the parameters hold on device (values + scales of release-format weights)."""
+        return tree_bytes(self.params)
 
     def lengths(self) -> np.ndarray:
         return np.asarray(self.cache["length"])
@@ -409,3 +420,30 @@ class Engine:
 
 
 __all__ = ["Engine", "EngineError", "Request", "Result", "GenerationStats"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Serving precision (weights= / cache=)
+# ----------------------------------------------------------------------------------------------------------
+
+def _precision(config: ModelConfig, params: dict, options: InferenceOptions, weights: str | None, cache: str):
+    """(params, options) for the requested serving precision.
+
+    ``weights``: ``"release"`` serves the release's FP8 / FP4 weights (QuantizedTensor leaves; float ones are
+    quantised here, once, on the host) with the release's FP8 rounding of every FP8 / FP4 GEMM's input;
+    ``"bf16"`` serves float weights (QuantizedTensor leaves are dequantised to the embedding's dtype); ``None``:
+    ``"release"`` when the parameters hold QuantizedTensor leaves, else ``"bf16"``. ``cache``: ``"bf16"`` (the
+    cache dtype) or ``"release"`` (packed FP8 / FP4, see ``inference.packed_cache``)."""
+    from dsv41_jax.checkpoint.quantized import QuantizedTensor
+    from dsv41_jax.model import release_weights as RW
+
+    if cache not in ("bf16", "release"):
+        raise EngineError(f"cache must be 'bf16' or 'release', got {cache!r}")
+    has_quantized = any(isinstance(x, QuantizedTensor) for x in
+                        jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedTensor)))
+    weights = weights or ("release" if has_quantized else "bf16")
+    if weights == "release":
+        return RW.quantize_params(params, config), dataclasses.replace(options, gemm_input_fp8=True)
+    if weights == "bf16":
+        return (RW.dequantize_params(params, params["embed"].dtype) if has_quantized else params), options
+    raise EngineError(f"weights must be 'bf16' or 'release', got {weights!r}")

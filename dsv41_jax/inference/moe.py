@@ -24,10 +24,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.ops.linear import linear, select_expert
 from dsv41_jax.ops.moe import expert_mlp, route
-
-_HI = jax.lax.Precision.HIGHEST
-
 
 STATIC_MAX_TOKENS = 64
 
@@ -40,14 +38,15 @@ def _pow2_at_least(n: int, lo: int = 8) -> int:
 
 
 def _swiglu_expert(rows, w1, w2, w3, wts, limit, dtype):
-    """One expert's clamped SwiGLU on ``rows`` [R, d], each output row scaled by ``wts`` [R] (float32 out)."""
-    gate = jnp.einsum("td,fd->tf", rows, w1, precision=_HI).astype(jnp.float32)
-    up = jnp.einsum("td,fd->tf", rows, w3, precision=_HI).astype(jnp.float32)
+    """One expert's clamped SwiGLU on ``rows`` [R, d], each output row scaled by ``wts`` [R] (float32 out). The
+    weights may be in any form :func:`dsv41_jax.ops.linear.linear` takes (float, release FP8 / FP4, marked)."""
+    gate = linear(rows, w1).astype(jnp.float32)
+    up = linear(rows, w3).astype(jnp.float32)
     if limit > 0:
         up = jnp.clip(up, -limit, limit)
         gate = jnp.minimum(gate, limit)
     act = jax.nn.silu(gate) * up * wts[:, None]
-    return jnp.einsum("tf,df->td", act.astype(dtype), w2, precision=_HI).astype(jnp.float32)
+    return linear(act.astype(dtype), w2).astype(jnp.float32)
 
 
 def routed_slots(x, weights, idx, w1, w2, w3, limit):
@@ -73,7 +72,8 @@ def routed_slots(x, weights, idx, w1, w2, w3, limit):
 
     def body(s, out):
         e = slot_expert[s]
-        y = _swiglu_expert(xs[s], w1[e], w2[e], w3[e], slot_wts[s], limit, x.dtype)
+        y = _swiglu_expert(xs[s], select_expert(w1, e), select_expert(w2, e), select_expert(w3, e), slot_wts[s],
+                           limit, x.dtype)
         return out.at[s].set(y)
 
     ys = jax.lax.fori_loop(0, n_slots, body, jnp.zeros((n_slots, rows, x.shape[-1]), jnp.float32))
@@ -113,7 +113,9 @@ def routed_tiled(x, weights, idx, w1, w2, w3, limit, tile: int | None = None):
         r0 = row_start[e] + (t - tile_start[e]) * tile
         rows = jax.lax.dynamic_slice_in_dim(xs, r0, tile, axis=0)
         valid = (r0 + jnp.arange(tile)) < row_start[e] + counts[e]
-        y = _swiglu_expert(rows, w1[e], w2[e], w3[e], jax.lax.dynamic_slice_in_dim(wts, r0, tile), limit, x.dtype)
+        # select_expert: only this expert's weights are read (and, in the release's FP4 form, dequantised)
+        y = _swiglu_expert(rows, select_expert(w1, e), select_expert(w2, e), select_expert(w3, e),
+                           jax.lax.dynamic_slice_in_dim(wts, r0, tile), limit, x.dtype)
         y = jnp.where(valid[:, None], y, 0.0)
         old = jax.lax.dynamic_slice_in_dim(out, r0, tile, axis=0)
         return jax.lax.dynamic_update_slice_in_dim(out, old + y, r0, axis=0)

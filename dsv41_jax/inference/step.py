@@ -35,6 +35,7 @@ from dsv41_jax.ops.compressor import compressed_entries, pool_groups, project_co
 from dsv41_jax.ops.engram import engram_write
 from dsv41_jax.ops.indexer import indexer_queries, indexer_scores, mask_invisible, select_topk, visible_counts
 from dsv41_jax.ops.mhc import collapse, expand, mhc_coefficients
+from dsv41_jax.inference import packed_cache as PC
 from dsv41_jax.inference.moe import moe_inference
 from dsv41_jax.ops.moe import moe
 from dsv41_jax.ops.linear import head_logits, linear
@@ -66,6 +67,7 @@ class InferenceOptions:
     compiler_options: tuple = ()  # XLA compiler options as (name, value) pairs, e.g. fast compiles for CPU tests
     kernel_backend: str = "auto"  # dsv41_jax.kernels backend for sparse attention and the indexer top-k: "auto"
     #                               (Pallas on GPU / TPU, the plain-JAX reference on CPU) or one of kernels.BACKENDS
+    gemm_input_fp8: bool = False  # the release's FP8 rounding of every FP8 / FP4 GEMM's input (ForwardOptions)
 
     def resolved_quant(self, config: ModelConfig) -> bool:
         return config.quant_sim if self.quant_sim is None else self.quant_sim
@@ -102,6 +104,7 @@ def _batch_index(b: int, c: int) -> jax.Array:
 
 def ring_read(ring: jax.Array, pos0: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The ring's contents in position order (positions pos0 - W .. pos0 - 1) and those positions (-1 = none)."""
+    ring = PC.read(ring)  # packed (release) layout: unpacked at read in this reference path
     b, w = ring.shape[:2]
     p = pos0[:, None] - w + jnp.arange(w)[None, :]
     vals = jnp.take_along_axis(ring, jnp.mod(p, w).reshape(b, w, *([1] * (ring.ndim - 2))), axis=1)
@@ -115,7 +118,7 @@ def ring_write(ring: jax.Array, vals: jax.Array, pos0: jax.Array, n_valid: jax.A
     i = jnp.arange(c)[None, :]
     keep = (i < n_valid[:, None]) & (i >= n_valid[:, None] - w)
     slot = jnp.where(keep, jnp.mod(pos0[:, None] + i, w), w)  # w is out of range: dropped
-    return ring.at[_batch_index(b, c), slot].set(vals.astype(ring.dtype), mode="drop")
+    return PC.set_rows(ring, (_batch_index(b, c), slot), vals)  # either layout
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -158,8 +161,8 @@ def emit_entries(src: dict, x: jax.Array, comp: dict, idx_p: dict, ratio: int, p
     rotated, keys = compressed_entries(latent, idx_p, ccos, csin, c.rms_norm_eps, quant_on)
     where = jnp.where(complete, entry, nmax)
     bi = _batch_index(b, entry.shape[1])
-    src["kv"] = src["kv"].at[bi, where].set(rotated.astype(src["kv"].dtype), mode="drop")
-    src["keys"] = src["keys"].at[bi, where].set(keys.astype(src["keys"].dtype), mode="drop")
+    src["kv"] = PC.set_rows(src["kv"], (bi, where), rotated)  # either layout (packed_cache)
+    src["keys"] = PC.set_rows(src["keys"], (bi, where), keys)
     return src
 
 
@@ -412,7 +415,8 @@ def attention_step(p: dict, x: jax.Array, spec: LayerSpec, pos: jax.Array, pos0:
             if emit:
                 cache["sources"][key] = emit_entries(cache["sources"][key], x, p["compressor"], p["indexer"],
                                                      spec.ratio, pos0, n_valid, c, rope, quant_on)
-            shared = dataclasses.replace(shared, kv=cache["sources"][key]["kv"], keys=cache["sources"][key]["keys"])
+            shared = dataclasses.replace(shared, kv=PC.read(cache["sources"][key]["kv"]),
+                                         keys=PC.read(cache["sources"][key]["keys"]))
         if spec.mode in (FULL, REINDEX):
             new_topk, new_pool = run_indexer(p["indexer"], x, q_res, spec, pos, shared.keys, shared.pool, c, rope,
                                              opts, quant_on)
@@ -424,6 +428,16 @@ def attention_step(p: dict, x: jax.Array, spec: LayerSpec, pos: jax.Array, pos0:
     out = chunk_attention(q, pos, win_kv, win_pos, compressed, topk, p["attn_sink"], window=c.sliding_window,
                           floor=floor, q_block=opts.query_chunk, backend=opts.kernel_backend)
     return attention_output(p, out, cos, sin, c), cache, shared
+
+
+def _gemm_view(params: dict, config: ModelConfig, opts: InferenceOptions) -> dict:
+    """The parameters as the layers consume them: with ``gemm_input_fp8`` the release's FP8 / FP4 GEMM weights
+    are marked so their inputs are rounded to FP8 (trace-time restructure, no data movement)."""
+    if not opts.gemm_input_fp8:
+        return params
+    from dsv41_jax.model.release_weights import mark_fp8_gemm_inputs
+
+    return mark_fp8_gemm_inputs(params, config)
 
 
 def _mhc_kw(c: ModelConfig, opts: InferenceOptions) -> dict:
@@ -460,6 +474,7 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
         raise ValueError(f"capture layers {missing} are outside the layers [{lo}, {hi}) of this pass")
     captured, compressor_inputs = {}, {}
     b, t = streams.shape[:2]
+    params = _gemm_view(params, c, opts)
     quant_on = opts.resolved_quant(c)
     rope = _rope(c)
     pos = pos0[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -508,7 +523,7 @@ def emit_decoder_source(params: dict, cache: dict, streams: jax.Array, pre_mix: 
     c = config
     ds = c.plan.decoder_start
     spec = c.plan[ds]
-    lp = params["layers"][ds]
+    lp = _gemm_view(params, c, opts)["layers"][ds]
     if spec.engram_slot is not None:
         valid = jnp.arange(streams.shape[1])[None, :] < n_valid[:, None]
         streams = engram_write(streams, engram_ids[:, :, spec.engram_slot], lp["engram"], eps=c.rms_norm_eps,

@@ -44,6 +44,9 @@ class ForwardOptions:
     moe_capacity_factor: float | None = None  # expert_parallel only: None = dropless, else may drop (reported)
     query_chunk: int = 256  # queries per attention / indexer block (memory O(T · chunk))
     kernel_backend: str = "auto"  # dsv41_jax.kernels: auto (Pallas on GPU/TPU, reference on CPU) | reference | ...
+    # The release's GEMM-input rounding (SPEC §5, §12): the input of every GEMM whose weight the release stores
+    # FP8 / FP4 is rounded to FP8 e4m3 per 32 (ue8m0 scale) first. Weights may be float arrays or QuantizedTensors.
+    gemm_input_fp8: bool = False
 
 
 @dataclasses.dataclass
@@ -192,6 +195,10 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
     c = config
     check_tokens(tokens, c)
     validate_params(params, c)
+    if options.gemm_input_fp8:
+        from dsv41_jax.model.release_weights import mark_fp8_gemm_inputs
+
+        params = mark_fp8_gemm_inputs(params, c)
     b, t = tokens.shape
     if c.engram_layer_ids:
         expect = (b, t, len(c.engram_layer_ids), c.n_hash_cols)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.ops.linear import Fp8GemmInput
 from dsv41_jax.plan import FULL, REINDEX
 
 FP32 = "float32"
@@ -227,6 +228,11 @@ class ParamError(ValueError):
     pass
 
 
+def _is_weight_form(x) -> bool:
+    """A release-format weight (QuantizedTensor: values + scales) or a marked GEMM weight counts as one parameter."""
+    return (hasattr(x, "fmt") and hasattr(x, "scales")) or isinstance(x, Fp8GemmInput)
+
+
 def validate_params(params, config: ModelConfig, *, include_dspark: bool | None = None) -> None:
     """Check the parameter tree against the config: every tensor present, nothing extra, right shapes and float
     dtypes. Runs on shapes only, so it is free under ``jit``. Errors name the offending parameter."""
@@ -235,7 +241,7 @@ def validate_params(params, config: ModelConfig, *, include_dspark: bool | None 
     expected = dict(flat_specs(config, include_dspark=include_dspark))
     try:
         got = {"/".join(_key_str(p) for p in path): leaf
-               for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+               for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_weight_form)[0]}
     except Exception as e:  # pragma: no cover - exotic containers
         raise ParamError(f"parameters are not a pytree of arrays: {e}") from e
     missing = sorted(set(expected) - set(got))
@@ -249,6 +255,9 @@ def validate_params(params, config: ModelConfig, *, include_dspark: bool | None 
         shape = tuple(getattr(leaf, "shape", ()))
         if shape != spec.shape:
             raise ParamError(f"parameter {path} ({spec.hf_name}) has shape {shape}, expected {spec.shape}")
+        leaf = leaf.weight if isinstance(leaf, Fp8GemmInput) else leaf
+        if hasattr(leaf, "fmt") and hasattr(leaf, "scales"):  # QuantizedTensor: the release's storage form
+            continue
         dtype = getattr(leaf, "dtype", None)
         if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
             raise ParamError(f"parameter {path} ({spec.hf_name}) has dtype {dtype}, expected a float dtype")

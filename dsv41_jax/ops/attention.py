@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from dsv41_jax.ops import quant
 from dsv41_jax.ops.gather import take_rows_batched
-from dsv41_jax.ops.linear import linear, matmul_precision
+from dsv41_jax.ops.linear import is_plain_weight, linear, matmul_precision, weight_array
 from dsv41_jax.ops.norms import rms_norm
 from dsv41_jax.ops.rope import apply_rope
 
@@ -42,7 +42,8 @@ def attention_output(p: dict, out: jax.Array, cos: jax.Array, sin: jax.Array, co
     b, t = out.shape[:2]
     out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True)
     grouped = out.reshape(b, t, c.o_groups, -1)
-    wo_a = p["wo_a"].reshape(c.o_groups, c.o_lora_rank, -1)
+    wo_a = p["wo_a"] if is_plain_weight(p["wo_a"]) else weight_array(p["wo_a"], out.dtype)  # release: FP8 stored
+    wo_a = wo_a.reshape(c.o_groups, c.o_lora_rank, -1)
     y = jnp.einsum("btgi,goi->btgo", grouped, wo_a, precision=matmul_precision(grouped, wo_a)).reshape(b, t, -1)
     return linear(y, p["wo_b"])
 

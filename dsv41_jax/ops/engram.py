@@ -1,11 +1,13 @@
 """Engram's device-side part: table lookup, key/value projection and the gated per-stream write (SPEC §7).
 Row ids come from the host (:mod:`dsv41_jax.ops.engram_hash`)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from dsv41_jax.ops.gather import take_rows
-from dsv41_jax.ops.linear import matmul_precision
+from dsv41_jax.ops.linear import Fp8GemmInput, is_plain_weight, linear, matmul_precision
 
 
 def engram_gates(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: float,
@@ -17,9 +19,13 @@ def engram_gates(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: f
     gate = σ(sign(dot)·sqrt(max(|dot|, clamp))), dot = Σ_D h·(q_w·k_w)·key · rstd(h)·rstd(key) · D^-0.5.
     """
     b, t, hc, d = streams.shape
-    rows = take_rows(params["embed"], row_ids)  # [B, T, cols, ehd]; a row shared by many n-grams: f32 gradient sum
-    e = rows.reshape(b, t, -1).astype(params["wkv"].dtype)
-    kv = jnp.einsum("btc,fc->btf", e, params["wkv"], precision=matmul_precision(e, params["wkv"]))
+    rows = _table_rows(params["embed"], row_ids, streams.dtype)  # [B, T, cols, ehd]; shared rows: f32 gradient sum
+    wkv = params["wkv"]
+    if is_plain_weight(wkv):
+        e = rows.reshape(b, t, -1).astype(wkv.dtype)
+        kv = jnp.einsum("btc,fc->btf", e, wkv, precision=matmul_precision(e, wkv))
+    else:  # release-format and / or FP8-input weight (ops.linear)
+        kv = linear(rows.reshape(b, t, -1).astype(streams.dtype), wkv)
     key = kv[..., : hc * d].astype(jnp.float32).reshape(b, t, hc, d)
     value = kv[..., hc * d:].astype(jnp.float32)
     weight = params["q_weight"].astype(jnp.float32) * params["k_weight"].astype(jnp.float32)  # [hc, D]
@@ -39,3 +45,17 @@ def engram_write(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: f
     if live is not None:
         gate = jnp.where(live[..., None], gate, 0.0)
     return (streams.astype(jnp.float32) + gate[..., None] * value[:, :, None, :]).astype(streams.dtype)
+
+
+def _table_rows(table, row_ids: jax.Array, dtype) -> jax.Array:
+    """``table[row_ids]`` (:func:`dsv41_jax.ops.gather.take_rows`: the gradient of a row many n-grams share is
+    summed in float32); a release-format (FP8 rows + scales) table gathers the stored bytes of the needed rows
+    only and dequantises them (to ``dtype``)."""
+    if isinstance(table, Fp8GemmInput):
+        table = table.weight
+    if is_plain_weight(table):
+        return take_rows(table, row_ids)
+    rows = dataclasses.replace(table, values=jnp.take(table.values, row_ids, axis=0),
+                               scales=jnp.take(table.scales, row_ids, axis=0),
+                               shape=tuple(row_ids.shape) + tuple(table.shape[1:]))
+    return rows.dequantize(dtype)

@@ -1,7 +1,12 @@
 """The projection every layer uses: ``x @ w.T`` with PyTorch-layout weights [out, in], and the LM head."""
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+
+from dsv41_jax.ops.quant import fake_quant_gemm_input_fp8
 
 
 def matmul_precision(*operands):
@@ -14,7 +19,11 @@ def matmul_precision(*operands):
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] · w [out, in] -> [..., out] (precision: ``matmul_precision``)."""
+    """x [..., in] · w [out, in] -> [..., out] (precision: ``matmul_precision``).
+
+    ``w`` may also be a release-format weight (:class:`~dsv41_jax.checkpoint.quantized.QuantizedTensor`) and / or
+    marked :class:`Fp8GemmInput`: see :func:`gemm_operands`."""
+    x, w = gemm_operands(x, w)
     return jnp.einsum("...i,oi->...o", x, w, precision=matmul_precision(x, w))
 
 
@@ -29,3 +38,79 @@ def head_logits(h: jax.Array, w: jax.Array, *, hf_rounding: bool = False) -> jax
     if hf_rounding:
         return linear(h, w).astype(jnp.float32)
     return jnp.einsum("...i,oi->...o", h, w, precision=matmul_precision(h, w), preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Release-precision weights (SPEC §5, §12): the plain-JAX reference of the FP8 / FP4 GEMMs
+# ----------------------------------------------------------------------------------------------------------------
+# A weight reaching a GEMM is one of
+#   * a float array (bf16 / fp32 serving, training);
+#   * a QuantizedTensor (values + scales in the release's storage layout, kept on device): dequantised exactly
+#     inside the jitted program at the point of use — the future Pallas kernels dequantise in-register instead;
+#   * either of those wrapped in Fp8GemmInput: the release runs this GEMM on FP8 / FP4 weights, so its input is
+#     first rounded to FP8 e4m3 with one ue8m0 scale per 32 (official ``act_quant(x, 32, "ue8m0")``).
+# ``dsv41_jax.inference.release.mark_fp8_gemm_inputs`` applies the wrapper to exactly the release's FP8 / FP4 GEMMs.
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8GemmInput:
+    """Marks a weight whose GEMM first rounds its input to FP8 (1 x 32 blocks, ue8m0 scale). A pytree node whose
+    only child is the wrapped array / QuantizedTensor, so it jits, shards and donates like the weight itself."""
+
+    weight: Any
+
+    @property
+    def shape(self):
+        return tuple(self.weight.shape)
+
+    @property
+    def dtype(self):
+        return self.weight.dtype
+
+
+def _is_quantized(w) -> bool:
+    return hasattr(w, "fmt") and hasattr(w, "scales")  # a QuantizedTensor (duck-typed: ops stay checkpoint-free)
+
+
+def is_plain_weight(w) -> bool:
+    """A float array (not a QuantizedTensor, not marked)."""
+    return not isinstance(w, Fp8GemmInput) and not _is_quantized(w)
+
+
+def weight_array(w, dtype=None) -> jax.Array:
+    """The weight as a float array: a QuantizedTensor is dequantised exactly (to ``dtype``, default float32), a
+    marker unwrapped, an array returned as is (cast to ``dtype`` when given)."""
+    if isinstance(w, Fp8GemmInput):
+        w = w.weight
+    if _is_quantized(w):
+        return w.dequantize(jnp.float32 if dtype is None else dtype)
+    return w if dtype is None else w.astype(dtype)
+
+
+def gemm_input(x: jax.Array, w) -> jax.Array:
+    """``x`` as the GEMM with weight ``w`` consumes it: FP8-rounded per 32 (ue8m0) when ``w`` is marked
+    :class:`Fp8GemmInput`, unchanged otherwise."""
+    if isinstance(w, Fp8GemmInput):
+        return fake_quant_gemm_input_fp8(x, 32)
+    return x
+
+
+def gemm_operands(x: jax.Array, w) -> tuple[jax.Array, jax.Array]:
+    """(the GEMM's input, its weight as an array in the input's dtype) for any weight form."""
+    x = gemm_input(x, w)
+    dtype = x.dtype if (isinstance(w, Fp8GemmInput) and _is_quantized(w.weight)) or _is_quantized(w) else None
+    return x, weight_array(w, dtype)
+
+
+def select_expert(w, e):
+    """Expert ``e``'s weight [out, in] of stacked expert weights [E, out, in], in the same form (array,
+    QuantizedTensor, marked): a QuantizedTensor gives the expert's own values and scales, so only that expert's
+    packed bytes are read and dequantised."""
+    if isinstance(w, Fp8GemmInput):
+        return Fp8GemmInput(select_expert(w.weight, e))
+    if _is_quantized(w):
+        return dataclasses.replace(w, values=w.values[e], scales=w.scales[e], shape=tuple(w.shape[1:]))
+    return w[e]
+
+
+__all__ = ["linear", "head_logits", "matmul_precision", "Fp8GemmInput", "is_plain_weight", "weight_array", "gemm_input", "gemm_operands", "select_expert"]

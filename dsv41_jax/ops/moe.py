@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.ops.linear import matmul_precision
+from dsv41_jax.ops.linear import gemm_input, is_plain_weight, linear, matmul_precision, weight_array
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -29,8 +29,8 @@ def route(x: jax.Array, gate_weight: jax.Array, gate_bias: jax.Array, *, top_k: 
 
 def swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, limit: float) -> jax.Array:
     """silu(min(W1 x, limit)) · clip(W3 x, ±limit) in fp32 (the pre-down-projection activation)."""
-    gate = jnp.einsum("...d,fd->...f", x, w1, precision=matmul_precision(x, w1)).astype(jnp.float32)
-    up = jnp.einsum("...d,fd->...f", x, w3, precision=matmul_precision(x, w3)).astype(jnp.float32)
+    gate = linear(x, w1).astype(jnp.float32)  # linear: any weight form (float, release FP8 / FP4, marked)
+    up = linear(x, w3).astype(jnp.float32)
     if limit > 0:
         up = jnp.clip(up, -limit, limit)
         gate = jnp.minimum(gate, limit)
@@ -41,16 +41,20 @@ def expert_mlp(x, w1, w2, w3, limit, weight=None):
     y = swiglu(x, w1, w3, limit)
     if weight is not None:
         y = y * weight
-    return jnp.einsum("...f,df->...d", y.astype(x.dtype), w2, precision=matmul_precision(x, w2))
+    return linear(y.astype(x.dtype), w2)
 
 
 def routed_dense(x, weights, idx, w1, w2, w3, limit):
     """Every expert on every token; combine with the (sparse) routing weights. O(M·E) — tests / tiny only."""
     n_exp = w1.shape[0]
+    x_in, act_w2 = gemm_input(x, w1), w2  # release-format / marked stacked weights: dequantise, round inputs
+    w1, w3, w2 = (weight_array(w, x.dtype) for w in (w1, w3, w2))
     dense_w = jnp.zeros((x.shape[0], n_exp), jnp.float32).at[jnp.arange(x.shape[0])[:, None], idx].add(weights)
-    act = jax.vmap(lambda a, c: swiglu(x, a, c, limit), out_axes=1)(w1, w3)  # [M, E, F]
+    act = jax.vmap(lambda a, c: swiglu(x_in, a, c, limit), out_axes=1)(w1, w3)  # [M, E, F]
     act = act * dense_w[..., None]
-    return jnp.einsum("mef,edf->md", act.astype(x.dtype), w2, precision=matmul_precision(x, w2)).astype(jnp.float32)
+    # the release rounds the down projection's input after the routing weight is applied
+    act = gemm_input(act.astype(x.dtype), act_w2)
+    return jnp.einsum("mef,edf->md", act, w2, precision=matmul_precision(act, w2)).astype(jnp.float32)
 
 
 def routed_ragged(x, weights, idx, w1, w2, w3, limit):
@@ -60,7 +64,9 @@ def routed_ragged(x, weights, idx, w1, w2, w3, limit):
     flat_expert = idx.reshape(-1)
     order = jnp.argsort(flat_expert, stable=True)
     token_of = order // k
-    xs = x[token_of]
+    xs = gemm_input(x[token_of], w1)
+    act_w2 = w2
+    w1, w3, w2 = (weight_array(w, x.dtype) for w in (w1, w3, w2))
     group_sizes = jnp.bincount(flat_expert, length=n_exp).astype(jnp.int32)
     prec = matmul_precision(x, w1)  # HIGHEST only for float32 operands (Mosaic rejects it on a bf16 ragged_dot)
     gate = jax.lax.ragged_dot(xs, jnp.swapaxes(w1, 1, 2), group_sizes, precision=prec).astype(jnp.float32)
@@ -69,7 +75,7 @@ def routed_ragged(x, weights, idx, w1, w2, w3, limit):
         up = jnp.clip(up, -limit, limit)
         gate = jnp.minimum(gate, limit)
     act = jax.nn.silu(gate) * up * weights.reshape(-1)[order][:, None]
-    out = jax.lax.ragged_dot(act.astype(x.dtype), jnp.swapaxes(w2, 1, 2), group_sizes, precision=prec)
+    out = jax.lax.ragged_dot(gemm_input(act.astype(x.dtype), act_w2), jnp.swapaxes(w2, 1, 2), group_sizes, precision=prec)
     return jnp.zeros((m, x.shape[-1]), jnp.float32).at[token_of].add(out.astype(jnp.float32))
 
 
@@ -88,6 +94,10 @@ def moe(x: jax.Array, params: dict, *, top_k: int, temp: float, scaling: float, 
     extra = {}
     if impl == "expert_parallel":
         from dsv41_jax.parallel.expert_parallel import routed_expert_parallel  # lazy: ops stay mesh-agnostic
+
+        if not all(is_plain_weight(e[k]) for k in ("w1", "w2", "w3")):
+            raise NotImplementedError("moe_impl='expert_parallel' takes float expert weights; release-format / "
+                                      "FP8-input experts run with 'ragged' or 'dense'")
 
         y, ep_aux = routed_expert_parallel(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit,
                                            capacity_factor=capacity_factor)
