@@ -26,8 +26,8 @@ compressed entries each query attends to besides its sliding window (−1 = empt
     ("code", """text = "import os\\nimport sys\\n\\n\\ndef main(argv):\\n    path = os.path.join(argv[0], 'data')\\n    return path\\n"
 tokens = np.asarray([tokenizer.encode(text, add_bos=True)])
 hasher = default_hasher(config, tokenizer)  # Engram row ids are hashed on the host
-logits, aux = dsv41_jax.forward(params, jnp.asarray(tokens), config=config, engram_ids=hasher.row_ids(tokens),
-                                return_topk=True)
+forward = jax.jit(dsv41_jax.forward, static_argnames=("config", "return_topk"))  # one compiled program
+logits, aux = forward(params, jnp.asarray(tokens), config=config, engram_ids=hasher.row_ids(tokens), return_topk=True)
 logp = jax.nn.log_softmax(logits[0, :-1])
 nll = -jnp.take_along_axis(logp, jnp.asarray(tokens[0, 1:, None]), axis=-1).mean()
 print(f"{tokens.shape[1]} tokens, {float(nll):.3f} nats/byte on this snippet")

@@ -22,7 +22,7 @@ from dsv41_jax.inference.weights import host_random_params
 from dsv41_jax.model import release_weights as RW
 from dsv41_jax.model.model import default_hasher
 from dsv41_jax.ops import quant as Q
-from dsv41_jax.ops.engram import take_rows
+from dsv41_jax.ops.engram import table_rows
 from dsv41_jax.ops.linear import Fp8GemmInput, linear, select_expert
 
 MAX_LEN = 32
@@ -111,7 +111,7 @@ def test_weight_forms_dequantise_at_use_and_round_gemm_inputs():
     t = qparams["layers"][1]["engram"]["embed"]
     assert t.fmt == N.ENGRAM_ROWS
     ids = jnp.array([[3, 0, 659], [7, 7, 1]])
-    np.testing.assert_array_equal(take_rows(t, ids, jnp.float32), dparams["layers"][1]["engram"]["embed"][ids])
+    np.testing.assert_array_equal(table_rows(t, ids, jnp.float32), dparams["layers"][1]["engram"]["embed"][ids])
     # which GEMMs round their input: the release's FP8 / FP4 ones, not wo_a (dequantised to bf16 by the release)
     marked = RW.fp8_gemm_paths(config)
     assert "layers/0/attn/wq_a" in marked and "layers/3/ffn/experts/w1" in marked

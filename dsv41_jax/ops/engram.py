@@ -19,7 +19,7 @@ def engram_gates(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: f
     gate = σ(sign(dot)·sqrt(max(|dot|, clamp))), dot = Σ_D h·(q_w·k_w)·key · rstd(h)·rstd(key) · D^-0.5.
     """
     b, t, hc, d = streams.shape
-    rows = _table_rows(params["embed"], row_ids, streams.dtype)  # [B, T, cols, ehd]; shared rows: f32 gradient sum
+    rows = table_rows(params["embed"], row_ids, streams.dtype)  # [B, T, cols, ehd]; shared rows: f32 gradient sum
     wkv = params["wkv"]
     if is_plain_weight(wkv):
         e = rows.reshape(b, t, -1).astype(wkv.dtype)
@@ -47,7 +47,7 @@ def engram_write(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: f
     return (streams.astype(jnp.float32) + gate[..., None] * value[:, :, None, :]).astype(streams.dtype)
 
 
-def _table_rows(table, row_ids: jax.Array, dtype) -> jax.Array:
+def table_rows(table, row_ids: jax.Array, dtype) -> jax.Array:
     """``table[row_ids]`` (:func:`dsv41_jax.ops.gather.take_rows`: the gradient of a row many n-grams share is
     summed in float32); a release-format (FP8 rows + scales) table gathers the stored bytes of the needed rows
     only and dequantises them (to ``dtype``)."""
