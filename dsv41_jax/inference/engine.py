@@ -106,6 +106,18 @@ _compile_seconds = [0.0]
 _compile_listener_registered = []
 
 
+def finish_reason(token: int, stops, n_generated: int, max_new_tokens: int, n_prompt: int, max_len: int):
+    """Why a sequence ends after emitting ``token`` as its ``n_generated``-th new token, or None: ``stop`` (a stop
+    token), ``length`` (its ``max_new_tokens``), ``max_len`` (the next token would not fit in the cache)."""
+    if token in stops:
+        return "stop"
+    if n_generated >= max_new_tokens:
+        return "length"
+    if n_prompt + n_generated > max_len:
+        return "max_len"
+    return None
+
+
 def compile_seconds() -> float:
     if not _compile_listener_registered:
         import jax.monitoring
@@ -382,13 +394,7 @@ class Engine:
                 out[i].append(tok)
                 if on_token is not None:
                     on_token(i, tok)
-                reason = None
-                if tok in stops:
-                    reason = "stop"
-                elif len(out[i]) >= mnt:
-                    reason = "length"
-                elif len(ids) + len(out[i]) > self.max_len:
-                    reason = "max_len"  # the next token would not fit in the cache
+                reason = finish_reason(tok, stops, len(out[i]), mnt, len(ids), self.max_len)
                 if reason is not None:
                     active[s] = False
                     results[i] = Result(out[i], reason, len(ids), text=self._decode_text(out[i]))

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.inference.engine import Engine, EngineError, Request, Result
+from dsv41_jax.inference.engine import Engine, EngineError, Request, Result, finish_reason
 from dsv41_jax.inference.sampling import filter_logits, sample_jit
 from dsv41_jax.inference.step import (InferenceOptions, embed, emit_entries, head, jit_for, ring_read, ring_write,
                                       run_layers)
@@ -492,13 +492,7 @@ class SpeculativeDecoder:
                 out[i].append(t)
                 if on_token is not None:
                     on_token(i, t)
-                reason = None
-                if t in stops:
-                    reason = "stop"
-                elif len(out[i]) >= mnt:
-                    reason = "length"
-                elif len(ids) + len(out[i]) > e.max_len:
-                    reason = "max_len"  # the next token would not fit in the cache
+                reason = finish_reason(t, stops, len(out[i]), mnt, len(ids), e.max_len)
                 if reason is not None:
                     active[s] = False
                     results[i] = Result(out[i], reason, len(ids), text=e._decode_text(out[i]))
