@@ -59,3 +59,16 @@ def tiny_config():
     from dsv41_jax import load_config
 
     return load_config("tiny")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Each xdist worker runs many modules, and every module compiles its own programs (configs, shapes, options):
+    kept, they grow a worker to several GB. Dropping JAX's in-memory caches after each module keeps a worker's
+    memory to what one module needs; programs a later module needs again come back from this run's on-disk
+    compilation cache."""
+    yield
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
