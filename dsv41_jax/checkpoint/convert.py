@@ -263,10 +263,7 @@ def inspect(directory: str, config: ModelConfig | str | None = None) -> str:
     rep = ckpt.report
     lines += ["", f"matches {label} ({ckpt.config.name}): {rep.loaded} parameters "
               f"({', '.join(f'{k}: {v}' for k, v in sorted(rep.formats.items()))})"]
-    for reason, k in sorted(rep.skipped_summary().items()):
-        lines.append(f"skipped {k} tensors: {reason}")
-    for name, why in sorted(rep.ignored.items()):
-        lines.append(f"ignored {name}: {why}")
+    lines += rep.left_out_lines()
     return "\n".join(lines)
 
 

@@ -88,11 +88,13 @@ class LoadReport:
     def describe(self) -> str:
         lines = [f"{self.directory}: {self.naming} naming, {self.n_tensors} tensors, {self.loaded} parameters loaded "
                  f"({', '.join(f'{k}: {v}' for k, v in sorted(self.formats.items()))})"]
-        for reason, n in sorted(self.skipped_summary().items()):
-            lines.append(f"  skipped {n} tensors: {reason}")
-        for name, why in sorted(self.ignored.items()):
-            lines.append(f"  ignored {name}: {why}")
+        lines += ["  " + line for line in self.left_out_lines()]
         return "\n".join(lines)
+
+    def left_out_lines(self) -> list[str]:
+        """What the load left out: skipped tensors counted by reason, ignored tensors by name."""
+        return ([f"skipped {n} tensors: {reason}" for reason, n in sorted(self.skipped_summary().items())]
+                + [f"ignored {name}: {why}" for name, why in sorted(self.ignored.items())])
 
 
 def _rel(path: str, directory: str) -> str:
