@@ -130,15 +130,19 @@ def fill_cache(cache, length, key):
     return dict(cache, floor=jnp.zeros_like(cache["floor"]))
 
 
-def time_decode(params, config, opts, batch, max_len, contexts, steps, dtype, log):
-    cache = init_cache(config, batch, max_len, dtype)
+def decode_inputs(config, batch):
+    """Constant decode-step inputs for timing: (greedy sampling parameters, Engram ids or None, tokens, active)."""
     zeros = lambda dt: jnp.zeros((batch,), dt)  # noqa: E731
     samp = (zeros(jnp.float32), zeros(jnp.int32), jnp.ones((batch,), jnp.float32), zeros(jnp.int32))
     eids = None
     if config.engram_layer_ids:
         eids = jnp.zeros((batch, len(config.engram_layer_ids), config.n_hash_cols), jnp.int32)
-    tok = jnp.full((batch,), 5, jnp.int32)
-    act = jnp.ones((batch,), bool)
+    return samp, eids, jnp.full((batch,), 5, jnp.int32), jnp.ones((batch,), bool)
+
+
+def time_decode(params, config, opts, batch, max_len, contexts, steps, dtype, log):
+    cache = init_cache(config, batch, max_len, dtype)
+    samp, eids, tok, act = decode_inputs(config, batch)
     fill = jax.jit(fill_cache, static_argnums=(1,), donate_argnums=(0,))
     rows = []
     for ctx in contexts:

@@ -61,7 +61,7 @@ import numpy as np  # noqa: E402
 import dsv41_jax  # noqa: E402,F401  (first: the version under --code wins over this directory's)
 
 sys.path.insert(1, HERE)
-from bench_inference import fill_cache, h200_config  # noqa: E402
+from bench_inference import decode_inputs, fill_cache, h200_config  # noqa: E402
 from dsv41_jax.config import ModelConfig  # noqa: E402
 from dsv41_jax.inference.cache import init_cache  # noqa: E402
 from dsv41_jax.inference.decode import decode_and_sample  # noqa: E402
@@ -230,13 +230,7 @@ def summarize_trace(log_dir: str, steps: int, layers: int) -> dict:
 def profile_one(config, params, batch, context, opts, steps, profile_steps, out_dir):
     cache = init_cache(config, batch, context + 64, jnp.bfloat16)
     cache = jax.jit(fill_cache, static_argnums=(1,), donate_argnums=(0,))(cache, context, jax.random.PRNGKey(1))
-    zeros = lambda dt: jnp.zeros((batch,), dt)  # noqa: E731
-    samp = (zeros(jnp.float32), zeros(jnp.int32), jnp.ones((batch,), jnp.float32), zeros(jnp.int32))
-    eids = None
-    if config.engram_layer_ids:
-        eids = jnp.zeros((batch, len(config.engram_layer_ids), config.n_hash_cols), jnp.int32)
-    tok = jnp.full((batch,), 5, jnp.int32)
-    act = jnp.ones((batch,), bool)
+    samp, eids, tok, act = decode_inputs(config, batch)
 
     def step(cache, i):
         nxt, cache = decode_and_sample(params, cache, tok, eids, act, *samp, jnp.full((batch,), i, jnp.int32),
