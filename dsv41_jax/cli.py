@@ -260,6 +260,10 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"dsv41: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (loading, compiling, generating): no traceback
+        what = " before the first training step; nothing to save" if args.cmd == "train" else ""
+        print(f"\ndsv41 {args.cmd}: interrupted (Ctrl-C){what}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -62,13 +62,88 @@ def tiny_config():
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
+def _release_compiled_programs(request):
     """Each xdist worker runs many modules, and every module compiles its own programs (configs, shapes, options):
     kept, they grow a worker to several GB. Dropping JAX's in-memory caches after each module keeps a worker's
     memory to what one module needs; programs a later module needs again come back from this run's on-disk
     compilation cache."""
-    yield
     import gc
+    import resource
+    import time
 
+    log = os.environ.get("DSV41_TEST_MEMLOG")
+    start = time.perf_counter(), _rss_kib(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    yield
     jax.clear_caches()
     gc.collect()
+    if log:  # which module grows a worker: one JSON line per module (README, "The test suite's memory")
+        import json
+
+        before_trim = _rss_kib()
+        _malloc_trim()
+        with open(log, "a") as f:
+            f.write(json.dumps({
+                "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "module": request.module.__name__,
+                "seconds": round(time.perf_counter() - start[0], 1), "rss_start_mib": start[1] // 1024,
+                "rss_end_mib": before_trim // 1024, "rss_trimmed_mib": _rss_kib() // 1024,
+                "maxrss_start_mib": start[2] // 1024,
+                "maxrss_end_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+                "children_maxrss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024}) + "\n")
+    else:
+        _malloc_trim()
+
+
+@pytest.fixture(autouse=True)
+def _memlog_per_test(request):
+    """With DSV41_TEST_MEMLOG_TESTS=path: one JSON line per test (its own peak RSS: heap trimmed before it starts),
+    to find which test of a heavy module sets a worker's high-water mark."""
+    log = os.environ.get("DSV41_TEST_MEMLOG_TESTS")
+    if not log:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    setup_peak = _peak_rss_kib()  # since the last test ended: includes this test's module / session fixtures
+    _malloc_trim()
+    t0, rss0 = time.perf_counter(), _rss_kib()
+    _reset_peak_rss()
+    yield
+    peak = _peak_rss_kib()
+    _reset_peak_rss()
+    with open(log, "a") as f:
+        f.write(json.dumps({"test": request.node.nodeid, "seconds": round(time.perf_counter() - t0, 1),
+                            "rss_start_mib": rss0 // 1024, "peak_mib": peak // 1024,
+                            "fixture_peak_mib": setup_peak // 1024,
+                            "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}) + "\n")
+
+
+def _reset_peak_rss():
+    """Linux: writing 5 to clear_refs resets VmHWM (the peak RSS) to the current RSS."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def _rss_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def _malloc_trim():
+    """Hand freed heap pages back to the OS: glibc keeps them in its arenas otherwise, and a worker's RSS then stays at
+    the high-water mark of the largest module it ran, whatever later modules need."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

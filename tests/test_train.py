@@ -159,6 +159,23 @@ def test_suspicious_train_settings_warn():
     assert any("unusually high" in w for w in TrainConfig(lr=0.5).warnings())
 
 
+def test_ctrl_c_before_the_training_loop_is_one_line(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while `dsv41 train` still reads data or compiles (before the loop installs its own handler): exit 130
+    with one line, no KeyboardInterrupt traceback."""
+    from dsv41_jax import cli
+    from dsv41_jax.train import trainer
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "train", interrupted)
+    (tmp_path / "a.txt").write_text("some text")
+    assert cli.main(["train", "--data", str(tmp_path), "--steps", "5", "--warmup", "1"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "dsv41 train: interrupted (Ctrl-C) before the first training step; nothing to save"
+    assert not any("Traceback" in line for line in err)
+
+
 def test_cli_fine_tunes_the_default_model_from_its_weights(tmp_path, monkeypatch):
     """`dsv41 train --init-from default` takes the embedded model's config and starts from its parameters."""
     import argparse
