@@ -143,6 +143,7 @@ class ReleaseCheckpoint:
         # canonical spelling -> stored name
         self.stored = {N.canonical(n): n for n in self.files.names()}
         self.report = LoadReport(self.directory, self.naming, n_tensors=len(self.stored))
+        self._recent: collections.OrderedDict = collections.OrderedDict()  # (tensor, rows) -> array (see _read)
         self.sources = self._plan()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -281,9 +282,22 @@ class ReleaseCheckpoint:
     # reading
     # ------------------------------------------------------------------------------------------------------------
     def _read(self, info: TensorInfo, rows=None, out=None) -> np.ndarray:
+        """Rows of a tensor, as stored. The last two reads (a weight's rows and its scale's) are kept until the next
+        reads or the end of the parameter: devices whose blocks are narrower than a scale block (e.g. 8 rows of a
+        32-row FP8 block each) need the same stored rows, which are then read from the file once."""
+        key = (info.name, None if rows is None else tuple(rows))
+        a = self._recent.get(key)
+        if a is not None:
+            if out is None:
+                return a
+            out[...] = a.reshape(out.shape)
+            return out
         a = read_tensor(info, rows, out)
         self.report.bytes_read += a.nbytes
         self.report.bytes_read_by_tensor[info.name] += a.nbytes
+        self._recent[key] = a
+        while len(self._recent) > 2:
+            self._recent.popitem(last=False)
         return a
 
     def _rows_2d(self, src: Source, k: int, r0: int, r1: int) -> np.ndarray:
@@ -307,9 +321,10 @@ class ReleaseCheckpoint:
         """The block ``index`` (slices over ``shape``, which may pad an Engram table's rows) in ``dtype``."""
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         bounds = [sl.indices(n)[:2] for sl, n in zip(index, shape)]
-        if len(shape) == 1 or len(shape) == 0:
-            a = self._read(src.infos[0])
-            return QZ.cast(a[index] if shape else a, dtype)
+        if len(shape) == 0:
+            return QZ.cast(self._read(src.infos[0]), dtype)
+        if len(shape) == 1:  # only the elements of the block
+            return QZ.cast(self._read(src.infos[0], bounds[0]), dtype)
         if src.stacked:
             (e0, e1), (r0, r1), (c0, c1) = bounds
             out = np.empty((e1 - e0, r1 - r0, c1 - c0), dtype)
@@ -456,12 +471,13 @@ class ReleaseCheckpoint:
                     arr = place(shape, sh, lambda index, s=src, sh_=shape: self.read_raw_block(s, index, sh_),
                                 finish=functools.partial(_device_dequant, fmt=src.fmt, block=self.fp8_block,
                                                          dtype=jnp.dtype(target)),
-                                itemsize=jnp.dtype(target).itemsize, align=align)
+                                cut=_raw_cols, itemsize=jnp.dtype(target).itemsize, align=align)
                 out.append(arr)
             else:
                 np_dtype = np.dtype(jnp.dtype(target))
                 out.append(place(shape, sh, lambda index, s=src, sh_=shape: self.read_block(s, index, np_dtype, sh_),
                                  itemsize=max(4, np_dtype.itemsize)))
+            self._recent.clear()
             if on_param is not None:
                 on_param(src, i, len(leaves))
         return self.config, jax.tree.unflatten(treedef, out)
@@ -498,6 +514,13 @@ def _spmd_dequant_jit(qt, dtype, sharding):
 
 def _spmd_dequant(qt, dtype, sharding):
     return _spmd_dequant_jit(qt, dtype, sharding)
+
+
+def _raw_cols(raw, lo: int, cols: tuple[int, int]):
+    """A block of :meth:`ReleaseCheckpoint.read_raw_block` (whole stored rows) for columns ``cols`` only: the
+    columns to cut after dequantising."""
+    values, scales, rows, _, out_rows = raw
+    return values, scales, rows, slice(*cols), out_rows
 
 
 def _device_dequant(raw, dev, *, fmt, block, dtype):
@@ -540,44 +563,61 @@ def _write_rows(block, part, start):
     return jax.lax.dynamic_update_slice_in_dim(block, part.astype(block.dtype), start, axis=0)
 
 
-def place(shape, sharding, read: Callable[[tuple], object], finish=None, *, itemsize: int = 4, align: int = 1,
-          chunk_bytes: int | None = None) -> jax.Array:
-    """Build a global array on ``sharding`` from host blocks: for each distinct shard index of this process's
-    devices, ``read(index)`` returns that block, which is put on the devices that own it before the next is read.
-    ``finish(block, device)`` (optional) turns what ``read`` returned into the device array (e.g. dequantises stored
-    bytes there). A block of more than ``chunk_bytes`` (``itemsize`` bytes per element on the device) is read in
-    slices of its leading axis (cut at multiples of ``align`` rows, e.g. a scale block) and written into the device
-    block in place, one slice at a time."""
+def _host_cols(host, lo: int, cols: tuple[int, int]):
+    """Columns ``cols`` (absolute) of a host block whose last axis starts at column ``lo``."""
+    return host[..., cols[0] - lo: cols[1] - lo]
+
+
+def place(shape, sharding, read: Callable[[tuple], object], finish=None, *, cut=_host_cols, itemsize: int = 4,
+          align: int = 1, chunk_bytes: int | None = None) -> jax.Array:
+    """Build a global array on ``sharding`` from host blocks read with ``read(index)``, put on this process's
+    devices one block at a time. ``finish(block, device)`` (optional) turns what ``read`` returned into the device
+    array (e.g. dequantises stored bytes there).
+
+    Reads are shared: devices whose blocks are equal get one read; blocks that differ only in their last axis
+    (columns split over devices) get one read of the rows they cover, over the union of their columns, from which
+    ``cut(host, lo, (c0, c1))`` takes each block's columns. A read of more than ``chunk_bytes`` (``itemsize`` bytes
+    per element on the device) is done in slices of the leading axis (cut at multiples of ``align`` rows, e.g. a
+    scale block), each written into the device blocks in place before the next slice is read."""
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     shape = tuple(int(s) for s in shape)
     idx_map = sharding.addressable_devices_indices_map(shape)
-    groups: dict[tuple, list] = {}
+    row_groups: dict[tuple, dict[tuple, list]] = {}  # bounds but the last axis -> last-axis bounds -> devices
     for dev, index in idx_map.items():
-        key = tuple(sl.indices(n)[:2] for sl, n in zip(index, shape)) if shape else ()
-        groups.setdefault(key, []).append(dev)
-    arrays = []
-    for key, devices in groups.items():
-        block_shape = tuple(b - a for a, b in key)
-        row_bytes = int(np.prod(block_shape[1:], dtype=np.int64)) * itemsize if block_shape else 0
-        pieces = _chunks(*key[0], row_bytes, align, chunk_bytes) if block_shape else []
-        if len(pieces) <= 1:
-            host = read(tuple(slice(a, b) for a, b in key))
-            got = [jax.device_put(host, d) if finish is None else finish(host, d) for d in devices]
-            jax.block_until_ready(got)
-            del host
+        b = tuple(sl.indices(n)[:2] for sl, n in zip(index, shape)) if shape else ()
+        head, last = (b[:-1], b[-1]) if len(b) >= 2 else (b, None)
+        row_groups.setdefault(head, {}).setdefault(last, []).append(dev)
+    placed = {}
+    for head, col_groups in row_groups.items():
+        lo = hi = None
+        if None not in col_groups:
+            lo, hi = min(c[0] for c in col_groups), max(c[1] for c in col_groups)
+        full = head + (((lo, hi),) if lo is not None else ())
+        if full:
+            row_bytes = int(np.prod([b - a for a, b in full[1:]], dtype=np.int64)) * itemsize
+            pieces = _chunks(*full[0], row_bytes, align, chunk_bytes)
         else:
-            got = [None] * len(devices)
-            for a, b in pieces:
-                host = read((slice(a, b),) + tuple(slice(lo, hi) for lo, hi in key[1:]))
-                for k, d in enumerate(devices):
-                    part = jax.device_put(host, d) if finish is None else finish(host, d)
-                    if got[k] is None:
-                        got[k] = jnp.zeros(block_shape, part.dtype, device=d)
-                    got[k] = _write_rows(got[k], part, a - key[0][0])
+            pieces = [None]
+        whole = len(pieces) <= 1
+        for piece in pieces:
+            bounds = full if whole else (piece,) + full[1:]
+            host = read(tuple(slice(a, b) for a, b in bounds))
+            for cols, devices in col_groups.items():
+                block = host if len(col_groups) == 1 else cut(host, lo, cols)
+                for d in devices:
+                    part = jax.device_put(block, d) if finish is None else finish(block, d)
+                    if whole:
+                        placed[d] = part
+                        continue
+                    if d not in placed:
+                        block_shape = tuple(b - a for a, b in head) + ((cols[1] - cols[0],) if cols else ())
+                        placed[d] = jnp.zeros(block_shape, part.dtype, device=d)
+                    placed[d] = _write_rows(placed[d], part, piece[0] - full[0][0])
                     del part
-                jax.block_until_ready(got)
-                del host
-        arrays += got
+                del block
+            jax.block_until_ready([placed[d] for devices in col_groups.values() for d in devices])
+            del host
+    arrays = [placed[d] for d in idx_map]
     if isinstance(sharding, SingleDeviceSharding) and len(arrays) == 1:
         return arrays[0]
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
