@@ -455,9 +455,11 @@ class ReleaseCheckpoint:
         paths = [p for p, _ in flat_specs(self.config, include_dspark=self.include_dspark)]
         device = jax.devices()[0]
         out = []
+        fp8_rows = self.fp8_block[0]
         for i, (path, spec, sh) in enumerate(zip(paths, leaves, flat_sh)):
             src = by_path[path]
             target = jnp.float32 if spec.dtype == FP32 else dtype
+            align = fp8_rows if src.fmt == N.FP8_BLOCK and not src.stacked else 1  # slices of whole scale blocks
             shape = spec.shape
             if mesh is not None:
                 shape = par_api._padded_shape(path, spec.shape, mesh, rules)
@@ -467,7 +469,6 @@ class ReleaseCheckpoint:
             elif src.fmt != N.FLOAT and _dequant_on_device(dequantize_on, sh):
                 arr = self._place_dequant_spmd(src, shape, sh, jnp.dtype(target))
                 if arr is None:  # shards not aligned to scale blocks: per-device blocks
-                    align = self.fp8_block[0] if src.fmt == N.FP8_BLOCK and not src.stacked else 1
                     arr = place(shape, sh, lambda index, s=src, sh_=shape: self.read_raw_block(s, index, sh_),
                                 finish=functools.partial(_device_dequant, fmt=src.fmt, block=self.fp8_block,
                                                          dtype=jnp.dtype(target)),
@@ -476,7 +477,7 @@ class ReleaseCheckpoint:
             else:
                 np_dtype = np.dtype(jnp.dtype(target))
                 out.append(place(shape, sh, lambda index, s=src, sh_=shape: self.read_block(s, index, np_dtype, sh_),
-                                 itemsize=max(4, np_dtype.itemsize)))
+                                 itemsize=max(4, np_dtype.itemsize), align=align))
             self._recent.clear()
             if on_param is not None:
                 on_param(src, i, len(leaves))
