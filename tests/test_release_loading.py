@@ -8,7 +8,7 @@
   devices hold (bytes counted per tensor), together they read each expert once, and every shard a process holds
   equals the writer's reference.
 
-Run as a script (``python tests/test_release_loading.py memory DIR`` / ``pod ...``) it is the child process.
+Run as a script (``python tests/test_release_loading.py memory DIR CHUNK_MIB`` / ``pod ...``) it is the child.
 """
 
 from __future__ import annotations
@@ -47,12 +47,15 @@ def _memory_config():
 # child processes
 # ------------------------------------------------------------------------------------------------------------------
 
-def _memory_child(directory: str) -> None:
+def _memory_child(directory: str, chunk_mib: str) -> None:
     import jax
     import jax.numpy as jnp
 
+    from dsv41_jax.checkpoint import release as R
     from dsv41_jax.checkpoint.host_memory import PeakSampler, rss
     from dsv41_jax.checkpoint.release import ReleaseCheckpoint
+
+    R.CHUNK_BYTES = int(chunk_mib) * MIB
 
     jnp.zeros(8).block_until_ready()  # backend initialised
     ckpt = ReleaseCheckpoint(directory)
@@ -119,7 +122,7 @@ def _pod_child(directory: str, reference: str, coordinator: str, process_id: int
 
 if __name__ == "__main__" and len(sys.argv) > 1:
     if sys.argv[1] == "memory":
-        _memory_child(sys.argv[2])
+        _memory_child(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "pod":
         _pod_child(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6])
     sys.exit(0)
@@ -129,6 +132,7 @@ if __name__ == "__main__" and len(sys.argv) > 1:
 # tests
 # ------------------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # ≈15-20 s on 2 shared cores: a 0.3 GiB checkpoint written, then loaded in a fresh process
 def test_host_memory_of_a_streamed_load(tmp_path):
     from dsv41_jax.checkpoint.release_writer import write_synthetic_release
 
@@ -137,7 +141,8 @@ def test_host_memory_of_a_streamed_load(tmp_path):
     sizes = [os.path.getsize(p) for p in shards]
     stored, largest = sum(sizes), max(sizes)
     assert stored > 250 * MIB and len(shards) >= 3
-    run = subprocess.run([sys.executable, __file__, "memory", d], env=_env(1), capture_output=True, text=True,
+    # slices of 16 MiB (the default is 64 MiB): the loader's share then stands out of the runtime's noise
+    run = subprocess.run([sys.executable, __file__, "memory", d, "16"], env=_env(1), capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads([x for x in run.stdout.splitlines() if x.startswith("{")][-1])
@@ -148,9 +153,10 @@ def test_host_memory_of_a_streamed_load(tmp_path):
     bound = largest + GIB + r["resident"]
     assert max(added, exact) <= bound, (r, bound)
     # tighter: beyond the resident parameters the load holds less than the checkpoint's stored bytes (one slice of
-    # one parameter at a time, plus the runtime's compilations), and maps no file pages
+    # one parameter at a time — its stored bytes, float32 and target-dtype copies — plus the runtime's compilations;
+    # measured ≈145 MiB), and maps no file pages
     transient = max(added, exact) - r["resident"]
-    assert transient < min(stored, 256 * MIB), (r, stored)
+    assert stored > 256 * MIB and transient < 256 * MIB, (r, stored)
     assert r["added"]["RssFile"] < 32 * MIB, r
 
 
