@@ -36,7 +36,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
