@@ -51,6 +51,7 @@ _FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 _FP8 = "F8_E4M3"
 _PACKED = ("I8", "U8", PACKED_F4)
 _LAYER = re.compile(r"^layers\.(\d+)\.")
+_RECENT_BYTES = 4 << 20  # reads kept for devices that share scale-block rows (ReleaseCheckpoint._read)
 
 
 @dataclasses.dataclass
@@ -281,9 +282,10 @@ class ReleaseCheckpoint:
     # reading
     # ------------------------------------------------------------------------------------------------------------
     def _read(self, info: TensorInfo, rows=None, out=None) -> np.ndarray:
-        """Rows of a tensor, as stored. The last two reads (a weight's rows and its scale's) are kept until the next
-        reads or the end of the parameter: devices whose blocks are narrower than a scale block (e.g. 8 rows of a
-        32-row FP8 block each) need the same stored rows, which are then read from the file once."""
+        """Rows of a tensor, as stored. The last two small reads (a weight's rows and its scale's, up to
+        :data:`_RECENT_BYTES` each) are kept until the next reads or the end of the parameter: devices whose blocks
+        are narrower than a scale block (e.g. 8 rows of a 32-row FP8 block each) need the same stored rows, which are
+        then read from the file once."""
         key = (info.name, None if rows is None else tuple(rows))
         a = self._recent.get(key)
         if a is not None:
@@ -294,7 +296,8 @@ class ReleaseCheckpoint:
         a = read_tensor(info, rows, out)
         self.report.bytes_read += a.nbytes
         self.report.bytes_read_by_tensor[info.name] += a.nbytes
-        self._recent[key] = a
+        if a.nbytes <= _RECENT_BYTES:
+            self._recent[key] = a
         while len(self._recent) > 2:
             self._recent.popitem(last=False)
         return a
