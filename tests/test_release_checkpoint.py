@@ -229,6 +229,100 @@ def test_sharded_load_equals_unsharded(release):
         assert _leaves_equal(par.unpad_params(p8, cfg), ref)
 
 
+@pytest.mark.slow  # many small slices: one compile per slice shape
+def test_loads_streamed_in_slices_equal_whole_blocks(release, monkeypatch):
+    """Blocks larger than the slice size are read, sent and written into the device block slice by slice (64 MiB by
+    default; 16 KiB here, so most parameters of the tiny model take several slices, FP8 slices a multiple of the
+    32-row scale block): the result is bit-identical and every stored byte is still read exactly once."""
+    from dsv41_jax import parallel as par
+    from dsv41_jax.checkpoint import release as R
+
+    cfg, _, ref, d = release
+    monkeypatch.setattr(R, "CHUNK_BYTES", 16 << 10)
+    total = sum(i.nbytes for i in stio.SafetensorsDir(d).tensors.values())
+    for on in ("device", "host"):
+        ck = ReleaseCheckpoint(d, config=cfg)
+        _, p = ck.load(jnp.float32, dequantize_on=on)
+        assert _leaves_equal(p, ref) and ck.report.bytes_read == total
+    ck = ReleaseCheckpoint(d, config=cfg)
+    _, q = ck.load(jnp.float32, keep_quantized=True)
+    deq = jax.tree.map(lambda x: x.dequantize(jnp.float32) if isinstance(x, QZ.QuantizedTensor) else x, q,
+                       is_leaf=lambda x: isinstance(x, QZ.QuantizedTensor))
+    assert _leaves_equal(deq, ref) and ck.report.bytes_read == total
+    mesh = par.make_mesh("expert=2,tensor=4")
+    _, ps = ReleaseCheckpoint(d, config=cfg).load(jnp.float32, mesh=mesh, rules="tp")
+    assert _leaves_equal(par.unpad_params(ps, cfg), ref)
+
+
+def _mid_config():
+    from dsv41_jax.train.testing import small_config
+
+    # every layer role of the 6-layer twin at 4x its width: FP8 weights whose rows end mid scale block (q_lora 80,
+    # o_lora 48), four FP4 scale groups per expert row (moe_intermediate 128), 16 experts, an Engram table of two
+    # scale groups per row whose row count is no multiple of anything
+    return small_config().replace(name="mid6", vocab_size=264, hidden_size=256, num_attention_heads=8, head_dim=128,
+                                  q_lora_rank=80, qk_rope_head_dim=32, o_groups=4, o_lora_rank=48,
+                                  n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
+                                  index_n_heads=8, index_head_dim=64, engram_head_dim=64,
+                                  engram_num_embeddings=(1030,))
+
+
+def _e2m1(code: int) -> float:
+    """e2m1 4-bit code -> value, from the format's definition (sign, 2 exponent bits, 1 mantissa bit)."""
+    sign = -1.0 if code & 0x8 else 1.0
+    e, m = (code >> 1) & 0x3, code & 0x1
+    return sign * (m * 0.5 if e == 0 else (1 + m / 2) * 2.0 ** (e - 1))
+
+
+@pytest.mark.slow  # a 10M-parameter model quantised, written, loaded twice and run once
+def test_mid_size_release_load_matches_the_hf_path(tmp_path):
+    from dsv41_jax.checkpoint.hf import save_hf_checkpoint
+    from dsv41_jax.model.params import is_spec, param_specs
+    from dsv41_jax.train.testing import small_config
+
+    cfg = _mid_config()
+    rng = np.random.default_rng(7)
+    params = jax.tree.map(lambda s: (rng.standard_normal(s.shape) * 0.1).astype(np.float32), param_specs(cfg),
+                          is_leaf=is_spec)
+    d = str(tmp_path / "release")
+    ref = write_release_checkpoint(d, params, cfg, n_shards=4)
+    _, p, rep = load_safetensors_checkpoint(d, config=cfg, return_report=True)
+    assert rep.naming == "release" and rep.formats[N.FP4_ROWS] == 6 * 3 and rep.formats[N.ENGRAM_ROWS] == 1
+    assert _leaves_equal(p, ref)  # bit-exact against the writer's independent reference
+
+    files = stio.SafetensorsDir(d)
+    # FP4 nibble order, from the bytes: element 2j is the low nibble, 2j+1 the high one
+    v = files.read("layers.3.ffn.experts.11.w2.weight").view(np.uint8)
+    s = files.read("layers.3.ffn.experts.11.w2.scale").view(np.uint8)
+    got = np.asarray(p["layers"][3]["ffn"]["experts"]["w2"][11])
+    rows, byte_cols = np.nonzero(((v & 0xF) != (v >> 4)) & (v & 0x7 != 0) & (v >> 4 & 0x7 != 0))
+    assert len(rows) > 100  # bytes whose two values differ: a swapped nibble order would be caught
+    for r, j in list(zip(rows, byte_cols))[::max(1, len(rows) // 40)]:
+        scale = 2.0 ** (int(s[r, (2 * j) // 32]) - 127)
+        assert got[r, 2 * j] == _e2m1(int(v[r, j]) & 0xF) * scale, (r, j)
+        assert got[r, 2 * j + 1] == _e2m1(int(v[r, j]) >> 4) * scale, (r, j)
+    # Engram: one e8m0 scale per 32 values of a row, applied (both scale groups, first and last rows)
+    v = files.read("layers.1.engram.embed.weight").view(np.uint8)
+    s = files.read("layers.1.engram.embed.scale").view(np.uint8)
+    assert s.shape == (1030, 2) and len(np.unique(s)) > 2
+    table = np.asarray(p["layers"][1]["engram"]["embed"])
+    for r in (0, 513, 1029):
+        for c in (0, 31, 32, 63):
+            assert table[r, c] == _e4m3(int(v[r, c])) * 2.0 ** (int(s[r, c // 32]) - 127)
+
+    # the dequantised values through the HF path (float32 safetensors, HF names) give identical logits
+    save_hf_checkpoint(str(tmp_path / "hf"), jax.tree.map(np.asarray, ref), cfg)
+    _, p2, rep2 = load_safetensors_checkpoint(str(tmp_path / "hf"), config=cfg, return_report=True)
+    assert rep2.naming == "hf" and _leaves_equal(p, p2)
+    toks = np.random.RandomState(1).randint(3, 259, (2, 24)).astype(np.int32)
+    eids = default_hasher(small_config()).row_ids(toks)
+    fwd = jax.jit(lambda pp: dsv41_jax.forward(pp, toks, config=cfg, engram_ids=eids,
+                                               options=ForwardOptions(quant_sim=False)))
+    logits = np.asarray(fwd(p))
+    assert np.isfinite(logits).all() and logits.std() > 0
+    np.testing.assert_array_equal(logits, np.asarray(fwd(p2)))
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # skipped tensors and bad input
 # ------------------------------------------------------------------------------------------------------------------

@@ -8,10 +8,12 @@ block-scaled) and HF transformers' (``model.`` prefix, float or quantised) — s
 How it streams. Every parameter is planned from headers first (names, shapes, dtypes, scale shapes — all errors
 reported together, naming the tensor and its file). Then parameters are placed one at a time: for each distinct shard
 index of the parameter's target ``NamedSharding`` on this process's devices, the rows that index covers are read
-(one ``pread`` per tensor, and for stacked experts only the experts it covers), dequantised exactly in float32,
-cast to the caller's dtype, and put on the devices that own that index; the host buffer is dropped before the next
-index. So the host holds at most one device shard of one parameter (plus its raw bytes) at a time, and on a pod each
-process reads only the rows its devices own (tensors split along a later axis are read as whole rows).
+(one ``pread`` per tensor, and for stacked experts only the experts it covers), in slices of at most
+:data:`CHUNK_BYTES` (on the device) along the leading axis, each slice dequantised exactly (on the device by default,
+or in float32 numpy on the host), cast to the caller's dtype and written in place into the device block before the
+next slice is read. So the host holds one slice of one parameter (plus its stored bytes) at a time, and on a pod
+each process reads only the rows its devices own (tensors split along a later axis are read as whole rows); the
+quantised path (``keep_quantized``) reads its values and scales the same way.
 
 Engram tables are padded to the row-shard multiple of the mesh (as :func:`dsv41_jax.parallel.shard_params` does).
 ``keep_quantized=True`` returns :class:`~dsv41_jax.checkpoint.quantized.QuantizedTensor` leaves (values + scales)
@@ -34,7 +36,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
@@ -50,6 +51,7 @@ _FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 _FP8 = "F8_E4M3"
 _PACKED = ("I8", "U8", PACKED_F4)
 _LAYER = re.compile(r"^layers\.(\d+)\.")
+_RECENT_BYTES = 4 << 20  # reads kept for devices that share scale-block rows (ReleaseCheckpoint._read)
 
 
 @dataclasses.dataclass
@@ -81,6 +83,7 @@ class LoadReport:
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # tensor -> reason
     ignored: dict[str, str] = dataclasses.field(default_factory=dict)
     bytes_read: int = 0
+    bytes_read_by_tensor: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     def skipped_summary(self) -> dict[str, int]:
         return dict(collections.Counter(self.skipped.values()))
@@ -140,6 +143,7 @@ class ReleaseCheckpoint:
         # canonical spelling -> stored name
         self.stored = {N.canonical(n): n for n in self.files.names()}
         self.report = LoadReport(self.directory, self.naming, n_tensors=len(self.stored))
+        self._recent: collections.OrderedDict = collections.OrderedDict()  # (tensor, rows) -> array (see _read)
         self.sources = self._plan()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -278,8 +282,24 @@ class ReleaseCheckpoint:
     # reading
     # ------------------------------------------------------------------------------------------------------------
     def _read(self, info: TensorInfo, rows=None, out=None) -> np.ndarray:
+        """Rows of a tensor, as stored. The last two small reads (a weight's rows and its scale's, up to
+        :data:`_RECENT_BYTES` each) are kept until the next reads or the end of the parameter: devices whose blocks
+        are narrower than a scale block (e.g. 8 rows of a 32-row FP8 block each) need the same stored rows, which are
+        then read from the file once."""
+        key = (info.name, None if rows is None else tuple(rows))
+        a = self._recent.get(key)
+        if a is not None:
+            if out is None:
+                return a
+            out[...] = a.reshape(out.shape)
+            return out
         a = read_tensor(info, rows, out)
         self.report.bytes_read += a.nbytes
+        self.report.bytes_read_by_tensor[info.name] += a.nbytes
+        if a.nbytes <= _RECENT_BYTES:
+            self._recent[key] = a
+        while len(self._recent) > 2:
+            self._recent.popitem(last=False)
         return a
 
     def _rows_2d(self, src: Source, k: int, r0: int, r1: int) -> np.ndarray:
@@ -303,9 +323,10 @@ class ReleaseCheckpoint:
         """The block ``index`` (slices over ``shape``, which may pad an Engram table's rows) in ``dtype``."""
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         bounds = [sl.indices(n)[:2] for sl, n in zip(index, shape)]
-        if len(shape) == 1 or len(shape) == 0:
-            a = self._read(src.infos[0])
-            return QZ.cast(a[index] if shape else a, dtype)
+        if len(shape) == 0:
+            return QZ.cast(self._read(src.infos[0]), dtype)
+        if len(shape) == 1:  # only the elements of the block
+            return QZ.cast(self._read(src.infos[0], bounds[0]), dtype)
         if src.stacked:
             (e0, e1), (r0, r1), (c0, c1) = bounds
             out = np.empty((e1 - e0, r1 - r0, c1 - c0), dtype)
@@ -336,6 +357,9 @@ class ReleaseCheckpoint:
         hi = min(r1, real)
         bo = self.fp8_block[0] if src.fmt == N.FP8_BLOCK else 1
         a0, a1 = (r0 // bo) * bo, min(-(-hi // bo) * bo, real)
+        out_rows = r1 - r0
+        if hi <= r0:  # a slice of Engram padding rows only: nothing stored to read
+            r0 = hi = a0 = a1 = 0
         experts = list(range(*bounds[0])) if src.stacked else [0]
         s_rows = (a0 // bo, -(-a1 // bo))
         vinfo, sinfo = src.infos[experts[0]], src.scales[experts[0]]
@@ -348,7 +372,44 @@ class ReleaseCheckpoint:
         scales = scales.astype(np.float32) if scale_float else scales.view(np.uint8)
         if not src.stacked:
             values, scales = values[0], scales[0]
-        return values, scales, slice(r0 - a0, hi - a0), slice(c0, c1), r1 - r0
+        return values, scales, slice(r0 - a0, hi - a0), slice(c0, c1), out_rows
+
+    def _stored_layout(self, src: Source, shape) -> tuple[tuple, tuple, int, int]:
+        """(values shape, scales shape, rows per scale row, columns per scale column) of the stored bytes of a
+        quantised source of logical ``shape`` (which may pad an Engram table's rows)."""
+        bo, bi = (self.fp8_block if src.fmt == N.FP8_BLOCK else (1, N.FP4_BLOCK if src.fmt == N.FP4_ROWS
+                                                                   else N.ENGRAM_BLOCK))
+        rows, cols = shape[-2], shape[-1]
+        vshape = tuple(shape[:-1]) + ((cols // 2) if src.fmt == N.FP4_ROWS else cols,)
+        sshape = tuple(shape[:-2]) + (ceil_div(rows, bo), ceil_div(cols, bi))
+        return vshape, sshape, bo, bi
+
+    def _stored_reader(self, src: Source, kind: str, full: tuple, rows_per: int):
+        """``read(index)`` for blocks of the stored values (``kind="v"``, as uint8 bytes) or scales (``"s"``: e8m0
+        bytes, float scales as float32) laid out as ``full`` (stacked ``[e, rows, width]`` for experts). Rows past
+        the stored tensor (Engram padding) read as zero values / unit scales. Only the experts and rows of the
+        block are read, straight into one buffer; a column slice is cut from whole rows."""
+        real = ceil_div(src.spec.shape[-2], rows_per)
+        infos = src.infos if kind == "v" else src.scales
+
+        def read(index):
+            index = tuple(index) + (slice(None),) * (len(full) - len(index))
+            r0, r1 = index[-2].indices(full[-2])[:2]
+            lo, hi = r0, min(r1, real)
+            experts = list(range(*index[0].indices(full[0])[:2])) if src.stacked else [0]
+            stored = infos[experts[0]].np_dtype
+            as_bytes = stored.itemsize == 1
+            buf = np.empty((len(experts), r1 - r0, full[-1]), np.uint8 if as_bytes else stored)
+            if r1 > hi:  # Engram padding rows: zero values, unit scales
+                buf[:, max(hi, lo) - r0:] = QZ.E8M0_BIAS if (kind == "s" and as_bytes) else 0
+            for j, k in enumerate(experts):  # straight into one buffer, no per-expert copies
+                if hi > lo:
+                    self._read(infos[k], (lo, hi), out=buf[j, : hi - lo].view(stored))
+            c = index[-1]
+            out = buf[..., c] if c != slice(None) else buf
+            out = out if as_bytes else out.astype(np.float32)
+            return out if src.stacked else out[0]
+        return read
 
     def _place_dequant_spmd(self, src: Source, shape, sharding, dtype):
         """Stored bytes placed with the target's PartitionSpec (values and scales alike), dequantised by one jitted
@@ -356,11 +417,7 @@ class ReleaseCheckpoint:
         dequantising only its own block. None when a shard boundary would split a scale block."""
         if not isinstance(sharding, NamedSharding) or len(sharding.device_set) == 1:
             return None
-        bo, bi = (self.fp8_block if src.fmt == N.FP8_BLOCK else (1, N.FP4_BLOCK if src.fmt == N.FP4_ROWS
-                                                                   else N.ENGRAM_BLOCK))
-        rows, cols = shape[-2], shape[-1]
-        vshape = tuple(shape[:-1]) + ((cols // 2) if src.fmt == N.FP4_ROWS else cols,)
-        sshape = tuple(shape[:-2]) + (ceil_div(rows, bo), ceil_div(cols, bi))
+        vshape, sshape, bo, bi = self._stored_layout(src, shape)
         spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
         mesh = sharding.mesh
         for d, axes in enumerate(spec):
@@ -371,47 +428,10 @@ class ReleaseCheckpoint:
                 return None
             if d >= len(shape) - 2 and (shape[d] // n) % (bo if d == len(shape) - 2 else bi):
                 return None
-        real = src.spec.shape[-2]
-
-        def read(kind):
-            def fn(index):
-                index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-                e = index[0] if src.stacked else None
-                r = index[-2].indices(vshape[-2] if kind == "v" else sshape[-2])[:2]
-                c = index[-1]
-                infos = src.infos if kind == "v" else src.scales
-                scale_rows = bo if kind == "s" else 1
-                lo, hi = r[0], min(r[1], ceil_div(real, scale_rows))
-                experts = list(range(*e.indices(shape[0])[:2])) if src.stacked else [0]
-                width = (vshape if kind == "v" else sshape)[-1]
-                stored = infos[experts[0]].np_dtype
-                as_bytes = stored.itemsize == 1
-                buf = np.empty((len(experts), r[1] - r[0], width), np.uint8 if as_bytes else stored)
-                if r[1] > hi:  # Engram padding rows: zero values, unit scales
-                    buf[:, max(hi, lo) - r[0]:] = QZ.E8M0_BIAS if (kind == "s" and as_bytes) else 0
-                for j, k in enumerate(experts):  # straight into one buffer, no per-expert copies
-                    if hi > lo:
-                        self._read(infos[k], (lo, hi), out=buf[j, : hi - lo].view(stored))
-                out = buf[..., c] if c != slice(None) else buf
-                out = out if as_bytes else out.astype(np.float32)
-                return out if src.stacked else out[0]
-            return fn
-
-        values = place(vshape, sharding, read("v"))
-        scales = place(sshape, sharding, read("s"))
+        values = place(vshape, sharding, self._stored_reader(src, "v", vshape, 1), itemsize=1)
+        scales = place(sshape, sharding, self._stored_reader(src, "s", sshape, bo), itemsize=4)
         qt = QZ.QuantizedTensor(values, scales, src.fmt, tuple(shape), self.fp8_block)
         return _spmd_dequant(qt, dtype, sharding)
-
-    def read_quantized(self, src: Source) -> tuple[np.ndarray, np.ndarray]:
-        """(values as uint8, scales as uint8 e8m0 bytes or float32), stacked for experts."""
-        def scale_arr(info):
-            a = self._read(info)
-            return a.view(np.uint8) if a.dtype in (ml_dtypes.float8_e8m0fnu, np.uint8) else a.astype(np.float32)
-        values = [self._read(i).view(np.uint8) for i in src.infos]
-        scales = [scale_arr(i) for i in src.scales]
-        if src.stacked:
-            return np.stack(values), np.stack(scales)
-        return values[0], scales[0]
 
     # ------------------------------------------------------------------------------------------------------------
     # placement
@@ -437,49 +457,48 @@ class ReleaseCheckpoint:
         paths = [p for p, _ in flat_specs(self.config, include_dspark=self.include_dspark)]
         device = jax.devices()[0]
         out = []
+        fp8_rows = self.fp8_block[0]
         for i, (path, spec, sh) in enumerate(zip(paths, leaves, flat_sh)):
             src = by_path[path]
             target = jnp.float32 if spec.dtype == FP32 else dtype
+            align = fp8_rows if src.fmt == N.FP8_BLOCK and not src.stacked else 1  # slices of whole scale blocks
             shape = spec.shape
             if mesh is not None:
                 shape = par_api._padded_shape(path, spec.shape, mesh, rules)
             sh = sh if sh is not None else SingleDeviceSharding(device)
             if keep_quantized and src.fmt != N.FLOAT:
-                out.append(self._place_quantized(src, sh, mesh, rules))
+                out.append(self._place_quantized(src, shape, sh, mesh, rules))
             elif src.fmt != N.FLOAT and _dequant_on_device(dequantize_on, sh):
                 arr = self._place_dequant_spmd(src, shape, sh, jnp.dtype(target))
                 if arr is None:  # shards not aligned to scale blocks: per-device blocks
                     arr = place(shape, sh, lambda index, s=src, sh_=shape: self.read_raw_block(s, index, sh_),
                                 finish=functools.partial(_device_dequant, fmt=src.fmt, block=self.fp8_block,
-                                                         dtype=jnp.dtype(target)))
+                                                         dtype=jnp.dtype(target)),
+                                cut=_raw_cols, itemsize=jnp.dtype(target).itemsize, align=align)
                 out.append(arr)
             else:
                 np_dtype = np.dtype(jnp.dtype(target))
-                out.append(place(shape, sh, lambda index, s=src, sh_=shape: self.read_block(s, index, np_dtype, sh_)))
+                out.append(place(shape, sh, lambda index, s=src, sh_=shape: self.read_block(s, index, np_dtype, sh_),
+                                 itemsize=max(4, np_dtype.itemsize), align=align))
+            self._recent.clear()
             if on_param is not None:
                 on_param(src, i, len(leaves))
         return self.config, jax.tree.unflatten(treedef, out)
 
-    def _place_quantized(self, src: Source, sh, mesh, rules) -> QZ.QuantizedTensor:
+    def _place_quantized(self, src: Source, shape, sh, mesh, rules) -> QZ.QuantizedTensor:
+        """Values + scales placed as stored (Engram rows padded for the mesh), each device's block read on its own:
+        on a pod a process reads only the experts / rows its devices hold."""
         from dsv41_jax.parallel.rules import get_rules, logical_to_spec
 
-        values, scales = self.read_quantized(src)
-        if src.fmt == N.ENGRAM_ROWS and mesh is not None:
-            from dsv41_jax.parallel import api as par_api
+        vshape, sshape, bo, _ = self._stored_layout(src, shape)
 
-            rows = par_api.padded_rows(values.shape[0], mesh, rules)
-            if rows != values.shape[0]:
-                values = np.pad(values, ((0, rows - values.shape[0]), (0, 0)))
-                scales = np.pad(scales, ((0, rows - scales.shape[0]), (0, 0)), constant_values=QZ.E8M0_BIAS)
-
-        def sharding_for(a):
+        def sharding_for(full):
             if mesh is None:
                 return sh
-            spec = logical_to_spec(src.spec.axes, mesh, get_rules(rules), a.shape, strict=False)
-            return NamedSharding(mesh, spec)
+            return NamedSharding(mesh, logical_to_spec(src.spec.axes, mesh, get_rules(rules), full, strict=False))
 
-        v = place(values.shape, sharding_for(values), lambda idx: values[idx])
-        s = place(scales.shape, sharding_for(scales), lambda idx: scales[idx])
+        v = place(vshape, sharding_for(vshape), self._stored_reader(src, "v", vshape, 1), itemsize=1)
+        s = place(sshape, sharding_for(sshape), self._stored_reader(src, "s", sshape, bo), itemsize=4)
         block = self.fp8_block if src.fmt == N.FP8_BLOCK else (1, 32)
         return QZ.QuantizedTensor(v, s, src.fmt, tuple(src.spec.shape), block)
 
@@ -500,6 +519,13 @@ def _spmd_dequant(qt, dtype, sharding):
     return _spmd_dequant_jit(qt, dtype, sharding)
 
 
+def _raw_cols(raw, lo: int, cols: tuple[int, int]):
+    """A block of :meth:`ReleaseCheckpoint.read_raw_block` (whole stored rows) for columns ``cols`` only: the
+    columns to cut after dequantising."""
+    values, scales, rows, _, out_rows = raw
+    return values, scales, rows, slice(*cols), out_rows
+
+
 def _device_dequant(raw, dev, *, fmt, block, dtype):
     """Put the stored bytes of one block on ``dev`` and dequantise there (exact; see quantized.dequantize)."""
     values, scales, rows, cols, out_rows = raw
@@ -517,23 +543,84 @@ def _cut(x, r0, r1, c0, c1, out_rows):
     return y
 
 
-def place(shape, sharding, read: Callable[[tuple], object], finish=None) -> jax.Array:
-    """Build a global array on ``sharding`` from host blocks: one ``read(index)`` per distinct shard index of this
-    process's devices, put on the devices that own it before the next block is read. ``finish(block, device)``
-    (optional) turns what ``read`` returned into the device array (e.g. dequantises stored bytes there)."""
+# A device block is read and sent in slices of its leading axis of at most this many bytes (on the device), so the
+# host holds one slice (plus its stored bytes) at a time, and so does a GPU runtime that stages host-to-device copies
+# through pinned host buffers (which it keeps for reuse: one slice's worth instead of the largest parameter's).
+CHUNK_BYTES = 64 << 20
+
+
+def _chunks(r0: int, r1: int, row_bytes: int, align: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """[r0, r1) cut at absolute multiples of a step (a multiple of ``align`` rows) of about ``chunk_bytes``."""
+    step = max(align, (chunk_bytes // max(1, row_bytes)) // align * align)
+    out, b = [], r0
+    while b < r1:
+        e = min(r1, (b // step + 1) * step)
+        out.append((b, e))
+        b = e
+    return out
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_rows(block, part, start):
+    """``block[start : start + len(part)] = part`` in place (the block's buffer is donated)."""
+    return jax.lax.dynamic_update_slice_in_dim(block, part.astype(block.dtype), start, axis=0)
+
+
+def _host_cols(host, lo: int, cols: tuple[int, int]):
+    """Columns ``cols`` (absolute) of a host block whose last axis starts at column ``lo``."""
+    return host[..., cols[0] - lo: cols[1] - lo]
+
+
+def place(shape, sharding, read: Callable[[tuple], object], finish=None, *, cut=_host_cols, itemsize: int = 4,
+          align: int = 1, chunk_bytes: int | None = None) -> jax.Array:
+    """Build a global array on ``sharding`` from host blocks read with ``read(index)``, put on this process's
+    devices one block at a time. ``finish(block, device)`` (optional) turns what ``read`` returned into the device
+    array (e.g. dequantises stored bytes there).
+
+    Reads are shared: devices whose blocks are equal get one read; blocks that differ only in their last axis
+    (columns split over devices) get one read of the rows they cover, over the union of their columns, from which
+    ``cut(host, lo, (c0, c1))`` takes each block's columns. A read of more than ``chunk_bytes`` (``itemsize`` bytes
+    per element on the device) is done in slices of the leading axis (cut at multiples of ``align`` rows, e.g. a
+    scale block), each written into the device blocks in place before the next slice is read."""
+    chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     shape = tuple(int(s) for s in shape)
     idx_map = sharding.addressable_devices_indices_map(shape)
-    groups: dict[tuple, list] = {}
+    row_groups: dict[tuple, dict[tuple, list]] = {}  # bounds but the last axis -> last-axis bounds -> devices
     for dev, index in idx_map.items():
-        key = tuple(sl.indices(n)[:2] for sl, n in zip(index, shape)) if shape else ()
-        groups.setdefault(key, []).append((dev, index))
-    arrays = []
-    for members in groups.values():
-        host = read(members[0][1])
-        for dev, _ in members:
-            arrays.append(jax.device_put(host, dev) if finish is None else finish(host, dev))
-        jax.block_until_ready(arrays[-len(members):])
-        del host
+        b = tuple(sl.indices(n)[:2] for sl, n in zip(index, shape)) if shape else ()
+        head, last = (b[:-1], b[-1]) if len(b) >= 2 else (b, None)
+        row_groups.setdefault(head, {}).setdefault(last, []).append(dev)
+    placed = {}
+    for head, col_groups in row_groups.items():
+        lo = hi = None
+        if None not in col_groups:
+            lo, hi = min(c[0] for c in col_groups), max(c[1] for c in col_groups)
+        full = head + (((lo, hi),) if lo is not None else ())
+        if full:
+            row_bytes = int(np.prod([b - a for a, b in full[1:]], dtype=np.int64)) * itemsize
+            pieces = _chunks(*full[0], row_bytes, align, chunk_bytes)
+        else:
+            pieces = [None]
+        whole = len(pieces) <= 1
+        for piece in pieces:
+            bounds = full if whole else (piece,) + full[1:]
+            host = read(tuple(slice(a, b) for a, b in bounds))
+            for cols, devices in col_groups.items():
+                block = host if len(col_groups) == 1 else cut(host, lo, cols)
+                for d in devices:
+                    part = jax.device_put(block, d) if finish is None else finish(block, d)
+                    if whole:
+                        placed[d] = part
+                        continue
+                    if d not in placed:
+                        block_shape = tuple(b - a for a, b in head) + ((cols[1] - cols[0],) if cols else ())
+                        placed[d] = jnp.zeros(block_shape, part.dtype, device=d)
+                    placed[d] = _write_rows(placed[d], part, piece[0] - full[0][0])
+                    del part
+                del block
+            jax.block_until_ready([placed[d] for devices in col_groups.values() for d in devices])
+            del host
+    arrays = [placed[d] for d in idx_map]
     if isinstance(sharding, SingleDeviceSharding) and len(arrays) == 1:
         return arrays[0]
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)

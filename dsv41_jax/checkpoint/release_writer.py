@@ -11,7 +11,7 @@ plus ``model.safetensors.index.json``; a composite ``config.json`` with ``quanti
 independent route: FP4 and Engram tables through :mod:`dsv41_jax.ops.quant`'s fake quantisers (the official
 activation-quantiser rules), FP8 blocks through the on-device :func:`~dsv41_jax.checkpoint.quantized.dequantize`.
 :func:`write_synthetic_release` writes random valid codes for large benchmark checkpoints without any quantisation
-work (constant memory, one tensor chunk at a time).
+work (constant memory: chunks cut at random offsets from one pool of random codes per dtype).
 """
 
 from __future__ import annotations
@@ -212,25 +212,42 @@ def write_release_checkpoint(directory: str, params, config: ModelConfig, *, n_s
 # synthetic checkpoints (benchmarks): random valid codes, constant memory
 # ----------------------------------------------------------------------------------------------------------------
 
-def _random_chunks(dtype: str, shape: tuple, rng: np.random.Generator, chunk_bytes: int = 64 << 20) -> Iterable:
+_POOL_BYTES = 64 << 20
+
+
+def _random_values(dtype: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` random valid codes / values of a stored dtype."""
+    if dtype == "F8_E4M3":
+        b = rng.integers(0, 256, n, dtype=np.uint8)
+        b[(b & 0x7F) == 0x7F] = 0x38  # no NaN codes (0x7F / 0xFF): use 1.0
+        return b
+    if dtype == "F8_E8M0":
+        return rng.integers(117, 128, n, dtype=np.uint8)  # scales 2^-10 .. 2^0
+    if dtype == "I8":
+        return rng.integers(0, 256, n, dtype=np.uint8)
+    if dtype == "BF16":
+        return (rng.standard_normal(n, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+    return rng.standard_normal(n, dtype=np.float32) * 0.02
+
+
+def _random_chunks(dtype: str, shape: tuple, rng: np.random.Generator, pools: dict,
+                   chunk_bytes: int = 64 << 20) -> Iterable:
+    """The tensor as chunks cut at random offsets from one pool of random values per dtype (generated once), so
+    writing a large checkpoint costs I/O only."""
     rows = shape[0] if shape else 1
     row_items = math.prod(shape[1:]) if len(shape) > 1 else 1
     item = 4 if dtype == "F32" else 2 if dtype == "BF16" else 1
     step = max(1, chunk_bytes // max(1, row_items * item))
+    if dtype not in pools:
+        pools[dtype] = _random_values(dtype, _POOL_BYTES // item, rng)
+    pool = pools[dtype]
     for r0 in range(0, rows, step):
         n = min(step, rows - r0) * row_items if shape else 1
-        if dtype == "F8_E4M3":
-            b = rng.integers(0, 256, n, dtype=np.uint8)
-            b[(b & 0x7F) == 0x7F] = 0x38  # no NaN codes (0x7F / 0xFF): use 1.0
-            yield b
-        elif dtype == "F8_E8M0":
-            yield rng.integers(117, 128, n, dtype=np.uint8)  # scales 2^-10 .. 2^0
-        elif dtype == "I8":
-            yield rng.integers(0, 256, n, dtype=np.uint8)
-        elif dtype == "BF16":
-            yield (rng.standard_normal(n, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+        if n > pool.size:
+            yield _random_values(dtype, n, rng)
         else:
-            yield rng.standard_normal(n, dtype=np.float32) * 0.02
+            off = int(rng.integers(0, pool.size - n + 1))
+            yield pool[off: off + n]
 
 
 class _Chunks:
@@ -242,6 +259,7 @@ class _Chunks:
 
 def synthetic_entries(config: ModelConfig, seed: int = 0, *, include_dspark: bool = False) -> list[Entry]:
     rng = np.random.default_rng(seed)
+    pools: dict = {}
     entries: list[Entry] = []
     for path, spec in flat_specs(config, include_dspark=include_dspark):
         count = spec.shape[0] if "{e}" in spec.hf_name else 1
@@ -262,7 +280,7 @@ def synthetic_entries(config: ModelConfig, seed: int = 0, *, include_dspark: boo
                                                      (ceil_div(shape[0], 32), ceil_div(shape[1], 32)))]
             for n, dt, sh in stored:
                 item = 4 if dt == "F32" else 2 if dt == "BF16" else 1
-                entries.append((n, dt, sh, lambda dt=dt, sh=sh, item=item: _Chunks(_random_chunks(dt, sh, rng),
+                entries.append((n, dt, sh, lambda dt=dt, sh=sh, item=item: _Chunks(_random_chunks(dt, sh, rng, pools),
                                                                                    math.prod(sh) * item)))
     return entries
 
