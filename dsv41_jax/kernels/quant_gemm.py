@@ -116,8 +116,7 @@ def fp8_linear(x: jax.Array, w, *, backend: str = "auto", tuning: dict | None = 
     elif be.startswith("pallas_gpu"):
         from dsv41_jax.kernels import quant_gemm_gpu as G
 
-        vals = jax.lax.bitcast_convert_type(w.values, jnp.float8_e4m3fn)
-        y = G.fp8_gemm(x2, vals, w.scales, interpret=be.endswith("interpret"), **(tuning or {}))
+        y = G.fp8_gemm(x2, w.values, w.scales, interpret=be.endswith("interpret"), **(tuning or {}))
     else:
         from dsv41_jax.kernels import quant_gemm_tpu as T
 
