@@ -13,7 +13,6 @@ import pytest
 from dsv41_jax.checkpoint import names as N
 from dsv41_jax.kernels import quant_gemm as QG
 from dsv41_jax.model import release_weights as RW
-from dsv41_jax.ops import moe as M
 from dsv41_jax.ops import quant as Q
 from dsv41_jax.ops.linear import Fp8GemmInput, linear
 
@@ -51,7 +50,8 @@ def test_fp8_kernels_equal_the_dequantise_then_gemm_reference(backend):
 
 @pytest.mark.parametrize("backend", KERNELS)
 def test_fp4_grouped_kernels_equal_ragged_reference(backend):
-    """13 rows over 5 experts (two empty, rows past the groups' total give 0), K = 96 (partial K blocks)."""
+    """13 rows over 5 experts (two empty, rows past the groups' total give 0), K = 96 (partial K blocks), against
+    the dequantise-then-GEMM in float64."""
     rng = np.random.default_rng(1)
     w = _weights(rng, (5, 40, 96), N.FP4_ROWS, scale=0.1)
     gs = jnp.array([3, 0, 6, 0, 2], jnp.int32)  # 11 of 13 rows
@@ -65,25 +65,32 @@ def test_fp4_grouped_kernels_equal_ragged_reference(backend):
     assert got.shape == (13, 40) and got.dtype == jnp.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
     np.testing.assert_array_equal(np.asarray(got)[11:], 0.0)
-    np.testing.assert_allclose(got, QG.fp4_grouped(x, gs, w, backend="reference"), rtol=1e-5,
-                               atol=1e-6 * np.abs(want).max())
 
 
 def test_moe_and_linear_take_the_kernels_through_the_weight_marker():
-    """``Fp8GemmInput(w, gemm=...)`` routes ``linear`` and the routed experts to the kernels (bf16 activations)."""
+    """``Fp8GemmInput(w, gemm=...)`` routes the serving MoE's routed experts to the grouped kernel (bf16
+    activations); it equals the engine's plain-JAX decode path (``routed_slots``) on the same weights."""
+    from dsv41_jax.inference.moe import moe_inference
+
     rng = np.random.default_rng(2)
     e, d, f = 4, 64, 32
     w1, w3 = (_weights(rng, (e, f, d), N.FP4_ROWS, 0.2) for _ in range(2))
     w2 = _weights(rng, (e, d, f), N.FP4_ROWS, 0.2)
+    shared = {k: jnp.asarray(rng.standard_normal(s) * 0.1, jnp.bfloat16)
+              for k, s in (("w1", (f, d)), ("w2", (d, f)), ("w3", (f, d)))}
+    gate = {"weight": jnp.asarray(rng.standard_normal((e, d)), jnp.float32), "bias": jnp.zeros((e,), jnp.float32)}
     x = jnp.asarray(rng.standard_normal((3, d)), jnp.bfloat16)
-    wts = jnp.asarray(rng.random((3, 2)), jnp.float32)
-    idx = jnp.array([[0, 2], [2, 3], [0, 3]], jnp.int32)  # expert 1 unused
-    ref = M.routed_ragged(x, wts, idx, *(Fp8GemmInput(w) for w in (w1, w2, w3)), 7.0)
-    got = M.routed_ragged(x, wts, idx, *(Fp8GemmInput(w, "pallas_gpu_interpret") for w in (w1, w2, w3)), 7.0)
-    np.testing.assert_allclose(got, ref, rtol=2 ** -7, atol=2 ** -7 * float(jnp.max(jnp.abs(ref))))
+
+    def params(gemm):
+        return {"gate": gate, "shared_experts": shared,
+                "experts": {k: Fp8GemmInput(w, gemm) for k, w in (("w1", w1), ("w2", w2), ("w3", w3))}}
+
+    run = jax.jit(lambda p, x: moe_inference(x, p, top_k=2, temp=1.0, scaling=1.5, limit=7.0))
+    ref = run(params("reference"), x)
+    got = run(params("pallas_gpu_interpret"), x)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=2 ** -7,
+                               atol=2 ** -7 * float(jnp.max(jnp.abs(ref.astype(jnp.float32)))))
     wd = _weights(rng, (48, d), N.FP8_BLOCK)
-    np.testing.assert_allclose(np.asarray(linear(x, Fp8GemmInput(wd, "pallas_tpu_interpret")), np.float32),
-                               np.asarray(linear(x, Fp8GemmInput(wd)), np.float32), rtol=2 ** -7, atol=1e-3)
     # "auto" on CPU is the reference path: the same program as "reference"
     np.testing.assert_array_equal(linear(x, Fp8GemmInput(wd, "auto")), linear(x, Fp8GemmInput(wd)))
 
@@ -111,6 +118,23 @@ def test_bad_operands_fail_with_a_clear_error():
         QG.fp8_linear(x, w8, backend="cuda")
     with pytest.raises(QG.QuantGemmError, match="unknown quantized_gemm backend"):
         RW.mark_fp8_gemm_inputs({}, None, "triton")
+
+
+def test_gpu_kernels_lower_to_triton_without_a_gpu():
+    """The Triton lowering (Pallas -> Triton IR, done in Python) of both GPU kernels at release shapes, partial
+    blocks and float32 included: catches unsupported operations before a GPU run."""
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    sds, bf, u8 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.uint8
+    cases = [(G.fp8_gemm, (sds((1, 5120), bf), sds((2304, 5120), u8), sds((72, 160), u8))),
+             (G.fp8_gemm, (sds((3, 1000), jnp.float32), sds((300, 1000), u8), sds((10, 32), u8))),
+             (G.fp4_grouped_gemm, (sds((48, 5120), bf), sds((384,), jnp.int32), sds((384, 2304, 2560), u8),
+                                   sds((384, 2304, 160), u8))),
+             (G.fp4_grouped_gemm, (sds((13, 96), jnp.float32), sds((5,), jnp.int32), sds((5, 40, 48), u8),
+                                   sds((5, 40, 3), u8)))]
+    for fn, args in cases:
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text or "triton" in text
 
 
 _AOT_SCRIPT = """

@@ -11,14 +11,20 @@
   (element 2j in the low nibble, 2j+1 in the high one, as ``checkpoint.quantized``) and one e8m0 scale per 32 along
   K. Grid (row tile, column block): each row tile belongs to one expert (tile metadata from XLA: expert, first row,
   row count; at most ``ceil(rows / block_m) + min(E, rows)`` tiles, those past the real ones do nothing), so an
-  expert that received no rows is never read. Codes are decoded in registers: ``sign << 15 | magnitude << 9`` is
-  the float16 bit pattern of ``value * 2^-14`` (the e2m1 exponent lands in float16's, magnitude 1 becomes the
-  float16 subnormal 2^-15); times the scale x 2^14 it is the exact weight. The activations are split into even /
-  odd columns by XLA so low and high nibbles each meet their own input column.
+  expert that received no rows is never read. Per 32-value K chunk (16 packed bytes, one scale) the codes are
+  decoded in registers: ``sign << 15 | magnitude << 9`` is the float16 bit pattern of ``value * 2^-14`` (the e2m1
+  exponent lands in float16's, magnitude 1 becomes the float16 subnormal 2^-15), exact in the dot dtype; the
+  activations are split into even / odd columns by XLA so low and high nibbles each meet their own input column,
+  and the chunk's scale x 2^14 multiplies the [block_m, block_n] partial product (as two normal float32 powers of
+  two, so every scale byte is exact).
 
-Scales: e8m0 byte b -> 2^(b - 127) built from the exponent bits, 0xFF -> NaN, as ``checkpoint.quantized``. The
-dequantised weight ``value * 2^(b - 127)`` is exact while it is a normal float32: scale bytes >= 10 (FP8) / >= 2
-(FP4) and, for FP4, <= 240 — every scale a quantiser writes for real weights (2^-117 .. 2^113) is far inside.
+Scales: e8m0 byte b -> 2^(b - 127) built from the exponent bits, 0xFF -> NaN, as ``checkpoint.quantized``. In the
+FP8 kernel the dequantised weight ``value * 2^(b - 127)`` is exact while it is a normal float32, i.e. for scale
+bytes >= 10 — every scale a quantiser writes for real weights is far above.
+
+Measured on the H200 (benchmarks/RESULTS.md): correct, faster than the plain-JAX dequantise-then-GEMM path, but far
+from the bandwidth goal (FP8 dense <= 22 % of the copy bandwidth, FP4 grouped <= 16 %); this layout (two e2m1
+nibbles per byte, scales per 32 values) is decoded on the CUDA cores, and where the time goes is not yet profiled.
 """
 
 from __future__ import annotations
@@ -45,6 +51,19 @@ def _dot_nt(a, b):
     """a [M, K] · b [N, K]ᵀ -> [M, N] float32 (IEEE float32 for float32 operands)."""
     prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
+
+
+def _exp2_f32(e):
+    """2.0 ** e (int32 tensor, |e| <= 126) as float32, built from the exponent bits (exact, never subnormal)."""
+    return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+
+
+def scale_factor(part, s_byte, extra_exp: int = 0):
+    """``part * 2^(s_byte - 127 + extra_exp)`` for e8m0 bytes (NaN for 0xFF), as two normal powers of two."""
+    t = s_byte.astype(jnp.int32) - 127 + extra_exp
+    lo = t >> 1  # floor(t / 2) (arithmetic shift)
+    out = part * _exp2_f32(lo) * _exp2_f32(t - lo)
+    return jnp.where(s_byte.astype(jnp.int32) == 255, jnp.float32(jnp.nan), out)
 
 
 def decode_e2m1_scaled(codes):
@@ -150,7 +169,8 @@ def tile_metadata(group_sizes, n_rows: int, block_m: int):
     row_start = jnp.cumsum(gs) - gs
     t_max = -(-n_rows // block_m) + min(g, n_rows)
     t = jnp.arange(t_max, dtype=jnp.int32)
-    grp = jnp.clip(jnp.searchsorted(tile_end, t, side="right"), 0, g - 1).astype(jnp.int32)
+    # a comparison count, not jnp.searchsorted's default scan: no loop in the XLA program around the kernel
+    grp = jnp.clip(jnp.searchsorted(tile_end, t, side="right", method="compare_all"), 0, g - 1).astype(jnp.int32)
     r0 = row_start[grp] + (t - tile_start[grp]) * block_m
     nr = jnp.clip(row_start[grp] + gs[grp] - r0, 0, block_m)
     nr = jnp.where(t < tile_end[-1], nr, 0)
@@ -158,27 +178,24 @@ def tile_metadata(group_sizes, n_rows: int, block_m: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
-                                             "scale_broadcast", "interpret"))
-def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = None, block_n: int = 32,
-                     block_k: int = 256, num_warps: int = 4, num_stages: int = 4, scale_broadcast: bool = False,
-                     interpret: bool = False):
+                                             "interpret"))
+def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = None, block_n: int = 64,
+                     block_k: int = 64, num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
     """x [A, K] rows sorted by group; group_sizes [E] (sum <= A; rows past the sum give 0); values uint8
     [E, N, K/2]; scales uint8 [E, N, K/32] -> [A, N] in x.dtype."""
     a, k = x.shape
     e, n, kh = values.shape
     bm = block_m or (16 if a <= 1024 else 64)  # decode: an expert holds <= M rows, mostly a handful
     bk = max(SCALE_BLOCK, min(block_k, _pow2(k)))  # values per K step (bk / 2 packed bytes)
-    if bk % SCALE_BLOCK or k % SCALE_BLOCK:
-        raise ValueError(f"block_k {bk} and K {k} must be multiples of {SCALE_BLOCK}")
+    assert bk % SCALE_BLOCK == 0 and k % SCALE_BLOCK == 0
     bn = block_n
-    bh = bk // 2
     dot_dtype = jnp.float32 if x.dtype == jnp.float32 else jnp.bfloat16
     xd = x.astype(dot_dtype)
     x_even, x_odd = xd[:, 0::2], xd[:, 1::2]  # element 2j meets the low nibble of byte j, 2j+1 the high one
     grp, r0s, nrs = tile_metadata(group_sizes, a, bm)
     t_max = grp.shape[0]
-    n_steps = -(-kh // bh)
-    ks = k // SCALE_BLOCK
+    n_steps = -(-k // bk)
+    k_tail = k % bk != 0
     hb = SCALE_BLOCK // 2  # packed bytes per scale
 
     def kernel(g_ref, r0_ref, nr_ref, xe_ref, xo_ref, v_ref, s_ref, o_ref):
@@ -195,24 +212,23 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
             cols_nc = jnp.minimum(cols_n, n - 1)
 
             def body(t, acc):
-                cb = t * bh + jnp.arange(bh)  # packed byte columns
-                cmask = cb < kh
-                cbc = jnp.minimum(cb, kh - 1)
-                v = pltr.load(v_ref.at[ex, cols_nc[:, None], cbc[None, :]], mask=nmask[:, None] & cmask[None, :],
-                              other=0).astype(jnp.int32)
-                if scale_broadcast:  # the step's bh / 16 scale bytes per row, spread over their 16 bytes each
-                    sb = jnp.minimum(t * (bh // hb) + jnp.arange(bh // hb), ks - 1)
-                    m8 = _e8m0_mult(pltr.load(s_ref.at[ex, cols_nc[:, None], sb[None, :]]), 14)
-                    mult = jnp.broadcast_to(m8[:, :, None], (bn, bh // hb, hb)).reshape(bn, bh)
-                else:  # one scale byte gathered per packed byte (L1 hits)
-                    s = pltr.load(s_ref.at[ex, cols_nc[:, None], jnp.minimum(cbc // hb, ks - 1)[None, :]])
-                    mult = _e8m0_mult(s, 14)  # the decoded codes below carry 2^-14
-                w_lo = (decode_e2m1_scaled(v & 15).astype(jnp.float32) * mult).astype(dot_dtype)  # exact
-                w_hi = (decode_e2m1_scaled(v >> 4).astype(jnp.float32) * mult).astype(dot_dtype)
-                xmask = rmask[:, None] & cmask[None, :]
-                xe = pltr.load(xe_ref.at[rows_c[:, None], cbc[None, :]], mask=xmask, other=0)
-                xo = pltr.load(xo_ref.at[rows_c[:, None], cbc[None, :]], mask=xmask, other=0)
-                return acc + _dot_nt(xe, w_lo) + _dot_nt(xo, w_hi)
+                for j in range(bk // SCALE_BLOCK):
+                    b0 = t * (bk // 2) + j * hb  # first packed byte of this scale block
+                    cb = b0 + jnp.arange(hb)
+                    cmask = cb < kh
+                    cbc = jnp.minimum(cb, kh - 1)
+                    wmask = nmask[:, None] & cmask[None, :]
+                    v = pltr.load(v_ref.at[ex, cols_nc[:, None], cbc[None, :]], mask=wmask, other=0)
+                    v = v.astype(jnp.int32)
+                    lo = decode_e2m1_scaled(v & 15).astype(dot_dtype)  # [bn, 16]
+                    hi = decode_e2m1_scaled(v >> 4).astype(dot_dtype)
+                    xmask = rmask[:, None] & cmask[None, :]
+                    xe = pltr.load(xe_ref.at[rows_c[:, None], cbc[None, :]], mask=xmask, other=0)
+                    xo = pltr.load(xo_ref.at[rows_c[:, None], cbc[None, :]], mask=xmask, other=0)
+                    part = _dot_nt(xe, lo) + _dot_nt(xo, hi)  # [bm, bn] x (value * 2^-14)
+                    sc = pltr.load(s_ref.at[ex, cols_nc, jnp.minimum(b0 // hb, k // SCALE_BLOCK - 1)])  # [bn]
+                    acc = acc + scale_factor(part, sc[None, :], 14)
+                return acc
 
             acc = jax.lax.fori_loop(0, n_steps, body, jnp.zeros((bm, bn), jnp.float32))
             # unclamped (distinct) indices: masked lanes must not alias a written element

@@ -144,8 +144,8 @@ def fp8_gemm(x, values, scales, *, block_m: int | None = None, block_n: int = 25
 def tile_metadata(group_sizes, n_rows: int, block_m: int):
     """(row block, group) tiles in row order, megablox style.
 
-    -> (tile_group, tile_block, tile_lo, tile_hi, tile_first) int32 [T], T = ceil(n_rows / block_m) + n_groups
-    (a static bound): the tile covers rows [tile_lo, tile_hi) of row block ``tile_block`` for group ``tile_group``;
+    -> (tile_group, tile_block, tile_lo, tile_hi, tile_first) int32 [T], T = ceil(n_rows / block_m) +
+    min(n_groups, n_rows) (a static bound): the tile covers rows [tile_lo, tile_hi) of row block ``tile_block`` for group ``tile_group``;
     ``tile_first`` marks a row block's first tile (its output block is zeroed). Tiles past the real ones repeat the
     last real tile's group and block with an empty row range."""
     g = group_sizes.shape[0]
@@ -157,11 +157,11 @@ def tile_metadata(group_sizes, n_rows: int, block_m: int):
     count = jnp.where(gs > 0, last_b - first_b + 1, 0)
     tend = jnp.cumsum(count)
     tstart = tend - count
-    t_max = -(-n_rows // block_m) + g
+    t_max = -(-n_rows // block_m) + min(g, n_rows)  # at most n_rows groups are non-empty
     t = jnp.arange(t_max, dtype=jnp.int32)
     total = tend[-1]
     tc = jnp.minimum(t, jnp.maximum(total - 1, 0))
-    grp = jnp.clip(jnp.searchsorted(tend, tc, side="right"), 0, g - 1).astype(jnp.int32)
+    grp = jnp.clip(jnp.searchsorted(tend, tc, side="right", method="compare_all"), 0, g - 1).astype(jnp.int32)
     blk = first_b[grp] + (tc - tstart[grp])
     lo = jnp.maximum(start[grp], blk * block_m)
     hi = jnp.minimum(end[grp], (blk + 1) * block_m)
