@@ -16,7 +16,10 @@ expert's weights are read once, as in the tiled loop; slots beyond the used expe
 ``slots * pow2(m)`` rows, which for m <= 64 stays under the GPU's bytes-to-FLOPs balance (the step is bound by
 reading the weights). Larger token counts (prefill chunks, the CED decoder replay) keep the tiled loop. With many
 experts (the release's 384) and a large batch, fewer distinct experts than slots are picked (batch 64: ~243 of 384)
-and the spare slots' weight reads are wasted; a grouped-matmul kernel that skips empty slots removes that.
+and the spare slots' weight reads are wasted. With release FP4 experts marked for a quantised-GEMM kernel
+(``InferenceOptions.quantized_gemm``), :func:`moe_inference` runs the grouped Pallas GEMM instead
+(``kernels.quant_gemm.fp4_grouped`` through ``ops.moe.routed_ragged``): only experts with rows are read, from their
+packed bytes, with no slot padding.
 """
 
 from __future__ import annotations
