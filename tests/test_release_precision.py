@@ -236,3 +236,18 @@ def test_engine_options_report_release_bytes():
     assert plain.weight_bytes() == RW.weight_bytes(dparams)
     with pytest.raises(Exception, match="cache must be"):
         Engine(config, dparams, max_batch=2, max_len=MAX_LEN, cache="fp8")
+
+
+@pytest.mark.slow  # two forwards of the 6-layer model, the Pallas kernels in interpret mode
+def test_quantized_gemm_kernels_equal_the_plain_jax_release_forward():
+    """The release-precision forward (QuantizedTensor weights, GEMM-input FP8 rounding, fake quantisation) with the
+    quantised-GEMM Pallas kernels (GPU Triton kernels in interpret mode: FP8 dense projections and the FP4 grouped
+    routed experts) equals the same forward with the plain-JAX dequantise-then-GEMM, within float32
+    accumulation-order noise."""
+    config, qparams, _, hasher = _model()
+    seq = np.random.default_rng(5).integers(3, config.vocab_size, 9).astype(np.int32)[None]
+    eids = jnp.asarray(hasher.row_ids(seq))
+    outs = [_forward_jit(qparams, jnp.asarray(seq), config=config, engram_ids=eids,
+                         options=ForwardOptions(quant_sim=True, gemm_input_fp8=True, quantized_gemm=gemm))
+            for gemm in ("reference", "pallas_gpu_interpret")]
+    np.testing.assert_allclose(outs[1], outs[0], rtol=0, atol=1e-5)

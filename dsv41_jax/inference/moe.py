@@ -16,7 +16,10 @@ expert's weights are read once, as in the tiled loop; slots beyond the used expe
 ``slots * pow2(m)`` rows, which for m <= 64 stays under the GPU's bytes-to-FLOPs balance (the step is bound by
 reading the weights). Larger token counts (prefill chunks, the CED decoder replay) keep the tiled loop. With many
 experts (the release's 384) and a large batch, fewer distinct experts than slots are picked (batch 64: ~243 of 384)
-and the spare slots' weight reads are wasted; a grouped-matmul kernel that skips empty slots removes that.
+and the spare slots' weight reads are wasted. With release FP4 experts marked for a quantised-GEMM kernel
+(``InferenceOptions.quantized_gemm``), :func:`moe_inference` runs the grouped Pallas GEMM instead
+(``kernels.quant_gemm.fp4_grouped`` through ``ops.moe.routed_ragged``): only experts with rows are read, from their
+packed bytes, with no slot padding.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.ops.linear import linear, select_expert
-from dsv41_jax.ops.moe import expert_mlp, route
+from dsv41_jax.ops.moe import expert_mlp, grouped_kernel_backend, route, routed_ragged
 
 STATIC_MAX_TOKENS = 64
 
@@ -132,7 +135,11 @@ def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scalin
     weights, idx, _ = route(flat, params["gate"]["weight"], params["gate"]["bias"], top_k=top_k, temp=temp,
                             scaling=scaling, normalize=normalize)
     e = params["experts"]
-    if tile is None and flat.shape[0] <= STATIC_MAX_TOKENS:  # decode: a loop with a static trip count
+    if grouped_kernel_backend(e["w1"], e["w2"], e["w3"]) is not None:
+        # release FP4 experts with a quantised-GEMM kernel: one grouped Pallas GEMM per projection reads only the
+        # experts that received rows, straight from their packed bytes (no slot padding, no per-expert loop)
+        y = routed_ragged(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit)
+    elif tile is None and flat.shape[0] <= STATIC_MAX_TOKENS:  # decode: a loop with a static trip count
         y = routed_slots(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit)
     else:
         y = routed_tiled(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, tile)

@@ -68,6 +68,8 @@ class InferenceOptions:
     kernel_backend: str = "auto"  # dsv41_jax.kernels backend for sparse attention and the indexer top-k: "auto"
     #                               (Pallas on GPU / TPU, the plain-JAX reference on CPU) or one of kernels.BACKENDS
     gemm_input_fp8: bool = False  # the release's FP8 rounding of every FP8 / FP4 GEMM's input (ForwardOptions)
+    quantized_gemm: str = "reference"  # with gemm_input_fp8: how QuantizedTensor GEMMs run — "reference" (dequantise
+    #                                    in XLA) or a kernels.quant_gemm backend ("auto", "pallas_gpu", "pallas_tpu")
 
     def resolved_quant(self, config: ModelConfig) -> bool:
         return config.quant_sim if self.quant_sim is None else self.quant_sim
@@ -437,7 +439,7 @@ def _gemm_view(params: dict, config: ModelConfig, opts: InferenceOptions) -> dic
         return params
     from dsv41_jax.model.release_weights import mark_fp8_gemm_inputs
 
-    return mark_fp8_gemm_inputs(params, config)
+    return mark_fp8_gemm_inputs(params, config, opts.quantized_gemm)
 
 
 def _mhc_kw(c: ModelConfig, opts: InferenceOptions) -> dict:

@@ -47,6 +47,9 @@ class ForwardOptions:
     # The release's GEMM-input rounding (SPEC §5, §12): the input of every GEMM whose weight the release stores
     # FP8 / FP4 is rounded to FP8 e4m3 per 32 (ue8m0 scale) first. Weights may be float arrays or QuantizedTensors.
     gemm_input_fp8: bool = False
+    # How those GEMMs run on QuantizedTensor weights (with gemm_input_fp8): "reference" (dequantise in XLA, then
+    # the GEMM) or a dsv41_jax.kernels.quant_gemm backend ("auto", "pallas_gpu", "pallas_tpu", "*_interpret").
+    quantized_gemm: str = "reference"
 
 
 @dataclasses.dataclass
@@ -198,7 +201,7 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
     if options.gemm_input_fp8:
         from dsv41_jax.model.release_weights import mark_fp8_gemm_inputs
 
-        params = mark_fp8_gemm_inputs(params, c)
+        params = mark_fp8_gemm_inputs(params, c, options.quantized_gemm)
     b, t = tokens.shape
     if c.engram_layer_ids:
         expect = (b, t, len(c.engram_layer_ids), c.n_hash_cols)

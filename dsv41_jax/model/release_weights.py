@@ -59,12 +59,21 @@ def _map_with_path(fn, params):
     return jax.tree_util.tree_map_with_path(visit, params, is_leaf=_is_leaf)
 
 
-def mark_fp8_gemm_inputs(params: dict, config: ModelConfig) -> dict:
+def mark_fp8_gemm_inputs(params: dict, config: ModelConfig, gemm: str = "reference") -> dict:
     """The same parameters with the release's FP8 / FP4 GEMM weights wrapped in ``Fp8GemmInput`` (free under jit:
-    a pytree restructure)."""
+    a pytree restructure). ``gemm``: how their QuantizedTensor GEMMs run (``Fp8GemmInput.gemm``: "reference" or a
+    ``kernels.quant_gemm`` backend)."""
+    from dsv41_jax.kernels.quant_gemm import resolve_backend
+
+    resolve_backend(gemm)  # an unknown name fails here, not deep in a trace
     paths = fp8_gemm_paths(config)
-    return _map_with_path(lambda p, w: Fp8GemmInput(w) if p in paths and not isinstance(w, Fp8GemmInput) else w,
-                          params)
+
+    def mark(p, w):
+        if p not in paths:
+            return w
+        return Fp8GemmInput(w.weight if isinstance(w, Fp8GemmInput) else w, gemm)
+
+    return _map_with_path(mark, params)
 
 
 def _quantize(w: np.ndarray, fmt: str) -> QZ.QuantizedTensor:

@@ -23,6 +23,12 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
 
     ``w`` may also be a release-format weight (:class:`~dsv41_jax.checkpoint.quantized.QuantizedTensor`) and / or
     marked :class:`Fp8GemmInput`: see :func:`gemm_operands`."""
+    be = quantized_gemm_backend(w)
+    if be is not None:
+        from dsv41_jax.kernels import quant_gemm  # lazy: kernels import ops
+
+        if quant_gemm.takes_fp8(w.weight):
+            return quant_gemm.fp8_linear(gemm_input(x, w), w.weight, backend=be)
     x, w = gemm_operands(x, w)
     return jnp.einsum("...i,oi->...o", x, w, precision=matmul_precision(x, w))
 
@@ -55,9 +61,14 @@ def head_logits(h: jax.Array, w: jax.Array, *, hf_rounding: bool = False) -> jax
 @dataclasses.dataclass(frozen=True)
 class Fp8GemmInput:
     """Marks a weight whose GEMM first rounds its input to FP8 (1 x 32 blocks, ue8m0 scale). A pytree node whose
-    only child is the wrapped array / QuantizedTensor, so it jits, shards and donates like the weight itself."""
+    only child is the wrapped array / QuantizedTensor, so it jits, shards and donates like the weight itself.
+
+    ``gemm`` (static): how a QuantizedTensor weight's GEMM runs — ``"reference"`` (dequantise in XLA, then the
+    GEMM) or a :mod:`dsv41_jax.kernels.quant_gemm` backend (``"auto"``, ``"pallas_gpu"``, ``"pallas_tpu"``, their
+    ``*_interpret`` forms): Pallas kernels that read the stored FP8 / FP4 bytes and dequantise in registers."""
 
     weight: Any
+    gemm: str = dataclasses.field(default="reference", metadata=dict(static=True))
 
     @property
     def shape(self):
@@ -87,6 +98,18 @@ def weight_array(w, dtype=None) -> jax.Array:
     return w if dtype is None else w.astype(dtype)
 
 
+def quantized_gemm_backend(w) -> str | None:
+    """The kernel backend that runs ``w``'s GEMM on its stored bytes (``Fp8GemmInput.gemm`` resolved), or None for
+    the plain-JAX dequantise-then-GEMM (float weights, ``gemm="reference"``, ``"auto"`` on CPU, float scale
+    tensors, which the kernels do not take)."""
+    if not isinstance(w, Fp8GemmInput) or w.gemm == "reference" or not _is_quantized(w.weight):
+        return None
+    from dsv41_jax.kernels.quant_gemm import resolve_backend  # lazy: kernels import ops
+
+    be = resolve_backend(w.gemm)
+    return None if be == "reference" or w.weight.scales.dtype != jnp.uint8 else be
+
+
 def gemm_input(x: jax.Array, w) -> jax.Array:
     """``x`` as the GEMM with weight ``w`` consumes it: FP8-rounded per 32 (ue8m0) when ``w`` is marked
     :class:`Fp8GemmInput`, unchanged otherwise."""
@@ -107,10 +130,11 @@ def select_expert(w, e):
     QuantizedTensor, marked): a QuantizedTensor gives the expert's own values and scales, so only that expert's
     packed bytes are read and dequantised."""
     if isinstance(w, Fp8GemmInput):
-        return Fp8GemmInput(select_expert(w.weight, e))
+        return Fp8GemmInput(select_expert(w.weight, e), w.gemm)
     if _is_quantized(w):
         return dataclasses.replace(w, values=w.values[e], scales=w.scales[e], shape=tuple(w.shape[1:]))
     return w[e]
 
 
-__all__ = ["linear", "head_logits", "matmul_precision", "Fp8GemmInput", "is_plain_weight", "weight_array", "gemm_input", "gemm_operands", "select_expert"]
+__all__ = ["linear", "head_logits", "matmul_precision", "Fp8GemmInput", "is_plain_weight", "weight_array", "gemm_input", "gemm_operands", "select_expert",
+           "quantized_gemm_backend"]

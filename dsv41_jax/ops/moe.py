@@ -10,7 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.ops.linear import gemm_input, is_plain_weight, linear, matmul_precision, weight_array
+from dsv41_jax.ops.linear import (gemm_input, is_plain_weight, linear, matmul_precision, quantized_gemm_backend,
+                                  weight_array)
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -66,17 +67,38 @@ def routed_ragged(x, weights, idx, w1, w2, w3, limit):
     token_of = order // k
     xs = gemm_input(x[token_of], w1)
     act_w2 = w2
-    w1, w3, w2 = (weight_array(w, x.dtype) for w in (w1, w3, w2))
     group_sizes = jnp.bincount(flat_expert, length=n_exp).astype(jnp.int32)
-    prec = matmul_precision(x, w1)  # HIGHEST only for float32 operands (Mosaic rejects it on a bf16 ragged_dot)
-    gate = jax.lax.ragged_dot(xs, jnp.swapaxes(w1, 1, 2), group_sizes, precision=prec).astype(jnp.float32)
-    up = jax.lax.ragged_dot(xs, jnp.swapaxes(w3, 1, 2), group_sizes, precision=prec).astype(jnp.float32)
+    kernel = grouped_kernel_backend(w1, w2, w3)
+    if kernel is not None:  # Pallas grouped GEMM on the stored FP4 bytes (kernels.quant_gemm)
+        from dsv41_jax.kernels import quant_gemm
+
+        def grouped(rows, w):
+            return quant_gemm.fp4_grouped(rows, group_sizes, w.weight, backend=kernel)
+    else:
+        w1, w3, w2 = (weight_array(w, x.dtype) for w in (w1, w3, w2))
+        prec = matmul_precision(x, w1)  # HIGHEST only for float32 operands (Mosaic rejects it on a bf16 ragged_dot)
+
+        def grouped(rows, w):
+            return jax.lax.ragged_dot(rows, jnp.swapaxes(w, 1, 2), group_sizes, precision=prec)
+    gate = grouped(xs, w1).astype(jnp.float32)
+    up = grouped(xs, w3).astype(jnp.float32)
     if limit > 0:
         up = jnp.clip(up, -limit, limit)
         gate = jnp.minimum(gate, limit)
     act = jax.nn.silu(gate) * up * weights.reshape(-1)[order][:, None]
-    out = jax.lax.ragged_dot(gemm_input(act.astype(x.dtype), act_w2), jnp.swapaxes(w2, 1, 2), group_sizes, precision=prec)
+    out = grouped(gemm_input(act.astype(x.dtype), act_w2), w2)
     return jnp.zeros((m, x.shape[-1]), jnp.float32).at[token_of].add(out.astype(jnp.float32))
+
+
+def grouped_kernel_backend(*ws) -> str | None:
+    """The quantised-GEMM kernel backend shared by stacked expert weights (all marked ``Fp8GemmInput`` with one
+    kernel ``gemm`` and stored as FP4 QuantizedTensors), or None: the plain-JAX path."""
+    bes = {quantized_gemm_backend(w) for w in ws}
+    if len(bes) != 1 or None in bes:
+        return None
+    from dsv41_jax.kernels import quant_gemm
+
+    return bes.pop() if all(quant_gemm.takes_fp4_grouped(w.weight) for w in ws) else None
 
 
 def moe(x: jax.Array, params: dict, *, top_k: int, temp: float, scaling: float, limit: float,

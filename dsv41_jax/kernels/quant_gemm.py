@@ -1,0 +1,154 @@
+"""GEMMs that read the release's quantised weights directly, behind one ``backend=`` switch.
+
+Backends (the attention kernels' convention, :mod:`dsv41_jax.kernels`)
+  ``"reference"``             plain JAX: dequantise exactly (``checkpoint.quantized.dequantize``), then the GEMM —
+                              the definition of correct.
+  ``"pallas_gpu"``            Pallas, Triton lowering (:mod:`.quant_gemm_gpu`): e4m3 / e2m1 decoded in registers.
+  ``"pallas_tpu"``            Pallas Mosaic TPU (:mod:`.quant_gemm_tpu`): in-kernel integer dequantisation.
+  ``"pallas_gpu_interpret"`` / ``"pallas_tpu_interpret"``: the same kernels in Pallas interpret mode (CPU tests).
+  ``"auto"``                  pallas_gpu on GPU, pallas_tpu on TPU, reference elsewhere.
+
+Operations
+  ``fp8_linear(x, w)``: ``x [..., K] · wᵀ`` for an FP8 32 x 32 block-scaled ``QuantizedTensor`` w [N, K] -> [..., N]
+  in x.dtype (float32 accumulation).
+  ``fp4_grouped(x, group_sizes, w)``: rows of x [A, K] sorted by expert, ``group_sizes`` [E] int, stacked FP4
+  experts w [E, N, K] -> [A, N] in x.dtype; rows past ``sum(group_sizes)`` are 0.
+
+The activations are taken as given: the release's FP8 rounding of a GEMM's input (``ops.linear.Fp8GemmInput``)
+happens before, in XLA (a few KB at decode), so the kernels see FP8-grid values in bf16 / float32 — products are
+exact and only the float32 accumulation order differs from the reference.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.checkpoint import names as N
+
+BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret")
+
+
+class QuantGemmError(ValueError):
+    pass
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    if backend not in BACKENDS:
+        raise QuantGemmError(f"unknown quantized_gemm backend {backend!r}; choose one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    platform = jax.default_backend()
+    if platform in ("gpu", "cuda", "rocm"):
+        return "pallas_gpu"
+    if platform == "tpu":
+        return "pallas_tpu"
+    return "reference"
+
+
+def takes_fp8(w) -> bool:
+    """Whether ``fp8_linear``'s kernels take this weight (FP8 32 x 32 blocks, e8m0 byte scales, one matrix)."""
+    return (getattr(w, "fmt", None) == N.FP8_BLOCK and len(w.shape) == 2 and tuple(w.block) == (32, 32)
+            and w.scales.dtype == jnp.uint8)
+
+
+def takes_fp4_grouped(w) -> bool:
+    """Whether ``fp4_grouped``'s kernels take this weight (stacked FP4 experts [E, N, K], e8m0 byte scales)."""
+    return getattr(w, "fmt", None) == N.FP4_ROWS and len(w.shape) == 3 and w.scales.dtype == jnp.uint8
+
+
+def _check_x(x, k: int, what: str):
+    if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype).itemsize < 2 or x.dtype == jnp.float16:
+        raise QuantGemmError(f"{what}: activations must be bfloat16 or float32, got {x.dtype}")
+    if x.shape[-1] != k:
+        raise QuantGemmError(f"{what}: activations have {x.shape[-1]} features, the weight takes K = {k}")
+
+
+def _check_fp8(w):
+    if getattr(w, "fmt", None) != N.FP8_BLOCK:
+        raise QuantGemmError(f"fp8_linear takes an FP8 block-scaled QuantizedTensor, got "
+                             f"{getattr(w, 'fmt', type(w).__name__)}")
+    if len(w.shape) != 2:
+        raise QuantGemmError(f"fp8_linear: weight must be [N, K], got logical shape {w.shape}")
+    nn, k = w.shape
+    want_s = (-(-nn // w.block[0]), -(-k // w.block[1]))
+    if tuple(w.block) != (32, 32):
+        raise QuantGemmError(f"fp8_linear: block scales must be 32 x 32, got {w.block}")
+    if w.values.dtype != jnp.uint8 or tuple(w.values.shape) != (nn, k):
+        raise QuantGemmError(f"fp8_linear: values must be uint8 e4m3 bytes {(nn, k)}, got {w.values.dtype} "
+                             f"{tuple(w.values.shape)}")
+    if w.scales.dtype != jnp.uint8 or tuple(w.scales.shape) != want_s:
+        raise QuantGemmError(f"fp8_linear: scales must be uint8 e8m0 bytes {want_s}, got {w.scales.dtype} "
+                             f"{tuple(w.scales.shape)} (float scale tensors take the reference backend)")
+
+
+def _check_fp4(w):
+    if getattr(w, "fmt", None) != N.FP4_ROWS:
+        raise QuantGemmError(f"fp4_grouped takes stacked FP4 experts (QuantizedTensor fmt {N.FP4_ROWS!r}), got "
+                             f"{getattr(w, 'fmt', type(w).__name__)}")
+    if len(w.shape) != 3:
+        raise QuantGemmError(f"fp4_grouped: weight must be [E, N, K], got logical shape {w.shape}")
+    e, nn, k = w.shape
+    if k % N.FP4_BLOCK:
+        raise QuantGemmError(f"fp4_grouped: K = {k} is not a multiple of the scale block {N.FP4_BLOCK}")
+    if w.values.dtype != jnp.uint8 or tuple(w.values.shape) != (e, nn, k // 2):
+        raise QuantGemmError(f"fp4_grouped: values must be uint8 [E, N, K/2] = {(e, nn, k // 2)}, got "
+                             f"{w.values.dtype} {tuple(w.values.shape)}")
+    if w.scales.dtype != jnp.uint8 or tuple(w.scales.shape) != (e, nn, k // N.FP4_BLOCK):
+        raise QuantGemmError(f"fp4_grouped: scales must be uint8 e8m0 [E, N, K/32] = {(e, nn, k // 32)}, got "
+                             f"{w.scales.dtype} {tuple(w.scales.shape)}")
+
+
+def _prec(*ops):
+    return jax.lax.Precision.HIGHEST if any(jnp.dtype(o.dtype).itemsize >= 4 for o in ops) else None
+
+
+def fp8_linear(x: jax.Array, w, *, backend: str = "auto", tuning: dict | None = None) -> jax.Array:
+    """x [..., K] · w [N, K]ᵀ -> [..., N] (x.dtype) for an FP8 32 x 32 block-scaled QuantizedTensor ``w``."""
+    _check_fp8(w)
+    _check_x(x, w.shape[1], "fp8_linear")
+    be = resolve_backend(backend)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if be == "reference":
+        wd = w.dequantize(x.dtype)
+        y = jnp.einsum("mi,oi->mo", x2, wd, precision=_prec(x2, wd))
+    elif be.startswith("pallas_gpu"):
+        from dsv41_jax.kernels import quant_gemm_gpu as G
+
+        y = G.fp8_gemm(x2, w.values, w.scales, interpret=be.endswith("interpret"), **(tuning or {}))
+    else:
+        from dsv41_jax.kernels import quant_gemm_tpu as T
+
+        y = T.fp8_gemm(x2, w.values, w.scales, interpret=be.endswith("interpret"), **(tuning or {}))
+    return y.reshape(lead + (w.shape[0],))
+
+
+def fp4_grouped(x: jax.Array, group_sizes: jax.Array, w, *, backend: str = "auto",
+                tuning: dict | None = None) -> jax.Array:
+    """Grouped GEMM over stacked FP4 experts: x [A, K] sorted by expert, group_sizes [E] -> [A, N] (x.dtype)."""
+    _check_fp4(w)
+    _check_x(x, w.shape[2], "fp4_grouped")
+    if x.ndim != 2:
+        raise QuantGemmError(f"fp4_grouped: x must be [rows, K], got shape {x.shape}")
+    if group_sizes.ndim != 1 or group_sizes.shape[0] != w.shape[0] or not jnp.issubdtype(group_sizes.dtype,
+                                                                                            jnp.integer):
+        raise QuantGemmError(f"fp4_grouped: group_sizes must be an integer vector of {w.shape[0]} experts, got "
+                             f"{group_sizes.dtype} {tuple(group_sizes.shape)}")
+    be = resolve_backend(backend)
+    gs = group_sizes.astype(jnp.int32)
+    if be == "reference":
+        wd = w.dequantize(x.dtype)
+        y = jax.lax.ragged_dot(x, jnp.swapaxes(wd, 1, 2), gs, precision=_prec(x, wd))
+        return jnp.where((jnp.arange(x.shape[0]) < jnp.sum(gs))[:, None], y, jnp.zeros((), y.dtype))
+    if be.startswith("pallas_gpu"):
+        from dsv41_jax.kernels import quant_gemm_gpu as G
+
+        return G.fp4_grouped_gemm(x, gs, w.values, w.scales, interpret=be.endswith("interpret"), **(tuning or {}))
+    from dsv41_jax.kernels import quant_gemm_tpu as T
+
+    return T.fp4_grouped_gemm(x, gs, w.values, w.scales, interpret=be.endswith("interpret"), **(tuning or {}))
+
+
+__all__ = ["BACKENDS", "resolve_backend", "fp8_linear", "fp4_grouped", "takes_fp8", "takes_fp4_grouped",
+           "QuantGemmError"]

@@ -1,0 +1,168 @@
+"""GEMMs on the release's stored FP8 / FP4 bytes (dsv41_jax.kernels.quant_gemm): the Pallas kernels (GPU Triton and
+TPU Mosaic, in interpret mode on CPU) equal the plain-JAX dequantise-then-GEMM within float32 accumulation-order
+noise — partial blocks, ragged groups with empty experts and rows past the groups included; bad operands fail with a
+clear error; the Mosaic kernels compile ahead of time for a TPU v5p."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax.checkpoint import names as N
+from dsv41_jax.kernels import quant_gemm as QG
+from dsv41_jax.model import release_weights as RW
+from dsv41_jax.ops import quant as Q
+from dsv41_jax.ops.linear import Fp8GemmInput, linear
+
+KERNELS = ("pallas_gpu_interpret", "pallas_tpu_interpret")
+
+
+def _weights(rng, shape, fmt, scale=0.05):
+    # magnitudes spread over 2^±6 per row so block scales differ
+    w = rng.standard_normal(shape).astype(np.float32) * scale * np.exp2(rng.integers(-6, 7, shape[:-1] + (1,)))
+    return RW._quantize(w, fmt)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_fp8_kernels_equal_the_dequantise_then_gemm_reference(backend):
+    """M = 3 in float32 (N and K not multiples of 32 or of the kernels' blocks) and a bf16 GEMV."""
+    rng = np.random.default_rng(0)
+    w = _weights(rng, (80, 100), N.FP8_BLOCK)
+    x = jnp.asarray(rng.standard_normal((3, 100)), jnp.float32)
+    want = np.asarray(x, np.float64) @ np.asarray(w.dequantize(), np.float64).T
+    got = QG.fp8_linear(x, w, backend=backend)
+    assert got.dtype == jnp.float32 and got.shape == (3, 80)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    np.testing.assert_allclose(got, QG.fp8_linear(x, w, backend="reference"), rtol=1e-5,
+                               atol=1e-6 * np.abs(want).max())
+
+    w = _weights(rng, (64, 256), N.FP8_BLOCK)
+    xb = jnp.asarray(rng.standard_normal((1, 256)), jnp.bfloat16)
+    got = QG.fp8_linear(xb, w, backend=backend)
+    ref = QG.fp8_linear(xb, w, backend="reference")
+    assert got.dtype == jnp.bfloat16
+    # both accumulate exact bf16 products in float32 and round once to bf16: equal up to one bf16 rounding step
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=2 ** -7,
+                               atol=2 ** -7 * float(jnp.max(jnp.abs(ref.astype(jnp.float32)))))
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_fp4_grouped_kernels_equal_ragged_reference(backend):
+    """13 rows over 5 experts (two empty, rows past the groups' total give 0), K = 96 (partial K blocks), against
+    the dequantise-then-GEMM in float64."""
+    rng = np.random.default_rng(1)
+    w = _weights(rng, (5, 40, 96), N.FP4_ROWS, scale=0.1)
+    gs = jnp.array([3, 0, 6, 0, 2], jnp.int32)  # 11 of 13 rows
+    x = Q.fake_quant_gemm_input_fp8(jnp.asarray(rng.standard_normal((13, 96)), jnp.float32), 32)
+    wd = np.asarray(w.dequantize(), np.float64)
+    want = np.zeros((13, 40))
+    bounds = np.concatenate([[0], np.cumsum(np.asarray(gs))])
+    for e in range(5):
+        want[bounds[e]:bounds[e + 1]] = np.asarray(x, np.float64)[bounds[e]:bounds[e + 1]] @ wd[e].T
+    got = QG.fp4_grouped(x, gs, w, backend=backend)
+    assert got.shape == (13, 40) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    np.testing.assert_array_equal(np.asarray(got)[11:], 0.0)
+
+
+def test_moe_and_linear_take_the_kernels_through_the_weight_marker():
+    """``Fp8GemmInput(w, gemm=...)`` routes the serving MoE's routed experts to the grouped kernel (bf16
+    activations); it equals the engine's plain-JAX decode path (``routed_slots``) on the same weights."""
+    from dsv41_jax.inference.moe import moe_inference
+
+    rng = np.random.default_rng(2)
+    e, d, f = 4, 64, 32
+    w1, w3 = (_weights(rng, (e, f, d), N.FP4_ROWS, 0.2) for _ in range(2))
+    w2 = _weights(rng, (e, d, f), N.FP4_ROWS, 0.2)
+    shared = {k: jnp.asarray(rng.standard_normal(s) * 0.1, jnp.bfloat16)
+              for k, s in (("w1", (f, d)), ("w2", (d, f)), ("w3", (f, d)))}
+    gate = {"weight": jnp.asarray(rng.standard_normal((e, d)), jnp.float32), "bias": jnp.zeros((e,), jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((3, d)), jnp.bfloat16)
+
+    def params(gemm):
+        return {"gate": gate, "shared_experts": shared,
+                "experts": {k: Fp8GemmInput(w, gemm) for k, w in (("w1", w1), ("w2", w2), ("w3", w3))}}
+
+    run = jax.jit(lambda p, x: moe_inference(x, p, top_k=2, temp=1.0, scaling=1.5, limit=7.0))
+    ref = run(params("reference"), x)
+    got = run(params("pallas_gpu_interpret"), x)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=2 ** -7,
+                               atol=2 ** -7 * float(jnp.max(jnp.abs(ref.astype(jnp.float32)))))
+    wd = _weights(rng, (48, d), N.FP8_BLOCK)
+    # "auto" on CPU is the reference path: the same program as "reference"
+    np.testing.assert_array_equal(linear(x, Fp8GemmInput(wd, "auto")), linear(x, Fp8GemmInput(wd)))
+
+
+def test_bad_operands_fail_with_a_clear_error():
+    rng = np.random.default_rng(3)
+    w8 = _weights(rng, (32, 64), N.FP8_BLOCK)
+    w4 = _weights(rng, (2, 32, 64), N.FP4_ROWS)
+    x = jnp.ones((2, 64), jnp.float32)
+    with pytest.raises(QG.QuantGemmError, match="FP8 block-scaled"):
+        QG.fp8_linear(x, w4, backend="reference")
+    with pytest.raises(QG.QuantGemmError, match="bfloat16 or float32"):
+        QG.fp8_linear(x.astype(jnp.float16), w8)
+    with pytest.raises(QG.QuantGemmError, match="the weight takes K = 64"):
+        QG.fp8_linear(jnp.ones((2, 48), jnp.float32), w8)
+    with pytest.raises(QG.QuantGemmError, match="scales must be uint8"):
+        QG.fp8_linear(x, type(w8)(w8.values, w8.scales.astype(jnp.float32), w8.fmt, w8.shape, w8.block))
+    with pytest.raises(QG.QuantGemmError, match="stacked FP4 experts"):
+        QG.fp4_grouped(x, jnp.array([1, 1]), w8)
+    with pytest.raises(QG.QuantGemmError, match="integer vector of 2 experts"):
+        QG.fp4_grouped(x, jnp.array([1, 1, 0]), w4)
+    with pytest.raises(QG.QuantGemmError, match="values must be uint8"):
+        QG.fp4_grouped(x, jnp.array([1, 1]), type(w4)(w4.values[..., :16], w4.scales, w4.fmt, w4.shape, w4.block))
+    with pytest.raises(QG.QuantGemmError, match="unknown quantized_gemm backend"):
+        QG.fp8_linear(x, w8, backend="cuda")
+    with pytest.raises(QG.QuantGemmError, match="unknown quantized_gemm backend"):
+        RW.mark_fp8_gemm_inputs({}, None, "triton")
+
+
+def test_gpu_kernels_lower_to_triton_without_a_gpu():
+    """The Triton lowering (Pallas -> Triton IR, done in Python) of both GPU kernels at release shapes, partial
+    blocks and float32 included: catches unsupported operations before a GPU run."""
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    sds, bf, u8 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.uint8
+    cases = [(G.fp8_gemm, (sds((1, 5120), bf), sds((2304, 5120), u8), sds((72, 160), u8))),
+             (G.fp8_gemm, (sds((3, 1000), jnp.float32), sds((300, 1000), u8), sds((10, 32), u8))),
+             (G.fp4_grouped_gemm, (sds((48, 5120), bf), sds((384,), jnp.int32), sds((384, 2304, 2560), u8),
+                                   sds((384, 2304, 160), u8))),
+             (G.fp4_grouped_gemm, (sds((13, 96), jnp.float32), sds((5,), jnp.int32), sds((5, 40, 48), u8),
+                                   sds((5, 40, 3), u8)))]
+    for fn, args in cases:
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text or "triton" in text
+
+
+_AOT_SCRIPT = """
+import jax, jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import SingleDeviceSharding
+from dsv41_jax.kernels import quant_gemm_tpu as T
+dev = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices[0]
+sds = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=SingleDeviceSharding(dev))
+bf, u8 = jnp.bfloat16, jnp.uint8
+fp8 = jax.jit(T.fp8_gemm).trace(sds((8, 1280), bf), sds((640, 1280), u8), sds((20, 40), u8)).lower().compile()
+fp4 = jax.jit(T.fp4_grouped_gemm).trace(sds((24, 512), bf), sds((8,), jnp.int32), sds((8, 256, 256), u8),
+                                        sds((8, 256, 16), u8)).lower().compile()
+print("OK", all("tpu_custom_call" in c.as_text() for c in (fp8, fp4)))
+"""
+
+
+@pytest.mark.slow  # a subprocess that imports jax and compiles with libtpu (~10 s)
+def test_mosaic_quant_gemm_kernels_compile_for_tpu_v5p():
+    pytest.importorskip("libtpu", reason="AOT TPU compile needs the tpu extra (jax[tpu] / libtpu)")
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+               PYTHONPATH=str(root) + os.pathsep + env.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "OK True"  # both Mosaic kernels are in the compiled programs
