@@ -174,6 +174,7 @@ class Engine:
         self._hist = EngramHistory.empty(max_batch, k + 1) if self.hasher is not None else None
         self.default_stop = (tokenizer.eos_id if tokenizer is not None else config.eos_token_id,)
         self.last_stats = GenerationStats()
+        self._owner = None  # a ContinuousBatcher serving requests on this cache
 
     # ------------------------------------------------------------------------------------------------------
     def footprint(self, storage: str | None = None) -> CacheFootprint:
@@ -228,6 +229,7 @@ class Engine:
         Returns the logits of each prompt's last token, [n, V] (and with ``return_logits`` the replayed
         positions' logits [n, R, V]). ``on_features``: see :func:`dsv41_jax.inference.prefill.prefill` (the
         DSpark target features, over all ``max_batch`` slots)."""
+        self._check_free()
         prompts = [self._check_prompt(p) for p in prompts]
         slots = list(range(len(prompts))) if slots is None else [int(s) for s in slots]
         if len(slots) != len(prompts) or len(set(slots)) != len(slots):
@@ -285,6 +287,7 @@ class Engine:
 
     def decode_step(self, tokens, active=None) -> jax.Array:
         """Feed one token to each active slot (tokens int [max_batch]); returns logits [max_batch, V]."""
+        self._check_free()
         tok = np.asarray(tokens)
         b = self.max_batch
         act = np.asarray(self.lengths() > 0) if active is None else np.asarray(active, bool)
@@ -340,6 +343,7 @@ class Engine:
         ``on_token(i, token)`` streams every new token of request i as soon as it is sampled. Returns one
         ``Result`` per request, in order; ``self.last_stats`` holds timings.
         """
+        self._check_free()
         reqs = self._make_requests(prompts, dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                                  top_p=top_p, seed=seed, stop_tokens=stop_tokens))
         if len(reqs) > self.max_batch:
@@ -415,6 +419,31 @@ class Engine:
         stats.decode_steps = step
         stats.new_tokens = sum(len(v) for v in out.values())
         return results  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------------------------------------------
+    # Continuous batching (dsv41_jax.inference.batching)
+    # ------------------------------------------------------------------------------------------------------
+    def batcher(self, *, prefill_lanes: int | None = None, prefill_chunk: int | None = None, on_token=None):
+        """A :class:`~dsv41_jax.inference.batching.ContinuousBatcher` over this engine's slots: ``submit()``
+        requests at any time, ``step()`` runs one iteration (one bounded prefill chunk + one decode step)."""
+        from dsv41_jax.inference.batching import ContinuousBatcher
+
+        return ContinuousBatcher(self, prefill_lanes=prefill_lanes, prefill_chunk=prefill_chunk, on_token=on_token)
+
+    def serve(self, requests, *, on_token: Callable[[int, int], None] | None = None, prefill_lanes: int | None = None,
+              prefill_chunk: int | None = None):
+        """Serve any number of requests by continuous batching: an iterator of ``Completion``s in the order they
+        finish (``completion.id`` = the request's index; ``on_token(index, token)`` streams). A finished sequence
+        frees its slot at once and the next waiting request is prefilled into it, chunk by chunk, between decode
+        steps of the others. See :mod:`dsv41_jax.inference.batching`."""
+        from dsv41_jax.inference.batching import serve
+
+        return serve(self, requests, on_token=on_token, prefill_lanes=prefill_lanes, prefill_chunk=prefill_chunk)
+
+    def _check_free(self) -> None:
+        if self._owner is not None and self._owner.busy:
+            raise EngineError("a ContinuousBatcher is serving requests on this engine's cache; finish it (step() "
+                              "until not busy) before calling generate / prefill / decode_step")
 
     def _decode_text(self, ids: list[int]) -> str | None:
         if self.tokenizer is None:
