@@ -45,7 +45,7 @@ import numpy as np
 from dsv41_jax.inference.decode import decode_and_sample
 from dsv41_jax.inference.engine import EngineError, Request, Result, finish_reason
 from dsv41_jax.inference.prefill import _bucket, lanes_chunk, lanes_finish
-from dsv41_jax.inference.sampling import sample_jit
+from dsv41_jax.inference.sampling import sample, sample_jit
 from dsv41_jax.inference.step import jit_for
 
 REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(Request))
@@ -254,6 +254,7 @@ class ContinuousBatcher:
                 finished[i] = q.prefilled == len(q.ids)
         if not finished.any():
             return
+        n_new = seg_e = None
         if eng.options.ced:
             r = eng.options.resolved_replay(c)
             n_new = np.array([len(q.ids) if f else 0 for q, f in zip(seqs, finished)], np.int32)
@@ -264,12 +265,15 @@ class ContinuousBatcher:
                     if finished[i]:
                         n_seg = min(len(q.ids), r)
                         seg_e[i, :n_seg] = q.engram_rows[len(q.ids) - n_seg:]
-            fn = jit_for(lanes_finish, eng.options)
-            last, eng.cache = fn(eng.params, eng.cache, self._stash, slots, jnp.asarray(n_new),
-                                 None if seg_e is None else jnp.asarray(seg_e), config=c, opts=eng.options)
         lane_slots = np.array([0 if s is None else s for s in self._lane])
         samp = tuple(jnp.asarray(a[lane_slots]) for a in self._samp_host)
-        first = np.asarray(sample_jit(last, *samp, jnp.zeros((p,), jnp.int32)))
+        if eng.options.ced:
+            fn = jit_for(_finish_and_sample, eng.options)
+            first, eng.cache = fn(eng.params, eng.cache, self._stash, slots, jnp.asarray(n_new),
+                                  None if seg_e is None else jnp.asarray(seg_e), *samp, config=c, opts=eng.options)
+        else:  # full replay: the chunk gave the logits of each lane's last prompt token
+            first = sample_jit(last, *samp, jnp.zeros((p,), jnp.int32))
+        first = np.asarray(first)
         now = time.perf_counter()
         for i in np.flatnonzero(finished):
             slot = self._lane[i]
@@ -308,6 +312,13 @@ class ContinuousBatcher:
             self._slot[slot] = None  # free at once: the next admitted request restarts it
             done.append(Completion(seq.tokens, reason, len(seq.ids), text=self.engine._decode_text(seq.tokens),
                                    id=seq.id, submitted_at=seq.submitted_at, token_times=seq.token_times))
+
+
+def _finish_and_sample(params, cache, stash, slots, n_new, engram_ids, temperature, top_k, top_p, seeds, *,
+                       config, opts):
+    """The lanes' CED decoder pass fused with sampling their first new token (generation step 0)."""
+    last, cache = lanes_finish(params, cache, stash, slots, n_new, engram_ids, config=config, opts=opts)
+    return sample(last, temperature, top_k, top_p, seeds, jnp.zeros_like(seeds)), cache
 
 
 def serve(engine, requests: Iterable, *, on_token=None, **batcher_kw) -> Iterator[Completion]:
