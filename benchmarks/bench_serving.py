@@ -74,10 +74,13 @@ def make_requests(args, vocab: int) -> tuple[list[Request], np.ndarray]:
 def warm_up(engine, args, vocab: int) -> float:
     """Compile every program both modes use: each prefill chunk bucket, the CED decoder pass, the decode step."""
     t0 = time.perf_counter()
-    buckets = sorted({_bucket(n, args.prefill_chunk) for n in range(1, args.prompt_len[1] + 1)})
+    lo, hi = args.prompt_len
+    # chunk lengths either mode can use: a batch's / lanes' longest prompt, or any tail of a prompt over one chunk
+    widths = range(1 if hi > args.prefill_chunk else lo, hi + 1)
+    buckets = sorted({_bucket(n, args.prefill_chunk) for n in widths})
     for size in buckets:
         p = [3 + (i % (vocab - 3)) for i in range(size)]
-        engine.generate([Request(p, max_new_tokens=2, stop_tokens=())])
+        engine.generate([Request(p, max_new_tokens=2, stop_tokens=())] * engine.max_batch)  # a full batch, as timed
         list(engine.serve([Request(p, max_new_tokens=2, stop_tokens=())], prefill_lanes=args.lanes))
     return time.perf_counter() - t0
 

@@ -44,7 +44,7 @@ import numpy as np
 
 from dsv41_jax.inference.decode import decode_and_sample
 from dsv41_jax.inference.engine import EngineError, Request, Result, finish_reason
-from dsv41_jax.inference.prefill import _bucket, lanes_chunk, lanes_finish
+from dsv41_jax.inference.prefill import _bucket, lanes_chunk, lanes_finish, new_stash
 from dsv41_jax.inference.sampling import sample, sample_jit
 from dsv41_jax.inference.step import jit_for
 
@@ -122,9 +122,7 @@ class ContinuousBatcher:
         self._next_id = 0
         c = engine.config
         r = engine.options.resolved_replay(c)
-        dt = engine.params["embed"].dtype
-        self._stash = {"streams": jnp.zeros((lanes, r, c.hc_mult, c.hidden_size), dt),
-                       "pre_mix": jnp.zeros((lanes, r, c.hc_mult), jnp.float32)}
+        self._stash = new_stash(c, lanes, r, engine.params["embed"].dtype, like=engine.cache["length"])
         # per-slot sampling parameters on the device, refreshed when a slot changes hands
         self._samp_host = (np.zeros((b,), np.float32), np.zeros((b,), np.int32), np.ones((b,), np.float32),
                            np.zeros((b,), np.int32))

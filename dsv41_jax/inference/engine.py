@@ -13,6 +13,9 @@ compressed ids) is kept on the host next to the hasher, since Engram row ids are
 Per-request problems (empty prompt, prompt longer than ``max_len``, token ids outside the vocabulary, invalid
 sampling parameters) are reported in that request's result (``finish_reason == "error"``) and the other requests
 are served; problems of the whole call (more requests than ``max_batch``) raise ``EngineError``.
+
+``generate`` serves one static batch (every sequence until the last one ends); ``serve`` / ``batcher`` serve any
+number of requests by continuous batching over the same slots (:mod:`dsv41_jax.inference.batching`).
 """
 
 from __future__ import annotations
@@ -170,6 +173,11 @@ class Engine:
         self.cache_dtype = cache_dtype or params["embed"].dtype
         self.cache_format = cache
         self.cache = init_cache(config, max_batch, max_len, self.cache_dtype, packed=cache == "release")
+        # Committed to its device from the start: jit keys its cache on the arguments' placement, and every program
+        # returns the donated cache committed, so an uncommitted first cache would compile the first program twice.
+        device = getattr(params["embed"], "sharding", None)
+        if isinstance(device, jax.sharding.SingleDeviceSharding):
+            self.cache = jax.device_put(self.cache, device)
         k = config.engram_max_ngram_size - 1 if config.engram_layer_ids else 1
         self._hist = EngramHistory.empty(max_batch, k + 1) if self.hasher is not None else None
         self.default_stop = (tokenizer.eos_id if tokenizer is not None else config.eos_token_id,)
@@ -348,7 +356,7 @@ class Engine:
                                                  top_p=top_p, seed=seed, stop_tokens=stop_tokens))
         if len(reqs) > self.max_batch:
             raise EngineError(f"{len(reqs)} requests but the engine serves at most max_batch={self.max_batch} at "
-                              "once; split them into several generate calls")
+                              "once; use engine.serve(requests) (continuous batching) or several generate calls")
         results: list[Result | None] = [None] * len(reqs)
         ok: list[tuple[int, list[int], SamplingParams, tuple[int, ...], int]] = []
         for i, r in enumerate(reqs):

@@ -52,6 +52,18 @@ def reset_slots(cache: dict, mask: jax.Array) -> dict:
     return dict(cache, length=jnp.where(mask, 0, cache["length"]), floor=jnp.where(mask, 0, cache["floor"]))
 
 
+def new_stash(config: ModelConfig, batch: int, replay_len: int, dtype, *, like: jax.Array) -> dict:
+    """An empty CED stash (the encoder output of the last ``replay_len`` positions per row), placed like ``like``
+    on a single device: a chunk program's later calls get the stash back committed there, and jit keys its cache
+    on that, so a stash left uncommitted would compile the chunk program twice."""
+    stash = {"streams": jnp.zeros((batch, replay_len, config.hc_mult, config.hidden_size), dtype),
+             "pre_mix": jnp.zeros((batch, replay_len, config.hc_mult), jnp.float32)}
+    sharding = getattr(like, "sharding", None)
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        stash = jax.device_put(stash, sharding)
+    return stash
+
+
 def _ced_chunk(params, cache, stash, tokens, n_valid, engram_ids, *, config: ModelConfig, opts: InferenceOptions):
     pos0 = cache["length"]
     streams, pre_mix = embed(params, tokens, config)
@@ -194,8 +206,7 @@ def prefill(params: dict, cache: dict, tokens, lengths=None, engram_ids=None, *,
     done = 0
     if opts.ced:
         r = opts.resolved_replay(c)
-        stash = {"streams": jnp.zeros((b, r, c.hc_mult, c.hidden_size), params["embed"].dtype),
-                 "pre_mix": jnp.zeros((b, r, c.hc_mult), jnp.float32)}
+        stash = new_stash(c, b, r, params["embed"].dtype, like=cache["length"])
         for s in range(0, width, size):
             nv = np.clip(lengths - s, 0, size).astype(np.int32)
             e = None if n_eid is None else jnp.asarray(_cols(n_eid, s, size))
