@@ -71,7 +71,7 @@ def make_requests(args, vocab: int) -> tuple[list[Request], np.ndarray]:
     return reqs, np.cumsum(gaps) - gaps[0]
 
 
-def warm_up(engine, args, vocab: int) -> float:
+def warm_up(engine, args, vocab: int, log) -> float:
     """Compile every program both modes use: each prefill chunk bucket, the CED decoder pass, the decode step."""
     t0 = time.perf_counter()
     lo, hi = args.prompt_len
@@ -81,7 +81,9 @@ def warm_up(engine, args, vocab: int) -> float:
     for size in buckets:
         p = [3 + (i % (vocab - 3)) for i in range(size)]
         engine.generate([Request(p, max_new_tokens=2, stop_tokens=())] * engine.max_batch)  # a full batch, as timed
+        log(f"  warm-up: static, chunk bucket {size}: {time.perf_counter() - t0:.1f} s")
         list(engine.serve([Request(p, max_new_tokens=2, stop_tokens=())], prefill_lanes=args.lanes))
+        log(f"  warm-up: continuous, chunk bucket {size}: {time.perf_counter() - t0:.1f} s")
     return time.perf_counter() - t0
 
 
@@ -182,7 +184,7 @@ def main(argv=None):
                                                                              else sys.argv[1:])))
     log(f"meta {json.dumps(meta)}")
     reqs, unit_arrivals = make_requests(args, vocab)
-    meta["warmup_s"] = warm_up(engine, args, vocab)
+    meta["warmup_s"] = warm_up(engine, args, vocab, log)
     log(f"warm-up (compiles) {meta['warmup_s']:.1f} s")
     static, static_wall = run_static(engine, reqs)
     log(f"static: {static['tokens_per_s']:.1f} tok/s")

@@ -101,5 +101,7 @@ def test_serve_reports_bad_requests_and_serves_the_rest():
     b.submit(_prompt(3, 2), max_new_tokens=1)
     with pytest.raises(EngineError, match="ContinuousBatcher is serving"):
         eng.generate([_prompt(3, 2)])
+    with pytest.raises(EngineError, match="another ContinuousBatcher"):
+        eng.batcher().submit(_prompt(3, 2))
     served = [c.tokens for c in b.run()]
     assert served == [eng.generate([_prompt(3, 2)], max_new_tokens=1)[0].tokens]  # the engine is free again

@@ -96,15 +96,16 @@ class BatcherStats:
 class ContinuousBatcher:
     """Continuous batching over one engine's cache (see the module docstring).
 
-    ``prefill_lanes``: prompts prefilled at once (default ``min(4, max_batch)``); ``prefill_chunk``: prompt tokens
-    per lane per iteration (default the engine's). ``on_token(id, token)`` streams every new token.
+    ``prefill_lanes``: prompts prefilled at once (default 1: a chunk program costs every lane's rows, busy or not,
+    and one lane already admits a request per iteration); ``prefill_chunk``: prompt tokens per lane per iteration
+    (default the engine's). ``on_token(id, token)`` streams every new token.
     The batcher owns the engine's cache while it has work: do not call ``engine.generate`` / ``prefill`` /
     ``decode_step`` meanwhile (they raise)."""
 
     def __init__(self, engine, *, prefill_lanes: int | None = None, prefill_chunk: int | None = None,
                  on_token: Callable[[int, int], None] | None = None):
         b = engine.max_batch
-        lanes = min(4, b) if prefill_lanes is None else prefill_lanes
+        lanes = 1 if prefill_lanes is None else prefill_lanes
         if not isinstance(lanes, int) or not 1 <= lanes <= b:
             raise EngineError(f"prefill_lanes must be an integer in [1, max_batch={b}], got {prefill_lanes!r}")
         chunk = engine.prefill_chunk if prefill_chunk is None else prefill_chunk
@@ -158,6 +159,8 @@ class ContinuousBatcher:
         else:
             req = Request(prompt=request, **fields)
         eng = self.engine
+        if eng._owner is not None and eng._owner is not self and eng._owner.busy:
+            raise EngineError("another ContinuousBatcher is serving requests on this engine's cache; submit there")
         ids, sp, stops = eng._validate(req)
         need = len(ids) + req.max_new_tokens - 1  # the last new token is never fed back
         if need > eng.max_len:
