@@ -55,7 +55,8 @@ def test_every_request_gets_its_tokens_alone_and_slots_are_reused():
     reqs, alone = _requests_and_alone()
     assert [a.finish_reason for a in alone[-2:]] == ["stop", "stop"] and all(len(a.tokens) < 6 for a in alone[-2:])
     streamed = {}
-    batcher = eng.batcher(prefill_lanes=1, on_token=lambda i, t: streamed.setdefault(i, []).append(t))
+    # two prefill lanes: prompts of one to three chunks finish their prefill at different iterations, lanes idle
+    batcher = eng.batcher(prefill_lanes=2, on_token=lambda i, t: streamed.setdefault(i, []).append(t))
     ids = [batcher.submit(r) for r in reqs]
     order, done, iters_when_done = [], {}, {}
     while batcher.busy:
@@ -76,7 +77,7 @@ def test_every_request_gets_its_tokens_alone_and_slots_are_reused():
     assert order.index(ids[1]) < order.index(ids[0]) and order.index(ids[2]) < order.index(ids[0])
     static_iters = sum(3 + max(len(a.tokens) for a in alone[k:k + 3]) for k in range(0, len(alone), 3))
     assert n_iter < static_iters
-    assert batcher.stats.max_running == 3 and batcher.stats.new_tokens == sum(len(a.tokens) for a in alone)
+    assert batcher.stats.max_prefilling == 2 and batcher.stats.max_running == 3 and batcher.stats.new_tokens == sum(len(a.tokens) for a in alone)
 
 
 def test_serve_reports_bad_requests_and_serves_the_rest():
@@ -85,7 +86,7 @@ def test_serve_reports_bad_requests_and_serves_the_rest():
     bad = [Request([], max_new_tokens=2), Request(_prompt(30, 1), max_new_tokens=12),  # 30 + 12 - 1 > 40
            {"prompt": _prompt(3, 1), "temprature": 0.5}, Request(_prompt(3, 1), top_p=0.0),
            Request([5, 300]), Request(_prompt(3, 1), max_new_tokens=0)]
-    got = {c.id: c for c in eng.serve([reqs[1]] + bad + [reqs[3]], prefill_lanes=1)}
+    got = {c.id: c for c in eng.serve([reqs[1]] + bad + [reqs[3]], prefill_lanes=2)}
     assert got[0].tokens == alone[1].tokens and got[7].tokens == alone[3].tokens
     errors = [got[i].error for i in range(1, 7)]
     assert all(got[i].finish_reason == "error" for i in range(1, 7))
@@ -93,7 +94,7 @@ def test_serve_reports_bad_requests_and_serves_the_rest():
                                   "top_p must be in (0, 1]", "token id 300", "max_new_tokens must be")):
         assert want in msg, msg
     # submit raises the same errors; the engine refuses static calls while a batcher holds its cache
-    b = eng.batcher(prefill_lanes=1)
+    b = eng.batcher(prefill_lanes=2)
     with pytest.raises(EngineError, match="more than max_len"):
         b.submit(_prompt(40, 2), max_new_tokens=2)
     with pytest.raises(EngineError, match="prefill_lanes"):
@@ -102,6 +103,6 @@ def test_serve_reports_bad_requests_and_serves_the_rest():
     with pytest.raises(EngineError, match="ContinuousBatcher is serving"):
         eng.generate([_prompt(3, 2)])
     with pytest.raises(EngineError, match="another ContinuousBatcher"):
-        eng.batcher().submit(_prompt(3, 2))
+        eng.batcher(prefill_lanes=2).submit(_prompt(3, 2))
     served = [c.tokens for c in b.run()]
     assert served == [eng.generate([_prompt(3, 2)], max_new_tokens=1)[0].tokens]  # the engine is free again

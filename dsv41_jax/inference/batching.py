@@ -91,6 +91,7 @@ class BatcherStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     max_running: int = 0  # most slots decoding at once
+    max_prefilling: int = 0  # most lanes busy in one prefill chunk
 
 
 class ContinuousBatcher:
@@ -248,6 +249,7 @@ class ContinuousBatcher:
         self._fresh[:] = False
         self.stats.prefill_chunks += 1
         self.stats.prompt_tokens += int(n_valid.sum())
+        self.stats.max_prefilling = max(self.stats.max_prefilling, int((n_valid > 0).sum()))
         finished = np.zeros((p,), bool)
         for i, q in enumerate(seqs):
             if q is not None:
