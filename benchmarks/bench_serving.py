@@ -186,8 +186,11 @@ def main(argv=None):
     reqs, unit_arrivals = make_requests(args, vocab)
     meta["warmup_s"] = warm_up(engine, args, vocab, log)
     log(f"warm-up (compiles) {meta['warmup_s']:.1f} s")
+    path = os.path.join(out_dir, "bench_serving.json")
     static, static_wall = run_static(engine, reqs)
     log(f"static: {static['tokens_per_s']:.1f} tok/s")
+    with open(path, "w") as f:  # the baseline alone, in case the continuous run does not finish
+        json.dump(dict(meta=meta, static=static), f, indent=1)
     rate = args.rate or args.load * args.n / static_wall
     meta["rate_per_s"] = rate
     cont = run_continuous(engine, reqs, unit_arrivals / rate, args.lanes)
@@ -206,7 +209,6 @@ def main(argv=None):
     for row in (static, cont):
         print("| " + " | ".join(f.format(row[c]) for c, f in cols) + " |")
     print(f"continuous / static throughput: {ratio:.3f}")
-    path = os.path.join(out_dir, "bench_serving.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     log(f"wrote {path}")

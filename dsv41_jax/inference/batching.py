@@ -38,7 +38,6 @@ import dataclasses
 import time
 from typing import Callable, Iterable, Iterator
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
