@@ -8,7 +8,8 @@ Public API (pure functions over explicit pytrees):
     exports and ``dsv41 train`` checkpoint directories
   * ``default_model()`` -> (config, params, tokenizer) of the embedded tiny model
   * ``Engine(config, params, max_batch=..., max_len=...)`` -> cached batched generation (``generate``,
-    ``prefill``, ``decode_step``); lower levels in ``dsv41_jax.inference``
+    ``prefill``, ``decode_step``) and continuous batching (``serve``, ``batcher``) of ``Request``s; lower
+    levels in ``dsv41_jax.inference``
   * ``dsv41_jax.kernels`` (Pallas / reference dispatch), ``dsv41_jax.parallel`` (meshes, rules, expert
     parallelism), ``dsv41_jax.train`` (train step, loop, data)
   * ``dsv41_jax.model.model``: ``EngramHasher`` (host-side Engram row ids) and the ``DeepseekV41`` NNX owner
@@ -20,11 +21,11 @@ from dsv41_jax.model.params import ParamError, abstract_params, init_params, par
 from dsv41_jax.checkpoint.hf import CheckpointError
 from dsv41_jax.checkpoint.orbax_ckpt import load_checkpoint  # HF safetensors, orbax exports, training checkpoints
 from dsv41_jax.default_model import default_model  # the embedded tiny model (dsv41_jax/assets/default_model)
-from dsv41_jax.inference.engine import Engine  # cached batched generation
+from dsv41_jax.inference.engine import Engine, Request  # cached batched generation, continuous batching
 
 __all__ = [
     "ConfigError", "ModelConfig", "load_config", "ForwardError", "ForwardOptions", "forward", "ParamError",
     "abstract_params", "init_params", "param_specs", "CheckpointError", "load_checkpoint", "default_model",
-    "Engine",
+    "Engine", "Request",
 ]
 __version__ = "0.1.0"

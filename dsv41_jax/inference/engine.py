@@ -13,6 +13,9 @@ compressed ids) is kept on the host next to the hasher, since Engram row ids are
 Per-request problems (empty prompt, prompt longer than ``max_len``, token ids outside the vocabulary, invalid
 sampling parameters) are reported in that request's result (``finish_reason == "error"``) and the other requests
 are served; problems of the whole call (more requests than ``max_batch``) raise ``EngineError``.
+
+``generate`` serves one static batch (every sequence until the last one ends); ``serve`` / ``batcher`` serve any
+number of requests by continuous batching over the same slots (:mod:`dsv41_jax.inference.batching`).
 """
 
 from __future__ import annotations
@@ -170,10 +173,16 @@ class Engine:
         self.cache_dtype = cache_dtype or params["embed"].dtype
         self.cache_format = cache
         self.cache = init_cache(config, max_batch, max_len, self.cache_dtype, packed=cache == "release")
+        # Committed to its device from the start: jit keys its cache on the arguments' placement, and every program
+        # returns the donated cache committed, so an uncommitted first cache would compile the first program twice.
+        device = getattr(params["embed"], "sharding", None)
+        if isinstance(device, jax.sharding.SingleDeviceSharding):
+            self.cache = jax.device_put(self.cache, device)
         k = config.engram_max_ngram_size - 1 if config.engram_layer_ids else 1
         self._hist = EngramHistory.empty(max_batch, k + 1) if self.hasher is not None else None
         self.default_stop = (tokenizer.eos_id if tokenizer is not None else config.eos_token_id,)
         self.last_stats = GenerationStats()
+        self._owner = None  # a ContinuousBatcher serving requests on this cache
 
     # ------------------------------------------------------------------------------------------------------
     def footprint(self, storage: str | None = None) -> CacheFootprint:
@@ -228,6 +237,7 @@ class Engine:
         Returns the logits of each prompt's last token, [n, V] (and with ``return_logits`` the replayed
         positions' logits [n, R, V]). ``on_features``: see :func:`dsv41_jax.inference.prefill.prefill` (the
         DSpark target features, over all ``max_batch`` slots)."""
+        self._check_free()
         prompts = [self._check_prompt(p) for p in prompts]
         slots = list(range(len(prompts))) if slots is None else [int(s) for s in slots]
         if len(slots) != len(prompts) or len(set(slots)) != len(slots):
@@ -285,6 +295,7 @@ class Engine:
 
     def decode_step(self, tokens, active=None) -> jax.Array:
         """Feed one token to each active slot (tokens int [max_batch]); returns logits [max_batch, V]."""
+        self._check_free()
         tok = np.asarray(tokens)
         b = self.max_batch
         act = np.asarray(self.lengths() > 0) if active is None else np.asarray(active, bool)
@@ -340,11 +351,12 @@ class Engine:
         ``on_token(i, token)`` streams every new token of request i as soon as it is sampled. Returns one
         ``Result`` per request, in order; ``self.last_stats`` holds timings.
         """
+        self._check_free()
         reqs = self._make_requests(prompts, dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                                  top_p=top_p, seed=seed, stop_tokens=stop_tokens))
         if len(reqs) > self.max_batch:
             raise EngineError(f"{len(reqs)} requests but the engine serves at most max_batch={self.max_batch} at "
-                              "once; split them into several generate calls")
+                              "once; use engine.serve(requests) (continuous batching) or several generate calls")
         results: list[Result | None] = [None] * len(reqs)
         ok: list[tuple[int, list[int], SamplingParams, tuple[int, ...], int]] = []
         for i, r in enumerate(reqs):
@@ -415,6 +427,31 @@ class Engine:
         stats.decode_steps = step
         stats.new_tokens = sum(len(v) for v in out.values())
         return results  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------------------------------------------
+    # Continuous batching (dsv41_jax.inference.batching)
+    # ------------------------------------------------------------------------------------------------------
+    def batcher(self, *, prefill_lanes: int | None = None, prefill_chunk: int | None = None, on_token=None):
+        """A :class:`~dsv41_jax.inference.batching.ContinuousBatcher` over this engine's slots: ``submit()``
+        requests at any time, ``step()`` runs one iteration (one bounded prefill chunk + one decode step)."""
+        from dsv41_jax.inference.batching import ContinuousBatcher
+
+        return ContinuousBatcher(self, prefill_lanes=prefill_lanes, prefill_chunk=prefill_chunk, on_token=on_token)
+
+    def serve(self, requests, *, on_token: Callable[[int, int], None] | None = None, prefill_lanes: int | None = None,
+              prefill_chunk: int | None = None):
+        """Serve any number of requests by continuous batching: an iterator of ``Completion``s in the order they
+        finish (``completion.id`` = the request's index; ``on_token(index, token)`` streams). A finished sequence
+        frees its slot at once and the next waiting request is prefilled into it, chunk by chunk, between decode
+        steps of the others. See :mod:`dsv41_jax.inference.batching`."""
+        from dsv41_jax.inference.batching import serve
+
+        return serve(self, requests, on_token=on_token, prefill_lanes=prefill_lanes, prefill_chunk=prefill_chunk)
+
+    def _check_free(self) -> None:
+        if self._owner is not None and self._owner.busy:
+            raise EngineError("a ContinuousBatcher is serving requests on this engine's cache; finish it (step() "
+                              "until not busy) before calling generate / prefill / decode_step")
 
     def _decode_text(self, ids: list[int]) -> str | None:
         if self.tokenizer is None:

@@ -52,6 +52,18 @@ def reset_slots(cache: dict, mask: jax.Array) -> dict:
     return dict(cache, length=jnp.where(mask, 0, cache["length"]), floor=jnp.where(mask, 0, cache["floor"]))
 
 
+def new_stash(config: ModelConfig, batch: int, replay_len: int, dtype, *, like: jax.Array) -> dict:
+    """An empty CED stash (the encoder output of the last ``replay_len`` positions per row), placed like ``like``
+    on a single device: a chunk program's later calls get the stash back committed there, and jit keys its cache
+    on that, so a stash left uncommitted would compile the chunk program twice."""
+    stash = {"streams": jnp.zeros((batch, replay_len, config.hc_mult, config.hidden_size), dtype),
+             "pre_mix": jnp.zeros((batch, replay_len, config.hc_mult), jnp.float32)}
+    sharding = getattr(like, "sharding", None)
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        stash = jax.device_put(stash, sharding)
+    return stash
+
+
 def _ced_chunk(params, cache, stash, tokens, n_valid, engram_ids, *, config: ModelConfig, opts: InferenceOptions):
     pos0 = cache["length"]
     streams, pre_mix = embed(params, tokens, config)
@@ -194,8 +206,7 @@ def prefill(params: dict, cache: dict, tokens, lengths=None, engram_ids=None, *,
     done = 0
     if opts.ced:
         r = opts.resolved_replay(c)
-        stash = {"streams": jnp.zeros((b, r, c.hc_mult, c.hidden_size), params["embed"].dtype),
-                 "pre_mix": jnp.zeros((b, r, c.hc_mult), jnp.float32)}
+        stash = new_stash(c, b, r, params["embed"].dtype, like=cache["length"])
         for s in range(0, width, size):
             nv = np.clip(lengths - s, 0, size).astype(np.int32)
             e = None if n_eid is None else jnp.asarray(_cols(n_eid, s, size))
@@ -240,4 +251,49 @@ def prefill(params: dict, cache: dict, tokens, lengths=None, engram_ids=None, *,
     return last, cache
 
 
-__all__ = ["PrefillError", "prefill", "reset_slots"]
+# ----------------------------------------------------------------------------------------------------------
+# Prefill lanes: a few slots prefilled while the others decode (continuous batching, ``inference.batching``)
+# ----------------------------------------------------------------------------------------------------------
+#
+# A lane is a row of a small prefill batch [P] bound to one cache slot. The lane programs gather their slots' cache
+# rows, run the ordinary chunk / CED decoder pass on that P-row sub-cache, and scatter the rows back in place (the
+# cache is donated), so a prefill chunk costs P rows of work however many slots decode meanwhile. An idle lane
+# points at slot index B (out of range): it reads a clamped row and its write-back is dropped.
+
+def gather_rows(cache: dict, slots: jax.Array) -> dict:
+    """The cache rows of ``slots`` [P] (every cache leaf is batch-leading); out-of-range slots read the last row."""
+    return jax.tree.map(lambda x: jnp.take(x, slots, axis=0, mode="clip"), cache)
+
+
+def scatter_rows(cache: dict, rows: dict, slots: jax.Array) -> dict:
+    """``cache`` with rows ``slots`` [P] replaced by ``rows``; out-of-range slots are dropped (idle lanes)."""
+    return jax.tree.map(lambda x, r: x.at[slots].set(r, mode="drop"), cache, rows)
+
+
+def lanes_chunk(params, cache, stash, slots, fresh, tokens, n_valid, engram_ids, *, config: ModelConfig,
+                opts: InferenceOptions):
+    """One prefill chunk of every lane: lane i appends ``tokens[i, :n_valid[i]]`` to slot ``slots[i]``
+    (``fresh[i]``: the slot starts a new sequence, length and floor set to 0 first). Returns ``(cache, stash,
+    last_logits [P, V] or None)``: under CED the stash (per lane, as in :func:`prefill`) keeps the encoder output
+    for the decoder pass (:func:`lanes_finish`); under full replay the logits of each lane's last valid token."""
+    sub = gather_rows(cache, slots)
+    sub = dict(sub, length=jnp.where(fresh, 0, sub["length"]), floor=jnp.where(fresh, 0, sub["floor"]))
+    last = None
+    if opts.ced:
+        sub, stash = _ced_chunk(params, sub, stash, tokens, n_valid, engram_ids, config=config, opts=opts)
+    else:
+        last, _, sub = _full_chunk(params, sub, tokens, n_valid, engram_ids, config=config, opts=opts,
+                                   all_logits=False)
+    return scatter_rows(cache, sub, slots), stash, last
+
+
+def lanes_finish(params, cache, stash, slots, n_new, engram_ids, *, config: ModelConfig, opts: InferenceOptions):
+    """The CED decoder pass of the lanes whose prompt is complete (``n_new[i]`` = its prompt length; 0 leaves a
+    lane's slot untouched): ``(last_logits [P, V], cache)``. ``engram_ids`` [P, replay_len, ...]: the row ids of
+    each lane's last min(replay_len, n_new) prompt tokens, left-aligned."""
+    sub = gather_rows(cache, slots)
+    last, _, sub = _ced_decoder(params, sub, stash, n_new, engram_ids, config=config, opts=opts, all_logits=False)
+    return last, scatter_rows(cache, sub, slots)
+
+
+__all__ = ["PrefillError", "prefill", "reset_slots", "lanes_chunk", "lanes_finish", "gather_rows", "scatter_rows"]

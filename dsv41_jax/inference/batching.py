@@ -1,0 +1,343 @@
+"""Continuous batching: a request queue served by an :class:`~dsv41_jax.inference.engine.Engine`'s slots.
+
+    batcher = engine.batcher()                     # or: for done in engine.serve(requests): ...
+    rid = batcher.submit(Request(prompt=ids, max_new_tokens=64, temperature=0.7, top_p=0.9, seed=3))
+    while batcher.busy:
+        for done in batcher.step():                # Completions finished in this iteration
+            print(done.id, done.tokens, done.finish_reason, done.time_to_first_token_s)
+
+Each request carries its own prompt, sampling parameters (temperature, top-k, top-p, seed) and limits
+(``max_new_tokens``, stop tokens). One :meth:`ContinuousBatcher.step` is one engine iteration:
+
+1. admit waiting requests (first come, first served) into free slots, as long as a prefill lane is free;
+2. run **one** prefill chunk for the lanes (at most ``prefill_lanes`` x ``prefill_chunk`` prompt tokens), so the
+   running sequences wait for one bounded chunk, never for a whole long prompt; a lane whose prompt is complete
+   gets its CED decoder pass and samples its first token, and its slot joins the decode batch at once;
+3. run one decode step (fused with sampling) over every running slot.
+
+A sequence that finishes (stop token, ``max_new_tokens``) frees its slot in the same iteration; the next admitted
+request restarts the slot (its length and floor set to 0: the old rows become invisible and are overwritten).
+Shapes are static — ``max_batch`` slots, ``prefill_lanes`` lanes, chunk lengths bucketed to powers of two up to
+``prefill_chunk`` — so serving compiles a handful of programs once, never one per request.
+
+Equivalence: a greedy request gets the tokens it gets alone through :meth:`Engine.generate` (rows never mix; per-slot
+lengths keep every sequence's windows, compressor groups, indexer and Engram n-grams its own). A sampled request
+draws its k-th new token with the key ``fold_in(PRNGKey(seed), k)`` wherever it runs, as ``generate`` does, so
+with a fixed seed it gets the same tokens too (up to floating-point differences between batch shapes, which can
+only matter where two candidates are within rounding of each other).
+
+Bad requests raise :class:`EngineError` from :meth:`submit` (empty prompt, prompt + ``max_new_tokens`` beyond
+``max_len``, ids outside the vocabulary, invalid or unknown sampling options); :meth:`Engine.serve` reports them as
+completions with ``finish_reason == "error"`` instead and serves the rest.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable, Iterable, Iterator
+
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax.inference.decode import decode_and_sample
+from dsv41_jax.inference.engine import EngineError, Request, Result, finish_reason
+from dsv41_jax.inference.prefill import _bucket, lanes_chunk, lanes_finish, new_stash
+from dsv41_jax.inference.sampling import sample, sample_jit
+from dsv41_jax.inference.step import jit_for
+
+REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(Request))
+
+
+@dataclasses.dataclass
+class Completion(Result):
+    """A finished request: its :class:`Result` plus its id and host timestamps (``time.perf_counter``)."""
+
+    id: int = -1
+    submitted_at: float = 0.0
+    token_times: list[float] = dataclasses.field(default_factory=list)  # when each new token reached the host
+
+    @property
+    def time_to_first_token_s(self) -> float:
+        return self.token_times[0] - self.submitted_at if self.token_times else float("nan")
+
+    @property
+    def inter_token_s(self) -> list[float]:
+        """Gaps between consecutive new tokens."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+@dataclasses.dataclass
+class _Sequence:
+    id: int
+    ids: list[int]  # prompt
+    sampling: tuple  # (temperature, top_k, top_p, seed)
+    stops: tuple[int, ...]
+    max_new_tokens: int
+    submitted_at: float
+    engram_rows: np.ndarray | None = None  # [T, n_engram_layers, n_hash_cols], computed at admission
+    prefilled: int = 0  # prompt tokens in the cache so far
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    token_times: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class BatcherStats:
+    iterations: int = 0
+    prefill_chunks: int = 0
+    decode_steps: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    max_running: int = 0  # most slots decoding at once
+    max_prefilling: int = 0  # most lanes busy in one prefill chunk
+
+
+class ContinuousBatcher:
+    """Continuous batching over one engine's cache (see the module docstring).
+
+    ``prefill_lanes``: prompts prefilled at once (default 1: a chunk program costs every lane's rows, busy or not,
+    and one lane already admits a request per iteration); ``prefill_chunk``: prompt tokens per lane per iteration
+    (default the engine's). ``on_token(id, token)`` streams every new token.
+    The batcher owns the engine's cache while it has work: do not call ``engine.generate`` / ``prefill`` /
+    ``decode_step`` meanwhile (they raise)."""
+
+    def __init__(self, engine, *, prefill_lanes: int | None = None, prefill_chunk: int | None = None,
+                 on_token: Callable[[int, int], None] | None = None):
+        b = engine.max_batch
+        lanes = 1 if prefill_lanes is None else prefill_lanes
+        if not isinstance(lanes, int) or not 1 <= lanes <= b:
+            raise EngineError(f"prefill_lanes must be an integer in [1, max_batch={b}], got {prefill_lanes!r}")
+        chunk = engine.prefill_chunk if prefill_chunk is None else prefill_chunk
+        if not isinstance(chunk, int) or chunk <= 0:
+            raise EngineError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        self.engine = engine
+        self.lanes = lanes
+        self.chunk = chunk
+        self.on_token = on_token
+        self.stats = BatcherStats()
+        self._queue: collections.deque[_Sequence] = collections.deque()
+        self._slot: list[_Sequence | None] = [None] * b  # the sequence holding each slot
+        self._lane: list[int | None] = [None] * lanes  # the slot each lane prefills
+        self._fresh = np.zeros((lanes,), bool)  # lane's slot not reset yet (its first chunk)
+        self._next_id = 0
+        c = engine.config
+        r = engine.options.resolved_replay(c)
+        self._stash = new_stash(c, lanes, r, engine.params["embed"].dtype, like=engine.cache["length"])
+        # per-slot sampling parameters on the device, refreshed when a slot changes hands
+        self._samp_host = (np.zeros((b,), np.float32), np.zeros((b,), np.int32), np.ones((b,), np.float32),
+                           np.zeros((b,), np.int32))
+        self._samp_dev = None
+
+    # ------------------------------------------------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        """Slots held (prefilling or decoding)."""
+        return sum(s is not None for s in self._slot)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queue) or self.running > 0
+
+    def submit(self, request: Request | dict | Iterable[int] | str, **fields) -> int:
+        """Queue a request (a :class:`Request`, a dict of its fields, or a prompt with ``fields`` as keyword
+        arguments); returns its id. Raises :class:`EngineError` for a bad request."""
+        if isinstance(request, dict):
+            fields = {**request, **fields}
+            request = fields.pop("prompt", None)
+            if request is None:
+                raise EngineError("a request needs a 'prompt'")
+        unknown = sorted(set(fields) - set(REQUEST_FIELDS))
+        if unknown:
+            raise EngineError(f"unknown request option(s) {unknown}; known: {list(REQUEST_FIELDS)}")
+        if isinstance(request, Request):
+            req = dataclasses.replace(request, **fields) if fields else request
+        else:
+            req = Request(prompt=request, **fields)
+        eng = self.engine
+        if eng._owner is not None and eng._owner is not self and eng._owner.busy:
+            raise EngineError("another ContinuousBatcher is serving requests on this engine's cache; submit there")
+        ids, sp, stops = eng._validate(req)
+        need = len(ids) + req.max_new_tokens - 1  # the last new token is never fed back
+        if need > eng.max_len:
+            raise EngineError(f"prompt of {len(ids)} tokens + max_new_tokens {req.max_new_tokens} needs {need} cache "
+                              f"positions, more than max_len {eng.max_len}")
+        rid = self._next_id
+        self._next_id += 1
+        self._queue.append(_Sequence(rid, ids, (sp.temperature, sp.top_k, sp.top_p, sp.seed), stops,
+                                     req.max_new_tokens, time.perf_counter()))
+        eng._owner = self
+        return rid
+
+    # ------------------------------------------------------------------------------------------------------
+    def step(self) -> list[Completion]:
+        """One engine iteration (admit, one prefill chunk, one decode step); returns the completions it finished."""
+        if not self.busy:
+            return []
+        self.stats.iterations += 1
+        done: list[Completion] = []
+        self._admit()
+        if any(lane is not None for lane in self._lane):
+            self._prefill_chunk(done)
+        running = np.array([s is not None and s.prefilled == len(s.ids) and bool(s.tokens) for s in self._slot])
+        if running.any():
+            self._decode(running, done)
+        if not self.busy:
+            self.engine._owner = None
+        return done
+
+    def run(self) -> Iterator[Completion]:
+        """Step until every submitted request is done, yielding completions as they finish."""
+        while self.busy:
+            yield from self.step()
+
+    # ------------------------------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        eng = self.engine
+        changed = False
+        for lane in range(self.lanes):
+            if not self._queue:
+                break
+            if self._lane[lane] is not None:
+                continue
+            free = next((s for s, seq in enumerate(self._slot) if seq is None), None)
+            if free is None:
+                break
+            seq = self._queue.popleft()
+            self._slot[free] = seq
+            self._lane[lane] = free
+            self._fresh[lane] = True
+            if eng.hasher is not None:  # the prompt's Engram rows and the slot's look-back, as Engine.prefill
+                rows, h = eng.hasher.step(np.asarray([seq.ids]), eng.hasher.empty_history(1))
+                seq.engram_rows = rows[0].astype(np.int32)
+                for a, v in zip((eng._hist.tokens, eng._hist.segments, eng._hist.num_positions,
+                                 eng._hist.num_valid), (h.tokens, h.segments, h.num_positions, h.num_valid)):
+                    a[free] = v[0]
+            for a, v in zip(self._samp_host, seq.sampling):
+                a[free] = v
+            changed = True
+        if changed or self._samp_dev is None:
+            self._samp_dev = tuple(jnp.asarray(a) for a in self._samp_host)
+
+    def _prefill_chunk(self, done: list[Completion]) -> None:
+        eng, c, p = self.engine, self.engine.config, self.lanes
+        b = eng.max_batch
+        seqs = [None if s is None else self._slot[s] for s in self._lane]
+        left = [0 if q is None else len(q.ids) - q.prefilled for q in seqs]
+        size = _bucket(max(left), self.chunk)
+        tokens = np.zeros((p, size), np.int32)
+        n_valid = np.zeros((p,), np.int32)
+        eids = None if eng.hasher is None else np.zeros((p, size, len(c.engram_layer_ids), c.n_hash_cols), np.int32)
+        for i, q in enumerate(seqs):
+            if q is None:
+                continue
+            n = min(left[i], size)
+            tokens[i, :n] = q.ids[q.prefilled:q.prefilled + n]
+            n_valid[i] = n
+            if eids is not None:
+                eids[i, :n] = q.engram_rows[q.prefilled:q.prefilled + n]
+        slots = jnp.asarray(np.array([b if s is None else s for s in self._lane], np.int32))
+        fn = jit_for(lanes_chunk, eng.options, donate=("cache", "stash"))
+        eng.cache, self._stash, last = fn(eng.params, eng.cache, self._stash, slots, jnp.asarray(self._fresh),
+                                          jnp.asarray(tokens), jnp.asarray(n_valid),
+                                          None if eids is None else jnp.asarray(eids), config=c, opts=eng.options)
+        self._fresh[:] = False
+        self.stats.prefill_chunks += 1
+        self.stats.prompt_tokens += int(n_valid.sum())
+        self.stats.max_prefilling = max(self.stats.max_prefilling, int((n_valid > 0).sum()))
+        finished = np.zeros((p,), bool)
+        for i, q in enumerate(seqs):
+            if q is not None:
+                q.prefilled += int(n_valid[i])
+                finished[i] = q.prefilled == len(q.ids)
+        if not finished.any():
+            return
+        n_new = seg_e = None
+        if eng.options.ced:
+            r = eng.options.resolved_replay(c)
+            n_new = np.array([len(q.ids) if f else 0 for q, f in zip(seqs, finished)], np.int32)
+            seg_e = None
+            if eng.hasher is not None:  # the replayed segment's rows (the prompt's last min(r, T)), left-aligned
+                seg_e = np.zeros((p, r) + eids.shape[2:], np.int32)
+                for i, q in enumerate(seqs):
+                    if finished[i]:
+                        n_seg = min(len(q.ids), r)
+                        seg_e[i, :n_seg] = q.engram_rows[len(q.ids) - n_seg:]
+        lane_slots = np.array([0 if s is None else s for s in self._lane])
+        samp = tuple(jnp.asarray(a[lane_slots]) for a in self._samp_host)
+        if eng.options.ced:
+            fn = jit_for(_finish_and_sample, eng.options)
+            first, eng.cache = fn(eng.params, eng.cache, self._stash, slots, jnp.asarray(n_new),
+                                  None if seg_e is None else jnp.asarray(seg_e), *samp, config=c, opts=eng.options)
+        else:  # full replay: the chunk gave the logits of each lane's last prompt token
+            first = sample_jit(last, *samp, jnp.zeros((p,), jnp.int32))
+        first = np.asarray(first)
+        now = time.perf_counter()
+        for i in np.flatnonzero(finished):
+            slot = self._lane[i]
+            self._lane[i] = None
+            self._emit(slot, int(first[i]), now, done)
+
+    def _decode(self, running: np.ndarray, done: list[Completion]) -> None:
+        eng = self.engine
+        b = eng.max_batch
+        nxt = np.zeros((b,), np.int32)
+        steps = np.zeros((b,), np.int32)
+        for s in np.flatnonzero(running):
+            nxt[s] = self._slot[s].tokens[-1]
+            steps[s] = len(self._slot[s].tokens)  # the k-th new token (0-based) samples with fold_in(seed, k)
+        eids = eng._engram_step(nxt, running)
+        out, eng.cache = decode_and_sample(eng.params, eng.cache, jnp.asarray(nxt), None if eids is None else
+                                           jnp.asarray(eids), jnp.asarray(running), *self._samp_dev,
+                                           jnp.asarray(steps), config=eng.config, opts=eng.options)
+        out = np.asarray(out)
+        now = time.perf_counter()
+        self.stats.decode_steps += 1
+        self.stats.max_running = max(self.stats.max_running, int(running.sum()))
+        for s in np.flatnonzero(running):
+            self._emit(int(s), int(out[s]), now, done)
+
+    def _emit(self, slot: int, token: int, now: float, done: list[Completion]) -> None:
+        seq = self._slot[slot]
+        seq.tokens.append(token)
+        seq.token_times.append(now)
+        self.stats.new_tokens += 1
+        if self.on_token is not None:
+            self.on_token(seq.id, token)
+        reason = finish_reason(token, seq.stops, len(seq.tokens), seq.max_new_tokens, len(seq.ids),
+                               self.engine.max_len)
+        if reason is not None:
+            self._slot[slot] = None  # free at once: the next admitted request restarts it
+            done.append(Completion(seq.tokens, reason, len(seq.ids), text=self.engine._decode_text(seq.tokens),
+                                   id=seq.id, submitted_at=seq.submitted_at, token_times=seq.token_times))
+
+
+def _finish_and_sample(params, cache, stash, slots, n_new, engram_ids, temperature, top_k, top_p, seeds, *,
+                       config, opts):
+    """The lanes' CED decoder pass fused with sampling their first new token (generation step 0)."""
+    last, cache = lanes_finish(params, cache, stash, slots, n_new, engram_ids, config=config, opts=opts)
+    return sample(last, temperature, top_k, top_p, seeds, jnp.zeros_like(seeds)), cache
+
+
+def serve(engine, requests: Iterable, *, on_token=None, **batcher_kw) -> Iterator[Completion]:
+    """Serve ``requests`` (``Request``s, dicts of their fields, or prompts) by continuous batching; yields a
+    :class:`Completion` per request as it finishes (``id`` = the request's index). A bad request yields at once a
+    completion with ``finish_reason == "error"``."""
+    ids: dict[int, int] = {}  # batcher id -> request index
+    stream = None if on_token is None else (lambda rid, tok: on_token(ids[rid], tok))
+    batcher = ContinuousBatcher(engine, on_token=stream, **batcher_kw)
+    for i, r in enumerate(requests):
+        try:
+            ids[batcher.submit(r)] = i
+        except EngineError as e:
+            yield Completion([], "error", 0, error=str(e), id=i, submitted_at=time.perf_counter())
+    for done in batcher.run():
+        done.id = ids[done.id]
+        yield done
+
+
+__all__ = ["ContinuousBatcher", "Completion", "BatcherStats", "serve"]
