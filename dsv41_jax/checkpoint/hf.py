@@ -66,7 +66,7 @@ def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: ModelConfig, 
 
     params = jax.tree.map(fetch, specs, is_leaf=is_spec)
     unknown = [k for k in tensors if k not in used and not any(p.match(k) for p in IGNORED)
-               and not (not include_dspark and _DSPARK.match(k))]
+               and not ((not include_dspark or config.num_nextn_predict_layers == 0) and _DSPARK.match(k))]
     if unknown:
         problems.append(f"unknown tensors: {sorted(unknown)[:10]}{' ...' if len(unknown) > 10 else ''}")
     if problems and strict:

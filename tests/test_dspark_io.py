@@ -1,0 +1,68 @@
+"""DSpark outside the model code: the release's ``mtp.*`` tensors through the checkpoint writer and loader (both
+namings, float and kept-quantised), ``dsv41 generate --speculative`` and ``dsv41 train --dspark``."""
+
+import functools
+import json
+import os
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dsv41_jax import load_config
+from dsv41_jax.checkpoint import names as N
+from dsv41_jax.checkpoint.quantized import QuantizedTensor
+from dsv41_jax.checkpoint.release import load_safetensors_checkpoint
+from dsv41_jax.checkpoint.release_writer import write_release_checkpoint
+from dsv41_jax.inference.speculative import _draft_jit, _seed_jit, init_dspark_rings
+from dsv41_jax.inference.weights import host_random_params
+
+
+@functools.lru_cache(maxsize=None)
+def _small():
+    """The tiny preset cut to 4 layers (SWA, SWA + Engram, ratio-1 Full, Reuse) with its 2-block DSpark."""
+    config = load_config("tiny").replace(
+        num_hidden_layers=4, compress_ratios=(0, 0, 1, 1), kv_source_layer_ids=(2,), index_source_layer_ids=(2,),
+        candidate_source_layer_id=2, engram_layer_ids=(1,), engram_num_embeddings=(660,),
+        dspark_target_layer_ids=(1, 2, 3))
+    return config, host_random_params(config, 5, std=0.1, include_dspark=True)
+
+
+def _drafts(params, config):
+    """Greedy drafts (tokens, Markov-corrected logits, confidences) of 2 rows over fixed random target features."""
+    rng = np.random.default_rng(0)
+    feats = jnp.asarray(rng.standard_normal((2, 9, 3 * config.hidden_size)), jnp.float32)
+    rings = _seed_jit(params, init_dspark_rings(config, 2), feats, jnp.zeros((2,), jnp.int32),
+                      jnp.asarray([9, 6], jnp.int32), config=config, quant_on=True)
+    d = _draft_jit(params, rings, jnp.asarray([9, 6], jnp.int32), jnp.zeros((2,), jnp.int32),
+                   jnp.asarray([17, 200], jnp.int32), config=config, quant_on=True, moe_impl="dense")
+    return np.asarray(d.tokens), np.asarray(d.logits), np.asarray(d.confidence)
+
+
+@pytest.mark.parametrize("naming", [N.RELEASE, N.HF])
+def test_mtp_tensors_round_trip_through_writer_and_loader(tmp_path, naming):
+    """The writer stores the drafter as released (mtp.* names, FP8 / FP4 / bf16 / fp32 formats); the loader reads
+    it back into the DSpark parameters, dequantised or kept quantised, and both give the drafts of the values the
+    writer says a reader must produce, bit for bit."""
+    config, params = _small()
+    ref = write_release_checkpoint(str(tmp_path), params, config, naming=naming, include_dspark=True)
+    want = _drafts(ref, config)
+    stored = json.load(open(tmp_path / "model.safetensors.index.json"))["weight_map"]
+    assert "mtp.0.main_proj.scale" in stored and "mtp.1.ffn.experts.3.w2.scale" in stored
+    assert "mtp.1.markov_head.embed.weight" in stored and "mtp.1.confidence_head.proj.weight" in stored
+    for keep in (False, True):
+        _, loaded, rep = load_safetensors_checkpoint(str(tmp_path), config=config, include_dspark=True,
+                                                     keep_quantized=keep, return_report=True)
+        assert not rep.skipped and rep.naming == naming
+        assert isinstance(loaded["dspark"]["blocks"][1]["ffn"]["experts"]["w1"], QuantizedTensor) == keep
+        got = _drafts(loaded, config)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+        np.testing.assert_array_equal(got[2], want[2])
+    # not asked for, or a config without DSpark modules: listed as skipped, never an error
+    _, plain, rep = load_safetensors_checkpoint(str(tmp_path), config=config, return_report=True)
+    assert "dspark" not in plain and set(rep.skipped.values()) == {N.DSPARK_REASON}
+    bare = config.replace(num_nextn_predict_layers=0)
+    _, plain, rep = load_safetensors_checkpoint(str(tmp_path), config=bare, include_dspark=True, return_report=True)
+    assert "dspark" not in plain and set(rep.skipped.values()) == {N.DSPARK_ABSENT_REASON}
