@@ -1,9 +1,10 @@
 """DSpark outside the model code: the release's ``mtp.*`` tensors through the checkpoint writer and loader (both
 namings, float and kept-quantised), ``dsv41 generate --speculative`` and ``dsv41 train --dspark``."""
 
+import contextlib
 import functools
+import io
 import json
-import os
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -21,10 +22,11 @@ from dsv41_jax.inference.weights import host_random_params
 
 @functools.lru_cache(maxsize=None)
 def _small():
-    """The tiny preset cut to 4 layers (SWA, SWA + Engram, ratio-1 Full, Reuse) with its 2-block DSpark."""
+    """The tiny preset cut to 4 layers (SWA, ratio-1 Full, Reuse, Reuse; no Engram: fast compiles) with its
+    2-block DSpark fed by the three decoder layers (CED prefill captures decoder layers only)."""
     config = load_config("tiny").replace(
-        num_hidden_layers=4, compress_ratios=(0, 0, 1, 1), kv_source_layer_ids=(2,), index_source_layer_ids=(2,),
-        candidate_source_layer_id=2, engram_layer_ids=(1,), engram_num_embeddings=(660,),
+        num_hidden_layers=4, compress_ratios=(0, 1, 1, 1), kv_source_layer_ids=(1,), index_source_layer_ids=(1,),
+        candidate_source_layer_id=1, engram_layer_ids=(), engram_num_embeddings=(),
         dspark_target_layer_ids=(1, 2, 3))
     return config, host_random_params(config, 5, std=0.1, include_dspark=True)
 
@@ -66,3 +68,69 @@ def test_mtp_tensors_round_trip_through_writer_and_loader(tmp_path, naming):
     bare = config.replace(num_nextn_predict_layers=0)
     _, plain, rep = load_safetensors_checkpoint(str(tmp_path), config=bare, include_dspark=True, return_report=True)
     assert "dspark" not in plain and set(rep.skipped.values()) == {N.DSPARK_ABSENT_REASON}
+
+
+def _cli(argv, capsys):
+    from dsv41_jax.cli import main
+
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def drafter_export(tmp_path_factory):
+    """`dsv41 train --dspark` against a small random target: 2 steps with checkpoints and an export (target +
+    drafter as safetensors), then the same command again, which resumes from the checkpoint (and, its schedule
+    done, trains no further). Returns (target dir, export dir, the runs' stderr)."""
+    from dsv41_jax.checkpoint.orbax_ckpt import export_params
+    from dsv41_jax.cli import main
+
+    config, params = _small()
+    root = tmp_path_factory.mktemp("dspark_train")
+    target = str(root / "target")
+    export_params(target, {k: v for k, v in params.items() if k != "dspark"}, config, fmt="safetensors")
+    data = root / "data.txt"
+    data.write_text("def add(a, b):\n    return a + b\n\n" * 20)
+    base = ["train", "--dspark", "--init-from", target, "--data", str(data), "--seq-len", "32", "--batch-size", "2",
+            "--dspark-anchors", "4", "--dtype", "float32", "--ckpt-dir", str(root / "ckpt"), "--save-every", "1",
+            "--log-every", "1", "--warmup", "1", "--lr", "1e-3"]
+    logs = []
+    for extra in (["--export", str(root / "export"), "--export-format", "safetensors"], []):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            assert main(base + ["--steps", "2"] + extra) == 0, err.getvalue()
+        logs.append(err.getvalue())
+    return target, str(root / "export"), logs
+
+
+def test_train_dspark_checkpoints_resumes_and_exports(drafter_export):
+    from dsv41_jax.checkpoint.orbax_ckpt import load_checkpoint
+
+    target, export, logs = drafter_export
+    assert "DSpark drafter (2 blocks" in logs[0] and "finished at step 2/2" in logs[0]
+    assert "resumed from step 2" in logs[1] and "finished at step 2/2" in logs[1]
+    config, params = _small()
+    _, exported = load_checkpoint(export, include_dspark=True)
+    # the target is exported unchanged, the drafter trained away from any initialisation
+    np.testing.assert_array_equal(exported["layers"][1]["attn"]["wkv"], params["layers"][1]["attn"]["wkv"])
+    assert not np.allclose(exported["dspark"]["main_proj"], params["dspark"]["main_proj"])
+    assert np.isfinite(exported["dspark"]["blocks"][1]["ffn"]["experts"]["w2"]).all()
+
+
+def test_generate_speculative_equals_plain_greedy(drafter_export, capsys):
+    """`dsv41 generate --speculative` prints the same greedy continuation as plain decoding, with its acceptance
+    length; a model without a drafter is a clear error."""
+    target, export, _ = drafter_export
+    argv = ["generate", "--checkpoint", export, "--prompt", "def add(a, b):\n", "--max-new-tokens", "14",
+            "--temperature", "0"]
+    rc, plain, _ = _cli(argv, capsys)
+    assert rc == 0
+    rc, spec, err = _cli(argv + ["--speculative"], capsys)
+    assert rc == 0, err
+    assert spec == plain and len(plain) > len("def add(a, b):\n")
+    assert "acceptance length" in err and "tokens per verification step" in err and "tok/s" in err
+    rc, _, err = _cli(["generate", "--checkpoint", target, "--speculative", "--max-new-tokens", "2"], capsys)
+    assert rc == 2 and "holds no trained DSpark drafter" in err
+    rc, _, err = _cli(["generate", "--config", "tiny", "--speculative", "--max-new-tokens", "2"], capsys)
+    assert rc == 2 and "random weights have none" in err
