@@ -62,6 +62,21 @@ def test_mtp_tensors_round_trip_through_writer_and_loader(tmp_path, naming):
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
         np.testing.assert_array_equal(got[2], want[2])
+    # streamed onto a mesh by the partition rules (experts over `expert`, heads over `tensor`; the byte vocabulary
+    # of 259 is not split)
+    if naming == N.RELEASE:
+        from jax.sharding import PartitionSpec as P
+
+        from dsv41_jax.parallel import get_rules, make_mesh
+
+        mesh = make_mesh("data=1,expert=4,tensor=2")
+        rules = get_rules("tp").replace(vocab=None)
+        _, sharded = load_safetensors_checkpoint(str(tmp_path), config=config, include_dspark=True, mesh=mesh,
+                                                 rules=rules)
+        dp = sharded["dspark"]
+        assert dp["blocks"][0]["ffn"]["experts"]["w1"].sharding.spec[0] == "expert"
+        assert dp["blocks"][1]["attn"]["wq_b"].sharding.spec == P("tensor") and dp["main_proj"].sharding.spec == P()
+        np.testing.assert_array_equal(_drafts(sharded, config)[0], want[0])
     # not asked for, or a config without DSpark modules: listed as skipped, never an error
     _, plain, rep = load_safetensors_checkpoint(str(tmp_path), config=config, return_report=True)
     assert "dspark" not in plain and set(rep.skipped.values()) == {N.DSPARK_REASON}
