@@ -118,6 +118,13 @@ def main(argv=None):
           f"prompt {prompt_len}, {new} new tokens, greedy", flush=True)
     print("| batch | drafter | tokens/s | × plain | accepted length | verify steps | rollbacks | same tokens |")
     print("|---|---|---|---|---|---|---|---|")
+    def save(rows):  # after every row: a run cut short by a time limit still leaves its rows
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "bench_speculative.json"), "w") as f:
+                json.dump(dict(preset=args.preset, config=config.name, device=jax.devices()[0].device_kind,
+                               prompt_len=prompt_len, new_tokens=new, rows=rows), f, indent=1)
+
     for b in (int(x) for x in args.batches.split(",")):
         if tokenizer is not None:
             eng = Engine(config, params, max_batch=b, max_len=max_len, options=opts, tokenizer=tokenizer)
@@ -137,6 +144,7 @@ def main(argv=None):
         plain_tps = b * new / decode_s
         rows.append(dict(batch=b, drafter="plain", tokens_per_s=plain_tps))
         print(f"| {b} | plain decoding | {plain_tps:,.1f} | 1.00 | 1.00 | {new - 1} | 0 | — |", flush=True)
+        save(rows)
         variants = [("oracle, all accepted", dict(drafter=oracle(plain, lens, gamma))),
                     ("oracle, every 2nd step 1 accepted", dict(drafter=oracle(plain, lens, gamma, 2))),
                     ("DSpark (random weights)", dict()),
@@ -160,12 +168,9 @@ def main(argv=None):
                              same_tokens=same))
             print(f"| {b} | {name} | {tps:,.1f} | {tps / plain_tps:.2f} | {st.mean_accepted_length:.2f} | "
                   f"{st.steps} | {st.rollbacks} | {'yes' if same else 'NO'} |", flush=True)
+            save(rows)
         del eng
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_speculative.json"), "w") as f:
-            json.dump(dict(preset=args.preset, config=config.name, device=jax.devices()[0].device_kind,
-                           prompt_len=prompt_len, new_tokens=new, rows=rows), f, indent=1)
+
 
 
 if __name__ == "__main__":

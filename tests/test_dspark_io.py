@@ -149,3 +149,18 @@ def test_generate_speculative_equals_plain_greedy(drafter_export, capsys):
     assert rc == 2 and "holds no trained DSpark drafter" in err
     rc, _, err = _cli(["generate", "--config", "tiny", "--speculative", "--max-new-tokens", "2"], capsys)
     assert rc == 2 and "random weights have none" in err
+
+
+def test_default_model_ships_its_drafter():
+    """The embedded default model's trained drafter (drafter.safetensors) loads on request; plain loads of the
+    model are unchanged (the mtp.* tensors listed as skipped)."""
+    from dsv41_jax.checkpoint.release import ReleaseCheckpoint
+    from dsv41_jax.default_model import DEFAULT_MODEL_DIR, default_model
+
+    config, params, _ = default_model(include_dspark=True)
+    assert config.num_nextn_predict_layers == 2 and len(params["dspark"]["blocks"]) == 2
+    assert float(np.abs(np.asarray(params["dspark"]["main_proj"])).max()) > 0
+    _, plain, _ = default_model()
+    assert "dspark" not in plain
+    rep = ReleaseCheckpoint(DEFAULT_MODEL_DIR).report
+    assert set(rep.skipped.values()) == {N.DSPARK_REASON} and len(rep.skipped) == 96
