@@ -7,7 +7,6 @@ import io
 import json
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 

@@ -148,6 +148,7 @@ class DSparkTrainStep:
             {k: v for k, v in target_params.items() if k != "dspark"})
         paths = ["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p) for p, _ in flat]
         self.target = jax.tree.unflatten(treedef, [cast(x, fp32.get(p, False)) for p, (_, x) in zip(paths, flat)])
+        self._target_as_given = {k: v for k, v in target_params.items() if k != "dspark"}  # exported unchanged
         self._jitted = None
 
     # -- state ------------------------------------------------------------------------------------------------
@@ -170,9 +171,9 @@ class DSparkTrainStep:
         return None
 
     def export_params(self, params: dict) -> dict:
-        """The inference parameters: the target's (as given, float32 copies) with the trained drafter."""
-        return {**jax.tree.map(lambda x: np.asarray(x, np.float32), jax.device_get(self.target)),
-                "dspark": jax.device_get(params["dspark"])}
+        """The inference parameters: the target's exactly as given (not the compute-dtype copy) with the trained
+        drafter."""
+        return {**jax.device_get(self._target_as_given), "dspark": jax.device_get(params["dspark"])}
 
     # -- the step ---------------------------------------------------------------------------------------------
     def loss_fn(self, master: dict, target: dict, batch: dict, key: jax.Array):
