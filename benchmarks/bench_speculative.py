@@ -3,6 +3,12 @@
     python benchmarks/bench_speculative.py --preset cpu  [--out DIR]    # tiny config + 2 draft blocks, CPU
     python benchmarks/bench_speculative.py --preset h200 [--out DIR]    # bench_inference's 12-layer full-width
                                                                         # model + 3 full-width draft blocks
+    python benchmarks/bench_speculative.py --preset default [--out DIR] # the embedded default model + its trained
+                                                                        # drafter, prompts from held-out text
+
+``--preset default`` measures the trained drafter: prompts are cut from the Python standard library's ``asyncio``
+package (held out of the drafter's training; ``heldout_prompts``), and the oracle rows are left out unless
+``--oracle``.
 
 Random weights: the DSpark drafter's acceptance is ~0, so the table also runs the verification machinery with
 an ORACLE drafter that proposes the plain run's own continuation — all drafts accepted (the upper bound of the
@@ -58,16 +64,43 @@ def oracle(plain: dict, prompt_lens: dict, gamma: int, corrupt_every: int = 0):
     return drafter
 
 
+def heldout_prompts(n: int, length: int, tokenizer) -> list[list[int]]:
+    """``n`` prompts of ``length`` byte tokens from the running Python's ``asyncio`` sources (held out of the default
+    drafter's training): file i (sorted, cycling) from its first line start after byte 600."""
+    import sysconfig
+
+    root = os.path.join(sysconfig.get_paths()["stdlib"], "asyncio")
+    files = sorted(f for f in os.listdir(root) if f.endswith(".py") and os.path.getsize(os.path.join(root, f)) > 2000)
+    out = []
+    for i in range(n):
+        text = open(os.path.join(root, files[i % len(files)]), encoding="utf-8").read()
+        start = text.index("\n", 600 + 97 * (i // len(files))) + 1
+        out.append(tokenizer.encode(text[start:start + length], add_bos=True))
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", choices=("cpu", "h200"), default="cpu")
+    ap.add_argument("--preset", choices=("cpu", "h200", "default"), default="cpu")
+    ap.add_argument("--oracle", action="store_true", help="--preset default: also the oracle drafter rows")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if args.preset == "cpu":
+    tokenizer = None
+    if args.preset == "default":
+        import jax.numpy as jnp
+
+        from dsv41_jax.default_model import default_model
+
+        cpu = jax.default_backend() == "cpu"
+        config, params, tokenizer = default_model(jnp.float32 if cpu else jnp.bfloat16, include_dspark=True)
+        opts = InferenceOptions(compiler_options=FAST_COMPILE) if cpu else InferenceOptions()
+        prompt_len, new = args.prompt_len or 96, args.new_tokens or 64
+        max_len = 2 * prompt_len + new + 8  # prompts are cut by characters: a few may take 2-4 byte tokens
+    elif args.preset == "cpu":
         config = cpu_config().replace(num_nextn_predict_layers=2)
         dtype, max_len, opts = np.float32, 256, InferenceOptions(compiler_options=FAST_COMPILE)
         prompt_len, new = args.prompt_len or 40, args.new_tokens or 24
@@ -77,18 +110,30 @@ def main(argv=None):
 
         dtype, max_len, opts = jnp.bfloat16, 4096, InferenceOptions()
         prompt_len, new = args.prompt_len or 1024, args.new_tokens or 64
-    params = make_params(config, dtype)
+    if args.preset != "default":
+        params = make_params(config, dtype)
     gamma = config.dspark_block_size
     rows = []
     print(f"# bench_speculative --preset {args.preset}: {config.name}, {jax.devices()[0].device_kind}, γ={gamma}, "
           f"prompt {prompt_len}, {new} new tokens, greedy", flush=True)
     print("| batch | drafter | tokens/s | × plain | accepted length | verify steps | rollbacks | same tokens |")
     print("|---|---|---|---|---|---|---|---|")
+    def save(rows):  # after every row: a run cut short by a time limit still leaves its rows
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "bench_speculative.json"), "w") as f:
+                json.dump(dict(preset=args.preset, config=config.name, device=jax.devices()[0].device_kind,
+                               prompt_len=prompt_len, new_tokens=new, rows=rows), f, indent=1)
+
     for b in (int(x) for x in args.batches.split(",")):
-        eng = Engine(config, params, max_batch=b, max_len=max_len, options=opts, hasher=synthetic_hasher(config))
-        rng = np.random.default_rng(b)
-        prompts = [[int(t) for t in rng.integers(3, config.vocab_size, prompt_len)] for _ in range(b)]
-        lens = {s: prompt_len for s in range(b)}
+        if tokenizer is not None:
+            eng = Engine(config, params, max_batch=b, max_len=max_len, options=opts, tokenizer=tokenizer)
+            prompts = heldout_prompts(b, prompt_len, tokenizer)
+        else:
+            eng = Engine(config, params, max_batch=b, max_len=max_len, options=opts, hasher=synthetic_hasher(config))
+            rng = np.random.default_rng(b)
+            prompts = [[int(t) for t in rng.integers(3, config.vocab_size, prompt_len)] for _ in range(b)]
+        lens = {s: len(p) for s, p in enumerate(prompts)}
 
         times = []
         for _ in range(args.reps + 1):  # the first run compiles
@@ -99,10 +144,14 @@ def main(argv=None):
         plain_tps = b * new / decode_s
         rows.append(dict(batch=b, drafter="plain", tokens_per_s=plain_tps))
         print(f"| {b} | plain decoding | {plain_tps:,.1f} | 1.00 | 1.00 | {new - 1} | 0 | — |", flush=True)
+        save(rows)
         variants = [("oracle, all accepted", dict(drafter=oracle(plain, lens, gamma))),
                     ("oracle, every 2nd step 1 accepted", dict(drafter=oracle(plain, lens, gamma, 2))),
                     ("DSpark (random weights)", dict()),
                     ("DSpark + threshold 0.5", dict(schedule="threshold", threshold=0.5))]
+        if tokenizer is not None:  # the trained drafter
+            variants = (variants[:1] if args.oracle else []) + [
+                ("DSpark (trained)", dict()), ("DSpark (trained) + threshold 0.5", variants[3][1])]
         for name, kw in variants:
             dec = SpeculativeDecoder(eng, **kw)
 
@@ -119,12 +168,9 @@ def main(argv=None):
                              same_tokens=same))
             print(f"| {b} | {name} | {tps:,.1f} | {tps / plain_tps:.2f} | {st.mean_accepted_length:.2f} | "
                   f"{st.steps} | {st.rollbacks} | {'yes' if same else 'NO'} |", flush=True)
+            save(rows)
         del eng
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_speculative.json"), "w") as f:
-            json.dump(dict(preset=args.preset, config=config.name, device=jax.devices()[0].device_kind,
-                           prompt_len=prompt_len, new_tokens=new, rows=rows), f, indent=1)
+
 
 
 if __name__ == "__main__":

@@ -2,6 +2,10 @@
 — mHC, sinks, router biases — stay float32), HF-style config.json carrying our full config, model.safetensors.
 
     python benchmarks/package_default_model.py out/default_model [dsv41_jax/assets/default_model]
+    python benchmarks/package_default_model.py --drafter out_drafter/model [dsv41_jax/assets/default_model]
+
+``--drafter``: copy only the DSpark drafter (``mtp.*``, from a ``dsv41 train --dspark`` export) into
+``drafter.safetensors`` beside the model, with the same precision rule; ``model.safetensors`` is left as it is.
 """
 
 from __future__ import annotations
@@ -23,20 +27,25 @@ def main(argv=None) -> int:
     from dsv41_jax.model.params import FP32, flat_specs
 
     argv = sys.argv[1:] if argv is None else argv
+    drafter = "--drafter" in argv
+    argv = [a for a in argv if a != "--drafter"]
     src = argv[0]
     dst = argv[1] if len(argv) > 1 else DEFAULT_MODEL_DIR
-    config, params = load_checkpoint(src)
-    specs = [s for _, s in flat_specs(config)]
+    config, params = load_checkpoint(src, include_dspark=drafter)
+    specs = [s for _, s in flat_specs(config, include_dspark=drafter)]
     leaves, treedef = jax.tree.flatten(params)
     params = jax.tree.unflatten(treedef, [x if s.dtype == FP32 else x.astype(jnp.bfloat16)
                                           for x, s in zip(leaves, specs)])
     os.makedirs(dst, exist_ok=True)
     tensors = {k: np.ascontiguousarray(v) for k, v in hf_tensors_from_params(params, config).items()}
-    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt", "source": "dsv41 train"})
+    name = "drafter.safetensors" if drafter else "model.safetensors"
+    if drafter:
+        tensors = {k: v for k, v in tensors.items() if k.startswith("mtp.")}
+    save_file(tensors, os.path.join(dst, name), metadata={"format": "pt", "source": "dsv41 train"})
     write_config_json(dst, config)
-    os.chmod(os.path.join(dst, "model.safetensors"), 0o644)
-    size = os.path.getsize(os.path.join(dst, "model.safetensors"))
-    print(f"wrote {dst}: {len(tensors)} tensors, {size / 1e6:.2f} MB")
+    os.chmod(os.path.join(dst, name), 0o644)
+    size = os.path.getsize(os.path.join(dst, name))
+    print(f"wrote {dst}/{name}: {len(tensors)} tensors, {size / 1e6:.2f} MB")
     return 0
 
 

@@ -53,7 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.engram_head_dim = 32
     c.engram_pad_id = 2
     c.engram_compressed_vocab_size = 230
-    c.num_nextn_predict_layers = 0
+    c.num_nextn_predict_layers = 2  # the DSpark drafter (mtp.0-1 in the asset; TRAINING.md)
     c.dspark_target_layer_ids = [5, 6, 7]
     c.dspark_n_routed_experts = 8
     c.dspark_num_experts_per_tok = 2

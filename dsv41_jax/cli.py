@@ -105,18 +105,84 @@ def _load_for_generate(args):
     from dsv41_jax.checkpoint.orbax_ckpt import load_checkpoint
     from dsv41_jax.default_model import default_model, default_model_available
 
+    speculative = getattr(args, "speculative", False)
     if args.checkpoint:
-        config, params = load_checkpoint(args.checkpoint, keep_quantized=args.weights == "release")
+        if speculative:
+            config, params = _load_drafter_checkpoint(args)
+        else:
+            config, params = load_checkpoint(args.checkpoint, keep_quantized=args.weights == "release")
         source = args.checkpoint
     elif args.config in (None, "default") and default_model_available():
-        config, params, _ = default_model()
+        config, params, _ = default_model(include_dspark=speculative)
         source = "the embedded default model"
     else:
+        if speculative:
+            raise ValueError("--speculative needs a trained DSpark drafter: random weights have none (use the "
+                             "embedded default model or a --checkpoint with mtp.* tensors)")
         config = load_config(args.config or "tiny")
         params = host_random_params(config, args.seed)
         source = f"random weights (seed {args.seed})"
     tokenizer = load_tokenizer(args.tokenizer, model_vocab_size=config.vocab_size)
     return config, params, tokenizer, source
+
+
+def _load_drafter_checkpoint(args):
+    """(config, params with the DSpark drafter) of ``--checkpoint`` for ``generate --speculative``; a clear error
+    when the config has no DSpark modules or the checkpoint no trained drafter (mtp.* tensors)."""
+    from dsv41_jax.checkpoint.errors import CheckpointError
+    from dsv41_jax.checkpoint.orbax_ckpt import load_checkpoint
+    from dsv41_jax.config import load_config
+
+    try:
+        config = load_config(args.checkpoint)
+    except (ValueError, FileNotFoundError, OSError):
+        config = None
+    if config is not None and config.num_nextn_predict_layers <= 0:
+        raise ValueError(f"--speculative: the model of {args.checkpoint} has no DSpark drafter "
+                         "(num_nextn_predict_layers=0 in its config)")
+    try:
+        return load_checkpoint(args.checkpoint, keep_quantized=args.weights == "release", include_dspark=True)
+    except CheckpointError as e:
+        if "missing tensor mtp." in str(e):
+            raise ValueError(f"--speculative: {args.checkpoint} holds no trained DSpark drafter (no mtp.* tensors; "
+                             "train one with `dsv41 train --dspark`)") from e
+        raise
+
+
+def _generate_speculative(args, engine, reqs, on_token):
+    """``generate --speculative``: the requests through :class:`SpeculativeDecoder` on ``engine``. Returns (results,
+    summary lines: the acceptance length — mean tokens per verification step — and the timings)."""
+    import time
+
+    from dsv41_jax.inference.engine import compile_seconds
+    from dsv41_jax.inference.speculative import SpeculativeDecoder
+
+    schedule = None if args.schedule == "none" else args.schedule
+    dec = SpeculativeDecoder(engine, num_draft=args.draft_len, schedule=schedule, threshold=args.threshold)
+    first = []  # (time, compile seconds so far) at the first token: the prefill is done, the decode loop starts
+
+    def on_token_timed(i, tok):
+        if not first:
+            first.append((time.perf_counter(), compile_seconds()))
+        on_token(i, tok)
+
+    c0, t0 = compile_seconds(), time.perf_counter()
+    results = dec.generate(reqs, on_token=on_token_timed)
+    st = dec.stats
+    after_first = sum(len(r.tokens) for r in results) - len(results)
+    ttft = first[0][0] - t0 if first else float("nan")
+    decode_compile = compile_seconds() - first[0][1] if first else 0.0
+    steady = st.decode_s - decode_compile
+    rate = f"{after_first / steady:,.1f} tok/s without it" if steady > 0 and after_first else "no steady rate"
+    sched = f"threshold {args.threshold}" if schedule == "threshold" else "off"
+    return results, [
+        f"# speculative decoding: DSpark, {dec.num_draft} drafts per step, confidence scheduling {sched} | acceptance "
+        f"length {st.mean_accepted_length:.2f} tokens per verification step ({st.accepted:,} of {st.drafted:,} drafts "
+        f"accepted; {st.steps} verification steps, {st.rollbacks} with a rollback)",
+        f"# compile: {compile_seconds() - c0:.1f} s (lowering + XLA, inside the times below) | time to first token: "
+        f"{ttft:.2f} s (prefill of {len(reqs[0].prompt):,} tokens) | decode: {after_first:,} tokens after the first "
+        f"in {st.decode_s:.2f} s ({decode_compile:.1f} s of it compiling), {rate} | finish: "
+        f"{', '.join(r.finish_reason for r in results)}"]
 
 
 def _cmd_generate(args) -> int:
@@ -183,7 +249,10 @@ def _cmd_generate(args) -> int:
 
     reqs = [Request(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed + i, stop_tokens=(tokenizer.eos_id,)) for i in range(n)]
-    results = engine.generate(reqs, on_token=on_token, progress=progress)
+    if args.speculative:
+        results, summary = _generate_speculative(args, engine, reqs, on_token)
+    else:
+        results = engine.generate(reqs, on_token=on_token, progress=progress)
     for r in results:
         if r.error:
             raise ValueError(r.error)
@@ -198,6 +267,9 @@ def _cmd_generate(args) -> int:
         if not stream:
             print(f"--- sample {i} ({r.finish_reason}) ---")
             print(_shorten(args.prompt) + (r.text or ""))
+    if args.speculative:
+        print("\n".join(summary), file=err)
+        return 0
     st = engine.last_stats
     steady = (f"{st.steady_tokens_per_s:,.1f} tok/s steady (the steps after the first)"
               if st.steady_tokens_per_s == st.steady_tokens_per_s else "too few steps for a steady rate")
@@ -206,6 +278,19 @@ def _cmd_generate(args) -> int:
           f"tokens in {st.decode_s:.2f} s, {steady}, first step {st.first_step_s:.2f} s | finish: "
           f"{', '.join(r.finish_reason for r in results)}", file=err)
     return 0
+
+
+def _add_speculative_arguments(s) -> None:
+    g = s.add_argument_group("speculative decoding (DSpark)")
+    g.add_argument("--speculative", action="store_true",
+                   help="decode with the model's trained DSpark drafter (lossless: greedy output is identical, "
+                        "sampled output has the same distribution); prints the acceptance length")
+    g.add_argument("--draft-len", type=int, default=None,
+                   help="drafts verified per step [default: the config's dspark_block_size]")
+    g.add_argument("--schedule", choices=("none", "threshold"), default="none",
+                   help="threshold: verify only the drafts whose predicted survival (product of the confidence "
+                        "head's probabilities) stays >= --threshold")
+    g.add_argument("--threshold", type=float, default=0.5, help="survival threshold of --schedule threshold")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--weights", choices=("bf16", "release"), default=None, help="release: FP8 / FP4 weights on "
                    "device, GEMM inputs rounded to FP8 [default: release for quantised parameters, else bf16]")
     s.add_argument("--cache", choices=("bf16", "release"), default="bf16", help="release: packed FP8 / FP4 KV cache")
+    _add_speculative_arguments(s)
     s.set_defaults(fn=_cmd_generate)
     from dsv41_jax.train.cli import add_parser as _add_train_parser  # `dsv41 train` (dsv41_jax/train/cli.py)
 

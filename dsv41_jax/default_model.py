@@ -19,8 +19,9 @@ def default_model_available() -> bool:
     return os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "model.safetensors"))
 
 
-def default_model(dtype=None):
-    """(config, params, tokenizer) of the embedded default model (byte-level tokenizer)."""
+def default_model(dtype=None, *, include_dspark: bool = False):
+    """(config, params, tokenizer) of the embedded default model (byte-level tokenizer); ``include_dspark``: with
+    its trained DSpark drafter (``params["dspark"]``, the ``mtp.*`` tensors)."""
     import jax.numpy as jnp
 
     from dsv41_jax.checkpoint.hf import CheckpointError, load_hf_checkpoint
@@ -28,5 +29,12 @@ def default_model(dtype=None):
 
     if not default_model_available():
         raise CheckpointError(f"the embedded default model is missing: no model.safetensors in {DEFAULT_MODEL_DIR}")
-    config, params = load_hf_checkpoint(DEFAULT_MODEL_DIR, dtype=jnp.float32 if dtype is None else dtype)
+    try:
+        config, params = load_hf_checkpoint(DEFAULT_MODEL_DIR, dtype=jnp.float32 if dtype is None else dtype,
+                                            include_dspark=include_dspark)
+    except CheckpointError as e:
+        if include_dspark and "missing tensor mtp." in str(e):
+            raise CheckpointError(f"the embedded default model has no trained DSpark drafter (no mtp.* tensors in "
+                                  f"{DEFAULT_MODEL_DIR})") from e
+        raise
     return config, params, ByteTokenizer(model_vocab_size=config.vocab_size)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.checkpoint.errors import CheckpointError  # re-exported: dsv41_jax.CheckpointError
+from dsv41_jax.checkpoint.names import TIED_DSPARK
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.model.params import ParamSpec, flat_specs, is_spec, param_specs
 
@@ -66,7 +67,8 @@ def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: ModelConfig, 
 
     params = jax.tree.map(fetch, specs, is_leaf=is_spec)
     unknown = [k for k in tensors if k not in used and not any(p.match(k) for p in IGNORED)
-               and not (not include_dspark and _DSPARK.match(k))]
+               and not ((not include_dspark or config.num_nextn_predict_layers == 0) and _DSPARK.match(k))
+               and not TIED_DSPARK.match(k)]  # the release's copies of the shared embed / head
     if unknown:
         problems.append(f"unknown tensors: {sorted(unknown)[:10]}{' ...' if len(unknown) > 10 else ''}")
     if problems and strict:

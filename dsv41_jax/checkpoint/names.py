@@ -43,6 +43,7 @@ PREFIX_RENAMES = (
 )
 # alternative spellings (either naming) -> canonical spelling
 ALIASES = (
+    ("model.mtp.", "mtp."),  # an HF-style export that nests the drafter under the model prefix
     (".self_attn.", ".attn."),
     (".mlp.", ".ffn."),
     (".weight_scale_inv", ".scale"),
@@ -78,7 +79,8 @@ SKIPPED = (
     (re.compile(r"\.ffn\.gate\.bias_vl$"), "vision-span router bias (vision, out of scope)"),
     (TIED_DSPARK, "DSpark copy of the backbone's tied embed / head"),
 )
-DSPARK_REASON = "DSpark drafter (its modules are not implemented yet)"
+DSPARK_REASON = "DSpark drafter (not loaded: pass include_dspark=True to load it)"
+DSPARK_ABSENT_REASON = "DSpark drafter (not loaded: the config has no DSpark modules, num_nextn_predict_layers=0)"
 
 # Component of a tensor (for `dsv41 inspect` byte accounting), first match wins, on the release name.
 COMPONENTS = (
@@ -154,12 +156,17 @@ def storage_format(release_module: str) -> str:
     return FLOAT
 
 
-def skip_reason(release_name: str, include_dspark: bool) -> str | None:
+def skip_reason(release_name: str, include_dspark: bool, config_has_dspark: bool = True) -> str | None:
+    """Why a stored tensor is not loaded (None: it must be). ``mtp.*`` is loaded only when asked for
+    (``include_dspark``) and the config has DSpark modules; otherwise it is listed as skipped."""
     for pattern, reason in SKIPPED:
         if pattern.search(release_name):
             return reason
-    if not include_dspark and DSPARK.match(release_name):
-        return DSPARK_REASON
+    if DSPARK.match(release_name):
+        if not config_has_dspark:
+            return DSPARK_ABSENT_REASON
+        if not include_dspark:
+            return DSPARK_REASON
     return None
 
 

@@ -170,7 +170,7 @@ class ReleaseCheckpoint:
             if canon in used:
                 continue
             release = N.to_release(canon)
-            reason = N.skip_reason(release, self.include_dspark)
+            reason = N.skip_reason(release, self.include_dspark, self.config.num_nextn_predict_layers > 0)
             if reason is not None:
                 self.report.skipped[canon] = reason
             else:

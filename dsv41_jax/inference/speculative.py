@@ -60,10 +60,21 @@ def init_dspark_rings(config: ModelConfig, batch: int, dtype=jnp.float32) -> lis
             for _ in range(config.num_nextn_predict_layers)]
 
 
+def _drafter_view(params: dict, config: ModelConfig, gemm_input_fp8: bool) -> dict:
+    """The parameters as the drafter consumes them: with the release's weights (``gemm_input_fp8``) its FP8 / FP4
+    GEMM weights are marked so their inputs are rounded to FP8, as the target's are (trace-time restructure)."""
+    if not gemm_input_fp8:
+        return params
+    from dsv41_jax.model.release_weights import mark_fp8_gemm_inputs
+
+    return mark_fp8_gemm_inputs(params, config)
+
+
 def seed_rings(params: dict, rings: list, features: jax.Array, pos0: jax.Array, n_valid: jax.Array, *,
-               config: ModelConfig, quant_on: bool) -> list:
+               config: ModelConfig, quant_on: bool, gemm_input_fp8: bool = False) -> list:
     """Write the context latents of target features [B, C, n_targets * d] (token i of row b at position
     pos0[b] + i, valid for i < n_valid[b]) into every block's ring."""
+    params = _drafter_view(params, config, gemm_input_fp8)
     pos = pos0[:, None] + jnp.arange(features.shape[1], dtype=jnp.int32)[None, :]
     kvs = context_kvs(params["dspark"], features, pos, config, quant_on)
     return [ring_write(r, kv, pos0, n_valid) for r, kv in zip(rings, kvs)]
@@ -77,10 +88,12 @@ def ring_context(rings: list, length: jax.Array, floor: jax.Array):
 
 
 def draft_from_rings(params: dict, rings: list, length: jax.Array, floor: jax.Array, first: jax.Array,
-                     sampling=None, *, config: ModelConfig, quant_on: bool, moe_impl: str) -> Draft:
+                     sampling=None, *, config: ModelConfig, quant_on: bool, moe_impl: str,
+                     gemm_input_fp8: bool = False) -> Draft:
     """Drafts after the pending tokens ``first`` [B] (at positions ``length``): greedy, or with ``sampling`` =
     (temperature, top_k, top_p [B], keys [B, S]) drawn from the filtered Markov-corrected logits like the
     target's sampler (``sampling.filter_logits``; temperature 0 rows stay greedy)."""
+    params = _drafter_view(params, config, gemm_input_fp8)
     ctx, ctx_pos = ring_context(rings, length, floor)
     kw = {}
     if sampling is not None:
@@ -225,8 +238,8 @@ def prefix_schedule(a: np.ndarray, steps_per_s: Callable[[int], float], *, early
 
 
 _accept_jit = jax.jit(speculative_accept)
-_seed_jit = jax.jit(seed_rings, static_argnames=("config", "quant_on"), donate_argnames=("rings",))
-_draft_jit = jax.jit(draft_from_rings, static_argnames=("config", "quant_on", "moe_impl"))
+_seed_jit = jax.jit(seed_rings, static_argnames=("config", "quant_on", "gemm_input_fp8"), donate_argnames=("rings",))
+_draft_jit = jax.jit(draft_from_rings, static_argnames=("config", "quant_on", "moe_impl", "gemm_input_fp8"))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -311,7 +324,7 @@ class SpeculativeDecoder:
 
     def _on_features(self, features, pos0, n_valid) -> None:
         self.rings = _seed_jit(self.engine.params, self.rings, features, pos0, n_valid, config=self.config,
-                               quant_on=self.quant_on)
+                               quant_on=self.quant_on, gemm_input_fp8=self.opts.gemm_input_fp8)
 
     @staticmethod
     def dspark_drafter(dec: "SpeculativeDecoder", pending: np.ndarray, active: np.ndarray):
@@ -324,7 +337,7 @@ class SpeculativeDecoder:
             sampling = (temperature, top_k, top_p, keys)
         d = _draft_jit(e.params, dec.rings, e.cache["length"], e.cache["floor"],
                        jnp.asarray(pending.astype(np.int32)), sampling, config=dec.config, quant_on=dec.quant_on,
-                       moe_impl=dec.opts.moe_impl)
+                       moe_impl=dec.opts.moe_impl, gemm_input_fp8=dec.opts.gemm_input_fp8)
         dec.last_draft = d
         return np.asarray(d.tokens), d.logits
 
@@ -433,7 +446,8 @@ class SpeculativeDecoder:
         self._advance_engram(chunk, n_keep)
         if self.rings is not None:
             self.rings = _seed_jit(e.params, self.rings, feats, jnp.asarray(length.astype(np.int32)),
-                                   jnp.asarray(n_keep), config=c, quant_on=self.quant_on)
+                                   jnp.asarray(n_keep), config=c, quant_on=self.quant_on,
+                                   gemm_input_fp8=self.opts.gemm_input_fp8)
         new = [[int(t) for t in drafts[s, :n_acc[s]]] + [int(nxt[s])] if n_keep[s] else [] for s in range(b)]
         st = self.stats
         st.steps += 1

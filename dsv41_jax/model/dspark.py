@@ -228,13 +228,14 @@ def anchor_context(ctx_kvs, anchors: jax.Array, window: int, floor: jax.Array | 
 
 
 def train_forward(params: dict, features: jax.Array, tokens: jax.Array, anchors: jax.Array, *, config: ModelConfig,
-                  quant_on: bool, moe_impl: str = "dense"):
+                  quant_on: bool, moe_impl: str = "dense", label_tokens: jax.Array | None = None):
     """The drafter over many anchors of whole sequences at once (training; the target is frozen: ``features``
     [B, T, n_targets * d] come from ``forward(..., return_dspark_features=True)``).
 
     Anchor p (``anchors`` [B, A], 0 <= p < T) runs the block ``[tokens[p], noise ...]`` at positions p .. p + S - 1
     over the context latents of positions p - W .. p - 1, exactly as a drafting step with tokens[p] pending. Slot k
-    is trained to predict tokens[p + k + 1]; its Markov predecessor is the true token (teacher forcing).
+    is trained to predict tokens[p + k + 1] (or ``label_tokens[p + k + 1]`` [B, T] when given, e.g. the target's
+    greedy choice at every position); its Markov predecessor is the label before it (teacher forcing).
     Returns (Markov-corrected logits [B, A, S, V], confidence logits [B, A, S], labels [B, A, S], valid [B, A, S]:
     the label exists inside the sequence)."""
     c = config
@@ -253,7 +254,8 @@ def train_forward(params: dict, features: jax.Array, tokens: jax.Array, anchors:
                               quant_on=quant_on, moe_impl=moe_impl)
     label_pos = anchors[..., None] + 1 + jnp.arange(s, dtype=anchors.dtype)  # [B, A, S]
     valid = label_pos < t
-    labels = jnp.take_along_axis(tokens, jnp.clip(label_pos, 0, t - 1).reshape(b, a * s), axis=1).reshape(b, a, s)
+    source = tokens if label_tokens is None else label_tokens
+    labels = jnp.take_along_axis(source, jnp.clip(label_pos, 0, t - 1).reshape(b, a * s), axis=1).reshape(b, a, s)
     prev = jnp.concatenate([first[..., None], labels[..., :-1]], axis=-1)  # teacher-forced predecessors
     bias, embeds = markov_bias(dp, fold(prev))
     logits = (base + bias).reshape(b, a, s, -1)

@@ -183,7 +183,11 @@ def abstract_params(config: ModelConfig, dtype=jnp.float32, *, include_dspark: b
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, *, std: float = 0.02,
                 include_dspark: bool = False) -> dict:
     """Random parameters (normal(0, std) matrices, ones for norm weights, zeros for sinks / biases / mHC base)."""
-    specs = param_specs(config, include_dspark=include_dspark)
+    return init_from_specs(param_specs(config, include_dspark=include_dspark), key, dtype, std=std)
+
+
+def init_from_specs(specs, key: jax.Array, dtype=jnp.float32, *, std: float = 0.02):
+    """Random values for any subtree of :func:`param_specs` (e.g. only the DSpark drafter's), as ``init_params``."""
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     keys = jax.random.split(key, len(leaves))
 

@@ -36,10 +36,11 @@ def _is_leaf(x) -> bool:
     return isinstance(x, (QZ.QuantizedTensor, Fp8GemmInput))
 
 
-def storage_formats(config: ModelConfig) -> dict[str, str]:
-    """Parameter path ('layers/3/attn/wq_a') -> the release's storage format (``names.FP8_BLOCK`` ...)."""
+def storage_formats(config: ModelConfig, *, include_dspark: bool = True) -> dict[str, str]:
+    """Parameter path ('layers/3/attn/wq_a', 'dspark/blocks/0/attn/wkv') -> the release's storage format
+    (``names.FP8_BLOCK`` ...); the DSpark drafter's paths too when the config has it."""
     out = {}
-    for path, spec in flat_specs(config):
+    for path, spec in flat_specs(config, include_dspark=include_dspark):
         module = N.to_release(spec.hf_name.replace("{e}", "0"))
         module = module[: -len(".weight")] if module.endswith(".weight") else module
         out[path] = N.storage_format(module)
@@ -96,7 +97,7 @@ def quantize_params(params: dict, config: ModelConfig) -> dict:
     """Float parameters -> the release's storage forms (QuantizedTensor leaves for its FP8 / FP4 tensors; every
     other parameter unchanged). Host-side, once, before serving."""
     formats = storage_formats(config)
-    shapes = {p: tuple(s.shape) for p, s in flat_specs(config)}
+    shapes = {p: tuple(s.shape) for p, s in flat_specs(config, include_dspark=True)}
 
     def one(path, w):
         fmt = formats.get(path, N.FLOAT)

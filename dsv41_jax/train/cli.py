@@ -85,7 +85,27 @@ def add_parser(sub, formatter_class=argparse.ArgumentDefaultsHelpFormatter) -> N
     g.add_argument("--export-format", choices=("orbax", "safetensors"), default="orbax", help="format of --export")
     g.add_argument("--allow-data-change", action="store_true",
                    help="resume parameters/optimiser from --ckpt-dir even though the data differ")
+    _add_dspark_arguments(s)
     s.set_defaults(fn=run)
+
+
+def _add_dspark_arguments(s) -> None:
+    g = s.add_argument_group("DSpark drafter (--dspark)")
+    g.add_argument("--dspark", action="store_true",
+                   help="train the config's DSpark drafter against the frozen target of --init-from (checkpoints "
+                        "hold the drafter; --export writes target + drafter as safetensors)")
+    g.add_argument("--dspark-anchors", type=int, default=64, help="draft blocks sampled per row and step")
+    g.add_argument("--dspark-labels", choices=("target", "data"), default="target",
+                   help="what each draft slot learns: the target's greedy token, or the text's next token")
+    g.add_argument("--dspark-decay", type=float, default=4.0, help="slot k's loss weight is exp(-k / decay)")
+
+
+def _dspark_options(args):
+    if not args.dspark:
+        return None
+    from dsv41_jax.train.dspark import DSparkTrainOptions
+
+    return DSparkTrainOptions(anchors=args.dspark_anchors, labels=args.dspark_labels, decay=args.dspark_decay)
 
 
 def _resolve_config(args):
@@ -140,7 +160,7 @@ def run(args) -> int:
                        log_every=args.log_every, progress=not args.no_progress, init_from=args.init_from,
                        export_dir=args.export, export_format=args.export_format, time_limit=args.time_limit,
                        mesh=mesh, rules=args.rules, allow_data_change=args.allow_data_change, max_docs=args.max_docs,
-                       exclude=args.exclude)
+                       exclude=args.exclude, dspark=_dspark_options(args))
     if result.stopped_by_signal:  # SIGTERM / Ctrl-C: one line saying what was kept
         if args.ckpt_dir:
             print(f"saved step {result.step} to {args.ckpt_dir}; rerun to resume", file=sys.stderr)

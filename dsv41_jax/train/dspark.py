@@ -1,4 +1,4 @@
-"""DSpark's training objective (the drafter against a frozen target; DSpark paper §3.3, SPEC §9).
+"""DSpark's training objective and train step (the drafter against a frozen target; DSpark paper §3.3, SPEC §9).
 
 Per draft slot k (0-based) of every anchor, with weight w_k = exp(-k / decay):
 
@@ -14,8 +14,19 @@ Each term is a weighted mean over the valid slots; total = ce_weight * CE + tv_w
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.model import dspark as D
+from dsv41_jax.model.forward import ForwardOptions, forward
+from dsv41_jax.model.params import FP32, abstract_params, flat_specs, init_from_specs, param_specs
+from dsv41_jax.train.config import TrainConfig
+from dsv41_jax.train.optimizer import build_optimizer, global_norm
 
 
 def anchor_targets(target_logits: jax.Array, anchors: jax.Array, block_size: int) -> jax.Array:
@@ -53,4 +64,164 @@ def dspark_loss(logits: jax.Array, confidence: jax.Array, labels: jax.Array, val
     return loss, {"ce": ce, "tv": mean(tv), "conf_bce": mean(bce), "accept_rate": mean(accept)}
 
 
-__all__ = ["anchor_targets", "dspark_loss"]
+
+# ----------------------------------------------------------------------------------------------------------------
+# The drafter's train step (``dsv41 train --dspark``): the same interface as ``train.step.TrainStep``, so the
+# normal training loop, its checkpoints and resuming drive it
+# ----------------------------------------------------------------------------------------------------------------
+
+LABELS = ("target", "data")
+
+
+@dataclasses.dataclass(frozen=True)
+class DSparkTrainOptions:
+    """What the drafter is trained on. ``labels``: ``"target"`` — slot k learns the frozen target's greedy token
+    (what greedy speculative decoding accepts), ``"data"`` — the text's own next tokens; the TV term always
+    compares with the target's full distribution. ``anchors``: block starts sampled per row and step."""
+
+    anchors: int = 64
+    labels: str = "target"
+    decay: float = 4.0
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    conf_weight: float = 1.0
+
+    def __post_init__(self):
+        if self.anchors < 1:
+            raise ValueError(f"DSpark anchors per row must be >= 1, got {self.anchors}")
+        if self.labels not in LABELS:
+            raise ValueError(f"DSpark labels must be one of {LABELS}, got {self.labels!r}")
+        if self.decay <= 0:
+            raise ValueError(f"DSpark loss decay must be > 0, got {self.decay}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class DSparkTrainError(ValueError):
+    pass
+
+
+def check_trainable(config: ModelConfig, tc: TrainConfig) -> None:
+    """Clear errors for settings the drafter's training does not support."""
+    D.check_dspark({"dspark": {"blocks": [None] * config.num_nextn_predict_layers}}, config)
+    if tc.packing == "segments":
+        raise DSparkTrainError("--dspark trains on rows packed 'concat' or 'pad' (the drafter's context window does "
+                               "not restart at segment boundaries)")
+    if tc.indexer_loss != "off" or tc.aux_loss_coef > 0:
+        raise DSparkTrainError("--dspark trains the drafter only: the indexer / balance losses of the target do not "
+                               "apply (leave --indexer-loss off and --aux-loss 0)")
+    if tc.trainable or tc.frozen:
+        raise DSparkTrainError("--dspark trains every drafter parameter; --train-only / --freeze are not supported")
+
+
+class DSparkTrainStep:
+    """``(state, batch, lr) -> (state, metrics)`` for the DSpark drafter against a frozen target.
+
+    State as ``TrainStep``'s, with ``params = {"dspark": float32 drafter masters}``; the target's parameters are
+    held by the step (an input like the data, never updated or checkpointed). Per step: the target's forward over
+    the rows gives its logits and the DSpark features (mean over the mHC streams of the residual entering each
+    target layer); ``anchors`` block starts are drawn per row; ``model.dspark.train_forward`` runs the drafter at
+    every anchor exactly as a drafting step with that token pending; :func:`dspark_loss` is minimised. Metrics:
+    ``ce`` (of the drafter's labels), ``tv``, ``conf_bce``, ``accept_rate`` (mean 1 - TV / 2, the expected
+    acceptance of a sampled draft) and ``top1`` (the drafter's argmax equals the label: greedy acceptance per
+    slot, teacher-forced)."""
+
+    mesh = None
+    rules = "tp"
+    objective = "dspark"
+
+    def __init__(self, config: ModelConfig, tc: TrainConfig, target_params: dict,
+                 options: DSparkTrainOptions = DSparkTrainOptions()):
+        check_trainable(config, tc)
+        self.config, self.train_config, self.options = config, tc, options
+        self._dtype = jnp.bfloat16 if tc.compute_dtype == "bfloat16" else jnp.float32
+        self._quant = config.quant_sim if tc.quant_sim is None else tc.quant_sim
+        self._fwd = ForwardOptions(quant_sim=self._quant, moe_impl=tc.moe_impl, query_chunk=tc.query_chunk)
+        self._specs = param_specs(config, include_dspark=True)["dspark"]
+        self._fp32 = jax.tree.map(lambda s: s.dtype == FP32, self._specs, is_leaf=lambda x: hasattr(x, "axes"))
+        abstract = {"dspark": abstract_params(config, jnp.float32, include_dspark=True)["dspark"]}
+        self.optimizer = build_optimizer(tc, abstract)
+        cast = lambda x, keep: x if keep else jnp.asarray(x, self._dtype)  # noqa: E731
+        fp32 = {p: s.dtype == FP32 for p, s in flat_specs(config)}
+        flat, treedef = jax.tree_util.tree_flatten_with_path(
+            {k: v for k, v in target_params.items() if k != "dspark"})
+        paths = ["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p) for p, _ in flat]
+        self.target = jax.tree.unflatten(treedef, [cast(x, fp32.get(p, False)) for p, (_, x) in zip(paths, flat)])
+        self._target_as_given = {k: v for k, v in target_params.items() if k != "dspark"}  # exported unchanged
+        self._jitted = None
+
+    # -- state ------------------------------------------------------------------------------------------------
+    def init_state(self, params: dict | None = None, key: jax.Array | None = None, *, seed: int | None = None):
+        seed = self.train_config.seed if seed is None else seed
+        key = jax.random.PRNGKey(seed) if key is None else key
+        pkey, rkey = jax.random.split(key)
+        dp = init_from_specs(self._specs, pkey) if params is None else params["dspark"]
+        params = {"dspark": jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), dp)}
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": jax.jit(self.optimizer.init)(params),
+                "rng": jax.random.key_data(rkey) if jnp.issubdtype(rkey.dtype, jax.dtypes.prng_key) else rkey}
+
+    def abstract_state(self):
+        params = {"dspark": abstract_params(self.config, jnp.float32, include_dspark=True)["dspark"]}
+        return {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params,
+                "opt_state": jax.eval_shape(self.optimizer.init, params),
+                "rng": jax.ShapeDtypeStruct((2,), jnp.uint32)}
+
+    def state_shardings(self):
+        return None
+
+    def export_params(self, params: dict) -> dict:
+        """The inference parameters: the target's exactly as given (not the compute-dtype copy) with the trained
+        drafter."""
+        return {**jax.device_get(self._target_as_given), "dspark": jax.device_get(params["dspark"])}
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    def loss_fn(self, master: dict, target: dict, batch: dict, key: jax.Array):
+        c, o = self.config, self.options
+        tokens, valid = batch["tokens"], batch["valid"]
+        b, t = tokens.shape
+        logits, aux = forward(target, tokens, config=c, engram_ids=batch.get("engram_ids"), options=self._fwd,
+                              return_dspark_features=True)
+        logits = jax.lax.stop_gradient(logits)
+        feats = jax.lax.stop_gradient(aux["dspark_features"])
+        dp = jax.tree.map(lambda x, keep: x if keep else x.astype(self._dtype), master["dspark"], self._fp32)
+        params = {"embed": target["embed"], "lm_head": target["lm_head"], "dspark": dp}
+        anchors = jax.random.randint(key, (b, o.anchors), 0, max(t - 1, 1), jnp.int32)
+        label_tokens = None
+        if o.labels == "target":  # position i's label: the target's greedy token after positions < i
+            greedy = jnp.argmax(logits, axis=-1).astype(tokens.dtype)
+            label_tokens = jnp.concatenate([tokens[:, :1], greedy[:, :-1]], axis=1)
+        lg, cf, labels, ok = D.train_forward(params, feats, tokens, anchors, config=c, quant_on=self._quant,
+                                             moe_impl="dense", label_tokens=label_tokens)
+        s = c.dspark_block_size
+        label_pos = jnp.clip(anchors[..., None] + 1 + jnp.arange(s), 0, t - 1)
+        real = jnp.take_along_axis(valid, label_pos.reshape(b, -1), axis=1).reshape(b, -1, s)
+        real = real & jnp.take_along_axis(valid, anchors, axis=1)[..., None]
+        ok = ok & real
+        tgt = anchor_targets(logits, anchors, s)
+        loss, m = dspark_loss(lg, cf, labels, ok, tgt, decay=o.decay, ce_weight=o.ce_weight, tv_weight=o.tv_weight,
+                              conf_weight=o.conf_weight)
+        hit = (jnp.argmax(lg, axis=-1) == labels) & ok
+        m = dict(m, loss=loss, tokens=jnp.sum(ok.astype(jnp.float32)),
+                 top1=jnp.sum(hit) / jnp.maximum(jnp.sum(ok), 1))
+        return loss, m
+
+    def step_fn(self, state: dict, target: dict, batch: dict, lr):
+        rng, key = jax.random.split(state["rng"])
+        (_, metrics), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(state["params"], target, batch, key)
+        updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
+        lr = jnp.asarray(lr, jnp.float32)
+        updates = jax.tree.map(lambda u: (lr * u).astype(u.dtype), updates)
+        params = optax.apply_updates(state["params"], updates)
+        metrics = dict(metrics, grad_norm=global_norm(grads), lr=lr)
+        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "rng": rng}, metrics
+
+    def __call__(self, state: dict, batch: dict, lr: float):
+        if self._jitted is None:
+            donate = (0,) if jax.default_backend() != "cpu" else ()
+            self._jitted = jax.jit(self.step_fn, donate_argnums=donate)
+        return self._jitted(state, self.target, batch, np.float32(lr))
+
+
+__all__ = ["anchor_targets", "dspark_loss", "DSparkTrainOptions", "DSparkTrainStep", "DSparkTrainError",
+           "check_trainable"]

@@ -65,8 +65,10 @@ class Progress:
         width = 24
         bar = "#" * int(width * done) + "." * (width - int(width * done))
         extra = f" kl {m['indexer_kl']:.3f}" if "indexer_kl" in m else ""
+        extra += f" top-1 {m['top1']:.3f}" if "top1" in m else ""  # DSpark drafter
+        balance = f"balance {m['balance']:.2f} | " if "balance" in m else ""
         line = (f"[{bar}] {step}/{self.total} loss {m['ce']:.4f}{extra} | {m['tokens_per_s']:,.0f} tok/s | "
-                f"balance {m['balance']:.2f} | lr {m['lr']:.2e} | eta {eta:,.0f}s")
+                f"{balance}lr {m['lr']:.2e} | eta {eta:,.0f}s")
         if self.tty:
             self.stream.write("\r" + line.ljust(110))
             if step >= self.total:
@@ -167,6 +169,23 @@ def load_init_params(init_from: str, config: ModelConfig):
     return params
 
 
+def _dspark_step(config: ModelConfig, tc: TrainConfig, options, init_from: str | None, mesh, export_format, say):
+    """The DSpark drafter's train step against the frozen target of ``init_from`` (clear errors first)."""
+    from dsv41_jax.train.dspark import DSparkTrainStep
+
+    if not init_from:
+        raise TrainError("--dspark trains a drafter for a trained target: pass --init-from (e.g. 'default')")
+    if mesh is not None:
+        raise TrainError("--dspark runs on one device (no --mesh)")
+    if export_format == "orbax":
+        raise TrainError("--dspark exports target + drafter as safetensors: pass --export-format safetensors")
+    step = DSparkTrainStep(config, tc, load_init_params(init_from, config), options)
+    say(f"# DSpark drafter ({config.num_nextn_predict_layers} blocks, block {config.dspark_block_size}, targets "
+        f"{list(config.dspark_target_layer_ids)}) against the frozen target of {init_from}; labels: {options.labels}, "
+        f"{options.anchors} anchors per row")
+    return step
+
+
 def corpus_warnings(read: ReadReport, n_tokens: int, tc: TrainConfig) -> list[str]:
     """Suspicious data for this run: skipped files, a corpus smaller than one batch or repeated many times."""
     out = []
@@ -205,8 +224,11 @@ def train(config: ModelConfig, tc: TrainConfig, data: Sequence[str] | str, *, to
           export_dir: str | None = None, export_format: str = "orbax", time_limit: float | None = None,
           stop_after: int | None = None, mesh=None, rules: str = "tp", handle_sigterm: bool = True,
           async_save: bool = True, allow_data_change: bool = False, max_docs: int | None = None,
-          exclude: str = "", on_step=None) -> TrainResult:
+          exclude: str = "", on_step=None, dspark=None) -> TrainResult:
     """Train ``config`` with ``tc`` on ``data`` (files / directories). See the module docstring.
+
+    ``dspark`` (a :class:`~dsv41_jax.train.dspark.DSparkTrainOptions`): train the DSpark drafter against the frozen
+    target loaded from ``init_from`` instead (checkpoints hold the drafter only; the export holds both).
 
     ``stop_after``: return after this many steps of this run (as if interrupted), saving a checkpoint.
     ``time_limit``: seconds for this run; after a short probe the total step count (and the LR schedule) is
@@ -235,7 +257,10 @@ def train(config: ModelConfig, tc: TrainConfig, data: Sequence[str] | str, *, to
     hasher = default_hasher(config, tok)
     dataset = Dataset(corpus, seq_len=tc.seq_len, batch_size=tc.batch_size, packing=tc.packing, seed=tc.seed,
                       hasher=hasher)
-    step_fn = make_train_step(config, tc, mesh=mesh, rules=rules)
+    if dspark is not None:
+        step_fn = _dspark_step(config, tc, dspark, init_from, mesh, export_dir and export_format, say)
+    else:
+        step_fn = make_train_step(config, tc, mesh=mesh, rules=rules)
     if export_dir and os.path.isdir(export_dir) and os.listdir(export_dir):
         raise TrainError(f"export directory {export_dir} is not empty; refusing to overwrite it")
 
@@ -250,6 +275,10 @@ def train(config: ModelConfig, tc: TrainConfig, data: Sequence[str] | str, *, to
         if latest is not None:
             ckpt.check_compatible(config, latest)
             meta = ckpt.meta(latest)
+            objective = getattr(step_fn, "objective", "lm")
+            if meta.get("objective", "lm") != objective:
+                raise TrainError(f"checkpoint {ckpt_dir} trains the {meta.get('objective', 'lm')!r} objective, this "
+                                 f"run the {objective!r} one ('dspark' = --dspark); use another --ckpt-dir")
             saved_fp = meta.get("data_fingerprint")
             if saved_fp and saved_fp != dataset.fingerprint() and not allow_data_change:
                 raise DataError(f"checkpoint {ckpt_dir} was trained on other data (fingerprint {saved_fp}, now "
@@ -268,7 +297,7 @@ def train(config: ModelConfig, tc: TrainConfig, data: Sequence[str] | str, *, to
             say(f"# resuming from step {latest} ({ckpt_dir})")
         else:
             params = None
-            if init_from:
+            if init_from and dspark is None:
                 params = load_init_params(init_from, config)
                 say(f"# starting from the parameters of {init_from}")
             state = step_fn.init_state(params)
@@ -292,7 +321,8 @@ def train(config: ModelConfig, tc: TrainConfig, data: Sequence[str] | str, *, to
     t_run = time.perf_counter()
     probe_at = start + 20 if time_limit else None
     t_probe = None
-    extra_meta = lambda: {"data_fingerprint": dataset.fingerprint(), "schedule_steps": schedule_steps}  # noqa: E731
+    extra_meta = lambda: {"data_fingerprint": dataset.fingerprint(), "schedule_steps": schedule_steps,  # noqa: E731
+                          **({"objective": "dspark", "dspark": dspark.to_dict()} if dspark is not None else {})}
 
     def save(force=False):
         nonlocal last_saved
@@ -355,6 +385,8 @@ def train(config: ModelConfig, tc: TrainConfig, data: Sequence[str] | str, *, to
             from dsv41_jax.checkpoint.orbax_ckpt import export_params
 
             params = jax.device_get(canonical_state(step_fn, state)["params"])
+            if dspark is not None:
+                params = step_fn.export_params(params)
             exported = export_params(export_dir, params, config, fmt=export_format,
                                      extra={"step": step, "final_loss": history[-1][1]["ce"] if history else None,
                                             "train_seq_len": tc.seq_len})
