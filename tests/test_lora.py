@@ -10,37 +10,58 @@ import numpy as np
 import pytest
 
 from dsv41_jax.model.forward import forward
-from dsv41_jax.model.params import init_params
+from dsv41_jax.model.params import flat_specs
 from dsv41_jax.train import TrainConfig, make_train_step, train
 from dsv41_jax.train.lora import (DEFAULT_TARGETS, LoraConfig, LoraError, attach, init_adapters, lora_targets,
                                   merge)
-from dsv41_jax.train.testing import random_batch, small_config, write_corpus
+from dsv41_jax.config import load_config
+from dsv41_jax.train.testing import random_batch, write_corpus
 
 LC = LoraConfig(rank=4, alpha=8.0)
-# float32 so that "equal" means float32 noise; the LoRA step's compiled program is shared by the tests below
+# float32 so that "equal" means float32 noise. One LoRA train-step program is shared by the tests below, the
+# trainer and the CLI run (the same TrainConfig as `dsv41 train --lora --lora-rank 4 --lora-alpha 8
+# --lora-dropout 0.1 --dtype float32 --seq-len 16 --batch-size 2 --steps 4 --warmup 1 --lr 1e-2
+# --schedule constant --weight-decay 0`).
 LORA_TC = TrainConfig(seq_len=16, batch_size=2, weight_decay=0.0, warmup_steps=1, steps=4, compute_dtype="float32",
-                      lora=True, lora_rank=LC.rank, lora_alpha=LC.alpha, lr=1e-2, schedule="constant")
+                      lora=True, lora_rank=LC.rank, lora_alpha=LC.alpha, lora_dropout=0.1, lr=1e-2,
+                      schedule="constant")
 
 
 @pytest.fixture(scope="module")
 def cfg():
-    return small_config()
+    """tiny with one (sliding-window) layer: the attention projections LoRA targets at the smallest compile cost."""
+    return load_config("tiny").replace(
+        name="tiny1", num_hidden_layers=1, compress_ratios=(0,), kv_source_layer_ids=(), index_source_layer_ids=(),
+        candidate_source_layer_id=-1, engram_layer_ids=(), engram_num_embeddings=(), dspark_target_layer_ids=(0,))
+
+
+def host_params(config, seed):
+    """Random parameters like ``init_params`` (normal(0, 0.02) / ones / zeros by spec), drawn by numpy: no
+    per-shape random-kernel compiles."""
+    from dsv41_jax.model.params import is_spec, param_specs
+
+    rng = np.random.default_rng(seed)
+
+    def make(s):
+        dt = np.float32
+        if s.init == "ones":
+            return np.ones(s.shape, dt)
+        if s.init == "zeros":
+            return np.zeros(s.shape, dt)
+        return (0.02 * rng.standard_normal(s.shape)).astype(dt)
+
+    return jax.tree.map(make, param_specs(config), is_leaf=is_spec)
 
 
 @pytest.fixture(scope="module")
 def setup(cfg):
-    from dsv41_jax.model.model import default_hasher
-    from dsv41_jax.tokenizer import ByteTokenizer
-
-    params = init_params(cfg, jax.random.PRNGKey(1))
-    batch = random_batch(cfg, 2, 16, seed=3, hasher=default_hasher(cfg, ByteTokenizer(model_vocab_size=cfg.vocab_size)))
+    params = host_params(cfg, 1)
+    batch = random_batch(cfg, 2, 16, seed=3)
     adapters = init_adapters(cfg, LC, jax.random.PRNGKey(2))
-    # non-zero b, so that the adapter path is exercised
-    trained = jax.tree.map(lambda x: x, adapters)
-    for n, p in enumerate(sorted(trained)):
-        trained[p] = {"a": trained[p]["a"],
-                      "b": 0.05 * jax.random.normal(jax.random.PRNGKey(10 + n), trained[p]["b"].shape)}
-    fwd = jax.jit(lambda p, t, e: forward(p, t, config=cfg, engram_ids=e))
+    rng = np.random.default_rng(4)  # non-zero b, so that the adapter path is exercised
+    trained = {p: {"a": ab["a"], "b": 0.05 * rng.standard_normal(ab["b"].shape).astype(np.float32)}
+               for p, ab in adapters.items()}
+    fwd = jax.jit(lambda p, t: forward(p, t, config=cfg))
     return params, batch, adapters, trained, fwd
 
 
@@ -48,6 +69,11 @@ def test_targets_default_and_bad_input(cfg):
     t = lora_targets(cfg, LC)
     assert sorted({p.split("/")[-1] for p in t}) == ["wkv", "wo_b", "wq_a", "wq_b"]
     assert len(t) == 4 * cfg.num_hidden_layers and DEFAULT_TARGETS == LC.targets
+    deeper = load_config("tiny")  # 12 layers: the indexer's and shared experts' projections can be adapted too
+    n_query, n_key = (sum(p.endswith(f"/indexer/{w}") for p, _ in flat_specs(deeper)) for w in ("wq_b", "wk"))
+    assert n_query > n_key > 0  # Reindex layers have their own queries, only Full layers index keys
+    assert len(lora_targets(deeper, LoraConfig(targets=r"indexer/(wq_b|wk)$|shared_experts/w1$"))) == \
+        n_query + n_key + deeper.num_hidden_layers
     with pytest.raises(LoraError, match="matches no parameter path"):
         lora_targets(cfg, LoraConfig(targets="attn/nonexistent"))
     with pytest.raises(LoraError, match=r"layers/0/attn/attn_sink has shape \(4,\): not a matrix"):
@@ -71,7 +97,7 @@ def test_targets_default_and_bad_input(cfg):
 
 def test_zero_init_is_the_base_and_merge_equals_the_adapted_forward(cfg, setup):
     params, batch, adapters, trained, fwd = setup
-    args = (jnp.asarray(batch["tokens"]), jnp.asarray(batch["engram_ids"]))
+    args = (jnp.asarray(batch["tokens"]),)
     base = np.asarray(fwd(params, *args))
     np.testing.assert_array_equal(np.asarray(fwd(attach(params, adapters, LC), *args)), base)
     adapted = np.asarray(fwd(attach(params, trained, LC), *args))
@@ -133,9 +159,9 @@ def test_save_resume_is_exact_and_export_loads(tmp_path, cfg):
     os.makedirs(base_dir)
     from dsv41_jax.checkpoint.orbax_ckpt import export_params
 
-    export_params(str(base_dir), jax.device_get(init_params(cfg, jax.random.PRNGKey(1))), cfg)
+    export_params(str(base_dir), host_params(cfg, 1), cfg)
     kw = dict(glob="*.txt", progress=False, handle_sigterm=False, async_save=False, init_from=str(base_dir))
-    tc = LORA_TC.replace(lora_dropout=0.1)
+    tc = LORA_TC
     full = train(cfg, tc, corpus, **kw)
     ckpt = str(tmp_path / "ckpt")
     part = train(cfg, tc, corpus, ckpt_dir=ckpt, save_every=2, stop_after=2, **kw)
@@ -159,17 +185,29 @@ def test_save_resume_is_exact_and_export_loads(tmp_path, cfg):
         train(cfg, tc.replace(lora=False), corpus, ckpt_dir=ckpt, **kw)
 
 
-def test_cli_lora_fine_tunes_the_default_model(tmp_path, capsys):
+def test_cli_lora(tmp_path, cfg, capsys):
+    """`dsv41 train --lora ...` (the embedded default model goes the same way with --init-from default)."""
+    from dsv41_jax.checkpoint.orbax_ckpt import export_params, load_checkpoint
     from dsv41_jax.cli import main
 
     corpus = write_corpus(str(tmp_path / "corpus"))
+    base_dir = str(tmp_path / "base")
+    export_params(base_dir, host_params(cfg, 1), cfg)
     export = str(tmp_path / "export")
-    args = ["train", "--init-from", "default", "--lora", "--lora-rank", "4", "--lora-alpha", "8",
-            "--lora-dropout", "0.05", "--data", corpus, "--glob", "*.txt", "--steps", "2", "--seq-len", "16",
-            "--batch-size", "2", "--warmup", "1", "--no-progress", "--export", export]
+    args = ["train", "--init-from", base_dir, "--lora", "--lora-rank", "4", "--lora-alpha", "8",
+            "--lora-dropout", "0.1", "--dtype", "float32", "--data", corpus, "--glob", "*.txt", "--steps", "4",
+            "--seq-len", "16", "--batch-size", "2", "--warmup", "1", "--lr", "1e-2", "--schedule", "constant",
+            "--weight-decay", "0", "--no-progress", "--export", export]
     assert main(args) == 0
     err = capsys.readouterr().err
-    assert "LoRA rank 4" in err and "finished at step 2/2" in err
-    assert main(["generate", "--checkpoint", export, "--max-new-tokens", "4", "def "]) == 0
-    assert main(args[:-2] + ["--lora-targets", "nothing_matches"]) == 2
-    assert "matches no parameter path" in capsys.readouterr().err
+    assert "LoRA rank 4 alpha 8 dropout 0.1 on 4 weights" in err and "finished at step 4/4" in err
+    _, merged = load_checkpoint(export)  # what `dsv41 generate --checkpoint` reads
+    _, base = load_checkpoint(base_dir)
+    changed = {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p)
+               for (p, x), y in zip(jax.tree_util.tree_flatten_with_path(merged)[0], jax.tree.leaves(base))
+               if not np.array_equal(np.asarray(x), np.asarray(y))}
+    assert changed == set(lora_targets(cfg, LC))  # the merged export differs from the base exactly at the targets
+    for bad, msg in ((["--lora-targets", "nothing_matches"], "matches no parameter path"),
+                     (["--lora-rank", "0"], "lora_rank"), (["--lora-targets", "ffn_norm"], "not a matrix")):
+        assert main(args[:-2] + bad) == 2
+        assert msg in capsys.readouterr().err

@@ -308,6 +308,8 @@ class LoraTrainStep(_train_step_base()):
 
             base = pad_params(base, self.config, self.mesh, self.rules)
             base = jax.device_put(base, self.base_shardings(base))
+        else:  # committed to the device, like a restored checkpoint: one compiled program for both
+            base = jax.device_put(base, jax.devices()[0])
         self.base = base
 
     def random_base(self):
@@ -334,9 +336,8 @@ class LoraTrainStep(_train_step_base()):
         state = {"step": jnp.zeros((), jnp.int32), "params": adapters, "opt_state": None,
                  "rng": jax.random.key_data(rkey) if jnp.issubdtype(rkey.dtype, jax.dtypes.prng_key) else rkey}
         state["opt_state"] = jax.jit(self.optimizer.init)(adapters)
-        if self.mesh is not None:
-            state = jax.device_put(state, self.state_shardings())
-        return state
+        # committed like a restored state (orbax places on a device), so a resumed run reuses the compiled step
+        return jax.device_put(state, self.state_shardings() if self.mesh is not None else jax.devices()[0])
 
     def abstract_state(self):
         adapters = abstract_adapters(self.config, self.lora)
