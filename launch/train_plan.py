@@ -21,8 +21,9 @@ Two measurements (both printed; ``benchmarks/RESULTS.md`` says which is which):
   from the depth-N compile (``(temp(N) - its own parameter-sized transients) / N`` per layer); Engram's two tables
   are counted analytically (full: a float32 gradient of each table shard). Labelled an estimate everywhere.
 
-    python launch/train_plan.py --modes full,lora,lora-release --batch 64 --seq 4096               # estimate only
-    python launch/train_plan.py --modes lora --compile v5p-16 --layers 2 --batch 64 --seq 4096     # + AOT compile
+    python launch/train_plan.py --modes full,lora,lora-release --batch 8 --seq 4096                # estimate only
+    python launch/train_plan.py --modes lora --compile v5p-64 --layers 2 --batch 8 --seq 4096      # + AOT compile
+    python launch/train_plan.py --modes full --zero 3 --temp-per-layer 16.04 --batch 8 --seq 4096  # measured temps
 
 Meshes: ``tensor`` = 4, ``expert`` = chips / 4 up to 32 (the ``pod`` rules split the 384 experts over
 ``expert`` x ``tensor``, so at most 128-way), ``data`` = the rest. The batch is split over ``data`` x ``expert``: a slice
@@ -114,8 +115,9 @@ def _shard_elems(shape, spec, mesh_shape_: dict) -> int:
 # shapes-only state bytes per chip (full depth)
 # ----------------------------------------------------------------------------------------------------------------
 
-def state_bytes(config, mode: str, mesh_shape_: dict, rules_name: str, rank: int) -> dict:
-    """Per-chip bytes of what the step holds or creates in proportion to the parameters (the largest shard)."""
+def state_bytes(config, mode: str, mesh_shape_: dict, rules_name: str, rank: int, zero: int = 1) -> dict:
+    """Per-chip bytes of what the step holds or creates in proportion to the parameters (the largest shard).
+    ``zero=3`` (full fine-tuning, estimate only): the float32 masters and gradients split like the moments too."""
     from dsv41_jax.model import release_weights as RW
     from dsv41_jax.model.params import FP32, flat_specs
     from dsv41_jax.parallel.api import _padded_shape
@@ -132,12 +134,13 @@ def state_bytes(config, mode: str, mesh_shape_: dict, rules_name: str, rank: int
         spec = logical_to_spec(s.axes, mesh, rules, shape, strict=False)
         elems = _shard_elems(shape, spec, mesh_shape_)
         if mode == "full":
-            out["params_f32"] += 4 * elems
-            out["grads_f32"] += 4 * elems
+            zspec = zero_spec(spec, shape, mesh_shape_)
+            z_elems = _shard_elems(shape, zspec, mesh_shape_)
+            out["params_f32"] += 4 * (z_elems if zero == 3 else elems)
+            out["grads_f32"] += 4 * (z_elems if zero == 3 else elems)
             if s.dtype != FP32:
                 out["compute_copy"] += 2 * elems
-            zspec = zero_spec(spec, shape, mesh_shape_)
-            out["opt_state"] += 2 * 4 * _shard_elems(shape, zspec, mesh_shape_)
+            out["opt_state"] += 2 * 4 * z_elems
             if path.endswith("/engram/embed"):
                 out["engram_grad"] += 4 * elems
         elif mode == "lora" or formats.get(path, "float") == "float":
@@ -246,16 +249,27 @@ def compile_step(config, mode: str, topology: str, mesh_shape_: dict, rules: str
 
 # ----------------------------------------------------------------------------------------------------------------
 
-def estimate(config, mode, slice_name, rules, rank, temp_per_layer: float | None, layers_full: int) -> dict:
+def estimate(config, mode, slice_name, rules, rank, temp_per_layer_seq: float | None, batch: int, seq: int,
+             zero: int = 1) -> dict:
+    """Per-chip bytes at full depth on ``slice_name``. ``temp_per_layer_seq``: the compiled step's other temporaries
+    per layer and per sequence of a batch shard. Two totals: as the step is today (every layer's temporaries
+    alive in the backward: the forward is rematerialised as a whole or not at all), and a projection for a step
+    that rematerialises each layer (one layer's temporaries + every layer's saved input streams; not built)."""
     ms = mesh_shape(chips(slice_name))
-    sb = state_bytes(config, mode, ms, rules, rank)
+    sb = state_bytes(config, mode, ms, rules, rank, zero)
+    shards = ms["data"] * ms["expert"]
+    per_shard = max(1, -(-batch // shards))  # sequences per batch shard (one each when shards > batch)
     held = sb["params_f32"] + sb["opt_state"] + sb["base"] + sb["adapters"]
     transient = sb["grads_f32"] + sb["compute_copy"] + sb["engram_grad"]
-    other = None if temp_per_layer is None else temp_per_layer * layers_full
+    layers = config.num_hidden_layers
+    other = None if temp_per_layer_seq is None else temp_per_layer_seq * per_shard * layers
     total = held + transient + (other or 0)
+    saved_inputs = per_shard * seq * config.hc_mult * config.hidden_size * 4 * layers  # float32 mHC streams
+    per_layer_remat = None if temp_per_layer_seq is None else \
+        held + transient + temp_per_layer_seq * per_shard + saved_inputs
     return {"slice": slice_name, "chips": chips(slice_name), "mesh": ms, "state": sb, "held": held,
-            "batch_shards": ms["data"] * ms["expert"],
-            "param_transients": transient, "other_temporaries": other, "total": total}
+            "batch": max(batch, shards), "seqs_per_shard": per_shard, "param_transients": transient,
+            "other_temporaries": other, "total": total, "per_layer_remat_projection": per_layer_remat}
 
 
 def main(argv=None) -> dict:
@@ -273,7 +287,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--compile", default=None, metavar="SLICE", help="AOT-compile the depth-N step on this slice")
     ap.add_argument("--layers", type=int, default=2, help="depth of the compiled twin")
     ap.add_argument("--temp-per-layer", type=float, default=None, metavar="GIB",
-                    help="other temporaries per layer (GiB) from an earlier compile, for the estimate")
+                    help="other temporaries per layer and per sequence of a batch shard (GiB), from an earlier "
+                         "compile, for the estimate")
+    ap.add_argument("--zero", type=int, choices=(1, 3), default=1,
+                    help="full fine-tuning estimate: 1 = moments split over the batch axes (what the compile "
+                         "builds), 3 = masters and gradients split the same way too (estimate only)")
     ap.add_argument("--headroom", type=float, default=0.9, help="usable fraction of HBM")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
@@ -288,7 +306,7 @@ def main(argv=None) -> dict:
     for m in modes:
         if m not in MODES:
             raise SystemExit(f"unknown mode {m!r}; choose from {MODES}")
-    results = {"config": config.name, "batch": args.batch, "seq": args.seq, "rank": args.rank, "rules": args.rules,
+    results = {"config": config.name, "zero": args.zero, "batch": args.batch, "seq": args.seq, "rank": args.rank, "rules": args.rules,
                "remat": args.remat, "hbm_per_chip": hbm, "headroom": args.headroom, "modes": {}}
     for mode in modes:
         res = {"compile": None, "estimates": [], "smallest": None}
@@ -306,8 +324,10 @@ def main(argv=None) -> dict:
             row["estimated_state_bytes"] = sb["params_f32"] + sb["opt_state"] + sb["base"] + sb["adapters"]
             row["temp_minus_param_transients"] = max(0, row["temp_size_in_bytes"] - own)
             row["slice"], row["mesh"], row["layers"] = args.compile, ms, args.layers
-            temp_pl = row["temp_minus_param_transients"] / args.layers
-            row["temp_per_layer"] = temp_pl
+            per_shard = max(1, -(-args.batch // (ms["data"] * ms["expert"])))
+            temp_pl = row["temp_minus_param_transients"] / args.layers / per_shard
+            row["temp_per_layer"] = temp_pl * per_shard
+            row["temp_per_layer_per_seq"] = temp_pl
             res["compile"] = row
             if not row["refused"]:
                 log(f"{mode}: compiled in {row['compile_s']} s: arguments {row['argument_size_in_bytes'] / GIB:.2f} "
@@ -315,11 +335,15 @@ def main(argv=None) -> dict:
                     f"GiB/chip")
         for s in args.slices.split(","):
             ms = mesh_shape(chips(s))
-            e = estimate(config, mode, s, args.rules, args.rank, temp_pl, config.num_hidden_layers)
+            e = estimate(config, mode, s, args.rules, args.rank, temp_pl, args.batch, args.seq, args.zero)
             e["fits"] = e["total"] <= args.headroom * hbm
+            e["fits_with_per_layer_remat"] = (None if e["per_layer_remat_projection"] is None
+                                              else e["per_layer_remat_projection"] <= args.headroom * hbm)
             res["estimates"].append(e)
             if e["fits"] and res["smallest"] is None:
                 res["smallest"] = s
+            if e["fits_with_per_layer_remat"] and res.get("smallest_with_per_layer_remat") is None:
+                res["smallest_with_per_layer_remat"] = s
         results["modes"][mode] = res
     print(summary_markdown(results), flush=True)
     if args.out:
@@ -331,7 +355,7 @@ def main(argv=None) -> dict:
 def summary_markdown(r: dict) -> str:
     g = lambda b: "—" if b is None else f"{b / GIB:,.1f}"  # noqa: E731
     lines = [f"{r['config']}: batch {r['batch']} x {r['seq']} tokens, rules {r['rules']}, remat {r['remat']}, LoRA rank "
-             f"{r['rank']}; v5p HBM {r['hbm_per_chip'] / GIB:.0f} GiB/chip, usable {r['headroom']:.0%}", ""]
+             f"{r['rank']}, full fine-tuning ZeRO-{r['zero']}; v5p HBM {r['hbm_per_chip'] / GIB:.0f} GiB/chip, usable {r['headroom']:.0%}", ""]
     for mode, res in r["modes"].items():
         c = res["compile"]
         if c:
@@ -347,17 +371,23 @@ def summary_markdown(r: dict) -> str:
                          f"{g(c['temp_size_in_bytes'])}, peak {g(c['peak_bytes'])} GiB/chip (shapes-only state of "
                          f"the twin: {g(c['estimated_state_bytes'])} GiB); other temporaries "
                          f"{g(c['temp_per_layer'])} GiB per layer")
+        yn = lambda v: "—" if v is None else ("yes" if v else "no")  # noqa: E731
         lines += [f"**{mode}** — shapes-only estimate at full depth (GiB per chip):", "",
-                  "| slice | chips | mesh (data, expert, tensor) | weights / base | optimiser state | gradients + "
-                  "compute copy | other temporaries (per-layer x depth) | total | fits |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| slice | chips | mesh (data, expert, tensor) | batch (seqs / shard) | weights / base | optimiser "
+                  "state | gradients + compute copy | other temporaries (per layer x depth) | total | fits | "
+                  "projection with per-layer remat | fits |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for e in res["estimates"]:
             st = e["state"]
             lines.append(f"| {e['slice']} | {e['chips']} | {e['mesh']['data']}, {e['mesh']['expert']}, "
-                         f"{e['mesh']['tensor']} | {g(st['params_f32'] + st['base'] + st['adapters'])} | "
+                         f"{e['mesh']['tensor']} | {e['batch']} ({e['seqs_per_shard']}) | "
+                         f"{g(st['params_f32'] + st['base'] + st['adapters'])} | "
                          f"{g(st['opt_state'])} | {g(e['param_transients'])} | {g(e['other_temporaries'])} | "
-                         f"{g(e['total'])} | {'yes' if e['fits'] else 'no'} |")
-        lines += ["", f"smallest slice for {mode}: {res['smallest'] or 'none of the candidates'}", ""]
+                         f"{g(e['total'])} | {yn(e['fits'])} | {g(e['per_layer_remat_projection'])} | "
+                         f"{yn(e['fits_with_per_layer_remat'])} |")
+        lines += ["", f"smallest slice for {mode}: {res['smallest'] or 'none of the candidates'}; with per-layer "
+                      f"remat (projection): {res.get('smallest_with_per_layer_remat') or 'none of the candidates'}",
+                  ""]
     return "\n".join(lines)
 
 
