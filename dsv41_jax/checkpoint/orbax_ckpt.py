@@ -184,6 +184,11 @@ class TrainCheckpointer:
                                       + "\n  ".join(diff[:12]))
         else:
             config = saved
+        if meta.get("lora"):  # LoRA adapters: fold them into the recorded base
+            from dsv41_jax.train.lora import load_merged_checkpoint
+
+            config, params = load_merged_checkpoint(self, step, meta, config, shardings)
+            return config, _cast(params, config, dtype)
         params = _restore_params_item(lambda a: self.manager.restore(
             step, args=ocp.args.Composite(params=ocp.args.StandardRestore(a)))["params"], config, shardings)
         return config, _cast(params, config, dtype)

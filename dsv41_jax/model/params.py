@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.ops.linear import Fp8GemmInput
+from dsv41_jax.ops.linear import Fp8GemmInput, LoraWeight
 from dsv41_jax.plan import FULL, REINDEX
 
 FP32 = "float32"
@@ -234,7 +234,7 @@ class ParamError(ValueError):
 
 def _is_weight_form(x) -> bool:
     """A release-format weight (QuantizedTensor: values + scales) or a marked GEMM weight counts as one parameter."""
-    return (hasattr(x, "fmt") and hasattr(x, "scales")) or isinstance(x, Fp8GemmInput)
+    return (hasattr(x, "fmt") and hasattr(x, "scales")) or isinstance(x, (Fp8GemmInput, LoraWeight))
 
 
 def validate_params(params, config: ModelConfig, *, include_dspark: bool | None = None) -> None:
@@ -259,6 +259,7 @@ def validate_params(params, config: ModelConfig, *, include_dspark: bool | None 
         shape = tuple(getattr(leaf, "shape", ()))
         if shape != spec.shape:
             raise ParamError(f"parameter {path} ({spec.hf_name}) has shape {shape}, expected {spec.shape}")
+        leaf = leaf.base if isinstance(leaf, LoraWeight) else leaf  # a LoRA-adapted weight: check its base
         leaf = leaf.weight if isinstance(leaf, Fp8GemmInput) else leaf
         if hasattr(leaf, "fmt") and hasattr(leaf, "scales"):  # QuantizedTensor: the release's storage form
             continue

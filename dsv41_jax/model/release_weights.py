@@ -18,6 +18,8 @@ the official inference code rounds the input of every FP8 / FP4 GEMM to FP8 per 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,13 +29,13 @@ from dsv41_jax.checkpoint import names as N
 from dsv41_jax.checkpoint import quantized as QZ
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.model.params import flat_specs
-from dsv41_jax.ops.linear import Fp8GemmInput
+from dsv41_jax.ops.linear import Fp8GemmInput, LoraWeight
 
 WEIGHT_FORMS = ("bf16", "release")
 
 
 def _is_leaf(x) -> bool:
-    return isinstance(x, (QZ.QuantizedTensor, Fp8GemmInput))
+    return isinstance(x, (QZ.QuantizedTensor, Fp8GemmInput, LoraWeight))
 
 
 def storage_formats(config: ModelConfig, *, include_dspark: bool = True) -> dict[str, str]:
@@ -69,12 +71,12 @@ def mark_fp8_gemm_inputs(params: dict, config: ModelConfig, gemm: str = "referen
     resolve_backend(gemm)  # an unknown name fails here, not deep in a trace
     paths = fp8_gemm_paths(config)
 
-    def mark(p, w):
-        if p not in paths:
-            return w
+    def mark(w):
+        if isinstance(w, LoraWeight):  # the release's rounding belongs to the base GEMM; the adapter reads x as is
+            return dataclasses.replace(w, base=mark(w.base))
         return Fp8GemmInput(w.weight if isinstance(w, Fp8GemmInput) else w, gemm)
 
-    return _map_with_path(mark, params)
+    return _map_with_path(lambda p, w: mark(w) if p in paths else w, params)
 
 
 def _quantize(w: np.ndarray, fmt: str) -> QZ.QuantizedTensor:

@@ -23,6 +23,8 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
 
     ``w`` may also be a release-format weight (:class:`~dsv41_jax.checkpoint.quantized.QuantizedTensor`) and / or
     marked :class:`Fp8GemmInput`: see :func:`gemm_operands`."""
+    if isinstance(w, LoraWeight):
+        return lora_linear(x, w)
     be = quantized_gemm_backend(w)
     if be is not None:
         from dsv41_jax.kernels import quant_gemm  # lazy: kernels import ops
@@ -79,18 +81,60 @@ class Fp8GemmInput:
         return self.weight.dtype
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoraWeight:
+    """A frozen base weight [out, in] plus a low-rank adapter: ``linear(x, w) = x·baseᵀ + scale · (drop(x)·a)·b``
+    with ``a`` [in, r], ``b`` [r, out] (``dsv41_jax.train.lora``). The adapter is added to the base GEMM's output,
+    so ``base`` may stay in any weight form (float, QuantizedTensor, marked) and is never materialised with the
+    adapter folded in. ``dropout_key`` (a PRNG key array, or None = no dropout) drops adapter inputs at
+    ``dropout_rate`` (training only). A pytree node: base, a, b and the key are children; scale and rate static."""
+
+    base: Any
+    a: jax.Array
+    b: jax.Array
+    dropout_key: Any = None
+    scale: float = dataclasses.field(default=1.0, metadata=dict(static=True))
+    dropout_rate: float = dataclasses.field(default=0.0, metadata=dict(static=True))
+
+    @property
+    def shape(self):
+        return tuple(self.base.shape)
+
+    @property
+    def dtype(self):
+        return self.base.dtype
+
+
+def lora_linear(x: jax.Array, w: LoraWeight) -> jax.Array:
+    """``linear`` for a :class:`LoraWeight`: the base GEMM (its own weight form and input rounding) plus the scaled
+    adapter path, both in the input's dtype (float32 accumulation inside each dot)."""
+    y = linear(x, w.base)
+    h = x
+    if w.dropout_key is not None and w.dropout_rate > 0:
+        keep = jax.random.bernoulli(w.dropout_key, 1.0 - w.dropout_rate, x.shape)
+        h = jnp.where(keep, x / (1.0 - w.dropout_rate), 0).astype(x.dtype)
+    a, b = w.a.astype(x.dtype), w.b.astype(x.dtype)
+    low = jnp.einsum("...i,ir->...r", h, a, precision=matmul_precision(h, a))
+    delta = jnp.einsum("...r,ro->...o", low, b, precision=matmul_precision(low, b))
+    return y + (w.scale * delta).astype(y.dtype)
+
+
 def _is_quantized(w) -> bool:
     return hasattr(w, "fmt") and hasattr(w, "scales")  # a QuantizedTensor (duck-typed: ops stay checkpoint-free)
 
 
 def is_plain_weight(w) -> bool:
-    """A float array (not a QuantizedTensor, not marked)."""
-    return not isinstance(w, Fp8GemmInput) and not _is_quantized(w)
+    """A float array (not a QuantizedTensor, not marked, not a LoRA-adapted weight)."""
+    return not isinstance(w, (Fp8GemmInput, LoraWeight)) and not _is_quantized(w)
 
 
 def weight_array(w, dtype=None) -> jax.Array:
     """The weight as a float array: a QuantizedTensor is dequantised exactly (to ``dtype``, default float32), a
     marker unwrapped, an array returned as is (cast to ``dtype`` when given)."""
+    if isinstance(w, LoraWeight):  # only `linear` knows to add the adapter: refuse rather than drop it silently
+        raise TypeError("a LoRA-adapted weight reached an op that reads it as a plain array; LoRA targets must be "
+                        "weights consumed by ops.linear.linear (dsv41_jax.train.lora.LORA_CAPABLE)")
     if isinstance(w, Fp8GemmInput):
         w = w.weight
     if _is_quantized(w):
@@ -136,5 +180,5 @@ def select_expert(w, e):
     return w[e]
 
 
-__all__ = ["linear", "head_logits", "matmul_precision", "Fp8GemmInput", "is_plain_weight", "weight_array", "gemm_input", "gemm_operands", "select_expert",
-           "quantized_gemm_backend"]
+__all__ = ["linear", "LoraWeight", "lora_linear", "head_logits", "matmul_precision", "Fp8GemmInput", "is_plain_weight",
+           "weight_array", "gemm_input", "gemm_operands", "select_expert", "quantized_gemm_backend"]

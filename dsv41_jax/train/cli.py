@@ -14,6 +14,8 @@ import os
 import sys
 import warnings
 
+from dsv41_jax.train.config import DEFAULT_LORA_TARGETS
+
 
 def add_parser(sub, formatter_class=argparse.ArgumentDefaultsHelpFormatter) -> None:
     s = sub.add_parser("train", help="train / fine-tune with optax + orbax checkpoints (resumable)",
@@ -56,6 +58,16 @@ def add_parser(sub, formatter_class=argparse.ArgumentDefaultsHelpFormatter) -> N
                    help="train only parameters whose path matches (repeatable), e.g. '/attn/'")
     g.add_argument("--freeze", action="append", default=[], metavar="REGEX",
                    help="freeze parameters whose path matches (repeatable), e.g. 'engram/embed'")
+    g = s.add_argument_group("LoRA (adapters on a frozen base instead of full fine-tuning)")
+    g.add_argument("--lora", action="store_true",
+                   help="train low-rank adapters only; the base (--init-from) stays frozen, --export writes the "
+                        "merged model")
+    g.add_argument("--lora-rank", type=int, default=8, help="adapter rank r")
+    g.add_argument("--lora-alpha", type=float, default=16.0, help="adapter scale numerator (scale = alpha / r)")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    g.add_argument("--lora-targets", default=DEFAULT_LORA_TARGETS, metavar="REGEX",
+                   help="adapted weights: regex over parameter paths (default: the attention q, kv and output "
+                        "projections)")
     g = s.add_argument_group("numerics and model options")
     g.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="compute dtype (master weights and optimiser state are float32)")
@@ -140,13 +152,22 @@ def run(args) -> int:
         trainable=tuple(args.train_only), frozen=tuple(args.freeze), compute_dtype=args.dtype,
         quant_sim=None if args.quant_sim == "config" else args.quant_sim == "on", remat=args.remat,
         moe_impl=args.moe_impl, query_chunk=args.query_chunk, bias_update_rate=args.bias_update_rate,
-        aux_loss_coef=args.aux_loss, indexer_loss=args.indexer_loss, indexer_loss_coef=args.indexer_loss_coef)
+        aux_loss_coef=args.aux_loss, indexer_loss=args.indexer_loss, indexer_loss_coef=args.indexer_loss_coef,
+        lora=args.lora, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+        lora_targets=args.lora_targets)
     mesh = None
     if args.mesh:
         from dsv41_jax.parallel.mesh import make_mesh
 
         mesh = make_mesh(args.mesh)
     start = f"parameters of {args.init_from}" if args.init_from else "random weights"
+    if tc.lora:
+        from dsv41_jax.train.lora import LoraConfig, lora_targets
+
+        lc = LoraConfig.from_train_config(tc)
+        n = lora_targets(config, lc)  # validates the targets before any data is read
+        start += (f"; LoRA rank {lc.rank} alpha {lc.alpha:g} dropout {lc.dropout:g} on {len(n)} weights "
+                  f"({sum(lc.rank * (o + i) for o, i in n.values()):,} adapter parameters)")
     print(f"# train {config.name}: {config.num_hidden_layers} layers, d={config.hidden_size}, from {start}; batch "
           f"{tc.batch_size}x{tc.seq_len}, {tc.steps} steps, {tc.optimizer} lr {tc.lr} ({tc.schedule}, warm-up "
           f"{tc.warmup_steps}), {tc.compute_dtype}", file=sys.stderr, flush=True)

@@ -25,6 +25,9 @@ PACKING = ("concat", "pad", "segments")
 REMAT = ("none", "full", "dots", "dots_no_batch")
 INDEXER_LOSS = ("off", "dense", "sparse")
 DTYPES = ("float32", "bfloat16")
+# LoRA's default targets: the attention projections that are plain GEMMs (queries wq_a / wq_b, the K=V latent wkv,
+# the output's second projection wo_b; the grouped wo_a is not a single GEMM). See dsv41_jax.train.lora.
+DEFAULT_LORA_TARGETS = r"/attn/(wq_a|wq_b|wkv|wo_b)$"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +65,12 @@ class TrainConfig:
     # --- indexer (KL objective of the DSA lineage; the indexer input is detached) ------------------
     indexer_loss: str = "off"  # off | dense (warm-up: all visible entries) | sparse (the selected top-k only)
     indexer_loss_coef: float = 1.0
+    # --- LoRA (dsv41_jax.train.lora): adapters on a frozen base instead of full fine-tuning ------------
+    lora: bool = False
+    lora_rank: int = 8
+    lora_alpha: float = 16.0  # the adapter's output is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # dropout on the adapter's input
+    lora_targets: str = DEFAULT_LORA_TARGETS  # regex over parameter paths
 
     def __post_init__(self):
         for name in ("trainable", "frozen"):
@@ -100,6 +109,19 @@ class TrainConfig:
                 raise err(name, f"must be in [0, 1), got {getattr(self, name)}")
         if self.moe_impl not in ("ragged", "dense", "expert_parallel"):
             raise err("moe_impl", f"must be ragged, dense or expert_parallel, got {self.moe_impl!r}")
+        if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank <= 0:
+            raise err("lora_rank", f"must be a positive integer, got {self.lora_rank!r}")
+        if not self.lora_alpha > 0:
+            raise err("lora_alpha", f"must be > 0, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise err("lora_dropout", f"must be in [0, 1), got {self.lora_dropout}")
+        try:
+            re.compile(self.lora_targets)
+        except re.error as e:
+            raise err("lora_targets", f"invalid regex {self.lora_targets!r}: {e}") from None
+        if self.lora and (self.trainable or self.frozen):
+            raise err("lora", "LoRA trains only the adapters chosen by lora_targets; trainable / frozen select "
+                              "parameters of full fine-tuning and cannot be combined with it")
         for name in ("trainable", "frozen"):
             for pattern in getattr(self, name):
                 try:

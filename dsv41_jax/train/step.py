@@ -201,12 +201,16 @@ class TrainStep:
         return fn(params, batch["tokens"])
 
     def loss_fn(self, master: dict, batch: dict):
-        c, tc = self.config, self.train_config
         params = jax.tree.map(lambda x, keep: x if keep else x.astype(self._dtype), master, self._fp32)
         if self.mesh is not None:
             from dsv41_jax.parallel.api import unpad_params
 
-            params = unpad_params(params, c)
+            params = unpad_params(params, self.config)
+        return self.model_loss(params, batch)
+
+    def model_loss(self, params: dict, batch: dict):
+        """(loss, (metrics, expert loads)) of the compute-dtype ``params`` (any weight forms) on ``batch``."""
+        c, tc = self.config, self.train_config
         logits, aux = self._forward(params, batch)
         ce_sum, n_tok = cross_entropy(logits, batch["targets"], batch["loss_mask"])
         ce = ce_sum / jnp.maximum(n_tok, 1.0)
@@ -299,7 +303,12 @@ def _cached_step(config: ModelConfig, tc: TrainConfig) -> TrainStep:
 
 def make_train_step(config: ModelConfig, tc: TrainConfig, *, mesh=None, rules: str = "tp") -> TrainStep:
     """The train step for ``config`` / ``tc``. Unsharded steps are cached per (config, train config), so two
-    trainers with the same configs share one compiled program."""
+    trainers with the same configs share one compiled program. ``tc.lora``: a
+    :class:`~dsv41_jax.train.lora.LoraTrainStep` (never cached: it holds its frozen base)."""
+    if tc.lora:
+        from dsv41_jax.train.lora import make_lora_train_step
+
+        return make_lora_train_step(config, tc, mesh=mesh, rules=rules)
     if mesh is None:
         return _cached_step(config, tc)
     params = init_params_shapes(config)
@@ -311,7 +320,7 @@ def make_train_step(config: ModelConfig, tc: TrainConfig, *, mesh=None, rules: s
 def canonical_state(step: TrainStep, state: dict) -> dict:
     """The state with Engram tables (and their optimiser moments) cut back to the config's row counts: what a
     checkpoint stores, independent of the mesh that trained it."""
-    if step.mesh is None:
+    if step.mesh is None or getattr(step, "is_lora", False):  # LoRA: adapters are replicated, never padded
         return state
     from dsv41_jax.parallel.api import unpad_params
 
@@ -325,6 +334,8 @@ def place_state(step: TrainStep, state: dict) -> dict:
     """Inverse of :func:`canonical_state`: pad Engram tables and place every leaf on the step's mesh."""
     if step.mesh is None:
         return state
+    if getattr(step, "is_lora", False):
+        return jax.device_put(state, step.state_shardings())
     from dsv41_jax.parallel.api import pad_params
 
     params = pad_params(state["params"], step.config, step.mesh, step.rules)
@@ -347,6 +358,8 @@ def canonical_shardings(step: TrainStep, abstract_state: dict):
     shapes agree, replication for the (padded-on-this-mesh) Engram tables and their moments. None without a mesh."""
     if step.mesh is None:
         return None
+    if getattr(step, "is_lora", False):
+        return step.state_shardings()
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     sh = step.state_shardings()

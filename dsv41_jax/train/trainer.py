@@ -257,12 +257,21 @@ def train(config: ModelConfig, tc: TrainConfig, data: Sequence[str] | str, *, to
     hasher = default_hasher(config, tok)
     dataset = Dataset(corpus, seq_len=tc.seq_len, batch_size=tc.batch_size, packing=tc.packing, seed=tc.seed,
                       hasher=hasher)
+    if dspark is not None and tc.lora:
+        raise TrainError("--dspark trains the drafter's own parameters (the target is frozen already): drop --lora")
     if dspark is not None:
         step_fn = _dspark_step(config, tc, dspark, init_from, mesh, export_dir and export_format, say)
     else:
         step_fn = make_train_step(config, tc, mesh=mesh, rules=rules)
     if export_dir and os.path.isdir(export_dir) and os.listdir(export_dir):
         raise TrainError(f"export directory {export_dir} is not empty; refusing to overwrite it")
+
+    lora = getattr(step_fn, "is_lora", False)
+    lora_meta = {}
+    if lora:  # the frozen base is part of the run's identity: recorded, and checked on resume
+        from dsv41_jax.train.lora import base_reference
+
+        lora_meta = {"lora": {**step_fn.lora.to_dict(), "base": base_reference(init_from), "seed": tc.seed}}
 
     ckpt = None
     resumed_from = None
@@ -284,6 +293,14 @@ def train(config: ModelConfig, tc: TrainConfig, data: Sequence[str] | str, *, to
                 raise DataError(f"checkpoint {ckpt_dir} was trained on other data (fingerprint {saved_fp}, now "
                                 f"{dataset.fingerprint()}); pass allow_data_change / --allow-data-change to "
                                 "continue from its parameters with the new data from its start")
+            if lora:
+                from dsv41_jax.train.lora import check_resume_base
+
+                check_resume_base(meta, lora_meta["lora"], ckpt_dir)
+                step_fn.set_base(load_init_params(init_from, config) if init_from else step_fn.random_base())
+            elif meta.get("lora"):
+                raise TrainError(f"checkpoint {ckpt_dir} holds LoRA adapters; resume it with --lora (same "
+                                 "--init-from), or start full fine-tuning in another --ckpt-dir")
             abstract = step_fn.abstract_state()
             state, position, _ = ckpt.restore(abstract, latest, shardings=canonical_shardings(step_fn, abstract))
             state = place_state(step_fn, state)
@@ -322,6 +339,7 @@ def train(config: ModelConfig, tc: TrainConfig, data: Sequence[str] | str, *, to
     probe_at = start + 20 if time_limit else None
     t_probe = None
     extra_meta = lambda: {"data_fingerprint": dataset.fingerprint(), "schedule_steps": schedule_steps,  # noqa: E731
+                          **lora_meta,
                           **({"objective": "dspark", "dspark": dspark.to_dict()} if dspark is not None else {})}
 
     def save(force=False):
@@ -384,9 +402,12 @@ def train(config: ModelConfig, tc: TrainConfig, data: Sequence[str] | str, *, to
         if export_dir:
             from dsv41_jax.checkpoint.orbax_ckpt import export_params
 
-            params = jax.device_get(canonical_state(step_fn, state)["params"])
-            if dspark is not None:
-                params = step_fn.export_params(params)
+            if lora:  # a plain parameter tree: the adapters folded into the base
+                params = jax.device_get(step_fn.merged_params(state["params"]))
+            else:
+                params = jax.device_get(canonical_state(step_fn, state)["params"])
+                if dspark is not None:
+                    params = step_fn.export_params(params)
             exported = export_params(export_dir, params, config, fmt=export_format,
                                      extra={"step": step, "final_loss": history[-1][1]["ce"] if history else None,
                                             "train_seq_len": tc.seq_len})

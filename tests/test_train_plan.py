@@ -1,0 +1,38 @@
+"""The full-size fine-tuning plan's shapes-only estimate (launch/train_plan.py; no compile here): ZeRO-1 moment
+specs, per-chip state bytes against the parameter shards, and the mode ordering."""
+
+import os
+import sys
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))
+train_plan = pytest.importorskip("train_plan")
+
+
+def test_zero_spec_splits_moments_over_the_batch_axes_their_parameter_is_replicated_on():
+    mesh = {"data": 2, "expert": 8, "tensor": 4}
+    # attention weight [out, in] with out over tensor: the moments also split `in` over data x expert
+    assert train_plan.zero_spec(P("tensor", None), (1280, 5120), mesh) == P("tensor", ("data", "expert"))
+    # experts over expert x tensor: only data is left
+    assert train_plan.zero_spec(P(("expert", "tensor"), None, None), (384, 2304, 5120), mesh) == \
+        P(("expert", "tensor"), "data", None)
+    # nothing divides by 16: fall back to data alone, then to the parameter's own spec
+    assert train_plan.zero_spec(P(None), (24,), mesh) == P("data")
+    assert train_plan.zero_spec(P(None), (3,), mesh) == P(None)
+
+
+def test_state_bytes_per_chip(tiny_config):
+    from dsv41_jax.model.params import flat_specs
+
+    mesh = {"data": 1, "expert": 1, "tensor": 1}  # one chip: every shard is the whole tensor
+    n = sum(s.size for _, s in flat_specs(tiny_config))
+    full = train_plan.state_bytes(tiny_config, "full", mesh, "pod", 4)
+    assert full["params_f32"] == 4 * n and full["opt_state"] == 8 * n and full["grads_f32"] == 4 * n
+    lora = train_plan.state_bytes(tiny_config, "lora", mesh, "pod", 4)
+    release = train_plan.state_bytes(tiny_config, "lora-release", mesh, "pod", 4)
+    assert n * 2 <= lora["base"] < n * 4 and release["base"] < lora["base"] and lora["opt_state"] == 0
+    # on 4 chips (tensor = 4) the sharded weights hold less per chip
+    four = train_plan.state_bytes(tiny_config, "lora", train_plan.mesh_shape(4), "pod", 4)
+    assert four["base"] < lora["base"]
