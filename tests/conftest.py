@@ -133,6 +133,58 @@ def _peak_rss_kib():
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
 
 
+# A worker whose resident memory passes this after a test drops its compiled programs at once instead of at the end
+# of the module: tests of one module (the engine's variants, the interpret-mode kernels) each compile programs of
+# their own, and kept, they would stack up to ~3 GB in one worker. Programs a later test needs again come back from
+# this run's on-disk compilation cache (or are recompiled, when they compiled in under a second).
+WORKER_MEMORY_SOFT_LIMIT_MIB = 1024
+
+
+@pytest.fixture(autouse=True)
+def _bound_worker_memory(request):
+    """After each test: drop compiled programs when the worker holds more than WORKER_MEMORY_SOFT_LIMIT_MIB. With
+    DSV41_TEST_MEMLOG_TESTS=path also one JSON line per test (its own peak RSS), to find which test sets a worker's
+    high-water mark."""
+    log = os.environ.get("DSV41_TEST_MEMLOG_TESTS")
+    if log:
+        import time
+
+        setup_peak = _peak_rss_kib()  # since the last test ended: includes this test's module / session fixtures
+        t0, rss0 = time.perf_counter(), _rss_kib()
+        _reset_peak_rss()
+    yield
+    if log:
+        import json
+
+        peak = _peak_rss_kib()
+        with open(log, "a") as f:
+            f.write(json.dumps({"test": request.node.nodeid, "seconds": round(time.perf_counter() - t0, 1),
+                                "rss_start_mib": rss0 // 1024, "peak_mib": peak // 1024,
+                                "fixture_peak_mib": setup_peak // 1024}) + "\n")
+    if _rss_kib() > WORKER_MEMORY_SOFT_LIMIT_MIB * 1024:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()
+        _malloc_trim()
+    if log:
+        _reset_peak_rss()
+
+
+def _reset_peak_rss():
+    """Linux: writing 5 to /proc/self/clear_refs resets VmHWM (the peak RSS) to the current RSS."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
 def _rss_kib():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
