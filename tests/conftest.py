@@ -93,46 +93,6 @@ def _release_compiled_programs(request):
         _malloc_trim()
 
 
-@pytest.fixture(autouse=True)
-def _memlog_per_test(request):
-    """With DSV41_TEST_MEMLOG_TESTS=path: one JSON line per test (its own peak RSS: heap trimmed before it starts),
-    to find which test of a heavy module sets a worker's high-water mark."""
-    log = os.environ.get("DSV41_TEST_MEMLOG_TESTS")
-    if not log:
-        yield
-        return
-    import json
-    import resource
-    import time
-
-    setup_peak = _peak_rss_kib()  # since the last test ended: includes this test's module / session fixtures
-    _malloc_trim()
-    t0, rss0 = time.perf_counter(), _rss_kib()
-    _reset_peak_rss()
-    yield
-    peak = _peak_rss_kib()
-    _reset_peak_rss()
-    with open(log, "a") as f:
-        f.write(json.dumps({"test": request.node.nodeid, "seconds": round(time.perf_counter() - t0, 1),
-                            "rss_start_mib": rss0 // 1024, "peak_mib": peak // 1024,
-                            "fixture_peak_mib": setup_peak // 1024,
-                            "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}) + "\n")
-
-
-def _reset_peak_rss():
-    """Linux: writing 5 to clear_refs resets VmHWM (the peak RSS) to the current RSS."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def _peak_rss_kib():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-
-
 # A worker whose resident memory passes this after a test drops its compiled programs at once instead of at the end
 # of the module: tests of one module (the engine's variants, the interpret-mode kernels) each compile programs of
 # their own, and kept, they would stack up to ~3 GB in one worker. Programs a later test needs again come back from
