@@ -80,7 +80,7 @@ def _release_compiled_programs(request):
     yield
     jax.clear_caches()
     gc.collect()
-    if log:  # which module grows a worker: one JSON line per module (README, "The test suite's memory")
+    if log:  # which module grows a worker: one JSON line per module
         import json
 
         before_trim = _rss_kib()
@@ -144,14 +144,21 @@ def _reset_peak_rss():
         pass
 
 
+def _status_kib(field: str) -> int:
+    """A memory field of /proc/self/status in KiB (Linux); 0 where there is no /proc (memory is then not bounded)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith(field + ":")), 0)
+    except OSError:
+        return 0
+
+
 def _peak_rss_kib():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return _status_kib("VmHWM")
 
 
 def _rss_kib():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return _status_kib("VmRSS")
 
 
 def _malloc_trim():
