@@ -25,8 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.checkpoint import names as N
-
-BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret")
+from dsv41_jax.kernels import BACKENDS  # the attention kernels' names: one selection convention
+from dsv41_jax.kernels import resolve_backend as _resolve_kernel_backend
+from dsv41_jax.ops.linear import matmul_precision
 
 
 class QuantGemmError(ValueError):
@@ -34,16 +35,10 @@ class QuantGemmError(ValueError):
 
 
 def resolve_backend(backend: str = "auto") -> str:
+    """The attention kernels' resolution (``kernels.resolve_backend``), failing with this module's error type."""
     if backend not in BACKENDS:
         raise QuantGemmError(f"unknown quantized_gemm backend {backend!r}; choose one of {BACKENDS}")
-    if backend != "auto":
-        return backend
-    platform = jax.default_backend()
-    if platform in ("gpu", "cuda", "rocm"):
-        return "pallas_gpu"
-    if platform == "tpu":
-        return "pallas_tpu"
-    return "reference"
+    return _resolve_kernel_backend(backend)
 
 
 def takes_fp8(w) -> bool:
@@ -99,10 +94,6 @@ def _check_fp4(w):
                              f"{w.scales.dtype} {tuple(w.scales.shape)}")
 
 
-def _prec(*ops):
-    return jax.lax.Precision.HIGHEST if any(jnp.dtype(o.dtype).itemsize >= 4 for o in ops) else None
-
-
 def fp8_linear(x: jax.Array, w, *, backend: str = "auto", tuning: dict | None = None) -> jax.Array:
     """x [..., K] · w [N, K]ᵀ -> [..., N] (x.dtype) for an FP8 32 x 32 block-scaled QuantizedTensor ``w``."""
     _check_fp8(w)
@@ -112,7 +103,7 @@ def fp8_linear(x: jax.Array, w, *, backend: str = "auto", tuning: dict | None = 
     x2 = x.reshape(-1, x.shape[-1])
     if be == "reference":
         wd = w.dequantize(x.dtype)
-        y = jnp.einsum("mi,oi->mo", x2, wd, precision=_prec(x2, wd))
+        y = jnp.einsum("mi,oi->mo", x2, wd, precision=matmul_precision(x2, wd))
     elif be.startswith("pallas_gpu"):
         from dsv41_jax.kernels import quant_gemm_gpu as G
 
@@ -139,7 +130,7 @@ def fp4_grouped(x: jax.Array, group_sizes: jax.Array, w, *, backend: str = "auto
     gs = group_sizes.astype(jnp.int32)
     if be == "reference":
         wd = w.dequantize(x.dtype)
-        y = jax.lax.ragged_dot(x, jnp.swapaxes(wd, 1, 2), gs, precision=_prec(x, wd))
+        y = jax.lax.ragged_dot(x, jnp.swapaxes(wd, 1, 2), gs, precision=matmul_precision(x, wd))
         return jnp.where((jnp.arange(x.shape[0]) < jnp.sum(gs))[:, None], y, jnp.zeros((), y.dtype))
     if be.startswith("pallas_gpu"):
         from dsv41_jax.kernels import quant_gemm_gpu as G
