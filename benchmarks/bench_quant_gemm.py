@@ -66,6 +66,61 @@ def timeit(fn, *args, reps=5):
     return statistics.median(ts)
 
 
+PROFILE = not SMOKE  # device time from a profile of one call (GPU); the smoke run on CPU has no device events
+_TRACE_N = [0]
+
+
+def device_time(fn, *args):
+    """(total, by kernel name) device seconds of one call of ``fn``, summed over the device's stream events of a
+    ``jax.profiler.trace`` (kernels only: the launch gaps between them are not counted)."""
+    import glob
+    import shutil
+    import tempfile
+
+    from jax.profiler import ProfileData
+
+    jax.block_until_ready(fn(*args))
+    d = tempfile.mkdtemp(prefix="qg_trace_")
+    try:
+        with jax.profiler.trace(d):
+            jax.block_until_ready(fn(*args))
+        path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+        pd = ProfileData.from_file(path)
+        by_name: dict = {}
+        for plane in pd.planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                if not line.name.startswith("Stream"):  # "XLA Ops" / "XLA Modules" lines repeat the same time
+                    continue
+                for ev in line.events:
+                    by_name[ev.name] = by_name.get(ev.name, 0.0) + ev.duration_ns * 1e-9
+        return sum(by_name.values()), by_name
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def measure(fn, args, r, kernel_names=()):
+    """Per-GEMM times of ``fn`` (R GEMMs per call): wall (host clock around the call, median of 5; includes the
+    launch gaps) and device (all kernels of the call) / R, plus the named kernels' share."""
+    out = dict(wall_us=timeit(fn, *args) / r * 1e6)
+    if PROFILE:
+        try:
+            tot, by_name = device_time(fn, *args)
+            out["dev_us"] = tot / r * 1e6
+            out["kernel_dev_us"] = sum(t for nm, t in by_name.items()
+                                       if any(k in nm for k in kernel_names)) / r * 1e6
+            out["top_events"] = sorted(((round(t / r * 1e6, 2), nm[:80]) for nm, t in by_name.items()),
+                                       reverse=True)[:4]
+        except Exception as e:  # a profile that fails leaves the wall time
+            out["profile_error"] = f"{type(e).__name__}: {e}"[:300]
+    out["us"] = out.get("dev_us", out["wall_us"])
+    return out
+
+
+BASELINE = None  # an earlier version of the GPU kernels module (--baseline-module), timed in the same run
+
+
 def section(name):
     def deco(f):
         def run(*a, **k):
@@ -146,6 +201,10 @@ def _reps(nbytes):
     return 2 if SMOKE else int(min(32, max(2, -(-(384 << 20) // nbytes))))
 
 
+def _pct(nbytes, us, bw):
+    return 100 * nbytes / (us * 1e-6) / bw
+
+
 def dense_case(m, n, k, bw, tuning=None, baselines=True):
     key = jax.random.PRNGKey(m * 7 + n)
     wbytes = n * k + (-(-n // 32)) * (-(-k // 32))
@@ -153,35 +212,49 @@ def dense_case(m, n, k, bw, tuning=None, baselines=True):
     ws = [random_fp8(jax.random.fold_in(key, i), n, k) for i in range(r)]
     x = jax.random.normal(key, (m, k), jnp.float32).astype(BF)
     nbytes = wbytes + m * k * 2 + m * n * 2
-    row = dict(section="dense", m=m, n=n, k=k, bytes=nbytes, tuning=tuning or {})
+    row = dict(section="dense", m=m, n=n, k=k, bytes=nbytes, reps=r, tuning=tuning or {})
 
     def many(fn):
         return jax.jit(lambda x, ws: [fn(x, w) for w in ws])
 
-    t = timeit(many(lambda x, w: QG.fp8_linear(x, w, backend=BE, tuning=tuning)), x, ws) / r
-    row.update(kernel_us=t * 1e6, kernel_pct=100 * nbytes / t / bw)
+    kt = measure(many(lambda x, w: QG.fp8_linear(x, w, backend=BE, tuning=tuning)), (x, ws), r, ("fp8_block_gemm",))
+    row.update(kernel=kt, kernel_pct=_pct(nbytes, kt["us"], bw))
+    want = jnp.einsum("mk,nk->mn", x.astype(jnp.float32), ws[0].dequantize(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+    row["rel_err"] = rel_err(QG.fp8_linear(x, ws[0], backend=BE, tuning=tuning), want)  # every tiling is checked
     if baselines:
-        t = timeit(many(lambda x, w: QG.fp8_linear(x, w, backend="reference")), x, ws) / r
-        row.update(reference_us=t * 1e6)
+        if BASELINE is not None:
+            bt = measure(many(lambda x, w: BASELINE.fp8_gemm(x, w.values, w.scales, interpret=SMOKE)), (x, ws), r,
+                         ("fp8_block_gemm",))
+            row.update(before=bt, before_pct=_pct(nbytes, bt["us"], bw))
+        row.update(reference=measure(many(lambda x, w: QG.fp8_linear(x, w, backend="reference")), (x, ws), r))
         wb = [w.dequantize(BF) for w in ws]
-        t = timeit(jax.jit(lambda x, ws: [x @ w.T for w in ws]), x, wb) / r
-        row.update(bf16_us=t * 1e6, bf16_pct=100 * (n * k * 2 + m * k * 2 + m * n * 2) / t / bw)
+        bt = measure(jax.jit(lambda x, ws: [x @ w.T for w in ws]), (x, wb), r)
+        row.update(bf16=bt, bf16_pct=_pct(n * k * 2 + m * k * 2 + m * n * 2, bt["us"], bw))
         del wb
     return row
+
+
+def _us(row, key):
+    v = row.get(key)
+    return v["us"] if v else float("nan")
 
 
 @section("dense")
 def dense(bw):
     shapes = [(96, 256), (300, 512)] if SMOKE else [(32768, 1280), (2304, 5120), (1280, 5120)]
     ms = (1, 8) if SMOKE else MS
-    log("| M | N x K | FP8 kernel µs | % of copy BW | plain-JAX µs | bf16 GEMM µs | bf16 % BW | kernel vs bf16 |")
-    log("|---|---|---|---|---|---|---|---|")
+    log("| M | N x K | FP8 kernel µs | % of copy BW | before µs | before % BW | plain-JAX µs | bf16 GEMM µs | "
+        "bf16 % BW | kernel vs bf16 | kernel vs plain-JAX | kernel wall µs |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n, k in shapes:
         for m in ms:
             row = dense_case(m, n, k, bw)
             RESULTS["rows"].append(row)
-            log(f"| {m} | {n}x{k} | {row['kernel_us']:.1f} | {row['kernel_pct']:.0f}% | {row['reference_us']:.1f} | "
-                f"{row['bf16_us']:.1f} | {row['bf16_pct']:.0f}% | {row['bf16_us'] / row['kernel_us']:.2f}x |")
+            log(f"| {m} | {n}x{k} | {_us(row, 'kernel'):.1f} | {row['kernel_pct']:.0f}% | {_us(row, 'before'):.1f} | "
+                f"{row.get('before_pct', float('nan')):.0f}% | {_us(row, 'reference'):.1f} | {_us(row, 'bf16'):.1f} | "
+                f"{row['bf16_pct']:.0f}% | {_us(row, 'bf16') / _us(row, 'kernel'):.2f}x | "
+                f"{_us(row, 'reference') / _us(row, 'kernel'):.2f}x | {row['kernel']['wall_us']:.1f} |")
 
 
 def _routing(key, m, e, topk):
@@ -194,7 +267,6 @@ def _routing(key, m, e, topk):
 def _slots_reference(x, gs, w, n_slots, rows, dtype=None):
     """The engine's plain-JAX decode path (inference.moe.routed_slots): one slot of ``rows`` rows per used expert,
     the expert's stored bytes gathered and dequantised (or bf16 experts gathered), batched GEMM."""
-    e = gs.shape[0]
     used = jnp.argsort(gs == 0, stable=True)[:n_slots]
     start = jnp.cumsum(gs) - gs
     r = start[used][:, None] + jnp.arange(rows)[None, :]
@@ -205,7 +277,6 @@ def _slots_reference(x, gs, w, n_slots, rows, dtype=None):
         wd = sel.dequantize(x.dtype)
     else:
         wd = w[used]
-    del e
     return jnp.einsum("srk,snk->srn", xs, wd)
 
 
@@ -221,20 +292,28 @@ def grouped_case(m, e, n, k, bw, tuning=None, baselines=True):
     per_expert = n * k // 2 + n * k // 32
     nbytes = used * per_expert + a * k * 2 + a * n * 2
     row = dict(section="grouped", m=m, experts=e, n=n, k=k, used_experts=used, bytes=nbytes, tuning=tuning or {})
-    t = timeit(jax.jit(lambda x, gss, w: [QG.fp4_grouped(x, g, w, backend=BE, tuning=tuning) for g in gss]),
-               x, gss, w) / r
-    row.update(kernel_us=t * 1e6, kernel_pct=100 * nbytes / t / bw)
+    kt = measure(jax.jit(lambda x, gss, w: [QG.fp4_grouped(x, g, w, backend=BE, tuning=tuning) for g in gss]),
+                 (x, gss, w), r, ("fp4_grouped_gemm",))
+    row.update(kernel=kt, kernel_pct=_pct(nbytes, kt["us"], bw))
+    g0, s0 = gss[0], int(jnp.sum(gss[0]))
+    want = jax.lax.ragged_dot(x.astype(jnp.float32), jnp.swapaxes(w.dequantize(jnp.float32), 1, 2), g0,
+                              precision=jax.lax.Precision.HIGHEST)
+    row["rel_err"] = rel_err(QG.fp4_grouped(x, g0, w, backend=BE, tuning=tuning)[:s0], want[:s0])
     if baselines:
-        n_slots = min(e, a)
+        if BASELINE is not None:
+            bt = measure(jax.jit(lambda x, gss, w: [BASELINE.fp4_grouped_gemm(x, g, w.values, w.scales,
+                                                                              interpret=SMOKE) for g in gss]),
+                         (x, gss, w), r, ("fp4_grouped_gemm",))
+            row.update(before=bt, before_pct=_pct(nbytes, bt["us"], bw))
+        # the slots baselines gather min(E, rows) dequantised experts per routing: capped so that M = 64 fits
+        n_slots = min(e, a, 256)
         rows = max(8, 1 << (m - 1).bit_length())
         f = jax.jit(lambda x, gss, w: [_slots_reference(x, g, w, n_slots, rows) for g in gss])
-        # each routing's gathered slots hold n_slots dequantised experts (9 GB at 384 bf16 experts): fewer routings
-        # per call for the baselines at large M (M = 64 with all 8 ran out of the H200's memory)
         rb = r if n_slots * n * k <= (1 << 31) else 2
-        row.update(reference_us=timeit(f, x, gss[:rb], w) / rb * 1e6)
+        row.update(reference=measure(f, (x, gss[:rb], w), rb))
         wb = w.dequantize(BF)
-        row.update(bf16_us=timeit(f, x, gss[:rb], wb) / rb * 1e6)
-        row.update(bf16_pct=100 * (used * n * k * 2 + a * k * 2 + a * n * 2) / (row["bf16_us"] * 1e-6) / bw)
+        row.update(bf16=measure(f, (x, gss[:rb], wb), rb))
+        row.update(bf16_pct=_pct(used * n * k * 2 + a * k * 2 + a * n * 2, row["bf16"]["us"], bw))
         del wb
     return row
 
@@ -243,27 +322,32 @@ def grouped_case(m, e, n, k, bw, tuning=None, baselines=True):
 def grouped(bw):
     cases = [(8, 96, 256), (8, 256, 96)] if SMOKE else [(384, 2304, 5120), (384, 5120, 2304)]
     ms = (1, 4) if SMOKE else MS
-    log("| M (x6 rows) | E, N x K | used experts | FP4 kernel µs | % of copy BW | plain-JAX slots µs | bf16 slots µs | "
-        "bf16 % BW | kernel vs bf16 |")
-    log("|---|---|---|---|---|---|---|---|---|")
+    log("| M (x6 rows) | E, N x K | used experts | FP4 kernel µs | % of copy BW | before µs | before % BW | "
+        "plain-JAX slots µs | bf16 slots µs | bf16 % BW | kernel vs bf16 | kernel vs plain-JAX | kernel wall µs |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e, n, k in cases:
         for m in ms:
             row = grouped_case(m, e, n, k, bw)
             RESULTS["rows"].append(row)
-            log(f"| {m} | {e}, {n}x{k} | {row['used_experts']:.1f} | {row['kernel_us']:.1f} | {row['kernel_pct']:.0f}% | "
-                f"{row['reference_us']:.1f} | {row['bf16_us']:.1f} | {row['bf16_pct']:.0f}% | "
-                f"{row['bf16_us'] / row['kernel_us']:.2f}x |")
+            log(f"| {m} | {e}, {n}x{k} | {row['used_experts']:.1f} | {_us(row, 'kernel'):.1f} | "
+                f"{row['kernel_pct']:.0f}% | {_us(row, 'before'):.1f} | {row.get('before_pct', float('nan')):.0f}% | "
+                f"{_us(row, 'reference'):.1f} | {_us(row, 'bf16'):.1f} | {row['bf16_pct']:.0f}% | "
+                f"{_us(row, 'bf16') / _us(row, 'kernel'):.2f}x | {_us(row, 'reference') / _us(row, 'kernel'):.2f}x | "
+                f"{row['kernel']['wall_us']:.1f} |")
 
 
 @section("tune")
 def tune(bw):
-    dense_cfgs = [dict(block_n=32, block_k=256, num_stages=4), dict(block_n=32, block_k=512, num_stages=3),
-                  dict(block_n=64, block_k=256, num_stages=4), dict(block_n=32, block_k=256, split_k=1)]
-    group_cfgs = [dict(block_n=32, block_k=256), dict(block_n=32, block_k=256, scale_broadcast=True),
-                  dict(block_n=64, block_k=256, scale_broadcast=True), dict(block_n=32, block_k=512, num_stages=3)]
+    dense_cfgs = [dict(block_n=16, split_k=4), dict(block_n=16, split_k=2), dict(block_n=32, split_k=4),
+                  dict(block_n=16, split_k=1), dict(block_n=16, split_k=4, num_warps=2),
+                  dict(block_n=16, block_k=512, split_k=2), dict(block_n=16, split_k=4, num_stages=4),
+                  dict(block_n=32, split_k=8, num_warps=8)]
+    group_cfgs = [dict(block_n=32, block_k=256), dict(block_n=16, block_k=256), dict(block_n=64, block_k=256),
+                  dict(block_n=32, block_k=512), dict(block_n=32, block_k=128), dict(block_n=32, num_warps=2),
+                  dict(block_n=64, block_k=256, num_warps=8), dict(block_n=32, num_stages=4)]
     if SMOKE:
         dense_cfgs, group_cfgs = dense_cfgs[:2], group_cfgs[:2]
-    gshapes = [(1, 8, 96, 256)] if SMOKE else [(8, 384, 2304, 5120)]
+    gshapes = [(1, 8, 96, 256)] if SMOKE else [(1, 384, 2304, 5120), (8, 384, 2304, 5120)]
     for m, e, n, k in gshapes:
         for cfg in group_cfgs:
             try:
@@ -272,8 +356,9 @@ def tune(bw):
                 log(f"grouped M={m} {n}x{k} {cfg}: {type(ex).__name__}: {str(ex)[:200]}")
                 continue
             RESULTS["tune"].append(row)
-            log(f"grouped M={m} {e}x{n}x{k} {cfg}: {row['kernel_us']:.1f} µs {row['kernel_pct']:.0f}%")
-    dshapes = [(1, 96, 256)] if SMOKE else [(1, 2304, 5120)]
+            log(f"grouped M={m} {e}x{n}x{k} {cfg}: {row['kernel']['us']:.1f} µs {row['kernel_pct']:.0f}% "
+                f"(wall {row['kernel']['wall_us']:.1f} µs; rel err {row['rel_err']:.1e})")
+    dshapes = [(1, 96, 256)] if SMOKE else [(1, 2304, 5120), (1, 1280, 5120), (32, 2304, 5120)]
     for m, n, k in dshapes:
         for cfg in dense_cfgs:
             try:
@@ -282,7 +367,8 @@ def tune(bw):
                 log(f"dense M={m} {n}x{k} {cfg}: {type(ex).__name__}: {str(ex)[:200]}")
                 continue
             RESULTS["tune"].append(row)
-            log(f"dense M={m} {n}x{k} {cfg}: {row['kernel_us']:.1f} µs {row['kernel_pct']:.0f}%")
+            log(f"dense M={m} {n}x{k} {cfg}: {row['kernel']['us']:.1f} µs {row['kernel_pct']:.0f}% "
+                f"(wall {row['kernel']['wall_us']:.1f} µs; rel err {row['rel_err']:.1e})")
 
 
 def main():
@@ -291,27 +377,34 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--sections", default="ceiling,check,grouped,dense,tune")
     ap.add_argument("--ms", default="1,8,32,64", help="token counts M for the dense / grouped tables")
+    ap.add_argument("--baseline-module", default=None,
+                    help="path of an earlier quant_gemm_gpu.py: its kernels are timed in the same run ('before')")
     args = ap.parse_args()
-    global MS
+    global MS, BASELINE
     MS = tuple(int(v) for v in args.ms.split(","))
+    if args.baseline_module:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("quant_gemm_gpu_before", args.baseline_module)
+        BASELINE = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(BASELINE)
     secs = args.sections.split(",")
     RESULTS["meta"] = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), jax=jax.__version__,
                            devices=[d.device_kind for d in jax.devices()], backend=BE)
     log(f"jax {jax.__version__} on {RESULTS['meta']['devices']}")
+
+    def save():  # after every section: a run stopped by its time limit keeps what it measured
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "results.json"), "w") as f:
+                json.dump(RESULTS, f, indent=1, default=str)
+
     bw = ceiling() if "ceiling" in secs else None
     bw = bw or DATASHEET_BW
-    if "check" in secs:
-        check()
-    if "grouped" in secs:
-        grouped(bw)
-    if "dense" in secs:
-        dense(bw)
-    if "tune" in secs:
-        tune(bw)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1, default=str)
+    for name, fn in (("check", check), ("grouped", grouped), ("dense", dense), ("tune", tune)):
+        if name in secs:
+            fn() if name == "check" else fn(bw)
+            save()
     log(f"\nerrors: {RESULTS['errors'] or 'none'}; checks ok: {all(c['ok'] for c in RESULTS['checks'])}")
     return 0 if not RESULTS["errors"] else 1
 

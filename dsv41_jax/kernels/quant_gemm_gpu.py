@@ -58,14 +58,6 @@ def _exp2_f32(e):
     return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
 
 
-def scale_factor(part, s_byte, extra_exp: int = 0):
-    """``part * 2^(s_byte - 127 + extra_exp)`` for e8m0 bytes (NaN for 0xFF), as two normal powers of two."""
-    t = s_byte.astype(jnp.int32) - 127 + extra_exp
-    lo = t >> 1  # floor(t / 2) (arithmetic shift)
-    out = part * _exp2_f32(lo) * _exp2_f32(t - lo)
-    return jnp.where(s_byte.astype(jnp.int32) == 255, jnp.float32(jnp.nan), out)
-
-
 def decode_e2m1_scaled(codes):
     """e2m1 codes (int32, 0..15) -> float16 ``value * 2^-14`` (exact), via the bit pattern."""
     bits = ((codes & 8) << 12) | ((codes & 7) << 9)  # < 2^16: exact in uint16
@@ -83,72 +75,102 @@ def _e8m0_mult(s_byte, extra_exp: int = 0):
     return jnp.where(s == 255, jnp.float32(jnp.nan), m)
 
 
+def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, block_n: int | None = None,
+                       block_k: int | None = None, split_k: int | None = None) -> tuple[int, int, int, int]:
+    """(block_m, block_n, block_k, split_k) for ``fp8_gemm``: at decode (M <= 64) the GEMM is a GEMV that must
+    stream the weight from every multiprocessor, so column blocks shrink to 16 rows and K is split until there are
+    about four programs per multiprocessor (each split keeps >= 2 K steps)."""
+    bm = block_m or min(64, max(16, _pow2(m)))
+    bk = max(SCALE_BLOCK, min(block_k or 256, _pow2(k)))
+    nm = -(-m // bm)
+    bn = block_n or (32 if nm * -(-n // 32) >= _TARGET_PROGRAMS else 16)
+    n_kb = -(-k // bk)
+    if split_k is None:
+        split_k = max(1, min(n_kb // 2, -(-_TARGET_PROGRAMS // (nm * -(-n // bn)))))
+    split_k = max(1, min(split_k, n_kb))
+    split_k = -(-n_kb // -(-n_kb // split_k))  # no split without K blocks
+    return bm, bn, bk, split_k
+
+
+_TARGET_PROGRAMS = 4 * 132  # an H200 has 132 multiprocessors; small programs, several resident on each
+
+
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages",
                                              "interpret"))
-def fp8_gemm(x, values, scales, *, block_m: int | None = None, block_n: int = 32, block_k: int = 256,
-             split_k: int | None = None, num_warps: int = 4, num_stages: int = 4, interpret: bool = False):
+def fp8_gemm(x, values, scales, *, block_m: int | None = None, block_n: int | None = None,
+             block_k: int | None = None, split_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
+             interpret: bool = False):
     """x [M, K] (bf16 / f32), values uint8 e4m3 bytes [N, K], scales uint8 [ceil(N/32), ceil(K/32)] -> [M, N]
     x.dtype."""
     m, k = x.shape
     n = values.shape[0]
-    bm = block_m or min(64, max(16, _pow2(m)))
-    mp = -(-m // bm) * bm
-    bk = max(SCALE_BLOCK, min(block_k, _pow2(k)))
-    bn = block_n
-    if bk % SCALE_BLOCK or bn % SCALE_BLOCK:
-        raise ValueError(f"block_k {bk} and block_n {bn} must be multiples of {SCALE_BLOCK}")
+    bm, bn, bk, split_k = fp8_default_tiling(m, n, k, block_m=block_m, block_n=block_n, block_k=block_k,
+                                             split_k=split_k)
+    if bk % SCALE_BLOCK or not (bn % SCALE_BLOCK == 0 or SCALE_BLOCK % bn == 0) or bn < 16:
+        raise ValueError(f"block_k {bk} must be a multiple of {SCALE_BLOCK}; block_n {bn} a multiple or a divisor "
+                         f"of it (>= 16)")
     n_kb = -(-k // bk)
-    kp = n_kb * bk
-    dot_dtype = jnp.float32 if x.dtype == jnp.float32 else jnp.bfloat16
-    xp = jnp.pad(x.astype(dot_dtype), ((0, mp - m), (0, kp - k)))  # zero K tail: masked weight columns add 0
-    nm, nn = mp // bm, -(-n // bn)
-    if split_k is None:  # enough programs for two waves over 132 multiprocessors, at least 4 K blocks each
-        split_k = max(1, min(n_kb // 4, -(-264 // (nm * nn))))
-    split_k = max(1, min(split_k, n_kb))
     kb_per = -(-n_kb // split_k)
-    tails = k % bk != 0 or n % bn != 0
+    nm, nn = -(-m // bm), -(-n // bn)
+    dot_dtype = jnp.float32 if x.dtype == jnp.float32 else jnp.bfloat16
+    xd = x.astype(dot_dtype)  # no copy for bf16 / float32 activations; rows and K are masked in the kernel
+    k_tail, n_tail, m_tail = k % bk != 0, n % bn != 0, m % bm != 0
     ks, ns = scales.shape
-    groups = bn // SCALE_BLOCK
+    groups = max(1, bn // SCALE_BLOCK)  # scale rows a column block spans
+    out_dtype = x.dtype if split_k == 1 else jnp.float32
 
     def kernel(x_ref, v_ref, s_ref, o_ref):
         mi, ni, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        rows = ni * bn + jnp.arange(bn)
-        rmask = rows < n
-        rows_c = jnp.minimum(rows, n - 1)
+        n0 = ni * bn
+        rows_m = mi * bm + jnp.arange(bm)
+        mmask = rows_m < m
+        rows_n = n0 + jnp.arange(bn)
+        nmask = rows_n < n
         local = jnp.arange(bn)[:, None]
 
         def body(t, acc):
             k0 = (si * kb_per + t) * bk
             cols = k0 + jnp.arange(bk)
-            if tails:
-                w = pltr.load(v_ref.at[rows_c[:, None], jnp.minimum(cols, k - 1)[None, :]],
-                              mask=rmask[:, None] & (cols < k)[None, :], other=0)
+            if k_tail or n_tail:
+                w = pltr.load(v_ref.at[jnp.minimum(rows_n, n - 1)[:, None], jnp.minimum(cols, k - 1)[None, :]],
+                              mask=nmask[:, None] & (cols < k)[None, :], other=0)
+            else:  # one contiguous bk-byte run per weight row: wide coalesced loads
+                w = v_ref[pl.ds(n0, bn), pl.ds(k0, bk)]
+            if k_tail or m_tail:
+                xc = pltr.load(x_ref.at[jnp.minimum(rows_m, m - 1)[:, None], jnp.minimum(cols, k - 1)[None, :]],
+                               mask=mmask[:, None] & (cols < k)[None, :], other=0)
             else:
-                w = v_ref[pl.ds(ni * bn, bn), pl.ds(k0, bk)]
+                xc = x_ref[pl.ds(mi * bm, bm), pl.ds(k0, bk)]
             scol = jnp.minimum(cols // SCALE_BLOCK, ns - 1)
-            # one scale row per 32 weight rows: [bk] multipliers per row group, selected by row
+            # the scale rows of this column block: [bk] multipliers each, selected by weight row
             mult = None
             for g in range(groups):
-                srow = jnp.minimum(ni * groups + g, ks - 1)
+                srow = jnp.minimum((n0 + g * SCALE_BLOCK) // SCALE_BLOCK, ks - 1)
                 mg = _e8m0_mult(pltr.load(s_ref.at[srow, scol]))[None, :]
                 mult = mg if mult is None else jnp.where(local >= g * SCALE_BLOCK, mg, mult)
             w = jax.lax.bitcast_convert_type(w, jnp.float8_e4m3fn)  # loaded as bytes (a masked fp8 load cannot lower)
             wd = (w.astype(jnp.float32) * mult).astype(dot_dtype)  # exact: e4m3 x 2^k
-            xc = x_ref[pl.ds(mi * bm, bm), pl.ds(k0, bk)]
             return acc + _dot_nt(xc, wd)
 
         start = si * kb_per
         steps = jnp.clip(n_kb - start, 0, kb_per)
-        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
-        o_ref[si, pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)] = acc
+        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32)).astype(o_ref.dtype)
+        lead = (si,) if split_k > 1 else ()  # one indexer per access (the Triton lowering takes no chains)
+        if m_tail or n_tail:  # unclamped (distinct) indices: masked lanes must not alias a written element
+            pltr.store(o_ref.at[lead + (rows_m[:, None], rows_n[None, :])], acc,
+                       mask=mmask[:, None] & nmask[None, :])
+        else:
+            o_ref[lead + (pl.ds(mi * bm, bm), pl.ds(n0, bn))] = acc
 
+    out_shape = (m, n) if split_k == 1 else (split_k, m, n)
     out = pl.pallas_call(
         kernel, grid=(nm, nn, split_k),
-        out_shape=jax.ShapeDtypeStruct((split_k, mp, nn * bn), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
         compiler_params=_params(num_warps, num_stages), interpret=interpret, name="fp8_block_gemm",
-    )(xp, values, scales)
-    y = out[0] if split_k == 1 else jnp.sum(out, axis=0)
-    return y[:m, :n].astype(x.dtype)
+    )(xd, values, scales)
+    if split_k == 1:
+        return out
+    return jnp.sum(out, axis=0).astype(x.dtype)  # one small fused reduction over the K splits
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -156,90 +178,112 @@ def fp8_gemm(x, values, scales, *, block_m: int | None = None, block_n: int = 32
 # ----------------------------------------------------------------------------------------------------------------
 
 def tile_metadata(group_sizes, n_rows: int, block_m: int):
-    """Row tiles of ``block_m`` rows that each lie inside one group (rows sorted by group).
+    """Row tiles of ``block_m`` rows that each lie inside one group (rows sorted by group), then tiles that zero the
+    rows past the groups' total.
 
     -> (tile_group, tile_row0, tile_rows) int32 [T] with T = ceil(n_rows / block_m) + min(n_groups, n_rows) (a
-    static bound: at most n_rows groups are non-empty); tiles past the real ones have ``tile_rows == 0``. Empty
-    groups get no tile."""
+    static bound: at most n_rows groups are non-empty). A GEMM tile has ``tile_rows > 0``; a zeroing tile
+    ``tile_rows < 0`` (-rows to zero from ``tile_row0``); the rest ``0`` (nothing to do). Empty groups get no tile.
+    T suffices: with S rows in ne non-empty groups, the GEMM tiles number <= S / bm + ne (bm - 1) / bm and the
+    zeroing tiles <= (A - S) / bm + (bm - 1) / bm, an integer sum < A / bm + ne + 1, so <= ceil(A / bm) + ne."""
     g = group_sizes.shape[0]
     gs = group_sizes.astype(jnp.int32)
     tiles = (gs + block_m - 1) // block_m
     tile_end = jnp.cumsum(tiles)
     tile_start = tile_end - tiles
     row_start = jnp.cumsum(gs) - gs
+    total = jnp.sum(gs)
     t_max = -(-n_rows // block_m) + min(g, n_rows)
     t = jnp.arange(t_max, dtype=jnp.int32)
     # a comparison count, not jnp.searchsorted's default scan: no loop in the XLA program around the kernel
     grp = jnp.clip(jnp.searchsorted(tile_end, t, side="right", method="compare_all"), 0, g - 1).astype(jnp.int32)
     r0 = row_start[grp] + (t - tile_start[grp]) * block_m
     nr = jnp.clip(row_start[grp] + gs[grp] - r0, 0, block_m)
-    nr = jnp.where(t < tile_end[-1], nr, 0)
-    return grp, jnp.where(nr > 0, r0, 0).astype(jnp.int32), nr.astype(jnp.int32)
+    gemm = t < tile_end[-1]
+    z0 = total + (t - tile_end[-1]) * block_m  # zeroing tiles follow the GEMM tiles
+    nz = jnp.clip(n_rows - z0, 0, block_m)
+    r0 = jnp.where(gemm, jnp.where(nr > 0, r0, 0), jnp.where(nz > 0, z0, 0))
+    nr = jnp.where(gemm, nr, -nz)
+    return grp, r0.astype(jnp.int32), nr.astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
                                              "interpret"))
-def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = None, block_n: int = 64,
-                     block_k: int = 64, num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = None, block_n: int = 32,
+                     block_k: int = 256, num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
     """x [A, K] rows sorted by group; group_sizes [E] (sum <= A; rows past the sum give 0); values uint8
     [E, N, K/2]; scales uint8 [E, N, K/32] -> [A, N] in x.dtype."""
     a, k = x.shape
     e, n, kh = values.shape
     bm = block_m or (16 if a <= 1024 else 64)  # decode: an expert holds <= M rows, mostly a handful
-    bk = max(SCALE_BLOCK, min(block_k, _pow2(k)))  # values per K step (bk / 2 packed bytes)
-    assert bk % SCALE_BLOCK == 0 and k % SCALE_BLOCK == 0
+    bk = max(SCALE_BLOCK, min(block_k, _pow2(k)))  # values per K step (bk / 2 packed bytes, bk / 32 scales)
+    if bk % SCALE_BLOCK or k % SCALE_BLOCK:
+        raise ValueError(f"block_k {bk} and K {k} must be multiples of {SCALE_BLOCK}")
     bn = block_n
+    bkh, sg = bk // 2, bk // SCALE_BLOCK
+    hb = SCALE_BLOCK // 2  # packed bytes per scale
     dot_dtype = jnp.float32 if x.dtype == jnp.float32 else jnp.bfloat16
     xd = x.astype(dot_dtype)
-    x_even, x_odd = xd[:, 0::2], xd[:, 1::2]  # element 2j meets the low nibble of byte j, 2j+1 the high one
     grp, r0s, nrs = tile_metadata(group_sizes, a, bm)
     t_max = grp.shape[0]
     n_steps = -(-k // bk)
-    k_tail = k % bk != 0
-    hb = SCALE_BLOCK // 2  # packed bytes per scale
+    k_tail, n_tail = k % bk != 0, n % bn != 0
 
-    def kernel(g_ref, r0_ref, nr_ref, xe_ref, xo_ref, v_ref, s_ref, o_ref):
+    def kernel(g_ref, r0_ref, nr_ref, x_ref, v_ref, s_ref, o_ref):
         ti, ni = pl.program_id(0), pl.program_id(1)
         ex, r0, nr = g_ref[ti], r0_ref[ti], nr_ref[ti]
+        rows = r0 + jnp.arange(bm)
+        cols_n = ni * bn + jnp.arange(bn)
+        nmask = cols_n < n
 
         @pl.when(nr > 0)
         def _():
-            rows = r0 + jnp.arange(bm)
             rmask = jnp.arange(bm) < nr
             rows_c = jnp.minimum(rows, a - 1)
-            cols_n = ni * bn + jnp.arange(bn)
-            nmask = cols_n < n
             cols_nc = jnp.minimum(cols_n, n - 1)
 
             def body(t, acc):
-                for j in range(bk // SCALE_BLOCK):
-                    b0 = t * (bk // 2) + j * hb  # first packed byte of this scale block
-                    cb = b0 + jnp.arange(hb)
-                    cmask = cb < kh
-                    cbc = jnp.minimum(cb, kh - 1)
-                    wmask = nmask[:, None] & cmask[None, :]
-                    v = pltr.load(v_ref.at[ex, cols_nc[:, None], cbc[None, :]], mask=wmask, other=0)
-                    v = v.astype(jnp.int32)
-                    lo = decode_e2m1_scaled(v & 15).astype(dot_dtype)  # [bn, 16]
-                    hi = decode_e2m1_scaled(v >> 4).astype(dot_dtype)
-                    xmask = rmask[:, None] & cmask[None, :]
-                    xe = pltr.load(xe_ref.at[rows_c[:, None], cbc[None, :]], mask=xmask, other=0)
-                    xo = pltr.load(xo_ref.at[rows_c[:, None], cbc[None, :]], mask=xmask, other=0)
-                    part = _dot_nt(xe, lo) + _dot_nt(xo, hi)  # [bm, bn] x (value * 2^-14)
-                    sc = pltr.load(s_ref.at[ex, cols_nc, jnp.minimum(b0 // hb, k // SCALE_BLOCK - 1)])  # [bn]
-                    acc = acc + scale_factor(part, sc[None, :], 14)
-                return acc
+                cb = t * bkh + jnp.arange(bkh)  # packed bytes
+                cs = t * sg + jnp.arange(sg)  # scale columns
+                cx = t * bk + jnp.arange(bk)  # activation columns
+                if k_tail or n_tail:
+                    v = pltr.load(v_ref.at[ex, cols_nc[:, None], jnp.minimum(cb, kh - 1)[None, :]],
+                                  mask=nmask[:, None] & (cb < kh)[None, :], other=0)
+                    s = pltr.load(s_ref.at[ex, cols_nc[:, None], jnp.minimum(cs, k // SCALE_BLOCK - 1)[None, :]],
+                                  mask=nmask[:, None] & (cs < k // SCALE_BLOCK)[None, :], other=127)
+                else:  # contiguous bk / 2-byte runs per weight row
+                    v = v_ref[ex, pl.ds(ni * bn, bn), pl.ds(t * bkh, bkh)]
+                    s = s_ref[ex, pl.ds(ni * bn, bn), pl.ds(t * sg, sg)]
+                cxc = jnp.minimum(cx, k - 1) if k_tail else cx  # unclamped: the compiler sees contiguous runs
+                xc = pltr.load(x_ref.at[rows_c[:, None], cxc[None, :]],
+                               mask=rmask[:, None] & (cx < k)[None, :], other=0)
+                # element 2j of the chunk meets the low nibble of byte j, 2j+1 the high one
+                xe, xo = jax.lax.unstack(xc.reshape(bm, bkh, 2), axis=2)
+                # scale x 2^14 (the decoded nibbles are value x 2^-14): one float32 power of two for bytes <= 240;
+                # larger bytes (weights >= 2^113: none a quantiser writes) and 0xFF give NaN, never a wrong number
+                si = s.astype(jnp.int32)
+                mult = jax.lax.bitcast_convert_type((si + 14) << 23, jnp.float32)
+                mult = jnp.where(si > 240, jnp.float32(jnp.nan), mult)[:, :, None]
+                vi = v.astype(jnp.int32)
+
+                def dequant(codes):  # [bn, bk/2] codes -> scaled weights in the dot dtype (exact)
+                    d = decode_e2m1_scaled(codes).astype(jnp.float32).reshape(bn, sg, hb)
+                    return (d * mult).reshape(bn, bkh).astype(dot_dtype)
+
+                return acc + _dot_nt(xe, dequant(vi & 15)) + _dot_nt(xo, dequant(vi >> 4))
 
             acc = jax.lax.fori_loop(0, n_steps, body, jnp.zeros((bm, bn), jnp.float32))
             # unclamped (distinct) indices: masked lanes must not alias a written element
             pltr.store(o_ref.at[rows[:, None], cols_n[None, :]], acc.astype(o_ref.dtype),
                        mask=rmask[:, None] & nmask[None, :])
 
-    out = pl.pallas_call(
+        @pl.when(nr < 0)
+        def _():  # rows past the groups' total: defined as 0 here, no pass over the output in XLA
+            zmask = (jnp.arange(bm) < -nr)[:, None] & nmask[None, :]
+            pltr.store(o_ref.at[rows[:, None], cols_n[None, :]], jnp.zeros((bm, bn), o_ref.dtype), mask=zmask)
+
+    return pl.pallas_call(
         kernel, grid=(t_max, -(-n // bn)),
         out_shape=jax.ShapeDtypeStruct((a, n), x.dtype),
         compiler_params=_params(num_warps, num_stages), interpret=interpret, name="fp4_grouped_gemm",
-    )(grp, r0s, nrs, x_even, x_odd, values, scales)
-    # rows that no tile covers (past sum(group_sizes)) are left unwritten by the kernel: define them as 0
-    covered = jnp.arange(a) < jnp.sum(group_sizes)
-    return jnp.where(covered[:, None], out, jnp.zeros((), out.dtype))
+    )(grp, r0s, nrs, xd, values, scales)
