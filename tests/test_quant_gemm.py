@@ -67,6 +67,49 @@ def test_fp4_grouped_kernels_equal_ragged_reference(backend):
     np.testing.assert_array_equal(np.asarray(got)[11:], 0.0)
 
 
+def test_gpu_kernel_tilings_are_exact_on_the_contiguous_paths():
+    """Shapes that divide the blocks take the kernels' contiguous-load paths (the cases above take the masked
+    ones); K splits, 16- and 64-row column blocks, and rows past the groups' total zeroed by the spare tiles."""
+    rng = np.random.default_rng(4)
+    w = _weights(rng, (64, 512), N.FP8_BLOCK)
+    x = jnp.asarray(rng.standard_normal((16, 512)), jnp.float32)
+    want = np.asarray(x, np.float64) @ np.asarray(w.dequantize(), np.float64).T
+    for tuning in (dict(block_n=16, block_k=128, split_k=3),):
+        got = QG.fp8_linear(x, w, backend="pallas_gpu_interpret", tuning=tuning)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(tuning))
+    w4 = _weights(rng, (3, 64, 512), N.FP4_ROWS, scale=0.1)
+    gs = jnp.array([3, 0, 9], jnp.int32)
+    x = Q.fake_quant_gemm_input_fp8(jnp.asarray(rng.standard_normal((16, 512)), jnp.float32), 32)
+    wd = np.asarray(w4.dequantize(), np.float64)
+    want = np.zeros((16, 64))
+    want[:3], want[3:12] = np.asarray(x[:3], np.float64) @ wd[0].T, np.asarray(x[3:12], np.float64) @ wd[2].T
+    for tuning in (dict(block_m=16, block_n=64, block_k=128),):
+        got = QG.fp4_grouped(x, gs, w4, backend="pallas_gpu_interpret", tuning=tuning)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(tuning))
+
+
+def test_gpu_kernels_refuse_operands_the_lowering_would_address_wrong():
+    """2-4 GiB operands get 32-bit signed offsets in the Triton lowering (wrong past 2 GiB): a clear error at trace
+    time (abstract shapes, nothing allocated), not a silently wrong GEMM."""
+    from dsv41_jax.checkpoint.quantized import QuantizedTensor
+
+    e, n, k = 384, 2304, 5120  # the release's routed-expert w1 stack on one device: 2.26 GB of packed bytes
+    sds = jax.ShapeDtypeStruct
+
+    def call(v, s, x, gs):
+        return QG.fp4_grouped(x, gs, QuantizedTensor(v, s, N.FP4_ROWS, (e, n, k), (1, 32)),
+                              backend="pallas_gpu_interpret")
+
+    args = (sds((e, n, k // 2), jnp.uint8), sds((e, n, k // 32), jnp.uint8), sds((6, k), jnp.bfloat16),
+            sds((e,), jnp.int32))
+    with pytest.raises(QG.QuantGemmError, match="32-bit signed offsets"):
+        jax.eval_shape(call, *args)
+    e = 256  # 1.5 GB: accepted
+    args = (sds((e, n, k // 2), jnp.uint8), sds((e, n, k // 32), jnp.uint8), sds((6, k), jnp.bfloat16),
+            sds((e,), jnp.int32))
+    assert jax.eval_shape(call, *args).shape == (6, n)
+
+
 def test_moe_and_linear_take_the_kernels_through_the_weight_marker():
     """``Fp8GemmInput(w, gemm=...)`` routes the serving MoE's routed experts to the grouped kernel (bf16
     activations); it equals the engine's plain-JAX decode path (``routed_slots``) on the same weights."""

@@ -94,6 +94,20 @@ def _check_fp4(w):
                              f"{w.scales.dtype} {tuple(w.scales.shape)}")
 
 
+def _check_gpu_addressing(what: str, *arrays):
+    """The Pallas Triton lowering computes element offsets in 32-bit signed integers for arrays of at most 4 GiB
+    (64-bit above): an array of 2-4 GiB is silently addressed wrong past its first 2 GiB (seen on an H200: the
+    experts past 2^31 bytes of a 384-expert 2304 x 5120 FP4 stack read other bytes). Refuse it instead."""
+    for a in arrays:
+        nbytes = int(a.size) * jnp.dtype(a.dtype).itemsize
+        if 2 ** 31 <= nbytes <= 2 ** 32:
+            raise QuantGemmError(
+                f"{what}: a {tuple(a.shape)} {a.dtype} operand of {nbytes / 2 ** 30:.2f} GiB lies in the 2-4 GiB "
+                f"range that the Pallas GPU lowering addresses with 32-bit signed offsets (wrong results); keep "
+                f"each device's stack under 2 GiB (e.g. shard the experts over more devices) or use "
+                f"backend='reference'")
+
+
 def fp8_linear(x: jax.Array, w, *, backend: str = "auto", tuning: dict | None = None) -> jax.Array:
     """x [..., K] · w [N, K]ᵀ -> [..., N] (x.dtype) for an FP8 32 x 32 block-scaled QuantizedTensor ``w``."""
     _check_fp8(w)
@@ -107,6 +121,7 @@ def fp8_linear(x: jax.Array, w, *, backend: str = "auto", tuning: dict | None = 
     elif be.startswith("pallas_gpu"):
         from dsv41_jax.kernels import quant_gemm_gpu as G
 
+        _check_gpu_addressing("fp8_linear", w.values, x2)
         y = G.fp8_gemm(x2, w.values, w.scales, interpret=be.endswith("interpret"), **(tuning or {}))
     else:
         from dsv41_jax.kernels import quant_gemm_tpu as T
@@ -135,6 +150,7 @@ def fp4_grouped(x: jax.Array, group_sizes: jax.Array, w, *, backend: str = "auto
     if be.startswith("pallas_gpu"):
         from dsv41_jax.kernels import quant_gemm_gpu as G
 
+        _check_gpu_addressing("fp4_grouped", w.values, w.scales, x)
         return G.fp4_grouped_gemm(x, gs, w.values, w.scales, interpret=be.endswith("interpret"), **(tuning or {}))
     from dsv41_jax.kernels import quant_gemm_tpu as T
 

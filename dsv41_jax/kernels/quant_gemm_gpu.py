@@ -2,29 +2,35 @@
 
 * ``fp8_gemm``: ``x [M, K] · w [N, K]ᵀ`` with ``w`` e4m3 bytes and one e8m0 scale per 32 x 32 block. Grid
   (row block, column block, K split). Each program streams its ``block_n`` weight rows through the K loop in
-  ``block_k``-wide tiles: the tile's bytes are converted e4m3 -> float32 in registers, multiplied by their block
-  scale (a [block_k] vector of multipliers per 32 weight rows, gathered from the few scale bytes), cast to the dot
-  dtype (exact: <= 4 significant bits times a power of two) and multiplied with the activations on the tensor
-  cores, float32 accumulation. Decode shapes (M <= 64, N a few thousand) give too few column blocks to fill the
-  132 multiprocessors, so K is split and the float32 partial sums are added in XLA.
+  ``block_k``-wide tiles (one contiguous run of bytes per row when the shape divides the blocks): the tile's bytes
+  are converted e4m3 -> float32 in registers, multiplied by their block scale (a [block_k] vector of multipliers
+  per 32 weight rows, gathered from the few scale bytes), cast to the dot dtype (exact: <= 4 significant bits times
+  a power of two) and multiplied with the activations on the tensor cores, float32 accumulation. Rows past M and
+  K past the end are masked in the kernel (no padded copy of x); without a K split the kernel writes the [M, N]
+  output in x.dtype, with one the float32 partial sums are added by one small XLA reduction. Decode shapes (M <= 64,
+  N a few thousand) give too few column blocks to fill the 132 multiprocessors: ``fp8_default_tiling`` splits K.
 * ``fp4_grouped_gemm``: rows sorted by expert (``group_sizes``), ``w [E, N, K/2]`` two e2m1 codes per byte
   (element 2j in the low nibble, 2j+1 in the high one, as ``checkpoint.quantized``) and one e8m0 scale per 32 along
   K. Grid (row tile, column block): each row tile belongs to one expert (tile metadata from XLA: expert, first row,
-  row count; at most ``ceil(rows / block_m) + min(E, rows)`` tiles, those past the real ones do nothing), so an
-  expert that received no rows is never read. Per 32-value K chunk (16 packed bytes, one scale) the codes are
-  decoded in registers: ``sign << 15 | magnitude << 9`` is the float16 bit pattern of ``value * 2^-14`` (the e2m1
-  exponent lands in float16's, magnitude 1 becomes the float16 subnormal 2^-15), exact in the dot dtype; the
-  activations are split into even / odd columns by XLA so low and high nibbles each meet their own input column,
-  and the chunk's scale x 2^14 multiplies the [block_m, block_n] partial product (as two normal float32 powers of
-  two, so every scale byte is exact).
+  row count; at most ``ceil(rows / block_m) + min(E, rows)`` tiles), so an expert that received no rows is never
+  read; the spare tiles write the zeros of the rows past the groups' total. Per K step a program loads
+  ``block_k / 2`` contiguous packed bytes and ``block_k / 32`` scale bytes per weight row and decodes them in
+  registers: ``sign << 15 | magnitude << 9`` is the float16 bit pattern of ``value * 2^-14`` (the e2m1 exponent
+  lands in float16's, magnitude 1 becomes the float16 subnormal 2^-15), widened to float32 and multiplied by the
+  scale x 2^14 broadcast over its 16 bytes (a reshape in registers) — exact; the activation tile is split into even
+  / odd columns in registers, so each nibble half is one tensor-core dot per K step.
 
 Scales: e8m0 byte b -> 2^(b - 127) built from the exponent bits, 0xFF -> NaN, as ``checkpoint.quantized``. In the
 FP8 kernel the dequantised weight ``value * 2^(b - 127)`` is exact while it is a normal float32, i.e. for scale
-bytes >= 10 — every scale a quantiser writes for real weights is far above.
+bytes >= 10; in the FP4 kernel for bytes 2..240 (bytes 241..254, weights >= 2^113, give NaN, never a wrong
+number) — every scale a quantiser writes for real weights is far inside both.
 
-Measured on the H200 (benchmarks/RESULTS.md): correct, faster than the plain-JAX dequantise-then-GEMM path, but far
-from the bandwidth goal (FP8 dense <= 22 % of the copy bandwidth, FP4 grouped <= 16 %); this layout (two e2m1
-nibbles per byte, scales per 32 values) is decoded on the CUDA cores, and where the time goes is not yet profiled.
+Addressing: the Triton lowering uses 32-bit signed element offsets for arrays of at most 4 GiB, so an operand of
+2-4 GiB is addressed wrong past 2 GiB; ``quant_gemm`` refuses such operands (see ``_check_gpu_addressing``).
+
+Measured on an H200 (benchmarks/RESULTS.md): correct; the FP4 grouped kernel 2-3x faster than its first version
+but both kernels far from the bandwidth goal (FP8 dense 19-48 % of the copy bandwidth at decode shapes, FP4 grouped
+17-31 %).
 """
 
 from __future__ import annotations
@@ -77,22 +83,20 @@ def _e8m0_mult(s_byte, extra_exp: int = 0):
 
 def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, block_n: int | None = None,
                        block_k: int | None = None, split_k: int | None = None) -> tuple[int, int, int, int]:
-    """(block_m, block_n, block_k, split_k) for ``fp8_gemm``: at decode (M <= 64) the GEMM is a GEMV that must
-    stream the weight from every multiprocessor, so column blocks shrink to 16 rows and K is split until there are
-    about four programs per multiprocessor (each split keeps >= 2 K steps)."""
+    """(block_m, block_n, block_k, split_k) for ``fp8_gemm``. Decode shapes (M <= 64, N a few thousand) give too
+    few column blocks to fill the 132 multiprocessors, so K is split until there are about two programs per
+    multiprocessor, each split keeping >= 4 K steps. Measured on an H200 (benchmarks/RESULTS.md): 32-row column
+    blocks with this split beat 16-row blocks with twice the programs (2304 x 5120 at M = 1: 11.9 vs 17.7 µs)."""
     bm = block_m or min(64, max(16, _pow2(m)))
     bk = max(SCALE_BLOCK, min(block_k or 256, _pow2(k)))
     nm = -(-m // bm)
-    bn = block_n or (32 if nm * -(-n // 32) >= _TARGET_PROGRAMS else 16)
+    bn = block_n or 32
     n_kb = -(-k // bk)
     if split_k is None:
-        split_k = max(1, min(n_kb // 2, -(-_TARGET_PROGRAMS // (nm * -(-n // bn)))))
+        split_k = max(1, min(n_kb // 4, -(-264 // (nm * -(-n // bn)))))
     split_k = max(1, min(split_k, n_kb))
     split_k = -(-n_kb // -(-n_kb // split_k))  # no split without K blocks
     return bm, bn, bk, split_k
-
-
-_TARGET_PROGRAMS = 4 * 132  # an H200 has 132 multiprocessors; small programs, several resident on each
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages",
@@ -209,7 +213,7 @@ def tile_metadata(group_sizes, n_rows: int, block_m: int):
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
                                              "interpret"))
-def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = None, block_n: int = 32,
+def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = None, block_n: int = 64,
                      block_k: int = 256, num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
     """x [A, K] rows sorted by group; group_sizes [E] (sum <= A; rows past the sum give 0); values uint8
     [E, N, K/2]; scales uint8 [E, N, K/32] -> [A, N] in x.dtype."""
