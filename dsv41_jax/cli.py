@@ -185,6 +185,22 @@ def _generate_speculative(args, engine, reqs, on_token):
         f"{', '.join(r.finish_reason for r in results)}"]
 
 
+def _quantized_gemm_option(name: str, weights: str | None, platform: str) -> tuple[str, str]:
+    """(``--quantized-gemm`` as given, the backend it resolves to here), checked against ``--weights`` and the
+    platform before anything is loaded: a clear error, not a lowering failure inside the first step."""
+    from dsv41_jax.kernels.quant_gemm import resolve_backend  # unknown names: QuantGemmError (a ValueError)
+
+    resolved = resolve_backend(name)
+    if name != "reference" and weights == "bf16":
+        raise ValueError(f"--quantized-gemm {name}: bf16 weights have no FP8 / FP4 GEMMs; the option applies to "
+                         "--weights release")
+    needs = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}.get(resolved)
+    if needs and platform != needs:
+        raise ValueError(f"--quantized-gemm {name}: the {resolved} kernels need a {needs.upper()}, this run is on "
+                         f"{platform} (use auto, reference or {resolved}_interpret)")
+    return name, resolved
+
+
 def _cmd_generate(args) -> int:
     import jax
 
@@ -195,6 +211,7 @@ def _cmd_generate(args) -> int:
 
     cache_setting = False if args.no_compilation_cache else None
     enable_compilation_cache(cache_setting)  # before anything compiles (loading the weights does)
+    qgemm, qgemm_resolved = _quantized_gemm_option(args.quantized_gemm, args.weights, jax.default_backend())
     config, params, tokenizer, source = _load_for_generate(args)
     prompt = tokenizer.encode(args.prompt, add_bos=True)
     n = args.num_samples
@@ -204,10 +221,14 @@ def _cmd_generate(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     max_len = args.max_len or len(prompt) + args.max_new_tokens
     fast = args.fast_compile == "on" or (args.fast_compile == "auto" and jax.default_backend() == "cpu")
-    opts = InferenceOptions(ced=not args.no_ced, compiler_options=FAST_COMPILE if fast else ())
+    opts = InferenceOptions(ced=not args.no_ced, compiler_options=FAST_COMPILE if fast else (),
+                            quantized_gemm=qgemm)
     engine = Engine(config, params, max_batch=n, max_len=max_len, tokenizer=tokenizer,
                     prefill_chunk=args.prefill_chunk, options=opts, compilation_cache=cache_setting,
                     weights=args.weights, cache=args.cache)
+    if qgemm != "reference" and engine.weights_format != "release":  # --weights left to the parameters' form
+        raise ValueError(f"--quantized-gemm {qgemm}: these weights are served in bf16 (no FP8 / FP4 GEMMs); the "
+                         "option applies to --weights release")
     err = sys.stderr
     print(f"# {config.name}: {config.num_hidden_layers} layers, d={config.hidden_size}, {source}; prompt "
           f"{len(prompt)} tokens, {n} sample(s), max_len {max_len}, {jax.default_backend()}"
@@ -215,7 +236,9 @@ def _cmd_generate(args) -> int:
           file=err)
     dtype = str(engine.cache_dtype.name if hasattr(engine.cache_dtype, "name") else engine.cache_dtype)
     print(f"# {engine.footprint().describe()}", file=err)
-    print(f"# weights [{engine.weights_format}]: {engine.weight_bytes():,} B; cache [{args.cache}]: "
+    gemms = (f" (FP8 / FP4 GEMMs: {qgemm}" + (f" -> {qgemm_resolved}" if qgemm_resolved != qgemm else "") + ")"
+             if engine.weights_format == "release" else "")
+    print(f"# weights [{engine.weights_format}]: {engine.weight_bytes():,} B{gemms}; cache [{args.cache}]: "
           f"{engine.footprint().per_token:,.1f} B/token", file=err)
     release = cache_footprint(config, "release")
     print(f"# released FP4/FP8 storage would be {release.per_token:,.1f} B/token ({dtype} here: "
@@ -328,6 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--weights", choices=("bf16", "release"), default=None, help="release: FP8 / FP4 weights on "
                    "device, GEMM inputs rounded to FP8 [default: release for quantised parameters, else bf16]")
     s.add_argument("--cache", choices=("bf16", "release"), default="bf16", help="release: packed FP8 / FP4 KV cache")
+    s.add_argument("--quantized-gemm", default="reference", metavar="BACKEND",
+                   help="with --weights release, how the FP8 / FP4 GEMMs run: reference (dequantise, then an XLA "
+                        "GEMM), auto (the Pallas kernels reading the stored bytes on GPU / TPU, reference on CPU), "
+                        "pallas_gpu, pallas_tpu, or pallas_gpu_interpret / pallas_tpu_interpret (CPU checks) "
+                        "[default: reference]")
     _add_speculative_arguments(s)
     s.set_defaults(fn=_cmd_generate)
     from dsv41_jax.train.cli import add_parser as _add_train_parser  # `dsv41 train` (dsv41_jax/train/cli.py)

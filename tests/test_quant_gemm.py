@@ -209,3 +209,20 @@ def test_mosaic_quant_gemm_kernels_compile_for_tpu_v5p():
     proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "OK True"  # both Mosaic kernels are in the compiled programs
+
+
+def test_cli_quantized_gemm_option_fails_early_with_clear_errors(capsys):
+    """`dsv41 generate --quantized-gemm`: unknown names, kernels for another platform and bf16 weights are refused
+    before any weight is loaded or compiled; `auto` resolves to the reference on CPU. (A full `--weights release
+    --quantized-gemm auto` generation is a 2-minute CPU run: not repeated here, see the inference tests.)"""
+    from dsv41_jax.cli import _quantized_gemm_option, main
+
+    base = ["generate", "--config", "tiny", "--max-new-tokens", "1", "--no-compilation-cache"]
+    for extra, msg in ((["--quantized-gemm", "cuda"], "unknown quantized_gemm backend 'cuda'"),
+                       (["--weights", "release", "--quantized-gemm", "pallas_tpu"], "kernels need a TPU"),
+                       (["--weights", "bf16", "--quantized-gemm", "auto"], "applies to --weights release")):
+        assert main(base + extra) == 2
+        assert msg in capsys.readouterr().err
+    assert _quantized_gemm_option("auto", "release", "cpu") == ("auto", "reference")
+    assert _quantized_gemm_option("pallas_gpu", None, "gpu") == ("pallas_gpu", "pallas_gpu")
+    assert _quantized_gemm_option("pallas_gpu_interpret", "release", "cpu")[1] == "pallas_gpu_interpret"
