@@ -3,6 +3,8 @@
 
     PYTHONUNBUFFERED=1 python benchmarks/bench_quant_gemm.py --out DIR     # on the GPU
     python benchmarks/bench_quant_gemm.py --smoke                          # CPU: tiny sizes, interpret mode
+    ... --baseline-module OLD/quant_gemm_gpu.py    # also time an earlier version of the kernels ("before")
+    ... --quick                                    # fewer shapes, kernels only (no plain-JAX / bf16 baselines)
 
 Sections (each guarded: a failing section is reported and the rest still runs):
   ceiling  measured HBM copy bandwidth (read + write bytes of a 4 GiB copy): the denominator of every % below
@@ -10,14 +12,18 @@ Sections (each guarded: a failing section is reported and the rest still runs):
   check    kernels vs the reference ON THE GPU (bf16 activations; FP8 dense and FP4 grouped, ragged / empty groups).
   dense    FP8 32x32-block weights [N, K] at M = 1, 8, 32, 64 tokens, the release's projection shapes
            (wq_a 1280x5120, wq_b 32768x1280, shared expert w1 2304x5120 / w2 5120x2304).
-  grouped  FP4 routed experts (384 experts, width 2304, hidden 5120, top-6 of random routing) at M = 1..64: the
+  grouped  FP4 routed experts (256 experts, width 2304, hidden 5120, top-6 of random routing) at M = 1..64: the
            kernel reads only the experts that received rows; baselines: the engine's plain-JAX path (gather the
            used experts' stored bytes, dequantise, batched GEMM over expert slots) and the same with bf16 experts.
   tune     a few block configurations of each kernel at decode shapes.
 Order run: ceiling, check, grouped, dense, tune (``--sections``); ``--ms`` picks the token counts.
 Bytes counted = bytes the GEMM must read (weights + scales of what it uses, activations) + output written.
 Timing: each jitted call runs R independent GEMMs on R distinct weight sets (together larger than the 50 MB L2),
-median of 5 repetitions, divided by R. Results: DIR/results.json, DIR/results.md (and the tables on stdout).
+divided by R. The tables' µs are DEVICE time: one call traced with ``jax.profiler.trace``, the durations of every
+kernel on the device's streams summed (the GEMM kernel plus the small XLA ops around it; launch gaps not counted);
+the host-clock median of 5 calls is kept as ``wall_us`` ("kernel wall µs"). Every row also checks the kernel's
+result against float32 (``rel_err``). Results: DIR/results.json, written after each section (and the tables on
+stdout).
 """
 
 from __future__ import annotations

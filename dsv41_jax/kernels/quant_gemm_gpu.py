@@ -59,11 +59,6 @@ def _dot_nt(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
-def _exp2_f32(e):
-    """2.0 ** e (int32 tensor, |e| <= 126) as float32, built from the exponent bits (exact, never subnormal)."""
-    return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
-
-
 def decode_e2m1_scaled(codes):
     """e2m1 codes (int32, 0..15) -> float16 ``value * 2^-14`` (exact), via the bit pattern."""
     bits = ((codes & 8) << 12) | ((codes & 7) << 9)  # < 2^16: exact in uint16
