@@ -171,7 +171,7 @@ def reduced_config(config, layers: int):
 
 
 def compile_step(config, mode: str, topology: str, mesh_shape_: dict, rules: str, batch: int, seq: int,
-                 rank: int, query_chunk: int, remat: str) -> dict:
+                 rank: int, query_chunk: int, remat: str, remat_scope: str = "forward") -> dict:
     import jax
     import jax.numpy as jnp
     from jax.experimental import topologies
@@ -186,7 +186,7 @@ def compile_step(config, mode: str, topology: str, mesh_shape_: dict, rules: str
     mesh = par.make_mesh(mesh_shape_, devices=devices)
     tc = TrainConfig(seq_len=seq, batch_size=batch, steps=1000, compute_dtype="bfloat16", lora=mode != "full",
                      lora_rank=rank, lora_alpha=2.0 * rank, query_chunk=query_chunk, remat=remat,
-                     moe_impl="expert_parallel")
+                     remat_scope=remat_scope, moe_impl="expert_parallel")
     step = make_train_step(config, tc, mesh=mesh, rules=rules)
     abstract = step.abstract_state()
     sh = step.state_shardings()
@@ -283,6 +283,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rules", default="pod")
     ap.add_argument("--query-chunk", type=int, default=512)
     ap.add_argument("--remat", default="full", help="jax.checkpoint policy of the compiled step")
+    ap.add_argument("--remat-scope", choices=("forward", "layer"), default="forward",
+                    help="the policy around the whole forward, or around each decoder layer")
     ap.add_argument("--slices", default=",".join(V5P_TOPOLOGIES), help="candidate v5p slices, smallest first")
     ap.add_argument("--compile", default=None, metavar="SLICE", help="AOT-compile the depth-N step on this slice")
     ap.add_argument("--layers", type=int, default=2, help="depth of the compiled twin")
@@ -317,7 +319,8 @@ def main(argv=None) -> dict:
             log(f"{mode}: compiling the depth-{args.layers} step on {args.compile} {ms}, batch {args.batch} x "
                 f"{args.seq} ...")
             row = compile_step(small, "full" if mode == "full" else "lora", V5P_TOPOLOGIES[args.compile], ms,
-                               args.rules, args.batch, args.seq, args.rank, args.query_chunk, args.remat)
+                               args.rules, args.batch, args.seq, args.rank, args.query_chunk, args.remat,
+                               args.remat_scope)
             sb = state_bytes(small, "full" if mode == "full" else "lora", ms, args.rules, args.rank)
             own = sb["grads_f32"] + sb["compute_copy"]
             # the shapes-only state of the same twin: checks the estimate against the compiler's argument bytes
