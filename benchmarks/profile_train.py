@@ -7,7 +7,8 @@
 1. The bf16 matmul rate of this device, measured first (8192^3 products, median of 10): the MFU ceiling.
 2. Per variant (``remat:scope``, e.g. ``none:forward`` = no remat, ``full:layer`` = ``jax.checkpoint`` around every
    decoder layer keeping nothing, ``dots_no_batch:layer``, ``full:forward`` = one checkpoint around the whole
-   forward; a ``+noquant`` suffix turns the release fake quantisation off): compile time, XLA's memory analysis,
+   forward; a ``+noquant`` suffix turns the release fake quantisation off, ``+blocked`` runs the MoE with
+   ``moe_impl="blocked"`` instead of ``ragged_dot``): compile time, XLA's memory analysis,
    median step time, tokens/s and MFU (model FLOPs of ``bench_train.model_flops_per_token`` over the measured rate).
 3. The first variant is profiled (``jax.profiler.trace`` over ``--profile-steps`` steps): device events summed by
    kernel name and by category (GEMM, fusion, copy, ...), device-busy time (union of the device's event intervals)
@@ -50,19 +51,25 @@ def log(msg: str) -> None:
     print(f"[profile {time.time() - _T0:6.1f}s] {msg}", flush=True)
 
 
-def matmul_rate(n: int = 8192, reps: int = 10) -> float:
-    """bf16 x bf16 -> bf16 (f32 accumulation) matmul FLOP/s on the default device, random operands."""
+def matmul_rate(n: int = 8192, reps: int = 20, trials: int = 5) -> float:
+    """bf16 x bf16 -> bf16 (f32 accumulation) matmul FLOP/s on the default device, random operands: ``reps``
+    back-to-back products per timed trial (no host gap between them), after as many warm-up products (clocks
+    ramp up); the best of ``trials``."""
     ka, kb = jax.random.split(jax.random.PRNGKey(0))
     a = jax.random.normal(ka, (n, n), jnp.bfloat16)
     b = jax.random.normal(kb, (n, n), jnp.bfloat16)
     f = jax.jit(lambda x, y: x @ y)
-    f(a, b).block_until_ready()
-    times = []
     for _ in range(reps):
+        c = f(a, b)
+    c.block_until_ready()
+    best = float("inf")
+    for _ in range(trials):
         t0 = time.perf_counter()
-        f(a, b).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2 * n ** 3 / statistics.median(times)
+        for _ in range(reps):
+            c = f(a, b)
+        c.block_until_ready()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return 2 * n ** 3 / best
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -155,11 +162,15 @@ def summarize_trace(trace_dir: str, top: int = 40) -> dict:
 
 def run_variant(args, variant: str, peak: float, out_dir: str, profile: bool) -> dict:
     remat, _, rest = variant.partition(":")
-    scope, _, flag = rest.partition("+")
+    scope, *flags = rest.split("+")
+    unknown = set(flags) - {"noquant", "blocked"}
+    if unknown:
+        raise ValueError(f"variant {variant!r}: unknown flags {sorted(unknown)} (noquant, blocked)")
     config = preset(args.preset)
     tc = TrainConfig(seq_len=args.seq, batch_size=args.batch, steps=1000, warmup_steps=10, lr=1e-4,
                      compute_dtype="bfloat16", remat=remat, remat_scope=scope or "forward",
-                     quant_sim=False if flag == "noquant" else None, query_chunk=args.query_chunk)
+                     quant_sim=False if "noquant" in flags else None, query_chunk=args.query_chunk,
+                     moe_impl="blocked" if "blocked" in flags else "ragged")
     step = make_train_step(config, tc)
     state = step.init_state(seed=0)
     rng = np.random.default_rng(0)
@@ -177,7 +188,8 @@ def run_variant(args, variant: str, peak: float, out_dir: str, profile: bool) ->
     compiled = lowered.compile()
     t_compile = time.perf_counter() - t0
     mem = compiled.memory_analysis()
-    row = {"variant": variant, "remat": remat, "remat_scope": scope or "forward", "quant_sim": flag != "noquant",
+    row = {"variant": variant, "remat": remat, "remat_scope": scope or "forward",
+           "quant_sim": "noquant" not in flags, "moe_impl": tc.moe_impl,
            "compile_s": round(t_compile, 1)}
     for field in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes"):
         row[field] = int(getattr(mem, field, 0) or 0) if mem is not None else None
@@ -227,6 +239,7 @@ def main(argv=None) -> int:
     p.add_argument("--query-chunk", type=int, default=256)
     p.add_argument("--variants", default="none:forward,full:forward,full:layer")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--tag", default="", help="a label stored with the results (e.g. the XLA flags of this run)")
     p.add_argument("--out", default=".")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -239,7 +252,7 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     head = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__, "preset": args.preset,
             "batch": args.batch, "seq": args.seq, "dtype": "bfloat16", "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "tag": args.tag}
     n = 8192 if dev.platform != "cpu" else 512
     peak = matmul_rate(n)
     head["matmul_bf16_flops_measured"] = peak

@@ -111,8 +111,8 @@ class TrainConfig:
         for name in ("b1", "b2"):
             if not 0 <= getattr(self, name) < 1:
                 raise err(name, f"must be in [0, 1), got {getattr(self, name)}")
-        if self.moe_impl not in ("ragged", "dense", "expert_parallel"):
-            raise err("moe_impl", f"must be ragged, dense or expert_parallel, got {self.moe_impl!r}")
+        if self.moe_impl not in ("ragged", "blocked", "dense", "expert_parallel"):
+            raise err("moe_impl", f"must be ragged, blocked, dense or expert_parallel, got {self.moe_impl!r}")
         if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank <= 0:
             raise err("lora_rank", f"must be a positive integer, got {self.lora_rank!r}")
         if not self.lora_alpha > 0:
