@@ -67,12 +67,15 @@ def routed_dense(x, weights, idx, w1, w2, w3, limit):
 def blocked_grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, *, block: int = 512,
                            precision=None) -> jax.Array:
     """``rows`` [M, K] sorted by group (``group_sizes`` [G], summing to M) times their group's ``w`` [G, N, K]
-    (transposed) -> float32 [M, N]; equals ``ragged_dot(rows, swapaxes(w, 1, 2), group_sizes)``.
+    (transposed) -> [M, N] in ``rows.dtype``; equals ``ragged_dot(rows, swapaxes(w, 1, 2), group_sizes)``.
 
     Each group's rows are copied to the start of a fresh run of ``block``-row blocks (at most ceil(M / block) + G
     blocks in all, a static bound), every block takes its group's weight (``take_rows``: the weight gradient of
-    the several blocks of one group is summed in float32), and one batched GEMM over the blocks runs with float32
-    accumulation. Work: the M rows plus at most ``block - 1`` padding rows per group — not G x M."""
+    the several blocks of one group is summed in float32), and one batched GEMM over the blocks (float32
+    accumulation inside, the product in the operands' dtype, as ``ragged_dot``). Work: the M rows plus at most
+    ``block - 1`` padding rows per group — not G x M. The output stays in the operands' dtype so that the
+    backward GEMMs get a bf16 cotangent: a float32 output (``preferred_element_type``) made them float32 (TF32)
+    GEMMs on the H200, the largest kernels of the step (benchmarks/RESULTS.md)."""
     m, k = rows.shape
     g, n, _ = w.shape
     n_blocks = -(-m // block) + g
@@ -86,8 +89,7 @@ def blocked_grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array
     # blocks past the last group's run hold zeros; give them any valid group (their outputs are never read)
     block_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(n_blocks) * block, side="right"), g - 1)
     w_blocks = take_rows(w, block_group)  # [n_blocks, N, K]
-    out = jnp.einsum("bmk,bnk->bmn", buf.reshape(n_blocks, block, k), w_blocks, precision=precision,
-                     preferred_element_type=jnp.float32)
+    out = jnp.einsum("bmk,bnk->bmn", buf.reshape(n_blocks, block, k), w_blocks, precision=precision)
     return out.reshape(n_blocks * block, n)[dest]
 
 
