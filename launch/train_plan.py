@@ -24,6 +24,13 @@ Two measurements (both printed; ``benchmarks/RESULTS.md`` says which is which):
     python launch/train_plan.py --modes full,lora,lora-release --batch 8 --seq 4096                # estimate only
     python launch/train_plan.py --modes lora --compile v5p-64 --layers 2 --batch 8 --seq 4096      # + AOT compile
     python launch/train_plan.py --modes full --zero 3 --temp-per-layer 16.04 --batch 8 --seq 4096  # measured temps
+    python launch/train_plan.py --modes full --compile v5p-64 --layers 2 --remat-scope layer         # per-layer remat
+    python launch/train_plan.py --modes full --zero 3 --layer-remat-temp 26.07 --layers 2 ...       # its estimate
+
+Rematerialisation (``--remat`` policy, ``--remat-scope``): around the whole forward (every layer's residuals are
+alive at once in the backward, so the other temporaries scale with the depth: ``--temp-per-layer``), or around
+each decoder layer (one layer's working set + every layer's saved inputs: the depth-N compile's temporaries plus
+(L - N) x ``saved_bytes_per_layer_seq``, ``--layer-remat-temp``).
 
 Meshes: ``tensor`` = 4, ``expert`` = chips / 4 up to 32 (the ``pod`` rules split the 384 experts over
 ``expert`` x ``tensor``, so at most 128-way), ``data`` = the rest. The batch is split over ``data`` x ``expert``: a slice
