@@ -78,6 +78,9 @@ def blocked_grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array
     GEMMs on the H200, the largest kernels of the step (benchmarks/RESULTS.md)."""
     m, k = rows.shape
     g, n, _ = w.shape
+    # no block larger than the power of two above the mean group size: few rows per group (small batches) would
+    # otherwise be mostly padding
+    block = min(block, max(8, 1 << (max(1, -(-m // g)) - 1).bit_length()))
     n_blocks = -(-m // block) + g
     sizes = group_sizes.astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes
