@@ -12,10 +12,11 @@ block size.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.ops.gather import take_rows
 from dsv41_jax.ops.linear import (gemm_input, is_plain_weight, linear, matmul_precision, quantized_gemm_backend,
                                   weight_array)
 
@@ -64,14 +65,37 @@ def routed_dense(x, weights, idx, w1, w2, w3, limit):
     return jnp.einsum("mef,edf->md", act, w2, precision=matmul_precision(act, w2)).astype(jnp.float32)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _block_weights(w: jax.Array, block_group: jax.Array, n_groups: int) -> jax.Array:
+    """``w[block_group]`` ([n_blocks, ...]); ``block_group`` is sorted, so the weight gradient — the sum of each
+    group's blocks — is one GEMM with a one-hot [G, n_blocks] matrix (float32 accumulation), not a scatter-add
+    (measured on the H200 as a slow kernel of the step, benchmarks/RESULTS.md)."""
+    return jnp.take(w, block_group, axis=0)
+
+
+def _block_weights_fwd(w, block_group, n_groups):
+    return jnp.take(w, block_group, axis=0), (block_group, jnp.zeros((), w.dtype))
+
+
+def _block_weights_bwd(n_groups, res, g):
+    block_group, w_dtype_carrier = res
+    one_hot = (jnp.arange(n_groups, dtype=block_group.dtype)[:, None] == block_group[None, :]).astype(g.dtype)
+    prec = jax.lax.Precision.HIGHEST if g.dtype == jnp.float32 else None  # no TF32 rounding of float32 gradients
+    dw = jnp.einsum("gb,b...->g...", one_hot, g, precision=prec, preferred_element_type=jnp.float32)
+    return dw.astype(w_dtype_carrier.dtype), None
+
+
+_block_weights.defvjp(_block_weights_fwd, _block_weights_bwd)
+
+
 def blocked_grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, *, block: int = 512,
                            precision=None) -> jax.Array:
     """``rows`` [M, K] sorted by group (``group_sizes`` [G], summing to M) times their group's ``w`` [G, N, K]
     (transposed) -> [M, N] in ``rows.dtype``; equals ``ragged_dot(rows, swapaxes(w, 1, 2), group_sizes)``.
 
     Each group's rows are copied to the start of a fresh run of ``block``-row blocks (at most ceil(M / block) + G
-    blocks in all, a static bound), every block takes its group's weight (``take_rows``: the weight gradient of
-    the several blocks of one group is summed in float32), and one batched GEMM over the blocks (float32
+    blocks in all, a static bound), every block takes its group's weight (the weight gradient of the several
+    blocks of one group is summed in float32 by one GEMM, ``_block_weights``), and one batched GEMM over the blocks (float32
     accumulation inside, the product in the operands' dtype, as ``ragged_dot``). Work: the M rows plus at most
     ``block - 1`` padding rows per group — not G x M. The output stays in the operands' dtype so that the
     backward GEMMs get a bf16 cotangent: a float32 output (``preferred_element_type``) made them float32 (TF32)
@@ -91,7 +115,7 @@ def blocked_grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array
     buf = jnp.zeros((n_blocks * block, k), rows.dtype).at[dest].set(rows, unique_indices=True)
     # blocks past the last group's run hold zeros; give them any valid group (their outputs are never read)
     block_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(n_blocks) * block, side="right"), g - 1)
-    w_blocks = take_rows(w, block_group)  # [n_blocks, N, K]
+    w_blocks = _block_weights(w, block_group, g)  # [n_blocks, N, K]
     out = jnp.einsum("bmk,bnk->bmn", buf.reshape(n_blocks, block, k), w_blocks, precision=precision)
     return out.reshape(n_blocks * block, n)[dest]
 
