@@ -94,12 +94,13 @@ def blocked_grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array
     (transposed) -> [M, N] in ``rows.dtype``; equals ``ragged_dot(rows, swapaxes(w, 1, 2), group_sizes)``.
 
     Each group's rows are copied to the start of a fresh run of ``block``-row blocks (at most ceil(M / block) + G
-    blocks in all, a static bound), every block takes its group's weight (the weight gradient of the several
-    blocks of one group is summed in float32 by one GEMM, ``_block_weights``), and one batched GEMM over the blocks (float32
-    accumulation inside, the product in the operands' dtype, as ``ragged_dot``). Work: the M rows plus at most
-    ``block - 1`` padding rows per group — not G x M. The output stays in the operands' dtype so that the
-    backward GEMMs get a bf16 cotangent: a float32 output (``preferred_element_type``) made them float32 (TF32)
-    GEMMs on the H200, the largest kernels of the step (benchmarks/RESULTS.md)."""
+    blocks in all, a static bound), every block takes its group's weight (``_block_weights``: the weight gradient
+    of a group's blocks is summed in float32 by one GEMM), and one batched GEMM runs over the blocks. Work: the M
+    rows plus at most ``block - 1`` padding rows per group — not G x M. The product has float32 accumulation inside
+    and the operands' dtype outside (as ``ragged_dot``), so the backward GEMMs get a bf16 cotangent: a float32
+    output (``preferred_element_type``) made them float32 (TF32) GEMMs on the H200, the largest kernels of the step
+    (benchmarks/RESULTS.md). Inference's ``inference.moe.routed_tiled`` cuts the same sorted rows into tiles but
+    loops over the tiles that exist (a dynamic trip count: not differentiable)."""
     m, k = rows.shape
     g, n, _ = w.shape
     # no block larger than the power of two above the mean group size: few rows per group (small batches) would
