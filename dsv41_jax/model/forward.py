@@ -285,9 +285,9 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
         policy = remat_policy(options.remat_layers)
     for spec, lp in zip(c.plan, params["layers"]):
         floor = decoder_floor if spec.stack == "decoder" else 0
-        feature = return_dspark_features and spec.index in c.dspark_target_layer_ids
+        want_feature = return_dspark_features and spec.index in c.dspark_target_layer_ids
         layer = functools.partial(decoder_layer, spec=spec, config=c, options=options, quant_on=quant_on, floor=floor,
-                                  return_feature=feature)
+                                  return_feature=want_feature)
         if options.remat_layers != "none":
             layer = jax.checkpoint(layer, policy=policy)
         e_ids = engram_ids[:, :, spec.engram_slot] if spec.engram_slot is not None else None
