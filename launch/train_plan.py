@@ -24,6 +24,13 @@ Two measurements (both printed; ``benchmarks/RESULTS.md`` says which is which):
     python launch/train_plan.py --modes full,lora,lora-release --batch 8 --seq 4096                # estimate only
     python launch/train_plan.py --modes lora --compile v5p-64 --layers 2 --batch 8 --seq 4096      # + AOT compile
     python launch/train_plan.py --modes full --zero 3 --temp-per-layer 16.04 --batch 8 --seq 4096  # measured temps
+    python launch/train_plan.py --modes full --compile v5p-64 --layers 2 --remat-scope layer         # per-layer remat
+    python launch/train_plan.py --modes full --zero 3 --layer-remat-temp 26.07 --layers 2 ...       # its estimate
+
+Rematerialisation (``--remat`` policy, ``--remat-scope``): around the whole forward (every layer's residuals are
+alive at once in the backward, so the other temporaries scale with the depth: ``--temp-per-layer``), or around
+each decoder layer (one layer's working set + every layer's saved inputs: the depth-N compile's temporaries plus
+(L - N) x ``saved_bytes_per_layer_seq``, ``--layer-remat-temp``).
 
 Meshes: ``tensor`` = 4, ``expert`` = chips / 4 up to 32 (the ``pod`` rules split the 384 experts over
 ``expert`` x ``tensor``, so at most 128-way), ``data`` = the rest. The batch is split over ``data`` x ``expert``: a slice
@@ -171,7 +178,7 @@ def reduced_config(config, layers: int):
 
 
 def compile_step(config, mode: str, topology: str, mesh_shape_: dict, rules: str, batch: int, seq: int,
-                 rank: int, query_chunk: int, remat: str) -> dict:
+                 rank: int, query_chunk: int, remat: str, remat_scope: str = "forward") -> dict:
     import jax
     import jax.numpy as jnp
     from jax.experimental import topologies
@@ -186,7 +193,7 @@ def compile_step(config, mode: str, topology: str, mesh_shape_: dict, rules: str
     mesh = par.make_mesh(mesh_shape_, devices=devices)
     tc = TrainConfig(seq_len=seq, batch_size=batch, steps=1000, compute_dtype="bfloat16", lora=mode != "full",
                      lora_rank=rank, lora_alpha=2.0 * rank, query_chunk=query_chunk, remat=remat,
-                     moe_impl="expert_parallel")
+                     remat_scope=remat_scope, moe_impl="expert_parallel")
     step = make_train_step(config, tc, mesh=mesh, rules=rules)
     abstract = step.abstract_state()
     sh = step.state_shardings()
@@ -249,12 +256,24 @@ def compile_step(config, mode: str, topology: str, mesh_shape_: dict, rules: str
 
 # ----------------------------------------------------------------------------------------------------------------
 
+def saved_bytes_per_layer_seq(config, seq: int) -> int:
+    """What a per-layer rematerialised step keeps per layer and per sequence for the backward: the layer's inputs
+    (the float32 mHC streams [T, hc, d] and pre-mix weights [T, hc]) and its router scores [T, E] (float32; the
+    balance statistics read them); the compressed-KV group state ([T / ratio] entries) is counted once per ratio-1
+    entry as an upper bound."""
+    c = config
+    return 4 * seq * (c.hc_mult * c.hidden_size + c.hc_mult + c.n_routed_experts + c.head_dim + c.index_head_dim)
+
+
 def estimate(config, mode, slice_name, rules, rank, temp_per_layer_seq: float | None, batch: int, seq: int,
-             zero: int = 1) -> dict:
+             zero: int = 1, layer_remat: tuple[float, int] | None = None) -> dict:
     """Per-chip bytes at full depth on ``slice_name``. ``temp_per_layer_seq``: the compiled step's other temporaries
-    per layer and per sequence of a batch shard. Two totals: as the step is today (every layer's temporaries
-    alive in the backward: the forward is rematerialised as a whole or not at all), and a projection for a step
-    that rematerialises each layer (one layer's temporaries + every layer's saved input streams; not built)."""
+    per layer and per sequence of a batch shard (whole-forward remat: every layer's temporaries alive in the
+    backward, so they scale with the depth). ``layer_remat`` = (temporaries per sequence, depth) of a compiled
+    depth-N twin with per-layer remat (``--remat-scope layer``): then the step keeps one layer's working set plus
+    every layer's saved inputs, and the full-depth figure is that compile + (L - N) x the saved inputs of a layer
+    (``per_layer_remat_basis`` = "compiled"). Without it, ``per_layer_remat_projection`` is the earlier
+    projection (one whole-forward layer's temporaries + the saved inputs; basis "projection")."""
     ms = mesh_shape(chips(slice_name))
     sb = state_bytes(config, mode, ms, rules, rank, zero)
     shards = ms["data"] * ms["expert"]
@@ -264,12 +283,19 @@ def estimate(config, mode, slice_name, rules, rank, temp_per_layer_seq: float | 
     layers = config.num_hidden_layers
     other = None if temp_per_layer_seq is None else temp_per_layer_seq * per_shard * layers
     total = held + transient + (other or 0)
-    saved_inputs = per_shard * seq * config.hc_mult * config.hidden_size * 4 * layers  # float32 mHC streams
-    per_layer_remat = None if temp_per_layer_seq is None else \
-        held + transient + temp_per_layer_seq * per_shard + saved_inputs
+    saved_seq = saved_bytes_per_layer_seq(config, seq)
+    if layer_remat is not None:
+        temp_seq, depth = layer_remat
+        per_layer_remat = held + transient + per_shard * (temp_seq + max(0, layers - depth) * saved_seq)
+        basis = "compiled"
+    else:
+        per_layer_remat = None if temp_per_layer_seq is None else \
+            held + transient + per_shard * (temp_per_layer_seq + layers * saved_seq)
+        basis = "projection"
     return {"slice": slice_name, "chips": chips(slice_name), "mesh": ms, "state": sb, "held": held,
             "batch": max(batch, shards), "seqs_per_shard": per_shard, "param_transients": transient,
-            "other_temporaries": other, "total": total, "per_layer_remat_projection": per_layer_remat}
+            "other_temporaries": other, "total": total, "per_layer_remat_projection": per_layer_remat,
+            "per_layer_remat_basis": basis, "saved_per_layer_per_seq": saved_seq}
 
 
 def main(argv=None) -> dict:
@@ -283,12 +309,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--rules", default="pod")
     ap.add_argument("--query-chunk", type=int, default=512)
     ap.add_argument("--remat", default="full", help="jax.checkpoint policy of the compiled step")
+    ap.add_argument("--remat-scope", choices=("forward", "layer"), default="forward",
+                    help="the policy around the whole forward, or around each decoder layer")
     ap.add_argument("--slices", default=",".join(V5P_TOPOLOGIES), help="candidate v5p slices, smallest first")
     ap.add_argument("--compile", default=None, metavar="SLICE", help="AOT-compile the depth-N step on this slice")
     ap.add_argument("--layers", type=int, default=2, help="depth of the compiled twin")
     ap.add_argument("--temp-per-layer", type=float, default=None, metavar="GIB",
                     help="other temporaries per layer and per sequence of a batch shard (GiB), from an earlier "
                          "compile, for the estimate")
+    ap.add_argument("--layer-remat-temp", type=float, default=None, metavar="GIB",
+                    help="temporaries per sequence of a batch shard (GiB, less the parameter-sized transients) of a "
+                         "depth---layers twin compiled with --remat-scope layer, for the per-layer remat column")
     ap.add_argument("--zero", type=int, choices=(1, 3), default=1,
                     help="full fine-tuning estimate: 1 = moments split over the batch axes (what the compile "
                          "builds), 3 = masters and gradients split the same way too (estimate only)")
@@ -307,17 +338,20 @@ def main(argv=None) -> dict:
         if m not in MODES:
             raise SystemExit(f"unknown mode {m!r}; choose from {MODES}")
     results = {"config": config.name, "zero": args.zero, "batch": args.batch, "seq": args.seq, "rank": args.rank, "rules": args.rules,
-               "remat": args.remat, "hbm_per_chip": hbm, "headroom": args.headroom, "modes": {}}
+               "remat": args.remat, "remat_scope": args.remat_scope, "hbm_per_chip": hbm, "headroom": args.headroom,
+               "modes": {}}
     for mode in modes:
         res = {"compile": None, "estimates": [], "smallest": None}
         temp_pl = None if args.temp_per_layer is None else args.temp_per_layer * GIB
+        layer_remat = None if args.layer_remat_temp is None else (args.layer_remat_temp * GIB, args.layers)
         if args.compile:
             small = reduced_config(config, args.layers)
             ms = mesh_shape(chips(args.compile))
             log(f"{mode}: compiling the depth-{args.layers} step on {args.compile} {ms}, batch {args.batch} x "
                 f"{args.seq} ...")
             row = compile_step(small, "full" if mode == "full" else "lora", V5P_TOPOLOGIES[args.compile], ms,
-                               args.rules, args.batch, args.seq, args.rank, args.query_chunk, args.remat)
+                               args.rules, args.batch, args.seq, args.rank, args.query_chunk, args.remat,
+                               args.remat_scope)
             sb = state_bytes(small, "full" if mode == "full" else "lora", ms, args.rules, args.rank)
             own = sb["grads_f32"] + sb["compute_copy"]
             # the shapes-only state of the same twin: checks the estimate against the compiler's argument bytes
@@ -325,9 +359,15 @@ def main(argv=None) -> dict:
             row["temp_minus_param_transients"] = max(0, row["temp_size_in_bytes"] - own)
             row["slice"], row["mesh"], row["layers"] = args.compile, ms, args.layers
             per_shard = max(1, -(-args.batch // (ms["data"] * ms["expert"])))
-            temp_pl = row["temp_minus_param_transients"] / args.layers / per_shard
-            row["temp_per_layer"] = temp_pl * per_shard
-            row["temp_per_layer_per_seq"] = temp_pl
+            row["remat_scope"] = args.remat_scope
+            if args.remat_scope == "layer":  # one layer's working set + the saved inputs of args.layers layers
+                layer_remat = (row["temp_minus_param_transients"] / per_shard, args.layers)
+                row["temp_per_seq_layer_remat"] = layer_remat[0]
+                row["temp_per_layer"] = row["temp_minus_param_transients"] / args.layers
+            else:
+                temp_pl = row["temp_minus_param_transients"] / args.layers / per_shard
+                row["temp_per_layer"] = temp_pl * per_shard
+                row["temp_per_layer_per_seq"] = temp_pl
             res["compile"] = row
             if not row["refused"]:
                 log(f"{mode}: compiled in {row['compile_s']} s: arguments {row['argument_size_in_bytes'] / GIB:.2f} "
@@ -335,7 +375,8 @@ def main(argv=None) -> dict:
                     f"GiB/chip")
         for s in args.slices.split(","):
             ms = mesh_shape(chips(s))
-            e = estimate(config, mode, s, args.rules, args.rank, temp_pl, args.batch, args.seq, args.zero)
+            e = estimate(config, mode, s, args.rules, args.rank, temp_pl, args.batch, args.seq, args.zero,
+                         layer_remat)
             e["fits"] = e["total"] <= args.headroom * hbm
             e["fits_with_per_layer_remat"] = (None if e["per_layer_remat_projection"] is None
                                               else e["per_layer_remat_projection"] <= args.headroom * hbm)
@@ -344,6 +385,7 @@ def main(argv=None) -> dict:
                 res["smallest"] = s
             if e["fits_with_per_layer_remat"] and res.get("smallest_with_per_layer_remat") is None:
                 res["smallest_with_per_layer_remat"] = s
+        res["per_layer_remat_basis"] = "compiled" if layer_remat is not None else "projection"
         results["modes"][mode] = res
     print(summary_markdown(results), flush=True)
     if args.out:
@@ -354,7 +396,8 @@ def main(argv=None) -> dict:
 
 def summary_markdown(r: dict) -> str:
     g = lambda b: "—" if b is None else f"{b / GIB:,.1f}"  # noqa: E731
-    lines = [f"{r['config']}: batch {r['batch']} x {r['seq']} tokens, rules {r['rules']}, remat {r['remat']}, LoRA rank "
+    lines = [f"{r['config']}: batch {r['batch']} x {r['seq']} tokens, rules {r['rules']}, remat {r['remat']} "
+             f"({r.get('remat_scope', 'forward')}), LoRA rank "
              f"{r['rank']}, full fine-tuning ZeRO-{r['zero']}; v5p HBM {r['hbm_per_chip'] / GIB:.0f} GiB/chip, usable {r['headroom']:.0%}", ""]
     for mode, res in r["modes"].items():
         c = res["compile"]
@@ -375,7 +418,7 @@ def summary_markdown(r: dict) -> str:
         lines += [f"**{mode}** — shapes-only estimate at full depth (GiB per chip):", "",
                   "| slice | chips | mesh (data, expert, tensor) | batch (seqs / shard) | weights / base | optimiser "
                   "state | gradients + compute copy | other temporaries (per layer x depth) | total | fits | "
-                  "projection with per-layer remat | fits |",
+                  f"with per-layer remat ({res.get('per_layer_remat_basis', 'projection')}) | fits |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for e in res["estimates"]:
             st = e["state"]
@@ -386,7 +429,8 @@ def summary_markdown(r: dict) -> str:
                          f"{g(e['total'])} | {yn(e['fits'])} | {g(e['per_layer_remat_projection'])} | "
                          f"{yn(e['fits_with_per_layer_remat'])} |")
         lines += ["", f"smallest slice for {mode}: {res['smallest'] or 'none of the candidates'}; with per-layer "
-                      f"remat (projection): {res.get('smallest_with_per_layer_remat') or 'none of the candidates'}",
+                      f"remat ({res.get('per_layer_remat_basis', 'projection')}): "
+                      f"{res.get('smallest_with_per_layer_remat') or 'none of the candidates'}",
                   ""]
     return "\n".join(lines)
 

@@ -36,3 +36,17 @@ def test_state_bytes_per_chip(tiny_config):
     # on 4 chips (tensor = 4) the sharded weights hold less per chip
     four = train_plan.state_bytes(tiny_config, "lora", train_plan.mesh_shape(4), "pod", 4)
     assert four["base"] < lora["base"]
+
+
+def test_per_layer_remat_estimate_from_a_compiled_twin(tiny_config):
+    """With a per-layer-remat compile of a depth-N twin (temporaries t per sequence), the full-depth figure is the
+    state + t + (L - N) x one layer's saved inputs per sequence of a batch shard; without it, the projection."""
+    seq, depth, t = 256, 2, 3.0e6
+    e = train_plan.estimate(tiny_config, "full", "v5p-8", "pod", 4, None, 2, seq, layer_remat=(t, depth))
+    saved = train_plan.saved_bytes_per_layer_seq(tiny_config, seq)
+    assert saved >= 4 * seq * tiny_config.hc_mult * tiny_config.hidden_size  # the float32 mHC streams at least
+    layers = tiny_config.num_hidden_layers
+    expect = e["held"] + e["param_transients"] + e["seqs_per_shard"] * (t + (layers - depth) * saved)
+    assert e["per_layer_remat_basis"] == "compiled" and e["per_layer_remat_projection"] == pytest.approx(expect)
+    p = train_plan.estimate(tiny_config, "full", "v5p-8", "pod", 4, 1.0e6, 2, seq)
+    assert p["per_layer_remat_basis"] == "projection" and p["total"] > p["held"] + p["param_transients"]

@@ -9,6 +9,7 @@ latest top-k, the HSI pool) is threaded explicitly through ``_GroupState``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -34,13 +35,28 @@ from dsv41_jax.plan import FULL, REINDEX, LayerSpec
 
 _STREAM_AXES = ("batch", "seq", "streams", "embed")  # logical axes of the mHC residual streams [B, T, hc, d]
 
+# Rematerialisation policies by name (``ForwardOptions.remat_layers``, ``TrainConfig.remat``): what the forward keeps
+# for the backward pass; everything else is recomputed from the checkpointed region's inputs.
+REMAT_POLICIES = {
+    "full": "nothing_saveable",  # keep only the region's inputs
+    "dots": "dots_saveable",  # keep every matmul output
+    "dots_no_batch": "dots_with_no_batch_dims_saveable",  # keep matmul outputs without batch dimensions
+}
+
+
+def remat_policy(name: str):
+    """The ``jax.checkpoint_policies`` member for a policy name of :data:`REMAT_POLICIES`."""
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {name!r}; choose from {tuple(REMAT_POLICIES)}")
+    return getattr(jax.checkpoint_policies, REMAT_POLICIES[name])
+
 
 @dataclasses.dataclass(frozen=True)
 class ForwardOptions:
     quant_sim: bool | None = None  # None -> config.quant_sim
     bounded_replay: bool = False  # CED decoder-SWA truncation to the last `replay_len` tokens (SPEC §8)
     replay_len: int | None = None  # None -> sliding_window (128 in the release)
-    moe_impl: str = "ragged"  # "ragged" (dropless grouped matmul) | "dense" (tests) | "expert_parallel" (mesh)
+    moe_impl: str = "ragged"  # "ragged" | "blocked" (dropless, ops.moe) | "dense" (tests) | "expert_parallel" (mesh)
     moe_capacity_factor: float | None = None  # expert_parallel only: None = dropless, else may drop (reported)
     query_chunk: int = 256  # queries per attention / indexer block (memory O(T · chunk))
     kernel_backend: str = "auto"  # dsv41_jax.kernels: auto (Pallas on GPU/TPU, reference on CPU) | reference | ...
@@ -50,8 +66,14 @@ class ForwardOptions:
     # How those GEMMs run on QuantizedTensor weights (with gemm_input_fp8): "reference" (dequantise in XLA, then
     # the GEMM) or a dsv41_jax.kernels.quant_gemm backend ("auto", "pallas_gpu", "pallas_tpu", "*_interpret").
     quantized_gemm: str = "reference"
+    # Per-layer rematerialisation: "none", or a REMAT_POLICIES name: every decoder layer runs under jax.checkpoint
+    # with that policy, so the backward keeps each layer's inputs (mHC streams, the group state) plus what the
+    # policy saves, and recomputes one layer at a time.
+    remat_layers: str = "none"
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["compressed_kv", "index_keys", "topk", "pool", "entries"], meta_fields=[])
 @dataclasses.dataclass
 class _GroupState:
     """What a CSA2 layer reads from earlier layers of the same forward."""
@@ -174,6 +196,33 @@ def _run_indexer(ip: dict, x, q_res, spec: LayerSpec, positions, state: _GroupSt
     return dataclasses.replace(state, topk=topk, pool=new_pool if spec.candidate_source else state.pool)
 
 
+def decoder_layer(lp: dict, streams, pre_mix, state: _GroupState, positions, segments, engram_ids, rope: dict, *,
+                  spec: LayerSpec, config: ModelConfig, options: ForwardOptions, quant_on: bool, floor,
+                  return_feature: bool = False):
+    """One decoder layer: Engram write (``engram_ids`` [B, T, cols] of this layer, or None), the attention site, the
+    FFN site. Returns (streams, the FFN site's pre-mix, the group state, the attention site's normalised input,
+    the router's stats, and with ``return_feature`` the DSpark feature — the mean over the streams entering the
+    attention site, after the Engram write — else None). A pure function of arrays (the keyword arguments are
+    static), so the forward can wrap it in ``jax.checkpoint``."""
+    c = config
+    mhc_kw = dict(hc_eps=c.hc_eps, rms_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters)
+    if engram_ids is not None:
+        streams = engram_write(streams, engram_ids, lp["engram"], eps=c.rms_norm_eps)
+    feature = jnp.mean(streams, axis=2) if return_feature else None
+    a_pre, a_post, a_comb = mhc_coefficients(streams, **lp["hc_attn"], **mhc_kw)
+    h_attn = rms_norm(collapse(streams, pre_mix), lp["attn_norm"], c.rms_norm_eps)
+    y, state = attention_layer(lp["attn"], h_attn, spec, positions, state, c, rope, options, quant_on, floor,
+                               segments)
+    streams = expand(streams, y, a_post, a_comb)
+    f_pre, f_post, f_comb = mhc_coefficients(streams, **lp["hc_ffn"], **mhc_kw)
+    h = rms_norm(collapse(streams, a_pre), lp["ffn_norm"], c.rms_norm_eps)
+    y, stats = moe(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp, scaling=c.routed_scaling_factor,
+                   limit=c.swiglu_limit, impl=options.moe_impl, normalize=c.norm_topk_prob,
+                   capacity_factor=options.moe_capacity_factor)
+    streams = constrain(expand(streams, y, f_post, f_comb), _STREAM_AXES)
+    return streams, f_pre, state, h_attn, stats, feature
+
+
 def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids: jax.Array | None = None,
             positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
             options: ForwardOptions = ForwardOptions(),
@@ -232,26 +281,20 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
     pre_mix = jax.nn.one_hot(jnp.zeros((b, t), jnp.int32), c.hc_mult, dtype=jnp.float32)
     state = _GroupState()
     hidden, topks, router, attn_inputs, site_inputs, dspark_features = [], {}, [], {}, {}, {}
-    mhc_kw = dict(hc_eps=c.hc_eps, rms_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters)
+    if options.remat_layers != "none":
+        policy = remat_policy(options.remat_layers)
     for spec, lp in zip(c.plan, params["layers"]):
-        if spec.engram_slot is not None:
-            streams = engram_write(streams, engram_ids[:, :, spec.engram_slot], lp["engram"], eps=c.rms_norm_eps)
-        if return_dspark_features and spec.index in c.dspark_target_layer_ids:
-            dspark_features[spec.index] = jnp.mean(streams, axis=2)
-        a_pre, a_post, a_comb = mhc_coefficients(streams, **lp["hc_attn"], **mhc_kw)
-        h = rms_norm(collapse(streams, pre_mix), lp["attn_norm"], c.rms_norm_eps)
-        h_attn = h
         floor = decoder_floor if spec.stack == "decoder" else 0
-        y, state = attention_layer(lp["attn"], h, spec, positions, state, c, rope, options, quant_on, floor,
-                                   segment_ids)
-        streams = expand(streams, y, a_post, a_comb)
-        f_pre, f_post, f_comb = mhc_coefficients(streams, **lp["hc_ffn"], **mhc_kw)
-        h = rms_norm(collapse(streams, a_pre), lp["ffn_norm"], c.rms_norm_eps)
-        y, stats = moe(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp, scaling=c.routed_scaling_factor,
-                       limit=c.swiglu_limit, impl=options.moe_impl, normalize=c.norm_topk_prob,
-                       capacity_factor=options.moe_capacity_factor)
-        streams = constrain(expand(streams, y, f_post, f_comb), _STREAM_AXES)
-        pre_mix = f_pre
+        want_feature = return_dspark_features and spec.index in c.dspark_target_layer_ids
+        layer = functools.partial(decoder_layer, spec=spec, config=c, options=options, quant_on=quant_on, floor=floor,
+                                  return_feature=want_feature)
+        if options.remat_layers != "none":
+            layer = jax.checkpoint(layer, policy=policy)
+        e_ids = engram_ids[:, :, spec.engram_slot] if spec.engram_slot is not None else None
+        streams, pre_mix, state, h_attn, stats, feature = layer(lp, streams, pre_mix, state, positions,
+                                                                segment_ids, e_ids, rope)
+        if feature is not None:
+            dspark_features[spec.index] = feature
         if return_hidden:
             hidden.append(streams)
         if return_topk and spec.runs_indexer:

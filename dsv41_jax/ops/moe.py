@@ -1,11 +1,18 @@
 """DeepSeekMoE for V4.1: sqrt-softplus router with a selection-only (noaux) bias, normalised top-k weights × the
 routed scaling factor, clamped SwiGLU experts, and exactly one shared expert (SPEC §6).
 
-Two routed-expert implementations with identical maths: ``dense`` (every expert on every token, masked; for tiny
-configs and tests) and ``ragged`` (tokens sorted by expert, ``jax.lax.ragged_dot``; dropless, the default).
+Routed-expert implementations with identical maths: ``dense`` (every expert on every token, masked; for tiny
+configs and tests), ``ragged`` (tokens sorted by expert, ``jax.lax.ragged_dot``; dropless, the default) and
+``blocked`` (the same sorted rows, each expert's group padded to whole row blocks, one batched GEMM over the blocks
+with every block's expert weight gathered: dropless, :func:`blocked_grouped_matmul`). XLA's GPU backend lowers
+``ragged_dot`` to a zero-padded batched dot over *every* expert (each expert multiplies all M·k rows: E times the
+FLOPs; benchmarks/RESULTS.md, ISSUE 13 profile), which ``blocked`` avoids at the cost of padding each group to the
+block size.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -58,8 +65,65 @@ def routed_dense(x, weights, idx, w1, w2, w3, limit):
     return jnp.einsum("mef,edf->md", act, w2, precision=matmul_precision(act, w2)).astype(jnp.float32)
 
 
-def routed_ragged(x, weights, idx, w1, w2, w3, limit):
-    """Dropless grouped matmuls: sort the M·k assignments by expert, ragged_dot per projection, scatter back."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _block_weights(w: jax.Array, block_group: jax.Array, n_groups: int) -> jax.Array:
+    """``w[block_group]`` ([n_blocks, ...]); ``block_group`` is sorted, so the weight gradient — the sum of each
+    group's blocks — is one GEMM with a one-hot [G, n_blocks] matrix (float32 accumulation), not a scatter-add
+    (measured on the H200 as a slow kernel of the step, benchmarks/RESULTS.md)."""
+    return jnp.take(w, block_group, axis=0)
+
+
+def _block_weights_fwd(w, block_group, n_groups):
+    return jnp.take(w, block_group, axis=0), (block_group, jnp.zeros((), w.dtype))
+
+
+def _block_weights_bwd(n_groups, res, g):
+    block_group, w_dtype_carrier = res
+    one_hot = (jnp.arange(n_groups, dtype=block_group.dtype)[:, None] == block_group[None, :]).astype(g.dtype)
+    prec = jax.lax.Precision.HIGHEST if g.dtype == jnp.float32 else None  # no TF32 rounding of float32 gradients
+    dw = jnp.einsum("gb,b...->g...", one_hot, g, precision=prec, preferred_element_type=jnp.float32)
+    return dw.astype(w_dtype_carrier.dtype), None
+
+
+_block_weights.defvjp(_block_weights_fwd, _block_weights_bwd)
+
+
+def blocked_grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, *, block: int = 512,
+                           precision=None) -> jax.Array:
+    """``rows`` [M, K] sorted by group (``group_sizes`` [G], summing to M) times their group's ``w`` [G, N, K]
+    (transposed) -> [M, N] in ``rows.dtype``; equals ``ragged_dot(rows, swapaxes(w, 1, 2), group_sizes)``.
+
+    Each group's rows are copied to the start of a fresh run of ``block``-row blocks (at most ceil(M / block) + G
+    blocks in all, a static bound), every block takes its group's weight (``_block_weights``: the weight gradient
+    of a group's blocks is summed in float32 by one GEMM), and one batched GEMM runs over the blocks. Work: the M
+    rows plus at most ``block - 1`` padding rows per group — not G x M. The product has float32 accumulation inside
+    and the operands' dtype outside (as ``ragged_dot``), so the backward GEMMs get a bf16 cotangent: a float32
+    output (``preferred_element_type``) made them float32 (TF32) GEMMs on the H200, the largest kernels of the step
+    (benchmarks/RESULTS.md). Inference's ``inference.moe.routed_tiled`` cuts the same sorted rows into tiles but
+    loops over the tiles that exist (a dynamic trip count: not differentiable)."""
+    m, k = rows.shape
+    g, n, _ = w.shape
+    # no block larger than the power of two above the mean group size: few rows per group (small batches) would
+    # otherwise be mostly padding
+    block = min(block, max(8, 1 << (max(1, -(-m // g)) - 1).bit_length()))
+    n_blocks = -(-m // block) + g
+    sizes = group_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    padded = -(-sizes // block) * block
+    padded_ends = jnp.cumsum(padded)
+    group_of_row = jnp.repeat(jnp.arange(g, dtype=jnp.int32), sizes, total_repeat_length=m)
+    dest = (padded_ends - padded)[group_of_row] + jnp.arange(m, dtype=jnp.int32) - starts[group_of_row]
+    buf = jnp.zeros((n_blocks * block, k), rows.dtype).at[dest].set(rows, unique_indices=True)
+    # blocks past the last group's run hold zeros; give them any valid group (their outputs are never read)
+    block_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(n_blocks) * block, side="right"), g - 1)
+    w_blocks = _block_weights(w, block_group, g)  # [n_blocks, N, K]
+    out = jnp.einsum("bmk,bnk->bmn", buf.reshape(n_blocks, block, k), w_blocks, precision=precision)
+    return out.reshape(n_blocks * block, n)[dest]
+
+
+def routed_ragged(x, weights, idx, w1, w2, w3, limit, grouped_impl: str = "ragged_dot", block: int = 512):
+    """Dropless grouped matmuls: sort the M·k assignments by expert, one grouped GEMM per projection
+    (``grouped_impl``: ``ragged_dot`` or ``blocked``, :func:`blocked_grouped_matmul`), scatter back."""
     m, k = idx.shape
     n_exp = w1.shape[0]
     flat_expert = idx.reshape(-1)
@@ -79,6 +143,8 @@ def routed_ragged(x, weights, idx, w1, w2, w3, limit):
         prec = matmul_precision(x, w1)  # HIGHEST only for float32 operands (Mosaic rejects it on a bf16 ragged_dot)
 
         def grouped(rows, w):
+            if grouped_impl == "blocked":
+                return blocked_grouped_matmul(rows, w, group_sizes, block=block, precision=prec)
             return jax.lax.ragged_dot(rows, jnp.swapaxes(w, 1, 2), group_sizes, precision=prec)
     gate = grouped(xs, w1).astype(jnp.float32)
     up = grouped(xs, w3).astype(jnp.float32)
@@ -125,8 +191,13 @@ def moe(x: jax.Array, params: dict, *, top_k: int, temp: float, scaling: float, 
                                            capacity_factor=capacity_factor)
         extra["dropped"] = ep_aux["dropped"].reshape(shape[:-1])
     else:
-        fn = routed_ragged if impl == "ragged" else routed_dense
-        y = fn(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit)
+        if impl not in ("ragged", "blocked", "dense"):
+            raise ValueError(f"unknown moe impl {impl!r}; choose ragged, blocked, dense or expert_parallel")
+        if impl == "dense":
+            y = routed_dense(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit)
+        else:
+            y = routed_ragged(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit,
+                              grouped_impl="blocked" if impl == "blocked" else "ragged_dot")
     s = params["shared_experts"]
     y = y + expert_mlp(flat, s["w1"], s["w2"], s["w3"], limit).astype(jnp.float32)
     return y.astype(x.dtype).reshape(shape), {"scores": scores, "indices": idx, **extra}

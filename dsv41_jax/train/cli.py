@@ -74,9 +74,13 @@ def add_parser(sub, formatter_class=argparse.ArgumentDefaultsHelpFormatter) -> N
     g.add_argument("--quant-sim", choices=("config", "on", "off"), default="config",
                    help="the release's fake FP8 / FP4 quantisation (config: as the model config says)")
     g.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"), default="none",
-                   help="jax.checkpoint policy around the forward")
-    g.add_argument("--moe-impl", choices=("ragged", "dense", "expert_parallel"), default="ragged",
-                   help="MoE implementation")
+                   help="jax.checkpoint policy (full: keep nothing, dots: keep matmul outputs, dots_no_batch: "
+                        "keep those without batch dimensions)")
+    g.add_argument("--remat-scope", choices=("forward", "layer"), default="forward",
+                   help="where --remat applies: around the whole forward, or around each decoder layer (the "
+                        "backward then recomputes one layer at a time)")
+    g.add_argument("--moe-impl", choices=("ragged", "blocked", "dense", "expert_parallel"), default="ragged",
+                   help="MoE implementation (blocked: grouped GEMM over padded row blocks, no ragged_dot)")
     g.add_argument("--query-chunk", type=int, default=256, help="attention / indexer query chunk")
     g.add_argument("--bias-update-rate", type=float, default=1e-3, help="noaux expert-bias update (0 = off)")
     g.add_argument("--aux-loss", type=float, default=0.0, help="sequence-wise balance loss coefficient")
@@ -151,6 +155,7 @@ def run(args) -> int:
         min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, b2=args.b2, grad_clip=args.grad_clip,
         trainable=tuple(args.train_only), frozen=tuple(args.freeze), compute_dtype=args.dtype,
         quant_sim=None if args.quant_sim == "config" else args.quant_sim == "on", remat=args.remat,
+        remat_scope=args.remat_scope,
         moe_impl=args.moe_impl, query_chunk=args.query_chunk, bias_update_rate=args.bias_update_rate,
         aux_loss_coef=args.aux_loss, indexer_loss=args.indexer_loss, indexer_loss_coef=args.indexer_loss_coef,
         lora=args.lora, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,

@@ -23,6 +23,7 @@ OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 PACKING = ("concat", "pad", "segments")
 REMAT = ("none", "full", "dots", "dots_no_batch")
+REMAT_SCOPES = ("forward", "layer")
 INDEXER_LOSS = ("off", "dense", "sparse")
 DTYPES = ("float32", "bfloat16")
 # LoRA's default targets: the attention projections that are plain GEMMs (queries wq_a / wq_b, the K=V latent wkv,
@@ -56,7 +57,10 @@ class TrainConfig:
     # --- numerics ---------------------------------------------------------------------------------
     compute_dtype: str = "bfloat16"  # forward/backward dtype; master weights and optimiser state stay float32
     quant_sim: bool | None = None  # None -> the model config's (release fake quantisation, straight-through grads)
-    remat: str = "none"  # none | full | dots | dots_no_batch (jax.checkpoint policy around the forward)
+    remat: str = "none"  # none | full | dots | dots_no_batch (jax.checkpoint policy)
+    # where the policy applies: "forward" (one checkpoint around the whole forward: its backward holds every layer's
+    # recomputed residuals at once) | "layer" (one checkpoint per decoder layer: one layer's at a time)
+    remat_scope: str = "forward"
     moe_impl: str = "ragged"
     query_chunk: int = 256
     # --- MoE balance ------------------------------------------------------------------------------
@@ -93,7 +97,7 @@ class TrainConfig:
         if self.warmup_steps < 0:
             raise err("warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         for name, choices in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("packing", PACKING),
-                              ("remat", REMAT), ("indexer_loss", INDEXER_LOSS), ("compute_dtype", DTYPES)):
+                              ("remat", REMAT), ("remat_scope", REMAT_SCOPES), ("indexer_loss", INDEXER_LOSS), ("compute_dtype", DTYPES)):
             if getattr(self, name) not in choices:
                 raise err(name, f"must be one of {choices}, got {getattr(self, name)!r}")
         if not self.lr > 0:
@@ -107,8 +111,8 @@ class TrainConfig:
         for name in ("b1", "b2"):
             if not 0 <= getattr(self, name) < 1:
                 raise err(name, f"must be in [0, 1), got {getattr(self, name)}")
-        if self.moe_impl not in ("ragged", "dense", "expert_parallel"):
-            raise err("moe_impl", f"must be ragged, dense or expert_parallel, got {self.moe_impl!r}")
+        if self.moe_impl not in ("ragged", "blocked", "dense", "expert_parallel"):
+            raise err("moe_impl", f"must be ragged, blocked, dense or expert_parallel, got {self.moe_impl!r}")
         if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank <= 0:
             raise err("lora_rank", f"must be a positive integer, got {self.lora_rank!r}")
         if not self.lora_alpha > 0:

@@ -6,7 +6,7 @@ State (a plain pytree, what checkpoints hold)::
 
 Per step: cast the master weights to the compute dtype (bf16 by default; the parameters the model keeps in float32 —
 mHC, sinks, router biases — stay float32), run the forward (segment ids passed through for packed documents,
-optionally under a ``jax.checkpoint`` rematerialisation policy), masked next-token cross-entropy (+ optional
+optionally under a ``jax.checkpoint`` rematerialisation policy, around the whole forward or each decoder layer), masked next-token cross-entropy (+ optional
 sequence-wise balance loss, + optional indexer KL), gradients into the float32 masters, the optax update scaled by
 the scheduled learning rate, then DeepSeekMoE's noaux bias update from this step's expert loads.
 
@@ -30,20 +30,13 @@ import optax
 _global_norm = optax.tree.norm if hasattr(optax, "tree") and hasattr(optax.tree, "norm") else optax.global_norm
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.model.forward import ForwardOptions, forward
+from dsv41_jax.model.forward import ForwardOptions, forward, remat_policy
 from dsv41_jax.model.params import FP32, flat_specs, init_params
 from dsv41_jax.ops.rope import rope_tables
 from dsv41_jax.train.config import TrainConfig
 from dsv41_jax.train.loss import (balance_loss, cross_entropy, expert_load, indexer_kl_loss, load_balance_stats,
                                   noaux_bias_update)
 from dsv41_jax.train.optimizer import build_optimizer, check_selection, map_with_path
-
-_REMAT_POLICIES = {
-    "full": None,  # save nothing: recompute the whole forward in the backward pass
-    "dots": "dots_saveable",
-    "dots_no_batch": "dots_with_no_batch_dims_saveable",
-}
-
 
 class TrainError(ValueError):
     pass
@@ -122,7 +115,9 @@ class TrainStep:
         self._fp32 = fp32_only_mask(c)
         self._dtype = jnp.bfloat16 if tc.compute_dtype == "bfloat16" else jnp.float32
         self._quant = c.quant_sim if tc.quant_sim is None else tc.quant_sim
-        self._options = ForwardOptions(quant_sim=self._quant, moe_impl=tc.moe_impl, query_chunk=tc.query_chunk)
+        per_layer = tc.remat_scope == "layer" and tc.remat != "none"
+        self._options = ForwardOptions(quant_sim=self._quant, moe_impl=tc.moe_impl, query_chunk=tc.query_chunk,
+                                       remat_layers=tc.remat if per_layer else "none")
         self._rope = {k: np.asarray(v) for k, v in rope_tables(c).items()}
         paths = [p for p, _ in flat_specs(c)]
         self._bias_layers = [i for i in range(c.num_hidden_layers)
@@ -194,10 +189,8 @@ class TrainStep:
             kwargs["return_attn_inputs"] = True
             kwargs["return_topk"] = self.train_config.indexer_loss == "sparse"
         fn = lambda p, t: forward(p, t, **kwargs)  # noqa: E731
-        if self.train_config.remat != "none":
-            name = _REMAT_POLICIES[self.train_config.remat]
-            policy = None if name is None else getattr(jax.checkpoint_policies, name)
-            fn = jax.checkpoint(fn, policy=policy)
+        if self.train_config.remat != "none" and self.train_config.remat_scope == "forward":
+            fn = jax.checkpoint(fn, policy=remat_policy(self.train_config.remat))
         return fn(params, batch["tokens"])
 
     def loss_fn(self, master: dict, batch: dict):
