@@ -162,20 +162,20 @@ def _generate_speculative(args, engine, reqs, on_token):
     if args.draft_len is not None and args.draft_len > block:
         raise ValueError(f"--draft-len {args.draft_len} exceeds the drafter's block: it drafts at most "
                          f"dspark_block_size={block} tokens per step")
-    steps_per_s, table_note = None, ""
+    table, table_note = None, ""
     if schedule == "prefix":
-        from dsv41_jax.inference.speculative import parse_step_times, steps_per_s_from_table
+        from dsv41_jax.inference.speculative import parse_step_times
 
         if args.step_times is not None:
             table, how = parse_step_times(args.step_times), "given"
         else:  # the step program at every width, timed on this engine before generating
+            t_measure = time.perf_counter()
             table = SpeculativeDecoder(engine, num_draft=args.draft_len).measure_step_times()
-            how = "measured"
-        steps_per_s = steps_per_s_from_table(table, rows=len(reqs))
+            how = f"measured in {time.perf_counter() - t_measure:.1f} s, compiles included"
         table_note = (f", step times ({how}) " +
                       ", ".join(f"{w}: {t * 1e3:.2f} ms" for w, t in sorted(table.items())))
     dec = SpeculativeDecoder(engine, num_draft=args.draft_len, schedule=schedule, threshold=args.threshold,
-                             steps_per_s=steps_per_s)
+                             step_times=table)
     first = []  # (time, compile seconds so far) at the first token: the prefill is done, the decode loop starts
 
     def on_token_timed(i, tok):

@@ -169,8 +169,8 @@ def test_generate_speculative_schedule_options(drafter_export, capsys):
     """`--schedule prefix` with a given step-time table stays lossless and reports its table; the speculative
     options fail clearly (before any weights load) where they cannot apply; --help shows them with defaults."""
     _, export, _ = drafter_export
-    argv = ["generate", "--checkpoint", export, "--prompt", "def add(a, b):\n", "--max-new-tokens", "10",
-            "--temperature", "0"]
+    argv = ["generate", "--checkpoint", export, "--prompt", "def add(a, b):\n", "--max-new-tokens", "14",
+            "--temperature", "0"]  # the shapes of the test above: its programs are reused
     rc, plain, _ = _cli(argv, capsys)
     # equal step times: verifying every draft is the best prefix, so the step keeps the width compiled above
     rc, spec, err = _cli(argv + ["--speculative", "--schedule", "prefix", "--step-times", "1:2,2:2,3:2,4:2,5:2"],

@@ -434,12 +434,17 @@ class SpeculativeDecoder:
     plain greedy decoding and sampled output is distributed as plain sampling; a good drafter needs fewer target
     passes. ``self.sampling`` (temperature, top_k, top_p, seeds: [B] arrays, set by :meth:`generate`) selects
     sampling; None is greedy.
+
+    ``schedule``: None (verify every draft), "threshold" (survival >= ``threshold``) or "prefix" (the
+    hardware-aware scheduler), whose step rate is ``steps_per_s(n_tokens)`` (the chunk keeps its full width, rows
+    masked) or the table ``step_times`` {chunk width: seconds} (:meth:`measure_step_times`; each step's chunk is
+    then as wide as its widest row, the cost the table measured).
     """
 
     def __init__(self, engine: Engine, drafter: Drafter | None = None, *, num_draft: int | None = None,
                  schedule: str | None = None, threshold: float = 0.5,
                  steps_per_s: Callable[[int], float] | None = None, early_stop: bool = True,
-                 rollback: str = "restore"):
+                 rollback: str = "restore", step_times: dict[int, float] | None = None):
         c = engine.config
         self.engine = engine
         self.config = c
@@ -461,8 +466,13 @@ class SpeculativeDecoder:
         self.rollback = rollback
         if schedule not in (None, "threshold", "prefix"):
             raise EngineError(f"schedule must be None, 'threshold' or 'prefix', got {schedule!r}")
-        if schedule == "prefix" and steps_per_s is None:
-            raise EngineError("schedule='prefix' needs steps_per_s(n_tokens), the measured verification step rate")
+        if schedule == "prefix" and steps_per_s is None and not step_times:
+            raise EngineError("schedule='prefix' needs steps_per_s(n_tokens), the measured verification step rate, "
+                              "or step_times {chunk width: seconds} (measure_step_times)")
+        bad = [w for w, t in (step_times or {}).items() if int(w) < 1 or not t > 0]
+        if bad:
+            raise EngineError(f"step_times needs widths >= 1 and times > 0 s, got {bad[0]}: {step_times[bad[0]]}")
+        self.step_times = dict(step_times) if step_times else None
         if schedule is not None and drafter is not SpeculativeDecoder.dspark_drafter:
             raise EngineError("confidence scheduling needs the DSpark drafter's confidences")
         self.schedule, self.threshold, self.steps_per_s, self.early_stop = schedule, threshold, steps_per_s, early_stop
@@ -498,7 +508,8 @@ class SpeculativeDecoder:
             return threshold_lengths(conf, self.threshold)
         rows = np.flatnonzero(active)
         lengths = np.zeros((len(active),), np.int64)
-        lengths[rows] = prefix_schedule(prefix_survival(conf[rows]), self.steps_per_s, early_stop=self.early_stop)
+        sps = self.steps_per_s or steps_per_s_from_table(self.step_times, rows=len(rows))
+        lengths[rows] = prefix_schedule(prefix_survival(conf[rows]), sps, early_stop=self.early_stop)
         return lengths
 
     def measure_step_times(self, widths: Sequence[int] | None = None, reps: int = 3) -> dict[int, float]:
@@ -699,8 +710,8 @@ class SpeculativeDecoder:
                 drafts, draft_logits = proposal if isinstance(proposal, tuple) else (proposal, None)
             drafts = np.asarray(drafts)[:, :self.num_draft]
             num_verify = self.verification_lengths(active)
-            if self.schedule == "prefix":  # the chunk as wide as the widest row verifies: the step time it chose
-                drafts = drafts[:, :int(num_verify[active].max())]
+            if self.schedule == "prefix" and self.step_times:  # a step as wide as its widest row: the time the
+                drafts = drafts[:, :int(num_verify[active].max())]  # table (per width) gave the scheduler
             new, n_acc, nd = self._verify(pending, drafts, active, draft_logits, num_verify, length=length,
                                           draft_next=fused)
             if nd is not None:
