@@ -1,6 +1,7 @@
 """Where a speculative round's time goes, against a plain decode step, in the same run.
 
     python benchmarks/profile_speculative.py [--preset default|cpu] [--batch 1] [--new-tokens 64] [--reps 3]
+                                             [--full-opt] [--schedule none|threshold|prefix]
 
 Runs plain greedy decoding and DSpark speculative greedy decoding (``SpeculativeDecoder.generate``) on the same
 prompts, then a second, instrumented speculative run in which every jitted program the speculative module
@@ -105,12 +106,21 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--full-opt", action="store_true", help="CPU: full XLA optimisation instead of FAST_COMPILE")
+    ap.add_argument("--schedule", choices=("none", "threshold", "prefix"), default="none",
+                    help="threshold: survival >= 0.5; prefix: over a step-time table measured first")
     args = ap.parse_args(argv)
     timer = ProgramTimer()
     timer.install()
     eng, prompts = load(args.preset, args.batch, args.prompt_len, args.new_tokens, args.full_opt)
     new = args.new_tokens
-    dec = SP.SpeculativeDecoder(eng)
+    kw = {}
+    if args.schedule == "threshold":
+        kw = dict(schedule="threshold", threshold=0.5)
+    elif args.schedule == "prefix":
+        table = SP.SpeculativeDecoder(eng).measure_step_times(reps=5)
+        print("# step times (measured): " + ", ".join(f"{w}: {t * 1e3:.2f} ms" for w, t in sorted(table.items())))
+        kw = dict(schedule="prefix", step_times=table)
+    dec = SP.SpeculativeDecoder(eng, **kw)
 
     plain_s, spec_s, rounds = [], [], []
     for rep in range(args.reps + 1):  # rep 0 compiles; plain and speculative interleaved (same load)
@@ -128,7 +138,8 @@ def main(argv=None):
     spec_round = best_spec / rounds[-1]
     opt = "full XLA optimisation" if args.full_opt or jax.default_backend() != "cpu" else "FAST_COMPILE"
     print(f"# profile_speculative --preset {args.preset} batch {b}: {eng.config.name}, "
-          f"{jax.devices()[0].device_kind}, {opt}, γ={dec.num_draft}, {new} new tokens, greedy, best of {args.reps}")
+          f"{jax.devices()[0].device_kind}, {opt}, γ={dec.num_draft}, schedule {args.schedule}, {new} new tokens, greedy, "
+          f"best of {args.reps}")
     print(f"plain: {plain_step * 1e3:.2f} ms/step (median {statistics.median(plain_s[1:]) / plain_steps * 1e3:.2f}), "
           f"{b * new / best_plain:.1f} tokens/s")
     print(f"speculative: {spec_round * 1e3:.2f} ms/round (median {statistics.median(spec_s[1:]) / rounds[-1] * 1e3:.2f};"
