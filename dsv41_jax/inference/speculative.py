@@ -279,8 +279,7 @@ def speculative_round(params: dict, cache: dict, rings, tokens: jax.Array, n_val
     else:
         temperature, top_k, top_p, seeds = sampling
         n_acc, nxt = speculative_accept(logits, draft_logits[:, :drafts.shape[1]], drafts, n_valid, temperature,
-                                        top_k, top_p,
-                                        _row_keys(seeds, step, 1))
+                                        top_k, top_p, _row_keys(seeds, step, 1))
     n_keep = jnp.where(n_valid > 0, n_acc + 1, 0).astype(jnp.int32)
     if rerun:
         def again(_):
