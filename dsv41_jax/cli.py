@@ -158,7 +158,24 @@ def _generate_speculative(args, engine, reqs, on_token):
     from dsv41_jax.inference.speculative import SpeculativeDecoder
 
     schedule = None if args.schedule == "none" else args.schedule
-    dec = SpeculativeDecoder(engine, num_draft=args.draft_len, schedule=schedule, threshold=args.threshold)
+    block = engine.config.dspark_block_size
+    if args.draft_len is not None and args.draft_len > block:
+        raise ValueError(f"--draft-len {args.draft_len} exceeds the drafter's block: it drafts at most "
+                         f"dspark_block_size={block} tokens per step")
+    table, table_note = None, ""
+    if schedule == "prefix":
+        from dsv41_jax.inference.speculative import parse_step_times
+
+        if args.step_times is not None:
+            table, how = parse_step_times(args.step_times), "given"
+        else:  # the step program at every width, timed on this engine before generating
+            t_measure = time.perf_counter()
+            table = SpeculativeDecoder(engine, num_draft=args.draft_len).measure_step_times()
+            how = f"measured in {time.perf_counter() - t_measure:.1f} s, compiles included"
+        table_note = (f", step times ({how}) " +
+                      ", ".join(f"{w}: {t * 1e3:.2f} ms" for w, t in sorted(table.items())))
+    dec = SpeculativeDecoder(engine, num_draft=args.draft_len, schedule=schedule, threshold=args.threshold,
+                             step_times=table)
     first = []  # (time, compile seconds so far) at the first token: the prefill is done, the decode loop starts
 
     def on_token_timed(i, tok):
@@ -174,7 +191,7 @@ def _generate_speculative(args, engine, reqs, on_token):
     decode_compile = compile_seconds() - first[0][1] if first else 0.0
     steady = st.decode_s - decode_compile
     rate = f"{after_first / steady:,.1f} tok/s without it" if steady > 0 and after_first else "no steady rate"
-    sched = f"threshold {args.threshold}" if schedule == "threshold" else "off"
+    sched = {"threshold": f"threshold {args.threshold}", "prefix": f"prefix{table_note}"}.get(schedule, "off")
     return results, [
         f"# speculative decoding: DSpark, {dec.num_draft} drafts per step, confidence scheduling {sched} | acceptance "
         f"length {st.mean_accepted_length:.2f} tokens per verification step ({st.accepted:,} of {st.drafted:,} drafts "
@@ -212,6 +229,7 @@ def _cmd_generate(args) -> int:
     cache_setting = False if args.no_compilation_cache else None
     enable_compilation_cache(cache_setting)  # before anything compiles (loading the weights does)
     qgemm, qgemm_resolved = _quantized_gemm_option(args.quantized_gemm, args.weights, jax.default_backend())
+    _check_speculative_arguments(args)
     config, params, tokenizer, source = _load_for_generate(args)
     prompt = tokenizer.encode(args.prompt, add_bos=True)
     n = args.num_samples
@@ -303,17 +321,44 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+SCHEDULES = ("none", "threshold", "prefix")  # SpeculativeDecoder(schedule=...): None, "threshold", "prefix"
+
+
 def _add_speculative_arguments(s) -> None:
     g = s.add_argument_group("speculative decoding (DSpark)")
     g.add_argument("--speculative", action="store_true",
                    help="decode with the model's trained DSpark drafter (lossless: greedy output is identical, "
                         "sampled output has the same distribution); prints the acceptance length")
     g.add_argument("--draft-len", type=int, default=None,
-                   help="drafts verified per step [default: the config's dspark_block_size]")
-    g.add_argument("--schedule", choices=("none", "threshold"), default="none",
-                   help="threshold: verify only the drafts whose predicted survival (product of the confidence "
-                        "head's probabilities) stays >= --threshold")
-    g.add_argument("--threshold", type=float, default=0.5, help="survival threshold of --schedule threshold")
+                   help="drafts proposed per step, 1 .. the config's dspark_block_size [default: dspark_block_size]")
+    g.add_argument("--schedule", choices=SCHEDULES, default="none",
+                   help="drafts verified per step: none = all --draft-len; threshold = those whose predicted "
+                        "survival (product of the confidence head's probabilities) stays >= --threshold; prefix = "
+                        "the hardware-aware prefix scheduler: the drafts maximising expected accepted tokens per "
+                        "second of step time (--step-times, else measured at start-up), the step as wide as its "
+                        "widest row")
+    g.add_argument("--threshold", type=float, default=0.5, help="survival threshold of --schedule threshold, in (0, 1]")
+    g.add_argument("--step-times", default=None, metavar="N:MS,...",
+                   help="--schedule prefix: the step's time in ms for N tokens per row (1 + drafts verified), e.g. "
+                        "'1:4.0,3:4.6,6:5.9' [default: measured at start-up for N = 1 .. --draft-len + 1]")
+
+
+def _check_speculative_arguments(args) -> None:
+    """Clear errors for speculative options that cannot apply, before anything is loaded."""
+    given = [flag for flag, on in (("--draft-len", args.draft_len is not None), ("--schedule", args.schedule != "none"),
+                                   ("--step-times", args.step_times is not None)) if on]
+    if given and not args.speculative:
+        raise ValueError(f"{', '.join(given)} only apply with --speculative")
+    if args.draft_len is not None and args.draft_len < 1:
+        raise ValueError(f"--draft-len must be >= 1, got {args.draft_len}")
+    if args.schedule == "threshold" and not 0.0 < args.threshold <= 1.0:
+        raise ValueError(f"--threshold must be in (0, 1], got {args.threshold}")
+    if args.step_times is not None:
+        if args.schedule != "prefix":
+            raise ValueError("--step-times is the prefix schedule's table: use it with --schedule prefix")
+        from dsv41_jax.inference.speculative import parse_step_times
+
+        parse_step_times(args.step_times)
 
 
 def build_parser() -> argparse.ArgumentParser:

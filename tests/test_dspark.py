@@ -437,3 +437,16 @@ def test_bad_drafter_output_and_options_are_clear_errors():
         dspark.project_context(params["dspark"], jnp.zeros((1, 2, 5)), config)
     with pytest.raises(dspark.DSparkError, match="no DSpark"):
         dspark.check_dspark(params, config.replace(num_nextn_predict_layers=0))
+
+
+def test_prefix_schedule_over_a_step_time_table_narrows_the_step():
+    """With a step-time table in which one token per row is far cheaper than any wider step, the prefix scheduler
+    verifies no draft and the step shrinks to a chunk of one token: plain decoding's tokens, one per step."""
+    eng = _engine(True)
+    prompts = [_prompt(5, 30), _prompt(9, 31)]
+    plain = _plain(eng, prompts, 6)
+    spec = SpeculativeDecoder(eng, schedule="prefix", step_times={1: 1e-3, 5: 1.0})
+    assert [r.tokens for r in spec.generate(prompts, max_new_tokens=6, stop_tokens=())] == plain
+    assert spec.stats.drafted == 0 and spec.stats.steps == 5 and spec.stats.mean_accepted_length == 1.0
+    with pytest.raises(EngineError, match="step_times needs"):
+        SpeculativeDecoder(eng, schedule="prefix", step_times={0: 1.0})

@@ -163,3 +163,44 @@ def test_default_model_ships_its_drafter():
     assert "dspark" not in plain
     rep = ReleaseCheckpoint(DEFAULT_MODEL_DIR).report
     assert set(rep.skipped.values()) == {N.DSPARK_REASON} and len(rep.skipped) == 96
+
+
+def test_generate_speculative_schedule_options(drafter_export, capsys):
+    """`--schedule prefix` with a given step-time table stays lossless and reports its table; the speculative
+    options fail clearly (before any weights load) where they cannot apply; --help shows them with defaults."""
+    _, export, _ = drafter_export
+    argv = ["generate", "--checkpoint", export, "--prompt", "def add(a, b):\n", "--max-new-tokens", "14",
+            "--temperature", "0"]  # the shapes of the test above: its programs are reused
+    rc, plain, _ = _cli(argv, capsys)
+    # equal step times: verifying every draft is the best prefix, so the step keeps the width compiled above
+    rc, spec, err = _cli(argv + ["--speculative", "--schedule", "prefix", "--step-times", "1:2,2:2,3:2,4:2,5:2"],
+                         capsys)
+    assert rc == 0, err
+    assert spec == plain and "confidence scheduling prefix, step times (given) 1: 2.00 ms" in err
+    for extra, msg in ((["--schedule", "prefix"], "only apply with --speculative"),
+                       (["--speculative", "--step-times", "1:2"], "use it with --schedule prefix"),
+                       (["--speculative", "--schedule", "prefix", "--step-times", "1:2,x"], "'x' is not N:MS"),
+                       (["--speculative", "--schedule", "prefix", "--step-times", "0:2"], "need N >= 1"),
+                       (["--speculative", "--schedule", "threshold", "--threshold", "0"], "--threshold must be in"),
+                       (["--speculative", "--draft-len", "0"], "--draft-len must be >= 1"),
+                       (["--speculative", "--draft-len", "9"], "exceeds the drafter's block")):
+        rc, _, err = _cli(argv + extra, capsys)
+        assert rc == 2 and msg in err, (extra, err)
+    from dsv41_jax.cli import build_parser
+
+    sub = build_parser()._subparsers._group_actions[0].choices["generate"]
+    text = sub.format_help()
+    assert "{none,threshold,prefix}" in text and "(default: none)" in text and "--step-times N:MS" in text
+
+
+def test_prefix_step_time_table():
+    from dsv41_jax.inference.speculative import parse_step_times, prefix_schedule, steps_per_s_from_table
+
+    table = parse_step_times("1:4, 3:5,6:8")
+    assert table == {1: 0.004, 3: 0.005, 6: 0.008}
+    sps = steps_per_s_from_table(table, rows=2)
+    assert sps(2) == 250.0 and sps(3) == 200.0 and sps(12) == 125.0 and sps(40) == 125.0
+    # one row, confidences 0.9, 0.5, 0.1, ...: 2 drafts (width 3: 2.35 expected tokens per 5 ms step) beat
+    # none (1 per 4 ms), one (1.9 per 5 ms) and all five (2.4 per 8 ms)
+    a = np.array([[0.9, 0.45, 0.045, 0.004, 0.0004]])
+    assert prefix_schedule(a, steps_per_s_from_table(table), early_stop=False).tolist() == [2]

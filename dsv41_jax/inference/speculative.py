@@ -19,15 +19,23 @@ A step, per sequence holding L tokens with the pending token x (sampled, not yet
    plain greedy decoding. Sampled rows accept d_k with probability min(1, p_k(d_k) / q_k(d_k)) against the
    distribution q the drafter drew from and draw the correction from normalise(max(p - q, 0)): output
    distributed as plain sampling. The last new token becomes the pending token;
-4. roll back (:func:`rollback`): the verification pass ran on a copy (the cache is not donated); when a draft
-   was rejected, the SWA ring slots of the rejected tokens are restored from the cache before the pass and every
-   KV source's update (compressed entries, indexer keys, partial group) is redone from the pass's compressor
-   inputs with only the a + 1 accepted tokens valid, so every cache is what feeding those tokens gives (or, with
-   ``rollback="rerun"``, the step is re-run on them: a second target pass). The host Engram history is advanced
-   by the accepted tokens only; the DSpark rings get the accepted tokens' features.
+4. roll back (:func:`restore_rejected`): before the pass, :func:`save_touched` reads the few rows a chunk can
+   overwrite (the chunk's SWA ring slots, the compressed-entry / indexer-key rows it can complete, the partial
+   groups); when a draft was rejected those rows get their saved contents back and every KV source's update is
+   redone from the pass's compressor inputs with only the a + 1 accepted tokens valid, so every cache is what
+   feeding those tokens gives (or, with ``rollback="rerun"``, the step is re-run on them: a second target pass).
+   The host Engram history is advanced by the accepted tokens only; the DSpark rings get the accepted tokens'
+   features.
+
+Steps 2-4 and the next step's drafting (1) are one jitted program (:func:`speculative_round`) with the cache and
+the rings donated and every shape static (a chunk of γ + 1 tokens, rows masked by their valid lengths): a
+speculative step costs one program launch and one device-to-host read-back (accepted counts, next tokens, the next
+drafts), as a plain decode step does; the host then hashes the next chunk's Engram ids and accounts the tokens.
 
 The verification length is γ (less near ``max_len``), or chosen per row from the drafter's
-confidences: a survival threshold, or the hardware-aware prefix scheduler over a measured step rate.
+confidences: a survival threshold (the chunk keeps its width, rows masked), or the hardware-aware prefix
+scheduler over a measured step-time table (:meth:`SpeculativeDecoder.measure_step_times`), whose step is as wide
+as its widest row (one program per width, at most γ + 1).
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax.config import ModelConfig
+from dsv41_jax.config import ModelConfig, ceil_div
 from dsv41_jax.inference.engine import Engine, EngineError, Request, Result, finish_reason
 from dsv41_jax.inference.sampling import filter_logits, sample_jit
 from dsv41_jax.inference.step import (InferenceOptions, embed, emit_entries, head, jit_for, ring_read, ring_write,
@@ -117,32 +125,87 @@ def verify_chunk(params: dict, cache: dict, tokens: jax.Array, n_valid: jax.Arra
     return head(params, streams, pre_mix, config), feats, dict(cache, length=pos0 + n_valid), comp
 
 
-def rollback(params: dict, before: dict, after: dict, compressor_inputs: dict, n_keep: jax.Array, *,
-             config: ModelConfig, opts: InferenceOptions, chunk: int) -> dict:
-    """The cache after only the first n_keep [B] tokens of a verified chunk, from the caches ``before`` and
-    ``after`` the pass (which consumed more) — what feeding just those tokens gives, without a second pass:
-
-    * SWA rings: the slots the kept tokens wrote come from ``after``, every other slot from ``before`` (the chunk
-      is at most a window long, so no slot was written twice);
-    * KV sources: the compressor update is redone on ``before`` from the pass's compressor inputs with n_keep
-      valid tokens (entries of the kept complete groups, the kept partial group), as the step itself does it;
-    * lengths: ``before`` + n_keep. Everything else (floor) is unchanged by a step."""
+def save_touched(cache: dict, chunk: int, config: ModelConfig) -> dict:
+    """What a verification pass over ``chunk`` tokens can overwrite, read before the pass (a few rows, not the
+    caches): the SWA ring slots (pos0 + i) mod W of the chunk's tokens, the compressed-entry / indexer-key rows the
+    chunk can complete and every KV source's partial group. Either cache layout (packed rows are kept packed)."""
     c = config
     w = c.sliding_window
-    pos0 = before["length"]
+    pos0 = cache["length"]
+    slot = jnp.mod(pos0[:, None] + jnp.arange(chunk)[None, :], w)
+    swa = [_take_rows(ring, slot) for ring in cache["swa"]]
+    sources = {}
+    for key, src in cache["sources"].items():
+        rows = _entry_rows(pos0, chunk, c.compress_ratios[int(key)])
+        nmax = src["kv"].shape[1]
+        saved = {k: _take_rows(src[k], jnp.minimum(rows, nmax - 1)) for k in ("kv", "keys")}
+        sources[key] = dict(saved, **{k: src[k] for k in ("buf_kv", "buf_gate") if k in src})
+    return {"swa": swa, "sources": sources}
+
+
+def _entry_rows(pos0: jax.Array, chunk: int, ratio: int) -> jax.Array:
+    """[B, G] the entry rows a chunk of ``chunk`` tokens at pos0 can write (``step.emit_entries``' candidates)."""
+    groups = chunk if ratio == 1 else ceil_div(ratio + chunk, ratio)
+    return (pos0 // max(ratio, 1))[:, None] + jnp.arange(groups)[None, :]
+
+
+def _take_rows(buf, rows: jax.Array):
+    """buf[b, rows[b, i]] for every leaf of a cache buffer (a plain array or packed rows: rows on axis 1)."""
+    def take(a):
+        idx = rows.reshape(*rows.shape, *([1] * (a.ndim - 2)))
+        return jnp.take_along_axis(a, idx, axis=1)
+
+    return jax.tree.map(take, buf)
+
+
+def _put_rows(buf, rows: jax.Array, vals):
+    """buf with buf[b, rows[b, i]] = vals[b, i] (rows out of range are dropped), leaf by leaf."""
+    bi = jnp.broadcast_to(jnp.arange(rows.shape[0])[:, None], rows.shape)
+    return jax.tree.map(lambda a, v: a.at[bi, rows].set(v, mode="drop"), buf, vals)
+
+
+def restore_rejected(params: dict, saved: dict, after: dict, compressor_inputs: dict, pos0: jax.Array,
+                     n_keep: jax.Array, *, config: ModelConfig, opts: InferenceOptions, chunk: int) -> dict:
+    """The cache after only the first n_keep [B] tokens of a verified chunk, in place on the cache ``after`` the
+    pass (which consumed more) and the rows :func:`save_touched` read before it — what feeding just those tokens
+    gives, without a second pass and without copying a cache:
+
+    * SWA rings: the slots of the rejected tokens get their saved contents back (the chunk is at most a window
+      long, so no slot was written twice);
+    * KV sources: the rows the chunk could complete get their saved contents back, then the compressor update is
+      redone from the pass's compressor inputs with n_keep valid tokens from the saved partial group (entries of
+      the kept complete groups, the kept partial group), as the step itself does it;
+    * lengths: pos0 + n_keep. Everything else (floor) is unchanged by a step."""
+    c = config
+    w = c.sliding_window
     i = jnp.arange(chunk)[None, :]
-    slot = jnp.where(i < n_keep[:, None], jnp.mod(pos0[:, None] + i, w), w)  # w: not written
-    written = jnp.any(slot[:, :, None] == jnp.arange(w)[None, None, :], axis=1)  # [B, W]
-    swa = [jnp.where(written[:, :, None], a, b) for a, b in zip(after["swa"], before["swa"])]
+    slot = jnp.where(i >= n_keep[:, None], jnp.mod(pos0[:, None] + i, w), w)  # w: out of range, not restored
+    swa = [_put_rows(ring, slot, old) for ring, old in zip(after["swa"], saved["swa"])]
     rope = {k: jnp.asarray(v) for k, v in rope_tables(c).items()}
     quant_on = opts.resolved_quant(c)
     sources = {}
-    for key, src in before["sources"].items():
+    for key, src in after["sources"].items():
         layer = int(key)
+        ratio = c.compress_ratios[layer]
+        old = saved["sources"][key]
+        rows = _entry_rows(pos0, chunk, ratio)
+        rows = jnp.where(rows < src["kv"].shape[1], rows, src["kv"].shape[1])  # past the cache: dropped
+        base = dict(src, kv=_put_rows(src["kv"], rows, old["kv"]), keys=_put_rows(src["keys"], rows, old["keys"]),
+                    **{k: old[k] for k in ("buf_kv", "buf_gate") if k in old})
         attn = params["layers"][layer]["attn"]
-        sources[key] = emit_entries(src, compressor_inputs[layer], attn["compressor"], attn["indexer"],
-                                    c.compress_ratios[layer], pos0, n_keep, c, rope, quant_on)
+        sources[key] = emit_entries(base, compressor_inputs[layer], attn["compressor"], attn["indexer"], ratio, pos0,
+                                    n_keep, c, rope, quant_on)
     return dict(after, length=pos0 + n_keep, swa=swa, sources=sources)
+
+
+def greedy_accept(target_logits: jax.Array, drafts: jax.Array, n_valid: jax.Array):
+    """:func:`speculative_accept` for all-greedy batches, without the probability tables: the longest prefix of
+    drafts equal to the target's argmax, then the target's argmax after it. (accepted [B], next token [B])."""
+    choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K + 1]
+    k = drafts.shape[1]
+    ok = (drafts == choice[:, :k]) & (jnp.arange(k)[None, :] < (n_valid[:, None] - 1))
+    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    return n_acc, jnp.take_along_axis(choice, n_acc[:, None], axis=1)[:, 0]
 
 
 def greedy_acceptance(drafts: np.ndarray, target: np.ndarray, n_valid: np.ndarray) -> np.ndarray:
@@ -184,13 +247,66 @@ def speculative_accept(target_logits: jax.Array, draft_logits: jax.Array, drafts
     ok = (u * jnp.maximum(qx, 1e-8) < px) & (jnp.arange(k)[None, :] < (n_valid[:, None] - 1))
     n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]
-    q_at = jnp.take_along_axis(q, jnp.minimum(n_acc, k - 1)[:, None, None], axis=1)[:, 0]
+    q_at = jnp.take_along_axis(q, jnp.minimum(n_acc, k - 1)[:, None, None], axis=1)[:, 0] if k else p_at
     rejected = (n_acc < n_valid - 1)[:, None]
     resid = jnp.where(rejected, jnp.maximum(p_at - q_at, 0.0), p_at)
     resid = jnp.where(jnp.sum(resid, -1, keepdims=True) > 1e-8, resid, p_at)
     drawn = jax.vmap(jax.random.categorical)(split[:, 1], jnp.log(resid))
     nxt = jnp.where(temperature <= 0, jnp.argmax(resid, -1), drawn)
     return n_acc.astype(jnp.int32), nxt.astype(jnp.int32)
+
+
+def speculative_round(params: dict, cache: dict, rings, tokens: jax.Array, n_valid: jax.Array, engram_ids,
+                      draft_logits, sampling, step: jax.Array, *, config: ModelConfig, opts: InferenceOptions,
+                      greedy: bool, rerun: bool, draft_next: bool):
+    """One whole speculative step as one program (the cache and the DSpark rings donated, every shape static):
+    verify the chunk ``tokens`` [B, K + 1] = [pending, drafts] with n_valid [B] of it valid, accept (greedy, or
+    speculative sampling against ``draft_logits`` [B, K, V] with ``sampling`` = (temperature, top_k, top_p, seeds)
+    and the step's keys), roll back what was rejected (:func:`restore_rejected` on the rows saved before the pass;
+    ``rerun``: a second pass over the kept tokens instead, when a row rejected), write the kept tokens' features
+    into the DSpark rings and, with ``draft_next``, draft the next block after the new pending tokens.
+
+    Returns (accepted drafts [B], next token [B], cache, rings, the next Draft or None)."""
+    c = config
+    chunk = tokens.shape[1]
+    drafts = tokens[:, 1:]
+    pos0, floor = cache["length"], cache["floor"]
+    saved = None if rerun else save_touched(cache, chunk, c)
+    before = cache if rerun else None
+    logits, feats, after, comp = verify_chunk(params, cache, tokens, n_valid, engram_ids, config=c, opts=opts)
+    if greedy:
+        n_acc, nxt = greedy_accept(logits, drafts, n_valid)
+    else:
+        temperature, top_k, top_p, seeds = sampling
+        n_acc, nxt = speculative_accept(logits, draft_logits[:, :drafts.shape[1]], drafts, n_valid, temperature,
+                                        top_k, top_p, _row_keys(seeds, step, 1))
+    n_keep = jnp.where(n_valid > 0, n_acc + 1, 0).astype(jnp.int32)
+    if rerun:
+        def again(_):
+            _, f, cch, _ = verify_chunk(params, before, tokens, n_keep, engram_ids, config=c, opts=opts)
+            return f, cch
+
+        feats, cache = jax.lax.cond(jnp.any(n_keep < n_valid), again, lambda _: (feats, after), None)
+    else:
+        cache = restore_rejected(params, saved, after, comp, pos0, n_keep, config=c, opts=opts, chunk=chunk)
+    quant_on = opts.resolved_quant(c)
+    nxt_draft = None
+    if rings is not None:
+        rings = seed_rings(params, rings, feats, pos0, n_keep, config=c, quant_on=quant_on,
+                           gemm_input_fp8=opts.gemm_input_fp8)
+        if draft_next:
+            nxt_draft = draft_from_rings(params, rings, cache["length"], floor, nxt,
+                                         None if greedy else _draft_sampling(c, sampling, step + 1), config=c,
+                                         quant_on=quant_on, moe_impl=opts.moe_impl,
+                                         gemm_input_fp8=opts.gemm_input_fp8)
+    return n_acc, nxt, cache, rings, nxt_draft
+
+
+def _draft_sampling(config: ModelConfig, sampling, step):
+    """The drafter's sampling arguments of a step: (temperature, top_k, top_p, keys [B, block size])."""
+    temperature, top_k, top_p, seeds = sampling
+    keys = jax.vmap(lambda k: jax.random.split(k, config.dspark_block_size))(_row_keys(seeds, step, 0))
+    return temperature, top_k, top_p, keys
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -237,9 +353,45 @@ def prefix_schedule(a: np.ndarray, steps_per_s: Callable[[int], float], *, early
     return best_lengths
 
 
+def parse_step_times(text: str) -> dict[int, float]:
+    """A step-time table ``"N:MS,N:MS,..."`` (verification step time in milliseconds for a chunk of N tokens per
+    row) -> {N: seconds}. Raises ValueError naming the bad entry."""
+    table = {}
+    for item in str(text).replace(" ", "").split(","):
+        if not item:
+            continue
+        try:
+            n, ms = item.split(":")
+            n, ms = int(n), float(ms)
+        except ValueError:
+            raise ValueError(f"step-time entry {item!r} is not N:MS (tokens per row : milliseconds), e.g. "
+                             "'1:4.0,2:4.2,6:5.1'") from None
+        if n < 1 or not ms > 0:
+            raise ValueError(f"step-time entry {item!r}: need N >= 1 tokens and a time > 0 ms")
+        table[n] = ms / 1e3
+    if not table:
+        raise ValueError("the step-time table is empty (expected 'N:MS,N:MS,...')")
+    return table
+
+
+def steps_per_s_from_table(table: dict[int, float], rows: int = 1) -> Callable[[int], float]:
+    """steps_per_s(n) for :func:`prefix_schedule` from measured step times per chunk width {width: seconds}: n
+    tokens over ``rows`` sequences need a chunk of width ceil(n / rows) (a step's program is as wide as its
+    widest row); widths between measured ones take the next measured one (the largest beyond them)."""
+    widths = sorted(table)
+
+    def steps_per_s(n: int) -> float:
+        w = -(-int(n) // max(int(rows), 1))
+        fit = [x for x in widths if x >= w]
+        return 1.0 / table[fit[0] if fit else widths[-1]]
+
+    return steps_per_s
+
+
 _accept_jit = jax.jit(speculative_accept)
 _seed_jit = jax.jit(seed_rings, static_argnames=("config", "quant_on", "gemm_input_fp8"), donate_argnames=("rings",))
 _draft_jit = jax.jit(draft_from_rings, static_argnames=("config", "quant_on", "moe_impl", "gemm_input_fp8"))
+_ROUND_STATIC = ("config", "opts", "greedy", "rerun", "draft_next")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -281,12 +433,17 @@ class SpeculativeDecoder:
     plain greedy decoding and sampled output is distributed as plain sampling; a good drafter needs fewer target
     passes. ``self.sampling`` (temperature, top_k, top_p, seeds: [B] arrays, set by :meth:`generate`) selects
     sampling; None is greedy.
+
+    ``schedule``: None (verify every draft), "threshold" (survival >= ``threshold``) or "prefix" (the
+    hardware-aware scheduler), whose step rate is ``steps_per_s(n_tokens)`` (the chunk keeps its full width, rows
+    masked) or the table ``step_times`` {chunk width: seconds} (:meth:`measure_step_times`; each step's chunk is
+    then as wide as its widest row, the cost the table measured).
     """
 
     def __init__(self, engine: Engine, drafter: Drafter | None = None, *, num_draft: int | None = None,
                  schedule: str | None = None, threshold: float = 0.5,
                  steps_per_s: Callable[[int], float] | None = None, early_stop: bool = True,
-                 rollback: str = "restore"):
+                 rollback: str = "restore", step_times: dict[int, float] | None = None):
         c = engine.config
         self.engine = engine
         self.config = c
@@ -308,8 +465,13 @@ class SpeculativeDecoder:
         self.rollback = rollback
         if schedule not in (None, "threshold", "prefix"):
             raise EngineError(f"schedule must be None, 'threshold' or 'prefix', got {schedule!r}")
-        if schedule == "prefix" and steps_per_s is None:
-            raise EngineError("schedule='prefix' needs steps_per_s(n_tokens), the measured verification step rate")
+        if schedule == "prefix" and steps_per_s is None and not step_times:
+            raise EngineError("schedule='prefix' needs steps_per_s(n_tokens), the measured verification step rate, "
+                              "or step_times {chunk width: seconds} (measure_step_times)")
+        bad = [w for w, t in (step_times or {}).items() if int(w) < 1 or not t > 0]
+        if bad:
+            raise EngineError(f"step_times needs widths >= 1 and times > 0 s, got {bad[0]}: {step_times[bad[0]]}")
+        self.step_times = dict(step_times) if step_times else None
         if schedule is not None and drafter is not SpeculativeDecoder.dspark_drafter:
             raise EngineError("confidence scheduling needs the DSpark drafter's confidences")
         self.schedule, self.threshold, self.steps_per_s, self.early_stop = schedule, threshold, steps_per_s, early_stop
@@ -329,12 +491,7 @@ class SpeculativeDecoder:
     @staticmethod
     def dspark_drafter(dec: "SpeculativeDecoder", pending: np.ndarray, active: np.ndarray):
         e = dec.engine
-        sampling = None
-        if dec.sampling is not None:
-            temperature, top_k, top_p, seeds = dec.sampling
-            keys = jax.vmap(lambda k: jax.random.split(k, dec.config.dspark_block_size))(
-                _row_keys(seeds, dec.stats.steps, 0))
-            sampling = (temperature, top_k, top_p, keys)
+        sampling = None if dec.sampling is None else _draft_sampling(dec.config, dec.sampling, dec.stats.steps)
         d = _draft_jit(e.params, dec.rings, e.cache["length"], e.cache["floor"],
                        jnp.asarray(pending.astype(np.int32)), sampling, config=dec.config, quant_on=dec.quant_on,
                        moe_impl=dec.opts.moe_impl, gemm_input_fp8=dec.opts.gemm_input_fp8)
@@ -350,8 +507,34 @@ class SpeculativeDecoder:
             return threshold_lengths(conf, self.threshold)
         rows = np.flatnonzero(active)
         lengths = np.zeros((len(active),), np.int64)
-        lengths[rows] = prefix_schedule(prefix_survival(conf[rows]), self.steps_per_s, early_stop=self.early_stop)
+        sps = self.steps_per_s or steps_per_s_from_table(self.step_times, rows=len(rows))
+        lengths[rows] = prefix_schedule(prefix_survival(conf[rows]), sps, early_stop=self.early_stop)
         return lengths
+
+    def measure_step_times(self, widths: Sequence[int] | None = None, reps: int = 3) -> dict[int, float]:
+        """The step program's time per chunk width (default 1 .. num_draft + 1 tokens per row: a step verifying
+        w - 1 drafts), best of ``reps`` calls after a compiling one, on the engine's batch with no token valid —
+        the same work as a real step (static shapes), and nothing in the caches changes. {width: seconds}, the
+        table behind the prefix schedule (:func:`steps_per_s_from_table`)."""
+        e = self.engine
+        b = e.max_batch
+        fn = jit_for(speculative_round, self.opts, static=_ROUND_STATIC, donate=("cache", "rings"))
+        table = {}
+        for w in widths or range(1, self.num_draft + 2):
+            chunk = np.zeros((b, int(w)), np.int32)
+            eids = self._engram_rows(chunk, np.zeros((b,), bool))
+            times = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                n_acc, nxt, e.cache, self.rings, nd = fn(
+                    e.params, e.cache, self.rings, jnp.asarray(chunk), jnp.zeros((b,), jnp.int32), eids, None, None,
+                    jnp.int32(0), config=self.config, opts=self.opts, greedy=True,
+                    rerun=self.rollback == "rerun" or w > self.config.sliding_window,
+                    draft_next=self.rings is not None)
+                jax.device_get((n_acc, nxt) + (() if nd is None else (nd.tokens,)))
+                times.append(time.perf_counter() - t0)
+            table[int(w)] = min(times[1:]) if reps else times[0]
+        return table
 
     # ------------------------------------------------------------------------------------------------------
     def _engram_rows(self, chunk: np.ndarray, active: np.ndarray):
@@ -362,18 +545,19 @@ class SpeculativeDecoder:
         return jnp.asarray(rows)
 
     def _advance_engram(self, chunk: np.ndarray, n_keep: np.ndarray) -> None:
-        """The host Engram history after each row's first n_keep[b] chunk tokens (rows with 0 are unchanged)."""
+        """The host Engram history after each row's first n_keep[b] chunk tokens (rows with 0 are unchanged): one
+        hasher step per distinct kept length, over the whole batch."""
         e = self.engine
         if e.hasher is None:
             return
         old = e._hist
-        new = [a.copy() for a in (old.tokens, old.segments, old.num_positions, old.num_valid)]
-        for row in np.flatnonzero(n_keep > 0):
-            one = EngramHistory(*(a[row:row + 1] for a in (old.tokens, old.segments, old.num_positions,
-                                                           old.num_valid)))
-            _, h = e.hasher.step(chunk[row:row + 1, :n_keep[row]], one)
+        fields = (old.tokens, old.segments, old.num_positions, old.num_valid)
+        new = [a.copy() for a in fields]
+        for n in np.unique(n_keep[n_keep > 0]):
+            rows = n_keep == n
+            _, h = e.hasher.step(chunk[:, :n], old)
             for a, v in zip(new, (h.tokens, h.segments, h.num_positions, h.num_valid)):
-                a[row] = v[0]
+                a[rows] = v[rows]
         e._hist = EngramHistory(*new)
 
     def verify_greedy(self, pending: np.ndarray, drafts: np.ndarray, active: np.ndarray):
@@ -392,6 +576,15 @@ class SpeculativeDecoder:
         Returns (new tokens per slot: accepted drafts then the target's next token — the correction, or the bonus
         when all were accepted — which is also the new pending token; accepted draft counts [B]).
         ``num_verify`` [B]: drafts to verify per row (default all; a scheduler's choice, 0 = plain decoding)."""
+        new, n_acc, _ = self._verify(pending, drafts, active, draft_logits, num_verify)
+        return new, n_acc
+
+    def _verify(self, pending, drafts, active, draft_logits=None, num_verify=None, *, length=None,
+                draft_next: bool = False):
+        """:meth:`verify` as one :func:`speculative_round` program and one read-back; ``length``: the slots'
+        lengths when the caller tracks them (else read from the device); ``draft_next``: the program also drafts
+        the next block (DSpark), returned as a Draft whose tokens (and confidences, when scheduling) are host
+        arrays. Returns (new tokens per slot, accepted drafts [B], next Draft or None)."""
         e = self.engine
         c = self.config
         b = e.max_batch
@@ -406,56 +599,44 @@ class SpeculativeDecoder:
             row = int(np.argmax(bad.any(axis=1)))
             raise EngineError(f"the drafter proposed token ids outside the vocabulary [0, {c.vocab_size}) for slot "
                               f"{row}: {drafts[row].tolist()}")
-        length = e.lengths().astype(np.int64)
+        greedy = self.sampling is None
+        if not greedy and draft_logits is None:
+            raise EngineError("sampling needs the draft logits the drafts were drawn from (drafter returns "
+                              "(drafts, logits))")
+        length = (e.lengths() if length is None else np.asarray(length)).astype(np.int64)
         chunk = np.concatenate([pending[:, None], np.where(active[:, None], drafts, 0)], axis=1)
         room = np.maximum(e.max_len - length, 0)
         want = chunk.shape[1] if num_verify is None else 1 + np.clip(np.asarray(num_verify), 0, drafts.shape[1])
         n_valid = np.where(active, np.minimum(want, room), 0).astype(np.int32)
         eids = self._engram_rows(chunk, active)
-        verify = jit_for(verify_chunk, self.opts, donate=())
-        tok = jnp.asarray(chunk.astype(np.int32))
-        logits, feats, verified, comp = verify(e.params, e.cache, tok, jnp.asarray(n_valid), eids, config=c,
-                                               opts=self.opts)
-        k = drafts.shape[1]
-        if self.sampling is None:
-            sampling = (jnp.zeros((b,)), jnp.zeros((b,), jnp.int32), jnp.ones((b,)), jnp.zeros((b,), jnp.int32))
-        else:
-            sampling = self.sampling
-            if draft_logits is None:
-                raise EngineError("sampling needs the draft logits the drafts were drawn from (drafter returns "
-                                  "(drafts, logits))")
-        q = logits[:, :k] if draft_logits is None else jnp.asarray(draft_logits)[:, :k]
-        n_acc, nxt = _accept_jit(logits, q, jnp.asarray(drafts.astype(np.int32)), jnp.asarray(n_valid),
-                                 *sampling[:3], _row_keys(sampling[3], self.stats.steps, 1))
-        n_acc = np.where(active, np.asarray(n_acc), 0).astype(np.int64)
-        nxt = np.asarray(nxt)
+        # restore needs every slot a chunk writes to be distinct: a chunk longer than the window is re-run
+        rerun = self.rollback == "rerun" or chunk.shape[1] > c.sliding_window
+        draft_next = draft_next and self.rings is not None
+        fn = jit_for(speculative_round, self.opts, static=_ROUND_STATIC, donate=("cache", "rings"))
+        n_acc, nxt, e.cache, self.rings, nd = fn(
+            e.params, e.cache, self.rings, jnp.asarray(chunk.astype(np.int32)), jnp.asarray(n_valid), eids,
+            None if greedy else draft_logits, None if greedy else self.sampling, jnp.int32(self.stats.steps),
+            config=c, opts=self.opts, greedy=greedy, rerun=rerun, draft_next=draft_next)
+        want_conf = nd is not None and self.schedule is not None
+        host = jax.device_get((n_acc, nxt) + ((nd.tokens,) if nd is not None else ())
+                              + ((nd.confidence,) if want_conf else ()))  # the step's one read-back
+        n_acc = np.where(active, host[0], 0).astype(np.int64)
+        nxt = host[1]
+        if nd is not None:
+            nd = nd._replace(tokens=host[2], confidence=host[3] if want_conf else nd.confidence)
         n_keep = np.where(n_valid > 0, n_acc + 1, 0).astype(np.int32)
-        if (n_keep == n_valid).all():
-            e.cache = verified
-        elif self.rollback == "restore" and chunk.shape[1] <= c.sliding_window:
-            self.stats.rollbacks += 1
-            # no donation: unchanged leaves (floor) may be one buffer in both caches
-            fn = jit_for(rollback, self.opts, static=("config", "opts", "chunk"), donate=())
-            e.cache = fn(e.params, e.cache, verified, comp, jnp.asarray(n_keep), config=c, opts=self.opts,
-                         chunk=chunk.shape[1])
-        else:  # redo the step from the untouched cache with only the accepted tokens valid
-            self.stats.rollbacks += 1
-            self.stats.reruns += 1
-            _, feats, e.cache, _ = verify(e.params, e.cache, tok, jnp.asarray(n_keep), eids, config=c,
-                                          opts=self.opts)
-        self._advance_engram(chunk, n_keep)
-        if self.rings is not None:
-            self.rings = _seed_jit(e.params, self.rings, feats, jnp.asarray(length.astype(np.int32)),
-                                   jnp.asarray(n_keep), config=c, quant_on=self.quant_on,
-                                   gemm_input_fp8=self.opts.gemm_input_fp8)
-        new = [[int(t) for t in drafts[s, :n_acc[s]]] + [int(nxt[s])] if n_keep[s] else [] for s in range(b)]
         st = self.stats
+        if (n_keep != n_valid).any():
+            st.rollbacks += 1
+            st.reruns += int(rerun)
+        self._advance_engram(chunk, n_keep)
+        new = [[int(t) for t in drafts[s, :n_acc[s]]] + [int(nxt[s])] if n_keep[s] else [] for s in range(b)]
         st.steps += 1
         st.rows_verified += int((n_keep > 0).sum())
         st.drafted += int(np.maximum(n_valid - 1, 0).sum())
         st.accepted += int(n_acc.sum())
         st.emitted += sum(len(x) for x in new)
-        return new, n_acc
+        return new, n_acc, nd
 
     # ------------------------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence, *, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
@@ -514,18 +695,35 @@ class SpeculativeDecoder:
 
         for s in list(info):
             account(s, [int(pending[s])])
+        # the DSpark drafter runs inside each step's program, drafting the next block after the step's own
+        # result: one program and one read-back per step (any other drafter is called between the steps)
+        fused = self.drafter is SpeculativeDecoder.dspark_drafter and self.rings is not None
+        length = e.lengths().astype(np.int64)
+        if fused and active.any():
+            self.drafter(self, pending, active.copy())
         while active.any():
-            proposal = self.drafter(self, pending, active.copy())
-            drafts, draft_logits = proposal if isinstance(proposal, tuple) else (proposal, None)
+            if fused:
+                drafts, draft_logits = np.asarray(self.last_draft.tokens), self.last_draft.logits
+            else:
+                proposal = self.drafter(self, pending, active.copy())
+                drafts, draft_logits = proposal if isinstance(proposal, tuple) else (proposal, None)
             drafts = np.asarray(drafts)[:, :self.num_draft]
-            new, _ = self.verify(pending, drafts, active, draft_logits, self.verification_lengths(active))
+            num_verify = self.verification_lengths(active)
+            if self.schedule == "prefix" and self.step_times:  # a step as wide as its widest row: the time the
+                drafts = drafts[:, :int(num_verify[active].max())]  # table (per width) gave the scheduler
+            new, n_acc, nd = self._verify(pending, drafts, active, draft_logits, num_verify, length=length,
+                                          draft_next=fused)
+            if nd is not None:
+                self.last_draft = nd
             for s in np.flatnonzero(active):
+                length[s] += len(new[s])
                 pending[s] = new[s][-1]
                 account(int(s), new[s])
         self.stats.decode_s = time.perf_counter() - t0
         return results  # type: ignore[return-value]
 
 
-__all__ = ["init_dspark_rings", "seed_rings", "ring_context", "draft_from_rings", "verify_chunk", "rollback",
-           "greedy_acceptance", "speculative_accept", "prefix_survival", "threshold_lengths", "prefix_schedule",
-           "SpeculativeStats", "SpeculativeDecoder"]
+__all__ = ["init_dspark_rings", "seed_rings", "ring_context", "draft_from_rings", "verify_chunk", "save_touched",
+           "restore_rejected", "greedy_accept", "speculative_round", "greedy_acceptance", "speculative_accept",
+           "prefix_survival", "threshold_lengths", "prefix_schedule", "parse_step_times",
+           "steps_per_s_from_table", "SpeculativeStats", "SpeculativeDecoder"]
