@@ -50,11 +50,12 @@ print(engine.footprint().describe())"""),
 one snippet (every parameter trainable; `TrainConfig(trainable=..., frozen=...)` select by path regexes)."""),
     ("code", """from dsv41_jax.train import TrainConfig, make_train_step
 
-seq = 64
-ids = np.asarray(tokenizer.encode(text * 2, add_bos=True)[: seq + 1])
-batch = {"tokens": ids[None, :-1], "targets": ids[None, 1:], "loss_mask": np.ones((1, seq), np.float32),
-         "valid": np.ones((1, seq), bool), "engram_ids": hasher.row_ids(ids[None, :-1])}
-tc = TrainConfig(seq_len=seq, batch_size=1, steps=5, lr=1e-3, warmup_steps=0, compute_dtype="float32")
+seq, rows = 128, 4  # the shapes of the fine-tuning notebook (one compiled program serves both)
+ids = np.asarray(tokenizer.encode(text * 8, add_bos=True)[: rows * seq + 1])
+tokens_in, targets = ids[:-1].reshape(rows, seq), ids[1:].reshape(rows, seq)
+batch = {"tokens": tokens_in, "targets": targets, "loss_mask": np.ones((rows, seq), np.float32),
+         "valid": np.ones((rows, seq), bool), "engram_ids": hasher.row_ids(tokens_in)}
+tc = TrainConfig(seq_len=seq, batch_size=rows, steps=5, lr=1e-3, warmup_steps=0, compute_dtype="float32")
 step = make_train_step(config, tc)
 state = step.init_state(params)
 for i in range(5):

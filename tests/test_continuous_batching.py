@@ -7,17 +7,18 @@ import functools
 import numpy as np
 import pytest
 
-from dsv41_jax import Engine, load_config
+from dsv41_jax import Engine
 from dsv41_jax.inference import FAST_COMPILE, EngineError, InferenceOptions, Request
 from dsv41_jax.inference.weights import host_random_params
 from dsv41_jax.tokenizer import ByteTokenizer
+from dsv41_jax.train.testing import every_role_config
 
 MAX_LEN = 40
 
 
 @functools.lru_cache(maxsize=None)
 def _engine():
-    config = load_config("tiny").replace(quant_sim=False)
+    config = every_role_config(quant_sim=False)
     params = host_random_params(config, 3, std=0.1)
     opts = InferenceOptions(compiler_options=FAST_COMPILE)
     # the engine of test_inference_engine (its generate programs come from the run's compilation cache);

@@ -14,13 +14,14 @@ from dsv41_jax.inference.cache import cache_capacity, init_cache
 from dsv41_jax.inference.decode import DecodeError, decode_and_sample, decode_step_jit
 from dsv41_jax.inference.prefill import PrefillError
 from dsv41_jax.inference.weights import host_random_params
+from dsv41_jax.train.testing import every_role_config
 
 MAX_LEN = 16
 
 
 @functools.lru_cache(maxsize=None)
 def _engine():
-    config = load_config("tiny").replace(quant_sim=False)
+    config = every_role_config(quant_sim=False)
     params = host_random_params(config, 5, std=0.1)
     return Engine(config, params, max_batch=2, max_len=MAX_LEN, options=InferenceOptions(compiler_options=FAST_COMPILE))
 

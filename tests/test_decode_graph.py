@@ -2,16 +2,16 @@
 loop whose trip count depends on data, no conditional, no callback), updates its cache in place (every cache
 buffer aliased to an output), and copies or concatenates no cache-sized buffer (dsv41_jax.inference.audit)."""
 
-from dsv41_jax import load_config
 from dsv41_jax.inference.audit import audit_decode_step, hlo_counts
 from dsv41_jax.inference.step import FAST_COMPILE, InferenceOptions
 from dsv41_jax.plan import FULL
+from dsv41_jax.train.testing import every_role_config
 
 BATCH, MAX_LEN = 4, 256
 
 
 def test_gpu_decode_graph_has_no_host_round_trip_and_no_cache_sized_copy():
-    config = load_config("tiny")
+    config = every_role_config()
     # the program a GPU runs (Pallas kernels for attention and the indexer; their loops run inside the kernels)
     audit = audit_decode_step(config, BATCH, MAX_LEN, opts=InferenceOptions(kernel_backend="pallas_gpu_interpret"))
     assert audit.dynamic_loops == [] and audit.conds == 0 and audit.callbacks == 0, audit.summary()
@@ -24,7 +24,7 @@ def test_gpu_decode_graph_has_no_host_round_trip_and_no_cache_sized_copy():
 
 
 def test_cpu_decode_graph_and_compiled_program():
-    config = load_config("tiny")
+    config = every_role_config()
     audit = audit_decode_step(config, BATCH, MAX_LEN)
     # the plain-JAX indexer (the CPU backend) streams over the visible entries with a data-dependent loop, one per
     # layer that scores the whole cache (Full layers; Reindex layers score the gathered HSI pool): cheap on a CPU,

@@ -11,6 +11,7 @@ from dsv41_jax import load_config
 from dsv41_jax.inference import FAST_COMPILE, Engine, EngineError, InferenceOptions, Request
 from dsv41_jax.inference.speculative import SpeculativeDecoder, greedy_acceptance, ring_context
 from dsv41_jax.inference.weights import host_random_params
+from dsv41_jax.train.testing import every_role_config
 from dsv41_jax.model import dspark
 from dsv41_jax.model.forward import ForwardOptions, forward
 from dsv41_jax.model.model import default_hasher
@@ -19,12 +20,9 @@ from dsv41_jax.model.params import FP32, flat_specs
 
 @functools.lru_cache(maxsize=None)
 def _setup():
-    # the tiny preset cut to 8 layers (fast compiles), every role kept: SWA 0-1 (Engram at 1), ratio-2 encoder
-    # 2-3 (Full + Reuse), ratio-1 decoder 4-7 (Full candidate source, Reuse, Reindex, Reuse); targets 5-7
-    config = load_config("tiny").replace(
-        num_hidden_layers=8, compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1), kv_source_layer_ids=(2, 4),
-        index_source_layer_ids=(2, 4, 6), candidate_source_layer_id=4, engram_layer_ids=(1,),
-        engram_num_embeddings=(660,), dspark_target_layer_ids=(5, 6, 7), quant_sim=False)
+    # the tiny preset cut to 6 layers (fast compiles), every role kept: SWA 0, ratio-2 encoder 1-2 (Full + Engram,
+    # Reuse), ratio-1 decoder 3-5 (Full candidate source, Reuse, Reindex); DSpark targets 3-5
+    config = every_role_config(quant_sim=False)
     params = host_random_params(config, 5, std=0.1, include_dspark=True)
     return config, params
 

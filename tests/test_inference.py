@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax import ForwardOptions, forward, load_config
+from dsv41_jax import ForwardOptions, forward
 from dsv41_jax.inference.cache import init_cache
 from dsv41_jax.inference.decode import decode_step
 from dsv41_jax.inference.prefill import prefill
@@ -20,6 +20,7 @@ from dsv41_jax.inference.step import (FAST_COMPILE, InferenceOptions, block_ids_
 from dsv41_jax.model.model import default_hasher
 from dsv41_jax.inference.weights import host_random_params
 from dsv41_jax.ops.indexer import candidate_blocks, indexer_scores, mask_invisible, restrict_to_pool, select_topk
+from dsv41_jax.train.testing import every_role_config
 
 TOL = 1e-5
 MAX_LEN = 48
@@ -27,7 +28,7 @@ MAX_LEN = 48
 
 @functools.lru_cache(maxsize=None)
 def _model(variant: str):
-    base = load_config("tiny")
+    base = every_role_config()
     if variant == "tiny":
         config = base.replace(quant_sim=False)
     elif variant in ("small_window", "small_window_quant"):

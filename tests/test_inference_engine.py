@@ -17,6 +17,7 @@ from dsv41_jax.inference.cache import abstract_cache, tree_bytes
 from dsv41_jax.inference.sampling import SamplingError, SamplingParams, filter_logits, sample
 from dsv41_jax.inference.weights import host_random_params
 from dsv41_jax.tokenizer import ByteTokenizer
+from dsv41_jax.train.testing import every_role_config
 
 MAX_LEN = 40
 
@@ -44,7 +45,7 @@ def test_cache_bytes_per_token_reproduce_the_release():
 
 @functools.lru_cache(maxsize=None)
 def _engine():
-    config = load_config("tiny").replace(quant_sim=False)
+    config = every_role_config(quant_sim=False)
     params = host_random_params(config, 3, std=0.1)
     opts = InferenceOptions(compiler_options=FAST_COMPILE)
     return Engine(config, params, max_batch=3, max_len=MAX_LEN, tokenizer=ByteTokenizer(), prefill_chunk=16,
@@ -165,7 +166,7 @@ def test_cli_generate_long_prompt_warns_shortens_its_echo_and_times_separately(t
     # the embedded model's record: TRAINING.md's command trained on --seq-len TRAINED_SEQ_LEN rows
     with open(f"{DEFAULT_MODEL_DIR}/TRAINING.md") as f:
         assert f"--seq-len {TRAINED_SEQ_LEN} " in f.read()
-    config = load_config("tiny").replace(quant_sim=False)
+    config = every_role_config(quant_sim=False)
     ckpt = export_params(str(tmp_path / "export"), host_random_params(config, 0), config, fmt="safetensors",
                          extra={"train_seq_len": 16})
     prompt = "".join(chr(97 + i % 26) for i in range(700))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax import ForwardOptions, forward, load_config
+from dsv41_jax import ForwardOptions, forward
 from dsv41_jax.checkpoint import names as N
 from dsv41_jax.checkpoint.quantized import QuantizedTensor
 from dsv41_jax.inference import Engine, packed_cache as PC
@@ -21,6 +21,7 @@ from dsv41_jax.inference.step import FAST_COMPILE, InferenceOptions
 from dsv41_jax.inference.weights import host_random_params
 from dsv41_jax.model import release_weights as RW
 from dsv41_jax.model.model import default_hasher
+from dsv41_jax.train.testing import every_role_config
 from dsv41_jax.ops import quant as Q
 from dsv41_jax.ops.engram import table_rows
 from dsv41_jax.ops.linear import Fp8GemmInput, linear, select_expert
@@ -31,12 +32,9 @@ MAX_LEN = 32
 @functools.lru_cache(maxsize=None)
 def _model():
     # tiny cut to 6 layers, every layer kind once (SWA, Full ratio 2 + Engram, Reuse, the decoder's Full ratio 1 /
-    # HSI candidate source, Reuse, Reindex): a third of the compile time. quant_sim on (the release's fake
+    # HSI candidate source, Reuse, Reindex): about half the compile time. quant_sim on (the release's fake
     # quantisation of window KV, compressed KV and indexer q / keys).
-    config = load_config("tiny").replace(
-        num_hidden_layers=6, compress_ratios=(0, 2, 2, 1, 1, 1), kv_source_layer_ids=(1, 3),
-        index_source_layer_ids=(1, 3, 5), candidate_source_layer_id=3, engram_layer_ids=(1,),
-        engram_num_embeddings=(660,), dspark_target_layer_ids=(3, 4, 5))
+    config = every_role_config()
     params = host_random_params(config, 0, std=0.1, perturb_constants=0.2)
     qparams = RW.quantize_params(params, config)
     return config, qparams, RW.dequantize_params(qparams), default_hasher(config)
