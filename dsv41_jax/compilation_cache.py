@@ -156,6 +156,24 @@ def _leaf_key(leaf, shardings: set) -> tuple:
     raise _NotStorable(f"an argument of type {type(leaf).__name__} is not an array")
 
 
+def _compile_fresh(lowered):
+    """``lowered.compile()`` from the compiler itself, bypassing JAX's persistent cache (None where this JAX has no
+    way to): an executable XLA:CPU loaded from that cache serialises without its kernels' code — a copy of it fails
+    when run ("Function ... not found"; measured with JAX 0.10.2) — so a program for the store must not come from
+    there. Happens when the package's source changed but a program did not (its JAX cache entry is still valid)."""
+    try:
+        from jax._src import config as jax_config
+        from jax.experimental.compilation_cache import compilation_cache as jax_cache
+    except ImportError:
+        return None
+    jax_cache.reset_cache()  # JAX decides once per process whether its cache is used: decide again, off ...
+    try:
+        with jax_config.enable_compilation_cache(False):
+            return lowered.compile()
+    finally:
+        jax_cache.reset_cache()  # ... and again (on) for every later compile
+
+
 class ProgramStore:
     """``jax.jit(fn, ...)`` whose compiled programs are also kept on disk, serialised, while the compilation cache
     is on (see the module docstring); off, it is the plain jitted function. Same call signature as the jitted
@@ -244,10 +262,14 @@ class ProgramStore:
                     os.remove(path)
                 except OSError:
                     pass
-        compiled = self.jitted.lower(*args, **kwargs).compile()  # JAX's own cache still serves the XLA compile
-        self.built += 1
+        lowered = self.jitted.lower(*args, **kwargs)
         if path is None:
-            return compiled
+            self.built += 1
+            return lowered.compile()
+        compiled = _compile_fresh(lowered)
+        self.built += 1
+        if compiled is None:  # no way to bypass JAX's cache in this JAX: run it, do not store it
+            return lowered.compile()
         try:
             # the devices it runs on (by default a loaded program would span all of the backend's devices)
             device_ids = sorted({d.id for sh in jax.tree_util.tree_leaves(compiled.input_shardings)

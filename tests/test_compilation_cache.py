@@ -132,6 +132,30 @@ def test_program_store_rebuilds_damaged_entries_and_skips_what_it_cannot_key(pro
     assert plain.built == plain.loaded == 0
 
 
+
+def test_a_program_already_in_jax_cache_is_stored_from_a_fresh_compile(program_dir, tmp_path):
+    """The package's source changed but a program did not: JAX's own cache still holds it. An executable loaded
+    from there serialises without its code on XLA:CPU, so the store compiles afresh (its entry must run)."""
+    from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+    saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax_cache.reset_cache()
+    try:
+        jax.clear_caches()  # compile for real (not from memory) ...
+        _call(jax.jit(_affine, static_argnames=("k",), donate_argnames=("cache",)))  # ... into JAX's cache only
+        assert os.listdir(tmp_path / "jax") and not os.path.exists(program_dir)
+        jax.clear_caches()  # a new process: the store's compile would be a hit in JAX's cache
+        _call(_store())
+        loaded = _store()
+        acc, y = _call(loaded)
+        assert loaded.loaded == 1 and np.array_equal(y, [5.0, 14.0, 23.0]) and np.array_equal(acc, [1, 3, 5])
+    finally:
+        jax.config.update("jax_compilation_cache_dir", saved[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
+        jax_cache.reset_cache()
+
 @pytest.mark.slow  # compiles the tiny model's prefill and decode programs (~15 s of CPU)
 def test_the_engine_compiles_one_decode_program_and_reloads_every_program(program_dir):
     from dsv41_jax import Engine, load_config
