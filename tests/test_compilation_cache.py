@@ -48,3 +48,135 @@ def test_a_second_process_loads_the_compiled_program(tmp_path):
     assert os.listdir(first["DIR"])  # the compiled program was stored
     assert int(child()["HITS"]) >= 1  # ... and loaded by the next process (the lambda and jnp.arange's program)
     assert child({ENV: "off"}) == {"DIR": "None", "HITS": "0"}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Serialised programs (ProgramStore): a later process loads the engine's programs without tracing them
+# ------------------------------------------------------------------------------------------------------------
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from dsv41_jax import compilation_cache as CC  # noqa: E402
+
+
+def _affine(params, cache, x, *, k):
+    return {"acc": cache["acc"] + k * x}, params["w"] @ x
+
+
+def _store(fn=_affine):
+    return CC.ProgramStore(fn, jax.jit(fn, static_argnames=("k",), donate_argnames=("cache",)), ("k",), ("cache",),
+                           ())
+
+
+@pytest.fixture
+def program_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(CC, "_program_dir", [str(tmp_path / "programs")])
+    yield tmp_path / "programs"
+    CC.clear_program_stores()
+
+
+def _call(store, n=3, k=2.0):
+    params = {"w": jnp.arange(n * n, dtype=jnp.float32).reshape(n, n)}
+    cache = {"acc": jnp.ones((n,), jnp.float32)}
+    new_cache, y = store(params, cache, jnp.arange(n, dtype=jnp.float32), k=k)
+    assert cache["acc"].is_deleted()  # still donated
+    return np.asarray(new_cache["acc"]), np.asarray(y)
+
+
+def test_program_store_round_trip(program_dir, monkeypatch):
+    w, x = np.arange(9.0).reshape(3, 3), np.arange(3.0)
+    want = (1 + 2 * x, w @ x)
+    first = _store()
+    assert all(np.array_equal(a, b) for a, b in zip(_call(first), want))
+    _call(first)  # same signature: the in-process program, nothing built
+    assert (first.built, first.loaded, len(os.listdir(program_dir))) == (1, 0, 1)
+
+    traces = []
+    monkeypatch.setattr(CC, "_source_digest", CC._source_digest)  # restored after the test
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *a, **kw: traces.append(name) if name == "/jax/core/compile/jaxpr_trace_duration" else None)
+    again = _store()  # a new process, as far as the store knows
+    assert all(np.array_equal(a, b) for a, b in zip(_call(again), want))
+    assert (again.built, again.loaded) == (0, 1) and not traces  # loaded, not traced
+
+    _call(again, 4)  # another shape, another static value: new programs
+    _call(again, 3, k=3.0)
+    assert (again.built, again.loaded, len(os.listdir(program_dir))) == (2, 1, 3)
+
+    monkeypatch.setattr(CC, "_source_digest", lambda: "edited")  # a changed package source: new keys
+    other = _store()
+    _call(other)
+    assert (other.built, other.loaded) == (1, 0)
+
+
+def test_program_store_rebuilds_damaged_entries_and_skips_what_it_cannot_key(program_dir):
+    _call(_store())
+    (entry,) = os.listdir(program_dir)
+    (program_dir / entry).write_bytes(b"not a program")
+    store = _store()
+    _, y = _call(store)
+    assert (store.built, store.loaded) == (1, 0) and np.array_equal(y, [5.0, 14.0, 23.0])
+
+    scale = 2.0
+    closure = _store(lambda params, cache, x, *, k: _affine(params, cache, scale * x, k=k))
+    assert not closure.storable  # its captured values are in no key
+    _call(closure)
+    assert closure.built == 0 and len(os.listdir(program_dir)) == 1
+
+    CC.disable_program_store()
+    plain = _store()
+    _call(plain)
+    assert plain.built == plain.loaded == 0
+
+
+
+def test_a_program_already_in_jax_cache_is_stored_from_a_fresh_compile(program_dir, tmp_path):
+    """The package's source changed but a program did not: JAX's own cache still holds it. An executable loaded
+    from there serialises without its code on XLA:CPU, so the store compiles afresh (its entry must run)."""
+    from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+    saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax_cache.reset_cache()
+    try:
+        jax.clear_caches()  # compile for real (not from memory) ...
+        _call(jax.jit(_affine, static_argnames=("k",), donate_argnames=("cache",)))  # ... into JAX's cache only
+        assert os.listdir(tmp_path / "jax") and not os.path.exists(program_dir)
+        jax.clear_caches()  # a new process: the store's compile would be a hit in JAX's cache
+        _call(_store())
+        loaded = _store()
+        acc, y = _call(loaded)
+        assert loaded.loaded == 1 and np.array_equal(y, [5.0, 14.0, 23.0]) and np.array_equal(acc, [1, 3, 5])
+    finally:
+        jax.config.update("jax_compilation_cache_dir", saved[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
+        jax_cache.reset_cache()
+
+@pytest.mark.slow  # compiles the tiny model's prefill and decode programs (~15 s of CPU)
+def test_the_engine_compiles_one_decode_program_and_reloads_every_program(program_dir):
+    from dsv41_jax import Engine, load_config
+    from dsv41_jax.inference import FAST_COMPILE, InferenceOptions
+    from dsv41_jax.inference.decode import _decode_sample
+    from dsv41_jax.inference.step import _jit
+    from dsv41_jax.inference.weights import host_random_params
+
+    config = load_config("tiny").replace(quant_sim=False)
+    opts = InferenceOptions(compiler_options=FAST_COMPILE)
+    engine = Engine(config, host_random_params(config, 3, std=0.1), max_batch=2, max_len=48, prefill_chunk=16,
+                    options=opts, compilation_cache=False)
+    first = [r.tokens for r in engine.generate([[5, 6, 7], list(range(3, 30))], max_new_tokens=4)]
+    first.append(engine.generate([[9] * 20], max_new_tokens=6)[0].tokens)  # another prompt length, batch fill
+    decode = _jit(_decode_sample, ("config", "opts", "return_logits"), ("cache",), FAST_COMPILE)
+    assert decode.built == 1 and len(decode._programs) == 1  # one decode program for every call
+    stored = sorted(os.listdir(program_dir))
+
+    CC.clear_program_stores()  # a later process: every program from disk, none traced or lowered again
+    again = [r.tokens for r in engine.generate([[5, 6, 7], list(range(3, 30))], max_new_tokens=4)]
+    again.append(engine.generate([[9] * 20], max_new_tokens=6)[0].tokens)
+    assert again == first
+    assert sorted(os.listdir(program_dir)) == stored
+    assert sum(s.built for s in CC._stores) == len(stored) and sum(s.loaded for s in CC._stores) == len(stored)

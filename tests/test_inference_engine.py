@@ -146,6 +146,32 @@ def test_sampling_filters():
                                                 jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.int32)))[1]), 3)
 
 
+
+def test_sampling_filters_match_a_float64_reference():
+    """top-k then top-p (one sort per row in filter_logits) keeps exactly the tokens a float64 two-pass reference
+    keeps: the k largest logits, then the smallest prefix of the renormalised probabilities reaching top_p."""
+    rng = np.random.default_rng(7)
+    b, v = 24, 97
+    logits = rng.standard_normal((b, v)).astype(np.float32) * 3
+    temp = rng.choice([0.5, 1.0, 1.7], b).astype(np.float32)
+    top_k = rng.choice([0, 1, 5, 40, v + 3], b).astype(np.int32)
+    top_p = rng.choice([0.3, 0.9, 1.0], b).astype(np.float32)
+    got = np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), jnp.asarray(temp), jnp.asarray(top_k),
+                                               jnp.asarray(top_p))))
+    for r in range(b):
+        z = logits[r].astype(np.float64) / temp[r]
+        order = np.argsort(-z)
+        k = v if top_k[r] == 0 else min(int(top_k[r]), v)
+        kept = order[:k]
+        if top_p[r] < 1:
+            p = np.exp(z[kept] - z[kept].max())
+            p /= p.sum()
+            before = np.cumsum(p) - p
+            kept = kept[:max(int(np.sum(before < top_p[r])), 1)]
+        want = np.zeros(v, bool)
+        want[kept] = True
+        np.testing.assert_array_equal(got[r], want, err_msg=f"row {r}: top_k {top_k[r]}, top_p {top_p[r]}")
+
 def test_cli_generate(capsys):
     rc = main(["generate", "--config", "tiny", "--prompt", "Hello", "--max-new-tokens", "4", "--seed", "1"])
     assert rc == 0

@@ -166,7 +166,7 @@ class Engine:
         self.options = options
         self.tokenizer = tokenizer
         if hasher is None and config.engram_layer_ids:
-            from dsv41_jax.model.model import default_hasher
+            from dsv41_jax.model.hasher import default_hasher
 
             hasher = default_hasher(config, tokenizer)
         self.hasher = hasher

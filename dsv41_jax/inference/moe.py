@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.ops.linear import linear, select_expert
+from dsv41_jax.ops.linear import is_plain_weight, linear, matmul_precision, select_expert
 from dsv41_jax.ops.moe import expert_mlp, grouped_kernel_backend, route, routed_ragged
 
 STATIC_MAX_TOKENS = 64
@@ -52,26 +52,55 @@ def _swiglu_expert(rows, w1, w2, w3, wts, limit, dtype):
     return linear(act.astype(dtype), w2).astype(jnp.float32)
 
 
+def _swiglu_every_expert(xs, w1, w2, w3, wts, limit, dtype):
+    """:func:`_swiglu_expert` for every expert at once: xs [E, R, d] (slot e = expert e), plain weights [E, ...]
+    read in place by batched GEMMs (no per-expert slice is copied out first)."""
+    def bmm(a, w):
+        return jnp.einsum("eri,eoi->ero", a, w, precision=matmul_precision(a, w))
+
+    gate = bmm(xs, w1).astype(jnp.float32)
+    up = bmm(xs, w3).astype(jnp.float32)
+    if limit > 0:
+        up = jnp.clip(up, -limit, limit)
+        gate = jnp.minimum(gate, limit)
+    act = jax.nn.silu(gate) * up * wts[..., None]
+    return bmm(act.astype(dtype), w2).astype(jnp.float32)
+
+
 def routed_slots(x, weights, idx, w1, w2, w3, limit):
     """x [M, d]; weights / idx [M, k] -> [M, d] float32, with a static loop over min(n_experts, M * k) expert slots
-    (see the module docstring). Same maths as :func:`routed_tiled`."""
+    (see the module docstring). Same maths as :func:`routed_tiled`.
+
+    When every expert gets a slot (M * k >= n_experts: a decode batch of 3+ tokens on 16 experts, 64 on the
+    release's 384) and the weights are plain arrays, the slots are the experts in order and one batched GEMM per
+    projection replaces the loop: the loop's ``w[e]`` with a data-dependent ``e`` is a dynamic slice that XLA on a
+    GPU copies out before each GEMM (measured on an H200: the copies were a third of the batch-32 step's device
+    time), while the batched GEMM reads the stacked weights where they are. Same bytes read, same maths."""
     m, k = idx.shape
     n_exp = w1.shape[0]
     rows = _pow2_at_least(m)
     n_slots = min(n_exp, m * k)
+    every_expert = n_slots == n_exp and all(is_plain_weight(w) for w in (w1, w2, w3))
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignments sorted by expert
     token = order // k
     wts = weights.reshape(-1)[order].astype(jnp.float32)
     counts = jnp.bincount(flat, length=n_exp).astype(jnp.int32)
     row_start = jnp.cumsum(counts) - counts
-    slot_expert = jnp.argsort(counts == 0, stable=True)[:n_slots].astype(jnp.int32)  # used experts first, ascending
+    if every_expert:
+        slot_expert = jnp.arange(n_exp, dtype=jnp.int32)
+    else:
+        slot_expert = jnp.argsort(counts == 0, stable=True)[:n_slots].astype(jnp.int32)  # used first, ascending
     r = row_start[slot_expert][:, None] + jnp.arange(rows, dtype=jnp.int32)[None, :]  # [slots, rows]
     ok = jnp.arange(rows)[None, :] < counts[slot_expert][:, None]
     r = jnp.where(ok, r, 0)
     slot_token = token[r]
     slot_wts = jnp.where(ok, wts[r], 0.0)
     xs = x[slot_token]  # [slots, rows, d]: each slot's tokens, gathered once
+    if every_expert:
+        ys = _swiglu_every_expert(xs, w1, w2, w3, slot_wts, limit, x.dtype)
+        ys = jnp.where(ok[..., None], ys, 0.0)
+        return jnp.zeros((m, x.shape[-1]), jnp.float32).at[slot_token.reshape(-1)].add(ys.reshape(-1, x.shape[-1]))
 
     def body(s, out):
         e = slot_expert[s]

@@ -40,20 +40,25 @@ class SamplingParams:
 
 def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Temperature-scaled logits with everything outside top-k / top-p set to -inf. logits [B, V] float32;
-    temperature [B] (> 0 where used), top_k [B] int (0 = off), top_p [B] (1 = off)."""
+    temperature [B] (> 0 where used), top_k [B] int (0 = off), top_p [B] (1 = off).
+
+    One sort of the vocabulary per row serves both filters: the top-k cut applied to the sorted row keeps it
+    sorted, and softmax is monotonic, so the softmax of the sorted, cut row is the sorted probabilities the
+    nucleus needs, and its cut-off probability is the one of its cut-off logit (a second sort of the
+    probabilities cost as much as the first: on an H200 the two were ~7 % of a batch-32 decode step)."""
     v = logits.shape[-1]
     z = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     desc = -jnp.sort(-z, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
     kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
     z = jnp.where(z < kth, -jnp.inf, z)
-    probs = jax.nn.softmax(z, axis=-1)
-    p_desc = -jnp.sort(-probs, axis=-1)
+    desc = jnp.where(desc < kth, -jnp.inf, desc)  # the same cut on the sorted row: still sorted
+    p_desc = jax.nn.softmax(desc, axis=-1)
     before = jnp.cumsum(p_desc, axis=-1) - p_desc  # mass strictly before each sorted entry
     keep = before < top_p[:, None]
     n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
-    threshold = jnp.take_along_axis(p_desc, (n_keep - 1)[:, None], axis=-1)
-    return jnp.where((probs < threshold) & (top_p[:, None] < 1), -jnp.inf, z)
+    threshold = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)  # the last kept logit
+    return jnp.where((z < threshold) & (top_p[:, None] < 1), -jnp.inf, z)
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seeds: jax.Array,

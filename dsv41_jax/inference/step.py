@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.compilation_cache import ProgramStore
 from dsv41_jax import kernels
 from dsv41_jax.config import ModelConfig, ceil_div
 from dsv41_jax.ops.attention import attention_inputs, attention_output
@@ -83,12 +84,15 @@ FAST_COMPILE = (("xla_backend_optimization_level", 0), ("xla_llvm_disable_expens
 
 @functools.lru_cache(maxsize=None)
 def _jit(fn, static: tuple, donate: tuple, compiler_options: tuple):
-    return jax.jit(fn, static_argnames=static, donate_argnames=donate,
-                   compiler_options=dict(compiler_options) if compiler_options else None)
+    jitted = jax.jit(fn, static_argnames=static, donate_argnames=donate,
+                     compiler_options=dict(compiler_options) if compiler_options else None)
+    return ProgramStore(fn, jitted, static, donate, compiler_options)
 
 
 def jit_for(fn, opts: "InferenceOptions", static=("config", "opts"), donate=("cache",)):
-    """``fn`` jitted with the options' XLA compiler options (one wrapper per function and option set)."""
+    """``fn`` jitted with the options' XLA compiler options (one wrapper per function and option set). While the
+    persistent compilation cache is on, its compiled programs are also stored serialised, so that a later process
+    loads them without tracing (``dsv41_jax.compilation_cache.ProgramStore``)."""
     return _jit(fn, tuple(static), tuple(donate), tuple(opts.compiler_options))
 
 

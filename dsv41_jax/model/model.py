@@ -15,8 +15,7 @@ from flax import nnx
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.model.forward import ForwardOptions, check_tokens, forward
 from dsv41_jax.model.params import init_params, logical_axes, validate_params
-from dsv41_jax.ops.engram_hash import EngramHashLayout, EngramHistory, engram_row_ids, engram_row_ids_step
-from dsv41_jax.tokenizer import ByteTokenizer, compressed_token_map
+from dsv41_jax.model.hasher import EngramHasher, default_hasher  # re-exported: their home is model/hasher.py
 
 
 
@@ -25,47 +24,6 @@ from dsv41_jax.tokenizer import ByteTokenizer, compressed_token_map
 _forward_jit = jax.jit(forward, static_argnames=("config", "options", "return_hidden", "return_topk", "return_router",
                                                  "return_attn_inputs", "return_site_inputs",
                                                  "return_dspark_features"))
-
-class EngramHasher:
-    """Engram row ids for a config + tokenizer: the compressed vocabulary (its size is checked against the config),
-    the prime / multiplier layout, and whole-sequence or incremental hashing (numpy int64, exact)."""
-
-    def __init__(self, config: ModelConfig, token_map: np.ndarray):
-        self.config = config
-        self.token_map = np.asarray(token_map, np.int64)
-        if len(self.token_map) < config.vocab_size:
-            raise ValueError(f"Engram token map covers {len(self.token_map)} ids but vocab_size is "
-                             f"{config.vocab_size}")
-        pad = int(self.token_map[config.engram_pad_id])
-        self.layout = EngramHashLayout.build(config.engram_layer_ids, config.engram_max_ngram_size,
-                                             config.engram_n_heads, config.engram_vocab_size,
-                                             config.engram_compressed_vocab_size, pad)
-        for slot, (rows, need) in enumerate(zip(config.engram_num_embeddings, self.layout.rows_per_layer)):
-            if rows < need:
-                raise ValueError(f"config field `engram_num_embeddings`[{slot}] = {rows} is smaller than the "
-                                 f"{need} rows its primes address")
-
-    @classmethod
-    def from_tokenizer(cls, config: ModelConfig, tokenizer) -> "EngramHasher":
-        token_map, _ = compressed_token_map(tokenizer, expected_size=config.engram_compressed_vocab_size)
-        return cls(config, token_map)
-
-    def row_ids(self, tokens, *, valid=None, segment_ids=None) -> np.ndarray:
-        return engram_row_ids(np.asarray(tokens), self.token_map, self.layout, valid=valid, segment_ids=segment_ids)
-
-    def empty_history(self, batch: int) -> EngramHistory:
-        return EngramHistory.empty(batch, self.config.engram_max_ngram_size)
-
-    def step(self, tokens, history: EngramHistory, *, valid=None):
-        return engram_row_ids_step(np.asarray(tokens), history, self.token_map, self.layout, valid=valid)
-
-
-def default_hasher(config: ModelConfig, tokenizer=None) -> EngramHasher | None:
-    """The hasher for a tokenizer (byte-level by default), or None for configs without Engram."""
-    if not config.engram_layer_ids:
-        return None
-    return EngramHasher.from_tokenizer(config, tokenizer or ByteTokenizer(model_vocab_size=config.vocab_size))
-
 
 class DeepseekV41(nnx.Module):
     """Parameters of the V4.1 backbone as NNX state, plus the Engram hasher of its tokenizer.
