@@ -421,6 +421,24 @@ def test_tiny_model_overfits_a_small_batch(cfg):
     np.testing.assert_allclose(np.round(bias / 1e-3), bias / 1e-3, atol=1e-3)
 
 
+def test_a_fresh_state_is_committed_so_the_step_compiles_once(cfg):
+    """Loaded parameters are committed to a device, and then so is every step's output state: a fresh state must
+    be committed too, or step 2 compiles a second program (measured: fine-tuning the default model compiled its
+    train step twice)."""
+    step = make_train_step(cfg, TrainConfig(**STD))  # the program the tests above compile
+    host = jax.tree.map(np.asarray, step.init_state()["params"])
+    host["norm"] = jax.device_put(host["norm"], jax.devices()[0])  # one committed leaf, as from a checkpoint
+    state = step.init_state(host)
+    assert all(x.committed for x in jax.tree.leaves(state))
+    batch = random_batch(cfg, 2, 32, seed=0, hasher=default_hasher(cfg))
+    jitted = step.jitted(batch)
+    before = jitted._cache_size()
+    for _ in range(2):
+        state, _ = step(state, batch, 1e-3)
+    assert jitted._cache_size() - before <= 1
+    assert all(x.committed for x in jax.tree.leaves(state))
+
+
 def test_packed_documents_loss_equals_separate_documents(cfg):
     """Packing: with segment ids the train loss of a packed row equals the loss of its documents run alone."""
     tc = TrainConfig(seq_len=24, batch_size=1, packing="segments", compute_dtype="float32", quant_sim=False)

@@ -146,6 +146,11 @@ class TrainStep:
             state["rng"] = jax.device_put(state["rng"], sh["rng"])
         else:
             state["opt_state"] = jax.jit(self.optimizer.init)(params)
+            # committed to the default device, as every later step's output state is once any input was committed
+            # (loaded parameters are): a state of mixed placement would compile the step a second time at step 2
+            device = jax.config.jax_default_device
+            device = device if isinstance(device, jax.Device) else jax.devices()[0]
+            state = jax.device_put(state, jax.sharding.SingleDeviceSharding(device))
         return state
 
     def abstract_state(self):
