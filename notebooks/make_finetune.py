@@ -49,8 +49,8 @@ held_out = open(os.path.join(package, "analysis.py")).read()  # JAX code of the 
 print(f"corpus: {len(os.listdir(corpus))} files, {sum(os.path.getsize(os.path.join(corpus, f)) for f in os.listdir(corpus)):,} bytes")"""),
     ("markdown", """## Before
 
-The held-out loss (nats per byte over the first 512 bytes of `dsv41_jax/analysis.py`, as 4 rows of 128) and greedy
-samples. One jitted forward over [4, 128] tokens serves both: generation writes each new token into a fixed
+The held-out loss (nats per byte over the first 512 bytes of `dsv41_jax/analysis.py`, as 4 rows of 128), the loss on
+16 fixed rows of the training corpus, and greedy samples. One jitted forward over [4, 128] tokens serves both: generation writes each new token into a fixed
 128-token buffer (the model is causal, so what lies after a position never changes its logits). The cached
 `dsv41_jax.Engine` does this incrementally (see the quickstart); here one compiled program keeps the notebook quick."""),
     ("code", """WIDTH = 128
@@ -62,9 +62,21 @@ def logits_fn(params, tokens, ids):
     return dsv41_jax.forward(params, tokens, config=config, engram_ids=ids)
 
 
-def eval_nll(params):
-    logp = jax.nn.log_softmax(logits_fn(params, EVAL, hasher.row_ids(EVAL))[:, :-1])
-    return float(-jnp.take_along_axis(logp, jnp.asarray(EVAL[:, 1:, None]), -1).mean())
+def eval_nll(params, rows=EVAL):
+    logp = jax.nn.log_softmax(logits_fn(params, rows, hasher.row_ids(rows))[:, :-1])
+    return float(-jnp.take_along_axis(logp, jnp.asarray(rows[:, 1:, None]), -1).mean())
+
+
+# the training loss on fixed data: 16 rows of 128 spread evenly over the corpus, 4 at a time (one compiled shape);
+# the per-step losses of the curve below are each on another batch, so they move with the batch as much as with
+# the training
+corpus_ids = tokenizer.encode("".join(open(os.path.join(corpus, f)).read() for f in sorted(os.listdir(corpus))),
+                              add_bos=True)
+TRAIN = np.asarray([corpus_ids[s: s + WIDTH] for s in np.linspace(0, len(corpus_ids) - WIDTH, 16).astype(int)])
+
+
+def train_nll(params):
+    return float(np.mean([eval_nll(params, TRAIN[i: i + 4]) for i in range(0, len(TRAIN), 4)]))
 
 
 PROMPTS = ["import jax\\nimport jax.numpy as jnp\\n\\n\\ndef ", "    x = jnp.", "class ", "    return "]
@@ -86,9 +98,9 @@ def samples(params, new_tokens=40):
     return [tokenizer.decode(buf[i, 1:end].tolist()) for i, end in enumerate(ends)]
 
 
-nll_before = eval_nll(params)
+nll_before, train_before = eval_nll(params), train_nll(params)
 before = samples(params)
-print(f"held-out loss before: {nll_before:.4f} nats/byte")
+print(f"held-out loss before: {nll_before:.4f} nats/byte; on the training corpus: {train_before:.4f}")
 for s in before:
     print("---\\n" + s)"""),
     ("markdown", """## Fine-tune
@@ -120,9 +132,10 @@ same = jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a),
 print(f"checkpoint steps {os.listdir(ckpt_dir)}; restored == trained: {same}; config unchanged: "
       f"{restored_config.to_dict() == config.to_dict()}")
 
-nll_after = eval_nll(restored)
+nll_after, train_after = eval_nll(restored), train_nll(restored)
 after = samples(restored)
-print(f"held-out loss: {nll_before:.4f} -> {nll_after:.4f} nats/byte")
+print(f"held-out loss: {nll_before:.4f} -> {nll_after:.4f} nats/byte; on the training corpus: "
+      f"{train_before:.4f} -> {train_after:.4f}")
 for b, a in zip(before, after):
     print(f"--- before ---\\n{b}\\n--- after ---\\n{a}")
 shutil.rmtree(work)"""),

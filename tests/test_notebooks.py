@@ -186,7 +186,9 @@ def test_finetune():
     ns, out = run_notebook("finetune.ipynb")
     curve = [loss for _, loss in ns["curve"]]
     assert len(curve) == ns["steps"] and np.isfinite(curve).all()
-    assert np.mean(curve[-4:]) < np.mean(curve[:4])  # the training loss fell
+    # the training loss fell, measured on fixed rows of the corpus (each step's logged loss is on another batch: 16
+    # steps of those moved more with the batch than with the training once the corpus changed)
+    assert ns["train_after"] < ns["train_before"]
     assert ns["nll_after"] < ns["nll_before"]  # and so did the held-out loss on unseen code of the same package
     assert ns["same"] and "restored == trained: True" in out
     assert len(ns["before"]) == len(ns["after"]) == len(ns["PROMPTS"]) and ns["before"] != ns["after"]
