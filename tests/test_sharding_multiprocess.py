@@ -54,8 +54,8 @@ def test_two_process_launch_equals_unsharded(tmp_path):
     params = dsv41_jax.init_params(cfg, jax.random.PRNGKey(0))
     tokens = np.random.RandomState(0).randint(3, 259, (8, 24)).astype(np.int32)
     eids = jnp.asarray(default_hasher(dsv41_jax.load_config("tiny")).row_ids(tokens))
-    ref = dsv41_jax.forward(params, jnp.asarray(tokens), config=cfg, engram_ids=eids,
-                            options=ForwardOptions(quant_sim=False))
+    forward = jax.jit(dsv41_jax.forward, static_argnames=("config", "options"))  # one program, not op by op
+    ref = forward(params, jnp.asarray(tokens), config=cfg, engram_ids=eids, options=ForwardOptions(quant_sim=False))
     ref = np.asarray(ref)
     assert got.shape == ref.shape
     assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-5
