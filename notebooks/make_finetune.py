@@ -82,7 +82,7 @@ def train_nll(params):
 PROMPTS = ["import jax\\nimport jax.numpy as jnp\\n\\n\\ndef ", "    x = jnp.", "class ", "    return "]
 
 
-def samples(params, new_tokens=40):
+def samples(params, new_tokens=24):
     buf = np.full((len(PROMPTS), WIDTH), config.pad_token_id, np.int64)
     ends = []
     for i, p in enumerate(PROMPTS):
@@ -114,7 +114,8 @@ ckpt_dir = os.path.join(work, "ckpt")
 result = train(config, tc, [corpus], tokenizer=tokenizer, glob="*.py", ckpt_dir=ckpt_dir, save_every=steps,
                log_every=1, progress=False, init_from=DEFAULT_MODEL_DIR, async_save=False)
 curve = [(s, m["ce"]) for s, m in result.history]
-print(f"{result.step} steps; training loss {curve[0][1]:.4f} -> {curve[-1][1]:.4f}")
+print(f"{result.step} steps; per-batch training loss {curve[0][1]:.4f} -> {curve[-1][1]:.4f} (each step sees "
+      "another batch; the loss on fixed rows of the corpus is measured after the restore below)")
 
 fig, ax = plt.subplots(figsize=(6, 3))
 ax.plot(*zip(*curve), "o-", markersize=3)
