@@ -14,10 +14,11 @@ import pytest
 
 import dsv41_jax
 from dsv41_jax import ForwardOptions
+from dsv41_jax.checkpoint.orbax_ckpt import write_config_json
 from dsv41_jax.model.model import default_hasher
+from dsv41_jax.train.testing import every_role_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OVERRIDES = ["--set", "vocab_size=264", "--set", "num_attention_heads=8", "--set", "o_groups=8"]
 
 
 def _free_port() -> int:
@@ -29,12 +30,17 @@ def _free_port() -> int:
 @pytest.mark.slow  # a subprocess that imports jax and compiles
 def test_two_process_launch_equals_unsharded(tmp_path):
     out = tmp_path / "logits.npy"
+    # tiny cut to 6 layers with every layer role once (faster compiles), with a vocabulary, head count and output
+    # group count the 8 devices divide
+    cfg = every_role_config(vocab_size=264, num_attention_heads=8, o_groups=8)
+    write_config_json(str(tmp_path), cfg)
+    config_json = str(tmp_path / "config.json")
     port = _free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     procs = []
     for pid in range(2):
-        cmd = [sys.executable, os.path.join(ROOT, "launch", "run.py"), "--mode", "pod", "--config", "tiny",
-               *OVERRIDES, "--mesh", "data=2,expert=2,tensor=2", "--batch", "8", "--seq", "24",
+        cmd = [sys.executable, os.path.join(ROOT, "launch", "run.py"), "--mode", "pod", "--config", config_json,
+               "--mesh", "data=2,expert=2,tensor=2", "--batch", "8", "--seq", "24",
                "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid),
                "--cpu-collectives", "gloo", "--out", str(out)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -50,10 +56,9 @@ def test_two_process_launch_equals_unsharded(tmp_path):
     assert "2 processes, 8 devices" in logs[0]
     got = np.load(out)
 
-    cfg = dsv41_jax.load_config("tiny").replace(vocab_size=264, num_attention_heads=8, o_groups=8)
     params = dsv41_jax.init_params(cfg, jax.random.PRNGKey(0))
     tokens = np.random.RandomState(0).randint(3, 259, (8, 24)).astype(np.int32)
-    eids = jnp.asarray(default_hasher(dsv41_jax.load_config("tiny")).row_ids(tokens))
+    eids = jnp.asarray(default_hasher(cfg.replace(vocab_size=259)).row_ids(tokens))  # as launch/run.py hashes
     forward = jax.jit(dsv41_jax.forward, static_argnames=("config", "options"))  # one program, not op by op
     ref = forward(params, jnp.asarray(tokens), config=cfg, engram_ids=eids, options=ForwardOptions(quant_sim=False))
     ref = np.asarray(ref)
