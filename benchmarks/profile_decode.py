@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
 import os
 import re
@@ -62,6 +60,7 @@ import dsv41_jax  # noqa: E402,F401  (first: the version under --code wins over 
 
 sys.path.insert(1, HERE)
 from bench_inference import decode_inputs, fill_cache, h200_config  # noqa: E402
+from trace_events import load_trace, newest_trace, union_length  # noqa: E402
 from dsv41_jax.config import ModelConfig  # noqa: E402
 from dsv41_jax.inference.cache import init_cache  # noqa: E402
 from dsv41_jax.inference.decode import decode_and_sample  # noqa: E402
@@ -165,28 +164,11 @@ def _kind(name: str) -> str:
     return "kernel"
 
 
-def _union(intervals) -> float:
-    total, end = 0.0, -float("inf")
-    for s, e in sorted(intervals):
-        if s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total
-
-
 def summarize_trace(log_dir: str, steps: int, layers: int) -> dict:
-    files = glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True)
-    if not files:
+    path = newest_trace(log_dir)
+    if path is None:
         return {"error": f"no *.trace.json.gz under {log_dir}"}
-    with gzip.open(max(files, key=os.path.getmtime)) as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    pname = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    tname = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    events, pname, tname = load_trace(path)
     dev_pids = {p for p, n in pname.items() if re.search(r"/device:(GPU|gpu)|GPU", n) and "host" not in n.lower()}
     by_name = collections.defaultdict(lambda: [0, 0.0])
     kinds = collections.Counter()
@@ -212,7 +194,7 @@ def summarize_trace(log_dir: str, steps: int, layers: int) -> dict:
     if not intervals:
         return {"error": "no device events in the trace", "processes": sorted(set(pname.values()))[:20],
                 "threads": sorted(set(tname.values()))[:40]}
-    busy_us = _union(intervals)
+    busy_us = union_length(intervals)
     span_us = max(e for _, e in intervals) - min(s for s, _ in intervals)
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]
     return dict(device_events_per_step=sum(kinds.values()) / steps,

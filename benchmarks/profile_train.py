@@ -39,6 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_train import model_flops_per_token, preset  # noqa: E402
+from trace_events import load_trace, newest_trace, union_length  # noqa: E402
 
 from dsv41_jax.model.model import default_hasher  # noqa: E402
 from dsv41_jax.train.config import TrainConfig  # noqa: E402
@@ -95,30 +96,13 @@ def category(name: str) -> str:
     return "other"
 
 
-def _union_length(intervals) -> float:
-    total, end = 0.0, -float("inf")
-    for s, e in sorted(intervals):
-        if e <= end:
-            continue
-        total += e - max(s, end)
-        end = e
-    return total
-
-
 def summarize_trace(trace_dir: str, top: int = 40) -> dict:
     """Device events of the newest ``*.trace.json.gz`` under ``trace_dir`` (written by ``jax.profiler.trace``),
     summed by name and category; busy = union of the device events' intervals, span = first start to last end."""
-    files = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz")),
-                   key=os.path.getmtime)
-    if not files:
+    path = newest_trace(trace_dir)
+    if path is None:
         return {"error": f"no trace under {trace_dir}"}
-    with gzip.open(files[-1], "rb") as f:
-        trace = json.load(f)
-    events = trace.get("traceEvents", [])
-    pid_names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-                 if e.get("ph") == "M" and e.get("name") == "process_name"}
-    tid_names = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
-                 if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    events, pid_names, tid_names = load_trace(path)
     device_pids = {p for p, n in pid_names.items() if "/device:" in n and "host" not in n.lower()}
     # A GPU device's process has one line per stream (the kernels) plus summary lines ("XLA Modules", "XLA Ops",
     # ...) that repeat the same time at coarser grain: kernels are summed from the stream lines only, HLO ops from
@@ -147,9 +131,9 @@ def summarize_trace(trace_dir: str, top: int = 40) -> dict:
     total = sum(v[0] for v in by_name.values())
     span = (max(e for _, e in intervals) - min(s for s, _ in intervals)) if intervals else 0.0
     return {
-        "trace_file": os.path.basename(files[-1]), "device_processes": sorted(pid_names[p] for p in device_pids),
+        "trace_file": os.path.basename(path), "device_processes": sorted(pid_names[p] for p in device_pids),
         "device_threads": sorted(set(dev_threads.values()))[:50],
-        "events": len(intervals), "kernel_time_us": total, "busy_us": _union_length(intervals), "span_us": span,
+        "events": len(intervals), "kernel_time_us": total, "busy_us": union_length(intervals), "span_us": span,
         "by_category_us": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
         "top_kernels": [{"name": n, "us": v[0], "count": v[1], "share": v[0] / total if total else 0.0}
                         for n, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]],
