@@ -17,9 +17,17 @@ import uuid
 
 # 8 fake CPU devices for the sharding tests; LLVM at -O0 without its expensive passes: the suite is dominated by XLA
 # compiling small programs, not by running them (measured: -16 % CPU time on test_dspark + test_golden_hf, same
-# results; no fast-math either way, so the arithmetic is IEEE in both)
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                                   "--xla_llvm_disable_expensive_passes=true")
+# results; no fast-math either way, so the arithmetic is IEEE in both). Tests that start jax in a subprocess with
+# another device count pass these too (``cpu_xla_flags``).
+FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def cpu_xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a jax subprocess on ``devices`` fake CPU devices, compiling as fast as this process does."""
+    return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE_XLA_FLAGS}"
+
+
+os.environ.setdefault("XLA_FLAGS", cpu_xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # set by the controller before the xdist workers start; the workers and subprocesses inherit it
 os.environ.setdefault("DSV41_TEST_RUN_ID", uuid.uuid4().hex[:12])
@@ -31,7 +39,11 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", XLA_CACHE)  # this process only (not inherited by subprocesses)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.25)  # shared by the workers, and after a cache drop
+# Programs that took 30 ms or more to compile are stored too: both workers compile many of the same small programs
+# (parameter initialisers, quantisers, per-op programs), and every module drops the in-memory caches
+# (``_release_compiled_programs``), so without this they were compiled again and again (measured: -4 % CPU time on
+# test_model_properties + test_release_checkpoint + test_release_precision against a 0.25 s threshold).
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.03)
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 

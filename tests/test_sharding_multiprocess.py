@@ -18,6 +18,8 @@ from dsv41_jax.checkpoint.orbax_ckpt import write_config_json
 from dsv41_jax.model.model import default_hasher
 from dsv41_jax.train.testing import every_role_config
 
+from conftest import cpu_xla_flags  # the suite's fast-compile XLA flags, for the subprocesses too
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -36,7 +38,7 @@ def test_two_process_launch_equals_unsharded(tmp_path):
     write_config_json(str(tmp_path), cfg)
     config_json = str(tmp_path / "config.json")
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=cpu_xla_flags(4), JAX_PLATFORMS="cpu")
     procs = []
     for pid in range(2):
         cmd = [sys.executable, os.path.join(ROOT, "launch", "run.py"), "--mode", "pod", "--config", config_json,
