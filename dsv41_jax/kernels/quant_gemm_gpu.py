@@ -91,19 +91,25 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
     gemv = (m == 1) if gemv is None else gemv
     if gemv and m != 1:
         raise ValueError(f"the gemv form takes one activation row, got M = {m}")
+    # Measured on an H200 (benchmarks/RESULTS.md, sweep of 2026-12-01): at M = 1 the gemv form with 8-row column
+    # blocks, no K split and 8 K steps loaded ahead (2304 x 5120: 6.6 µs vs 11.7 for the tensor-core form); for
+    # M > 1 the tensor-core form with the scale on the weights and the compiler's pipelined loop (the unrolled
+    # loads and the activation-side scale were 4-70x slower there), 32-row column blocks and K split to about two
+    # programs per multiprocessor with >= 4 K steps each.
     bm = 1 if gemv else (block_m or min(64, max(16, _pow2(m))))
     bk = max(SCALE_BLOCK, min(block_k or 256, _pow2(k)))
-    bn = block_n or (16 if m <= 16 else 64)
+    bn = block_n or (8 if gemv else 32)
     n_kb = -(-k // bk)
     nmn = -(-m // bm) * -(-n // bn)
-    if split_k is None:  # about one program per multiprocessor (132 on an H200), each split >= 4 K steps
-        split_k = max(1, min(n_kb // 4, -(-132 // nmn)))
+    if split_k is None:
+        split_k = 1 if gemv else max(1, min(n_kb // 4, -(-264 // nmn)))
     split_k = max(1, min(split_k, n_kb))
     split_k = -(-n_kb // -(-n_kb // split_k))  # no split without K blocks
     kb_per = -(-n_kb // split_k)
-    pf = min(8 if bn <= 16 else 4, kb_per) if prefetch is None else min(prefetch, kb_per)
+    pf = (min(8, kb_per) if gemv else 0) if prefetch is None else min(prefetch, kb_per)
+    scale_side = scale_side or ("x" if gemv else "w")
     return dict(block_m=bm, block_n=bn, block_k=bk, split_k=split_k, num_warps=num_warps or 4,
-                num_stages=num_stages or 3, prefetch=pf, gemv=gemv, scale_side=scale_side or "x")
+                num_stages=num_stages or 3, prefetch=pf, gemv=gemv, scale_side=scale_side)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages",
