@@ -107,9 +107,7 @@ CONFIGS = {
 CONFIRM = {
     1: [(1, _c()),
         (1, _c(gemv=True, block_n=8, block_k=256, split_k=1, prefetch=8, num_warps=2)),
-        (1, _c(gemv=True, block_n=8, block_k=256, split_k=1, prefetch=16)),
-        (1, _c(gemv=True, block_n=8, block_k=512, split_k=1, prefetch=4)),
-        (1, _c(gemv=True, block_n=16, block_k=256, split_k=1, prefetch=8))],
+        (1, _c(gemv=True, block_n=8, block_k=256, split_k=1, prefetch=16))],
     8: [(1, _c())],
     64: [(1, _c())],
 }
