@@ -2,7 +2,7 @@
 the ceilings it is judged against, in one process on the GPU:
 
     PYTHONUNBUFFERED=1 python benchmarks/sweep_quant_gemm.py --out DIR [--budget-s 270]
-        [--baseline-module OLD/quant_gemm_gpu.py]
+        [--baseline-module OLD/quant_gemm_gpu.py] [--plan confirm]
     python benchmarks/sweep_quant_gemm.py --smoke        # CPU: tiny shapes, interpret mode, no timing
 
 Ceilings (device time from a profile, like every row): the copy bandwidth (read + write of a 4 GiB array), the
@@ -11,7 +11,9 @@ arrays of exactly the weight's byte count (R distinct arrays, together > the 50 
 reads that many bytes reaches, launch ramp included.
 
 Rows: for each (M, N x K) the earlier kernel (``--baseline-module``, its default tiling) and the configurations of
-``CONFIGS`` (round 1 for every shape first, then round 2 while ``--budget-s`` lasts). Each configuration's R GEMMs
+``CONFIGS`` (round 1 for every shape first, then the FP4 grouped rows ``FP4_CONFIGS``, then round 2, while
+``--budget-s`` lasts); ``--plan confirm``: the committed defaults and a few neighbours (``CONFIRM``), fewer weight
+sets per call, the earlier kernel at M = 1 only, no FP4 rows. Each configuration's R GEMMs
 run on R distinct weight sets; all configurations of one shape are traced in one ``jax.profiler.trace``, each with
 its own kernel name: a configuration's time is its kernels plus the XLA ops that follow them on the stream (the
 split-K sum) up to the next configuration's first kernel, / R. Each row checks the kernel's output against float32.
