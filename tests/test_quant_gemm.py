@@ -74,9 +74,14 @@ def test_gpu_kernel_tilings_are_exact_on_the_contiguous_paths():
     w = _weights(rng, (64, 512), N.FP8_BLOCK)
     x = jnp.asarray(rng.standard_normal((16, 512)), jnp.float32)
     want = np.asarray(x, np.float64) @ np.asarray(w.dequantize(), np.float64).T
-    for tuning in (dict(block_n=16, block_k=128, split_k=3),):
+    for tuning in (dict(block_n=16, block_k=128, split_k=3), dict(block_n=64, block_k=128, prefetch=2,
+                                                                   scale_side="x")):
         got = QG.fp8_linear(x, w, backend="pallas_gpu_interpret", tuning=tuning)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(tuning))
+    # the gemv form (M = 1): unrolled K steps loaded ahead, 3 K splits of 3 steps over 8 K blocks (one masked)
+    for tuning in (dict(block_n=8, block_k=64, split_k=3, prefetch=1), dict(block_n=32, prefetch=0)):
+        got = QG.fp8_linear(x[:1], w, backend="pallas_gpu_interpret", tuning=tuning)
+        np.testing.assert_allclose(got, want[:1], rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(tuning))
     w4 = _weights(rng, (3, 64, 512), N.FP4_ROWS, scale=0.1)
     gs = jnp.array([3, 0, 9], jnp.int32)
     x = Q.fake_quant_gemm_input_fp8(jnp.asarray(rng.standard_normal((16, 512)), jnp.float32), 32)

@@ -1,14 +1,20 @@
 """Pallas GPU kernels (Triton lowering) for GEMMs that read the release's quantised weights directly.
 
 * ``fp8_gemm``: ``x [M, K] · w [N, K]ᵀ`` with ``w`` e4m3 bytes and one e8m0 scale per 32 x 32 block. Grid
-  (row block, column block, K split). Each program streams its ``block_n`` weight rows through the K loop in
-  ``block_k``-wide tiles (one contiguous run of bytes per row when the shape divides the blocks): the tile's bytes
-  are converted e4m3 -> float32 in registers, multiplied by their block scale (a [block_k] vector of multipliers
-  per 32 weight rows, gathered from the few scale bytes), cast to the dot dtype (exact: <= 4 significant bits times
-  a power of two) and multiplied with the activations on the tensor cores, float32 accumulation. Rows past M and
-  K past the end are masked in the kernel (no padded copy of x); without a K split the kernel writes the [M, N]
-  output in x.dtype, with one the float32 partial sums are added by one small XLA reduction. Decode shapes (M <= 64,
-  N a few thousand) give too few column blocks to fill the 132 multiprocessors: ``fp8_default_tiling`` splits K.
+  (row block, column block, K split). Each program streams its ``block_n`` weight rows through its K range in
+  ``block_k``-wide steps (one contiguous run of bytes per row when the shape divides the blocks), one tile per 32
+  weight rows (one scale row). Two forms (``fp8_default_tiling`` picks by M):
+  - gemv (M = 1): no tensor cores. The step's bytes are converted e4m3 -> float32 and multiplied elementwise with
+    the activation row times its block scales (float32: exact), summed into a [block_n, block_k] float32
+    accumulator that is reduced once at the end. The K steps are unrolled and the loads of step i + ``prefetch``
+    are issued before step i is computed, so each program keeps several KB of weight loads in flight.
+  - tensor-core dot (M > 1): the tile's bytes are converted e4m3 -> float32, multiplied by their block scale (a
+    [block_k] vector of multipliers, gathered from the few scale bytes), cast to the dot dtype (exact: <= 4
+    significant bits times a power of two) and multiplied with the activations, float32 accumulation, in a loop
+    left to the compiler's software pipelining. (The unrolled loads and the scale applied to the activation tile
+    are options of this form too; both measured far slower on an H200.)
+  Rows past M and K past the end are masked in the kernel (no padded copy of x); without a K split the kernel
+  writes the [M, N] output in x.dtype, with one the float32 partial sums are added by one small XLA reduction.
 * ``fp4_grouped_gemm``: rows sorted by expert (``group_sizes``), ``w [E, N, K/2]`` two e2m1 codes per byte
   (element 2j in the low nibble, 2j+1 in the high one, as ``checkpoint.quantized``) and one e8m0 scale per 32 along
   K. Grid (row tile, column block): each row tile belongs to one expert (tile metadata from XLA: expert, first row,
@@ -28,9 +34,9 @@ number) — every scale a quantiser writes for real weights is far inside both.
 Addressing: the Triton lowering uses 32-bit signed element offsets for arrays of at most 4 GiB, so an operand of
 2-4 GiB is addressed wrong past 2 GiB; ``quant_gemm`` refuses such operands (see ``_check_gpu_addressing``).
 
-Measured on an H200 (benchmarks/RESULTS.md): correct; the FP4 grouped kernel 2-3x faster than its first version
-but both kernels far from the bandwidth goal (FP8 dense 19-48 % of the copy bandwidth at decode shapes, FP4 grouped
-17-31 %).
+Measured on an H200 (benchmarks/RESULTS.md): correct; at M = 1 the gemv form reaches 37 % of the 4.8 TB/s
+datasheet bandwidth on 2304 x 5120 (1.8x the tensor-core form; an XLA read-only kernel over the same 11.8 MB reaches
+48 %), M > 1 and the FP4 grouped kernel stay at 12-31 %: far from the >= 70 % goal.
 """
 
 from __future__ import annotations
@@ -77,95 +83,153 @@ def _e8m0_mult(s_byte, extra_exp: int = 0):
 
 
 def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, block_n: int | None = None,
-                       block_k: int | None = None, split_k: int | None = None) -> tuple[int, int, int, int]:
-    """(block_m, block_n, block_k, split_k) for ``fp8_gemm``. Decode shapes (M <= 64, N a few thousand) give too
-    few column blocks to fill the 132 multiprocessors, so K is split until there are about two programs per
-    multiprocessor, each split keeping >= 4 K steps. Measured on an H200 (benchmarks/RESULTS.md): 32-row column
-    blocks with this split beat 16-row blocks with twice the programs (2304 x 5120 at M = 1: 11.9 vs 17.7 µs)."""
-    bm = block_m or min(64, max(16, _pow2(m)))
+                       block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
+                       num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
+                       scale_side: str | None = None) -> dict:
+    """The tiling of ``fp8_gemm`` for an [m, k] x [n, k] GEMM; any argument given overrides its default.
+
+    block_m / block_n / block_k: the output tile and the K step; split_k: K ranges given to separate programs (their
+    float32 partial sums added by one small XLA reduction); prefetch: K steps whose loads are issued ahead of the
+    step being computed (0: a ``fori_loop`` left to the compiler's software pipelining, ``num_stages`` deep);
+    gemv (M = 1 only): no tensor-core dot, a [block_n, block_k] float32 accumulator of elementwise products summed
+    once at the end; scale_side: which operand takes the e8m0 block scale ("x": the [block_m, block_k] activation
+    tile, once per 32 weight rows; "w": every weight element)."""
+    gemv = (m == 1) if gemv is None else gemv
+    if gemv and m != 1:
+        raise ValueError(f"the gemv form takes one activation row, got M = {m}")
+    # Measured on an H200 (benchmarks/RESULTS.md, sweep of 2026-12-01): at M = 1 the gemv form with 8-row column
+    # blocks, no K split and 8 K steps loaded ahead (2304 x 5120: 6.6 µs vs 11.7 for the tensor-core form); for
+    # M > 1 the tensor-core form with the scale on the weights and the compiler's pipelined loop (the unrolled
+    # loads and the activation-side scale were 4-70x slower there), 32-row column blocks and K split to about two
+    # programs per multiprocessor with >= 4 K steps each.
+    bm = 1 if gemv else (block_m or min(64, max(16, _pow2(m))))
     bk = max(SCALE_BLOCK, min(block_k or 256, _pow2(k)))
-    nm = -(-m // bm)
-    bn = block_n or 32
+    bn = block_n or (8 if gemv else 32)
     n_kb = -(-k // bk)
+    nmn = -(-m // bm) * -(-n // bn)
     if split_k is None:
-        split_k = max(1, min(n_kb // 4, -(-264 // (nm * -(-n // bn)))))
+        split_k = 1 if gemv else max(1, min(n_kb // 4, -(-264 // nmn)))
     split_k = max(1, min(split_k, n_kb))
     split_k = -(-n_kb // -(-n_kb // split_k))  # no split without K blocks
-    return bm, bn, bk, split_k
+    kb_per = -(-n_kb // split_k)
+    pf = (min(8, kb_per) if gemv else 0) if prefetch is None else min(prefetch, kb_per)
+    scale_side = scale_side or ("x" if gemv else "w")
+    return dict(block_m=bm, block_n=bn, block_k=bk, split_k=split_k, num_warps=num_warps or 4,
+                num_stages=num_stages or 3, prefetch=pf, gemv=gemv, scale_side=scale_side)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages",
-                                             "interpret"))
+                                             "prefetch", "gemv", "scale_side", "name", "interpret"))
 def fp8_gemm(x, values, scales, *, block_m: int | None = None, block_n: int | None = None,
-             block_k: int | None = None, split_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
-             interpret: bool = False):
+             block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
+             num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
+             scale_side: str | None = None, name: str = "fp8_block_gemm", interpret: bool = False):
     """x [M, K] (bf16 / f32), values uint8 e4m3 bytes [N, K], scales uint8 [ceil(N/32), ceil(K/32)] -> [M, N]
-    x.dtype."""
+    x.dtype. Tiling: ``fp8_default_tiling``."""
     m, k = x.shape
     n = values.shape[0]
-    bm, bn, bk, split_k = fp8_default_tiling(m, n, k, block_m=block_m, block_n=block_n, block_k=block_k,
-                                             split_k=split_k)
-    if bk % SCALE_BLOCK or not (bn % SCALE_BLOCK == 0 or SCALE_BLOCK % bn == 0) or bn < 16:
+    t = fp8_default_tiling(m, n, k, block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
+                           num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, gemv=gemv,
+                           scale_side=scale_side)
+    bm, bn, bk, split_k, pf, gemv = (t[a] for a in ("block_m", "block_n", "block_k", "split_k", "prefetch", "gemv"))
+    x_side = t["scale_side"] == "x"
+    if bk % SCALE_BLOCK or not (bn % SCALE_BLOCK == 0 or SCALE_BLOCK % bn == 0) or bn < (8 if gemv else 16):
         raise ValueError(f"block_k {bk} must be a multiple of {SCALE_BLOCK}; block_n {bn} a multiple or a divisor "
-                         f"of it (>= 16)")
+                         f"of it (>= 16; >= 8 for the gemv form)")
+    if t["scale_side"] not in ("x", "w"):
+        raise ValueError(f"scale_side must be 'x' or 'w', got {t['scale_side']!r}")
     n_kb = -(-k // bk)
     kb_per = -(-n_kb // split_k)
     nm, nn = -(-m // bm), -(-n // bn)
+    sub = min(bn, SCALE_BLOCK)  # weight rows that share one scale row: the unit of loads and dots
     dot_dtype = jnp.float32 if x.dtype == jnp.float32 else jnp.bfloat16
     xd = x.astype(dot_dtype)  # no copy for bf16 / float32 activations; rows and K are masked in the kernel
-    k_tail, n_tail, m_tail = k % bk != 0, n % bn != 0, m % bm != 0
+    k_mask = k % bk != 0 or kb_per * split_k != n_kb  # K past the end, or K steps past the last block
+    n_tail, m_tail = n % bn != 0, m % bm != 0
     ks, ns = scales.shape
-    groups = max(1, bn // SCALE_BLOCK)  # scale rows a column block spans
     out_dtype = x.dtype if split_k == 1 else jnp.float32
+    f32 = jnp.float32
 
     def kernel(x_ref, v_ref, s_ref, o_ref):
         mi, ni, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         n0 = ni * bn
         rows_m = mi * bm + jnp.arange(bm)
         mmask = rows_m < m
-        rows_n = n0 + jnp.arange(bn)
-        nmask = rows_n < n
-        local = jnp.arange(bn)[:, None]
 
-        def body(t, acc):
-            k0 = (si * kb_per + t) * bk
+        def load(kb):  # the K step's weight tiles (one per scale row), activation tile and scale bytes
+            k0 = kb * bk
             cols = k0 + jnp.arange(bk)
-            if k_tail or n_tail:
-                w = pltr.load(v_ref.at[jnp.minimum(rows_n, n - 1)[:, None], jnp.minimum(cols, k - 1)[None, :]],
-                              mask=nmask[:, None] & (cols < k)[None, :], other=0)
-            else:  # one contiguous bk-byte run per weight row: wide coalesced loads
-                w = v_ref[pl.ds(n0, bn), pl.ds(k0, bk)]
-            if k_tail or m_tail:
+            kin = cols < k
+            ws = []
+            for g in range(bn // sub):
+                if k_mask or n_tail:
+                    rows = n0 + g * sub + jnp.arange(sub)
+                    idx = (jnp.minimum(rows, n - 1)[:, None], jnp.minimum(cols, k - 1)[None, :])
+                    ws.append(pltr.load(v_ref.at[idx], mask=(rows < n)[:, None] & kin[None, :], other=0))
+                else:  # one contiguous bk-byte run per weight row: wide coalesced loads
+                    ws.append(v_ref[pl.ds(n0 + g * sub, sub), pl.ds(k0, bk)])
+            if gemv:
+                xc = (pltr.load(x_ref.at[0, jnp.minimum(cols, k - 1)], mask=kin, other=0) if k_mask
+                      else x_ref[0, pl.ds(k0, bk)])
+            elif k_mask or m_tail:
                 xc = pltr.load(x_ref.at[jnp.minimum(rows_m, m - 1)[:, None], jnp.minimum(cols, k - 1)[None, :]],
-                               mask=mmask[:, None] & (cols < k)[None, :], other=0)
+                               mask=mmask[:, None] & kin[None, :], other=0)
             else:
                 xc = x_ref[pl.ds(mi * bm, bm), pl.ds(k0, bk)]
-            scol = jnp.minimum(cols // SCALE_BLOCK, ns - 1)
-            # the scale rows of this column block: [bk] multipliers each, selected by weight row
-            mult = None
-            for g in range(groups):
-                srow = jnp.minimum((n0 + g * SCALE_BLOCK) // SCALE_BLOCK, ks - 1)
-                mg = _e8m0_mult(pltr.load(s_ref.at[srow, scol]))[None, :]
-                mult = mg if mult is None else jnp.where(local >= g * SCALE_BLOCK, mg, mult)
-            w = jax.lax.bitcast_convert_type(w, jnp.float8_e4m3fn)  # loaded as bytes (a masked fp8 load cannot lower)
-            wd = (w.astype(jnp.float32) * mult).astype(dot_dtype)  # exact: e4m3 x 2^k
-            return acc + _dot_nt(xc, wd)
+            scol = jnp.minimum(cols // SCALE_BLOCK, ns - 1)  # [bk]: each scale byte read by its 32 columns
+            ss = [pltr.load(s_ref.at[jnp.minimum((n0 + g * sub) // SCALE_BLOCK, ks - 1), scol])
+                  for g in range(bn // sub)]
+            return ws, xc, ss
 
-        start = si * kb_per
-        steps = jnp.clip(n_kb - start, 0, kb_per)
-        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32)).astype(o_ref.dtype)
+        def compute(accs, loaded):
+            ws, xc, ss = loaded
+            new = []
+            for acc, w, s in zip(accs, ws, ss):
+                mult = _e8m0_mult(s)  # [bk] float32 powers of two
+                w8 = jax.lax.bitcast_convert_type(w, jnp.float8_e4m3fn)  # loaded as bytes (masked fp8 loads fail)
+                if gemv:  # float32 products: exact (4 x 8 significant bits, times a power of two)
+                    new.append(acc + w8.astype(f32) * (xc.astype(f32) * mult)[None, :])
+                elif x_side:  # x * 2^e: exact in the dot dtype while it stays a normal number
+                    xs = (xc.astype(f32) * mult[None, :]).astype(dot_dtype)
+                    new.append(acc + _dot_nt(xs, w8.astype(dot_dtype)))  # e4m3 -> bf16 / f32: exact
+                else:
+                    new.append(acc + _dot_nt(xc, (w8.astype(f32) * mult[None, :]).astype(dot_dtype)))
+            return new
+
+        acc_shape = (sub, bk) if gemv else (bm, sub)
+        accs = [jnp.zeros(acc_shape, f32) for _ in range(bn // sub)]
+        base = si * kb_per
+        if pf == 0:  # one loop, software-pipelined by the compiler (num_stages)
+            accs = list(jax.lax.fori_loop(0, kb_per, lambda i, a: tuple(compute(list(a), load(base + i))),
+                                          tuple(accs)))
+        else:  # unrolled: the loads of step i + pf are issued before step i is computed
+            pending = [load(base + i) for i in range(pf)]
+            for i in range(kb_per):
+                if i + pf < kb_per:
+                    pending.append(load(base + i + pf))
+                accs = compute(accs, pending[i])
+                pending[i] = None
         lead = (si,) if split_k > 1 else ()  # one indexer per access (the Triton lowering takes no chains)
-        if m_tail or n_tail:  # unclamped (distinct) indices: masked lanes must not alias a written element
-            pltr.store(o_ref.at[lead + (rows_m[:, None], rows_n[None, :])], acc,
-                       mask=mmask[:, None] & nmask[None, :])
-        else:
-            o_ref[lead + (pl.ds(mi * bm, bm), pl.ds(n0, bn))] = acc
+        for g, acc in enumerate(accs):
+            c0 = n0 + g * sub
+            cols_n = c0 + jnp.arange(sub)
+            if gemv:
+                res = jnp.sum(acc, axis=1).astype(o_ref.dtype)  # [sub]
+                if n_tail:
+                    pltr.store(o_ref.at[lead + (0, cols_n)], res, mask=cols_n < n)
+                else:
+                    o_ref[lead + (0, pl.ds(c0, sub))] = res
+            elif m_tail or n_tail:  # unclamped (distinct) indices: masked lanes must not alias a written element
+                pltr.store(o_ref.at[lead + (rows_m[:, None], cols_n[None, :])], acc.astype(o_ref.dtype),
+                           mask=mmask[:, None] & (cols_n < n)[None, :])
+            else:
+                o_ref[lead + (pl.ds(mi * bm, bm), pl.ds(c0, sub))] = acc.astype(o_ref.dtype)
 
     out_shape = (m, n) if split_k == 1 else (split_k, m, n)
     out = pl.pallas_call(
         kernel, grid=(nm, nn, split_k),
         out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
-        compiler_params=_params(num_warps, num_stages), interpret=interpret, name="fp8_block_gemm",
+        compiler_params=_params(t["num_warps"], t["num_stages"]), interpret=interpret, name=name,
     )(xd, values, scales)
     if split_k == 1:
         return out
@@ -207,9 +271,10 @@ def tile_metadata(group_sizes, n_rows: int, block_m: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
-                                             "interpret"))
+                                             "prefetch", "name", "interpret"))
 def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = None, block_n: int = 64,
-                     block_k: int = 256, num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+                     block_k: int = 256, num_warps: int = 4, num_stages: int = 3, prefetch: int = 0,
+                     name: str = "fp4_grouped_gemm", interpret: bool = False):
     """x [A, K] rows sorted by group; group_sizes [E] (sum <= A; rows past the sum give 0); values uint8
     [E, N, K/2]; scales uint8 [E, N, K/32] -> [A, N] in x.dtype."""
     a, k = x.shape
@@ -226,6 +291,7 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
     grp, r0s, nrs = tile_metadata(group_sizes, a, bm)
     t_max = grp.shape[0]
     n_steps = -(-k // bk)
+    pf = min(prefetch, n_steps)  # K steps loaded ahead (0: a fori_loop, pipelined by the compiler)
     k_tail, n_tail = k % bk != 0, n % bn != 0
 
     def kernel(g_ref, r0_ref, nr_ref, x_ref, v_ref, s_ref, o_ref):
@@ -241,7 +307,7 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
             rows_c = jnp.minimum(rows, a - 1)
             cols_nc = jnp.minimum(cols_n, n - 1)
 
-            def body(t, acc):
+            def load(t):  # the K step's packed codes, scale bytes and activation tile
                 cb = t * bkh + jnp.arange(bkh)  # packed bytes
                 cs = t * sg + jnp.arange(sg)  # scale columns
                 cx = t * bk + jnp.arange(bk)  # activation columns
@@ -256,6 +322,10 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
                 cxc = jnp.minimum(cx, k - 1) if k_tail else cx  # unclamped: the compiler sees contiguous runs
                 xc = pltr.load(x_ref.at[rows_c[:, None], cxc[None, :]],
                                mask=rmask[:, None] & (cx < k)[None, :], other=0)
+                return v, s, xc
+
+            def compute(acc, loaded):
+                v, s, xc = loaded
                 # element 2j of the chunk meets the low nibble of byte j, 2j+1 the high one
                 xe, xo = jax.lax.unstack(xc.reshape(bm, bkh, 2), axis=2)
                 # scale x 2^14 (the decoded nibbles are value x 2^-14): one float32 power of two for bytes <= 240;
@@ -271,7 +341,16 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
 
                 return acc + _dot_nt(xe, dequant(vi & 15)) + _dot_nt(xo, dequant(vi >> 4))
 
-            acc = jax.lax.fori_loop(0, n_steps, body, jnp.zeros((bm, bn), jnp.float32))
+            acc = jnp.zeros((bm, bn), jnp.float32)
+            if pf == 0:  # one loop, software-pipelined by the compiler (num_stages)
+                acc = jax.lax.fori_loop(0, n_steps, lambda t, a: compute(a, load(t)), acc)
+            else:  # unrolled: the loads of step t + pf are issued before step t is computed
+                pending = [load(t) for t in range(pf)]
+                for t in range(n_steps):
+                    if t + pf < n_steps:
+                        pending.append(load(t + pf))
+                    acc = compute(acc, pending[t])
+                    pending[t] = None
             # unclamped (distinct) indices: masked lanes must not alias a written element
             pltr.store(o_ref.at[rows[:, None], cols_n[None, :]], acc.astype(o_ref.dtype),
                        mask=rmask[:, None] & nmask[None, :])
@@ -284,5 +363,5 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
     return pl.pallas_call(
         kernel, grid=(t_max, -(-n // bn)),
         out_shape=jax.ShapeDtypeStruct((a, n), x.dtype),
-        compiler_params=_params(num_warps, num_stages), interpret=interpret, name="fp4_grouped_gemm",
+        compiler_params=_params(num_warps, num_stages), interpret=interpret, name=name,
     )(grp, r0s, nrs, xd, values, scales)
