@@ -506,7 +506,8 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
         h = rms_norm(collapse(streams, a_pre), lp["ffn_norm"], c.rms_norm_eps)
         if opts.moe_impl == "tiled":
             y = moe_inference(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp,
-                              scaling=c.routed_scaling_factor, limit=c.swiglu_limit, normalize=c.norm_topk_prob)
+                              scaling=c.routed_scaling_factor, limit=c.swiglu_limit, normalize=c.norm_topk_prob,
+                              backend=opts.kernel_backend)
         else:
             y, _ = moe(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp, scaling=c.routed_scaling_factor,
                        limit=c.swiglu_limit, impl=opts.moe_impl, normalize=c.norm_topk_prob)
