@@ -201,7 +201,8 @@ def summarize_trace(log_dir: str, steps: int, layers: int) -> dict:
                 "threads": sorted(set(tname.values()))[:40]}
     busy_us = union_length(intervals)
     span_us = max(e for _, e in intervals) - min(s for s, _ in intervals)
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    top = ranked[:15]
     return dict(device_events_per_step=sum(kinds.values()) / steps,
                 launches_per_layer=kinds["kernel"] / steps / layers,
                 d2h_per_step=kinds["copy D2H"] / steps, h2d_per_step=kinds["copy H2D"] / steps,
@@ -209,7 +210,9 @@ def summarize_trace(log_dir: str, steps: int, layers: int) -> dict:
                 host_d2h_calls_per_step=host_d2h / steps,
                 busy_ms_per_step=busy_us / 1e3 / steps, device_span_ms_per_step=span_us / 1e3 / steps,
                 streams=dict(streams),
-                top=[dict(name=n[:90], count_per_step=v[0] / steps, ms_per_step=v[1] / 1e3 / steps) for n, v in top])
+                top=[dict(name=n[:90], count_per_step=v[0] / steps, ms_per_step=v[1] / 1e3 / steps) for n, v in top],
+                # every event name (up to 400): which kernels a step launches, for the fusion work
+                events=[[n[:90], v[0] / steps, round(v[1] / 1e3 / steps, 4)] for n, v in ranked[:400]])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -282,7 +285,7 @@ def main():
             r.update(model=config.name, batch=b, floor_ms=floor_ms, step_gb=sum(parts.values()) / 1e9,
                      bytes=parts)
             rows.append(r)
-            print(json.dumps(r), flush=True)
+            print(json.dumps({k: v for k, v in r.items() if k != "events"}), flush=True)
         del params
     with open(os.path.join(out, f"profile_decode{('_' + args.label) if args.label else ''}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
