@@ -151,7 +151,7 @@ def main():
     ways = {"engine (slot kernels)": engine, "xla_slot_loop": xla_slot_loop, "take_batched": take_batched,
             "ragged_dot": ragged}
     configs = [(bnu, bku, bnd, bkd, 4, 3), (16, 256, 16, 256, 4, 4), (64, 128, 64, 128, 4, 3),
-               (32, 512, 32, 512, 4, 2), (32, 256, 32, 256, 8, 3), (64, 256, 64, 256, 8, 3)]
+               (32, 512, 32, 256, 4, 2), (32, 256, 32, 256, 8, 3), (64, 256, 64, 256, 8, 3)]
     if SMOKE:
         configs = [(bnu, bku, bnd, bkd, 4, 3), (16, 32, 16, 32, 4, 2)]
     for c in configs:

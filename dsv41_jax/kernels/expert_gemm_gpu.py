@@ -58,6 +58,13 @@ def slot_blocks(rows: int, k: int, n: int, n_elements: int) -> tuple[int, int] |
     return bn, bk
 
 
+def _check_blocks(what: str, rows: int, k: int, n: int, block_n: int, block_k: int):
+    """The kernels have no tail masking: a shape the blocks do not divide would silently drop columns."""
+    if rows % MIN_ROWS or k % block_k or n % block_n:
+        raise ValueError(f"{what}: rows {rows} must be a multiple of {MIN_ROWS}, K {k} of block_k {block_k} and N "
+                         f"{n} of block_n {block_n} (slot_blocks picks dividing blocks)")
+
+
 def _silu(g):
     return g / (1.0 + jnp.exp(-g))
 
@@ -70,6 +77,7 @@ def slot_swiglu(xs, slot_expert, slot_live, slot_wts, w1, w3, *, limit: float, b
     s, r, k = xs.shape
     _, f, _ = w1.shape
     bn, bk = block_n, block_k
+    _check_blocks("slot_swiglu", r, k, f, bn, bk)
     n_steps = k // bk
 
     def kernel(se_ref, live_ref, x_ref, wt_ref, w1_ref, w3_ref, o_ref):
@@ -115,6 +123,7 @@ def slot_down(act, slot_expert, slot_live, w2, *, block_n: int, block_k: int, nu
     s, r, f = act.shape
     _, n, _ = w2.shape
     bn, bk = block_n, block_k
+    _check_blocks("slot_down", r, f, n, bn, bk)
     n_steps = f // bk
 
     def kernel(se_ref, live_ref, a_ref, w_ref, o_ref):
