@@ -48,6 +48,7 @@ def _args(argv):
     ap.add_argument("--code", default=None, help="import dsv41_jax from this checkout (default: this one)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--mhc-kernel", action="store_true", help="InferenceOptions(mhc_kernel=True)")
     ap.add_argument("--floor-gib", type=float, default=4.0, help="buffer size of the read-only bandwidth kernel")
     return ap.parse_args(argv)
 
@@ -270,7 +271,8 @@ def main():
                 command="python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]))
     print(json.dumps(meta), flush=True)
     rows = []
-    opts = InferenceOptions(quant_sim=False, index_block_elems=1 << 28)
+    opts = InferenceOptions(quant_sim=False, index_block_elems=1 << 28,
+                            **(dict(mhc_kernel=True) if args.mhc_kernel else {}))
     for name in args.models.split(","):
         config = MODELS[name]()
         params = init_params(config, jax.random.PRNGKey(0), jnp.bfloat16)
