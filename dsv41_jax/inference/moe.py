@@ -14,7 +14,10 @@ token at most once, so its rows fit) and loops over ``min(n_experts, m * top_k)`
 expert's weights are read once, as in the tiled loop; slots beyond the used experts (possible only when fewer than
 ``min(n_experts, m * top_k)`` distinct experts are picked) read one unused expert each and add nothing. The work is
 ``slots * pow2(m)`` rows, which for m <= 64 stays under the GPU's bytes-to-FLOPs balance (the step is bound by
-reading the weights). Larger token counts (prefill chunks, the CED decoder replay) keep the tiled loop. With many
+reading the weights). On a GPU (kernel backend ``pallas_gpu``) the slots run as two Pallas kernels instead of the
+loop (``kernels.expert_gemm_gpu``): the loop's ``w[e]`` is a dynamic slice that XLA copies out of the stacked
+weights before each GEMM, the kernels read the stacked weights in place and skip spare slots; one token uses its
+top-k picks as the slots directly. Larger token counts (prefill chunks, the CED decoder replay) keep the tiled loop. With many
 experts (the release's 384) and a large batch, fewer distinct experts than slots are picked (batch 64: ~243 of 384)
 and the spare slots' weight reads are wasted. With release FP4 experts marked for a quantised-GEMM kernel
 (``InferenceOptions.quantized_gemm``), :func:`moe_inference` runs the grouped Pallas GEMM instead
@@ -102,7 +105,8 @@ def routed_slots(x, weights, idx, w1, w2, w3, limit, backend: str = "reference")
     release's 384) and the weights are plain arrays, the slots are the experts in order and one batched GEMM per
     projection replaces the loop: the loop's ``w[e]`` with a data-dependent ``e`` is a dynamic slice that XLA on a
     GPU copies out before each GEMM (measured on an H200: the copies were a third of the batch-32 step's device
-    time), while the batched GEMM reads the stacked weights where they are. Same bytes read, same maths."""
+    time), while the batched GEMM reads the stacked weights where they are. Same bytes read, same maths.
+    Otherwise, on the Pallas GPU backend (``backend``), the slot kernels replace the loop (module docstring)."""
     m, k = idx.shape
     n_exp = w1.shape[0]
     n_slots = min(n_exp, m * k)
