@@ -333,6 +333,36 @@ def test_decode_gather_and_mask_paths_agree():
     np.testing.assert_allclose(np.stack(out["gather"]), np.stack(out["mask"]), rtol=0, atol=1e-6)
 
 
+def test_slot_kernels_equal_the_model_moe():
+    """Decode with fewer assignments than experts on a GPU: the slot kernels (kernels.expert_gemm_gpu, Pallas
+    interpret mode here) read the used experts' weights in place and compute ops.moe (float32), for one token (its
+    picks as slots) and for a few tokens sharing experts (spare slots that read nothing); bf16 stays within bf16
+    rounding of float32 on the same inputs."""
+    from dsv41_jax.inference.moe import moe_inference
+    from dsv41_jax.ops.moe import moe
+
+    config, params, _ = _model("tiny")
+    p = params["layers"][3]["ffn"]
+    kw = dict(top_k=config.num_experts_per_tok, temp=1.0, scaling=1.5, limit=config.swiglu_limit)
+    assert 3 * config.num_experts_per_tok < config.n_routed_experts  # every size below takes the slot path
+
+    @jax.jit
+    def both(x, p):
+        return moe_inference(x, p, backend="pallas_gpu_interpret", **kw), moe(x, p, impl="dense", **kw)[0]
+
+    rng = np.random.default_rng(1)
+    for m in (1, 3):
+        x = jnp.asarray(rng.standard_normal((m, config.hidden_size)), jnp.float32)
+        assert str(jax.make_jaxpr(both)(x, p)).count("pallas_call") == 2  # the kernels, not the XLA loop
+        got, want = both(x, p)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
+    got, _ = both(x.astype(jnp.bfloat16), p16)
+    _, want = both(x.astype(jnp.bfloat16).astype(jnp.float32), jax.tree.map(lambda a: a.astype(jnp.float32), p16))
+    err = np.abs(np.asarray(got, np.float32) - np.asarray(want))
+    assert err.max() <= 2e-2 * np.abs(np.asarray(want)).max(), err.max()
+
+
 def test_tiled_moe_equals_the_model_moe():
     """The engine's tiled grouped-matmul MoE computes ops.moe exactly (up to float32 summation order), from one
     token (decode) to many (prefill chunks), with experts that get no tokens: the static expert-slot loop (few

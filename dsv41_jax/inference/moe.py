@@ -14,7 +14,10 @@ token at most once, so its rows fit) and loops over ``min(n_experts, m * top_k)`
 expert's weights are read once, as in the tiled loop; slots beyond the used experts (possible only when fewer than
 ``min(n_experts, m * top_k)`` distinct experts are picked) read one unused expert each and add nothing. The work is
 ``slots * pow2(m)`` rows, which for m <= 64 stays under the GPU's bytes-to-FLOPs balance (the step is bound by
-reading the weights). Larger token counts (prefill chunks, the CED decoder replay) keep the tiled loop. With many
+reading the weights). On a GPU (kernel backend ``pallas_gpu``) the slots run as two Pallas kernels instead of the
+loop (``kernels.expert_gemm_gpu``): the loop's ``w[e]`` is a dynamic slice that XLA copies out of the stacked
+weights before each GEMM, the kernels read the stacked weights in place and skip spare slots; one token uses its
+top-k picks as the slots directly. Larger token counts (prefill chunks, the CED decoder replay) keep the tiled loop. With many
 experts (the release's 384) and a large batch, fewer distinct experts than slots are picked (batch 64: ~243 of 384)
 and the spare slots' weight reads are wasted. With release FP4 experts marked for a quantised-GEMM kernel
 (``InferenceOptions.quantized_gemm``), :func:`moe_inference` runs the grouped Pallas GEMM instead
@@ -27,6 +30,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax import kernels
+from dsv41_jax.kernels.expert_gemm_gpu import MIN_ROWS
 from dsv41_jax.ops.linear import is_plain_weight, linear, matmul_precision, select_expert
 from dsv41_jax.ops.moe import expert_mlp, grouped_kernel_backend, route, routed_ragged
 
@@ -67,7 +72,32 @@ def _swiglu_every_expert(xs, w1, w2, w3, wts, limit, dtype):
     return bmm(act.astype(dtype), w2).astype(jnp.float32)
 
 
-def routed_slots(x, weights, idx, w1, w2, w3, limit):
+def _slot_kernel_blocks(rows, w1, w2, w3, backend):
+    """Block sizes of the slot kernels (``kernels.expert_gemm_gpu``) for these weights, or None where the XLA loop
+    runs instead (CPU reference backend, non-GPU kernels, quantised / marked weights, shapes the blocks do not
+    divide)."""
+    if not backend.startswith("pallas_gpu") or not all(is_plain_weight(w) for w in (w1, w2, w3)):
+        return None
+    from dsv41_jax.kernels.expert_gemm_gpu import slot_blocks
+
+    _, f, d = w1.shape
+    up = slot_blocks(rows, d, f, max(w1.size, w3.size))
+    down = slot_blocks(rows, f, d, w2.size)
+    return None if up is None or down is None else (up, down)
+
+
+def _slot_kernels(xs, slot_expert, live, slot_wts, w1, w2, w3, limit, blocks, backend):
+    """[S, R, d] float32: each live slot's rows through its expert's SwiGLU, by the two slot kernels."""
+    from dsv41_jax.kernels.expert_gemm_gpu import slot_down, slot_swiglu
+
+    (bn_up, bk_up), (bn_down, bk_down) = blocks
+    interpret = backend.endswith("interpret")
+    act = slot_swiglu(xs, slot_expert, live, slot_wts, w1, w3, limit=float(limit), block_n=bn_up, block_k=bk_up,
+                      interpret=interpret)
+    return slot_down(act, slot_expert, live, w2, block_n=bn_down, block_k=bk_down, interpret=interpret)
+
+
+def routed_slots(x, weights, idx, w1, w2, w3, limit, backend: str = "reference"):
     """x [M, d]; weights / idx [M, k] -> [M, d] float32, with a static loop over min(n_experts, M * k) expert slots
     (see the module docstring). Same maths as :func:`routed_tiled`.
 
@@ -75,12 +105,22 @@ def routed_slots(x, weights, idx, w1, w2, w3, limit):
     release's 384) and the weights are plain arrays, the slots are the experts in order and one batched GEMM per
     projection replaces the loop: the loop's ``w[e]`` with a data-dependent ``e`` is a dynamic slice that XLA on a
     GPU copies out before each GEMM (measured on an H200: the copies were a third of the batch-32 step's device
-    time), while the batched GEMM reads the stacked weights where they are. Same bytes read, same maths."""
+    time), while the batched GEMM reads the stacked weights where they are. Same bytes read, same maths.
+    Otherwise, on the Pallas GPU backend (``backend``), the slot kernels replace the loop (module docstring)."""
     m, k = idx.shape
     n_exp = w1.shape[0]
-    rows = _pow2_at_least(m)
     n_slots = min(n_exp, m * k)
     every_expert = n_slots == n_exp and all(is_plain_weight(w) for w in (w1, w2, w3))
+    backend = kernels.resolve_backend(backend)
+    blocks = None if every_expert else _slot_kernel_blocks(_pow2_at_least(m, MIN_ROWS), w1, w2, w3, backend)
+    rows = _pow2_at_least(m, MIN_ROWS if blocks else 8)
+    if blocks is not None and m == 1:
+        # one token: its top-k experts are distinct, so slot j is its j-th pick (no sort, no scatter back)
+        xs = jnp.broadcast_to(x[0], (k, rows, x.shape[-1]))
+        slot_wts = jnp.zeros((k, rows), jnp.float32).at[:, 0].set(weights[0].astype(jnp.float32))
+        ys = _slot_kernels(xs, idx[0].astype(jnp.int32), jnp.ones((k,), jnp.int32), slot_wts, w1, w2, w3, limit,
+                           blocks, backend)
+        return jnp.sum(ys[:, 0, :], axis=0)[None]
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignments sorted by expert
     token = order // k
@@ -99,6 +139,14 @@ def routed_slots(x, weights, idx, w1, w2, w3, limit):
     xs = x[slot_token]  # [slots, rows, d]: each slot's tokens, gathered once
     if every_expert:
         ys = _swiglu_every_expert(xs, w1, w2, w3, slot_wts, limit, x.dtype)
+        ys = jnp.where(ok[..., None], ys, 0.0)
+        return jnp.zeros((m, x.shape[-1]), jnp.float32).at[slot_token.reshape(-1)].add(ys.reshape(-1, x.shape[-1]))
+
+    if blocks is not None:
+        # the slots' weights read in place by two Pallas kernels (gate / up + SwiGLU, then down): no slice copied
+        # out of the stacked weights, spare slots (no rows) read nothing
+        live = (counts[slot_expert] > 0).astype(jnp.int32)
+        ys = _slot_kernels(xs, slot_expert, live, slot_wts, w1, w2, w3, limit, blocks, backend)
         ys = jnp.where(ok[..., None], ys, 0.0)
         return jnp.zeros((m, x.shape[-1]), jnp.float32).at[slot_token.reshape(-1)].add(ys.reshape(-1, x.shape[-1]))
 
@@ -157,8 +205,9 @@ def routed_tiled(x, weights, idx, w1, w2, w3, limit, tile: int | None = None):
 
 
 def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scaling: float, limit: float,
-                  normalize: bool = True, tile: int | None = None) -> jax.Array:
-    """x [..., d] -> y [..., d] in x.dtype (router + tiled routed experts + the shared expert)."""
+                  normalize: bool = True, tile: int | None = None, backend: str = "auto") -> jax.Array:
+    """x [..., d] -> y [..., d] in x.dtype (router + tiled routed experts + the shared expert). ``backend`` (a
+    ``dsv41_jax.kernels`` backend) picks the decode path's slot kernels on a GPU (:func:`routed_slots`)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, idx, _ = route(flat, params["gate"]["weight"], params["gate"]["bias"], top_k=top_k, temp=temp,
@@ -169,7 +218,7 @@ def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scalin
         # experts that received rows, straight from their packed bytes (no slot padding, no per-expert loop)
         y = routed_ragged(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit)
     elif tile is None and flat.shape[0] <= STATIC_MAX_TOKENS:  # decode: a loop with a static trip count
-        y = routed_slots(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit)
+        y = routed_slots(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, backend)
     else:
         y = routed_tiled(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, tile)
     s = params["shared_experts"]

@@ -68,6 +68,8 @@ class InferenceOptions:
     compiler_options: tuple = ()  # XLA compiler options as (name, value) pairs, e.g. fast compiles for CPU tests
     kernel_backend: str = "auto"  # dsv41_jax.kernels backend for sparse attention and the indexer top-k: "auto"
     #                               (Pallas on GPU / TPU, the plain-JAX reference on CPU) or one of kernels.BACKENDS
+    mhc_kernel: bool = False  # on the Pallas GPU backend: each mHC site's softmax + Sinkhorn in one kernel
+    #                           (kernels.mhc_gpu) instead of about eight small XLA reductions
     gemm_input_fp8: bool = False  # the release's FP8 rounding of every FP8 / FP4 GEMM's input (ForwardOptions)
     quantized_gemm: str = "reference"  # with gemm_input_fp8: how QuantizedTensor GEMMs run — "reference" (dequantise
     #                                    in XLA) or a kernels.quant_gemm backend ("auto", "pallas_gpu", "pallas_tpu")
@@ -451,8 +453,10 @@ def _mhc_kw(c: ModelConfig, opts: InferenceOptions) -> dict:
     # of launching the loop body's kernels once per iteration (19 iterations x 2 sites per layer in every decode
     # step); on the CPU reference path it stays rolled, which compiles faster (measured: ~1.5x less CPU compile
     # time for the default model's decode step).
+    backend = kernels.resolve_backend(opts.kernel_backend)
     return dict(hc_eps=c.hc_eps, rms_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters,
-                unroll=kernels.resolve_backend(opts.kernel_backend) != "reference")
+                unroll=backend != "reference",
+                comb_kernel=backend if opts.mhc_kernel and backend.startswith("pallas_gpu") else None)
 
 
 def embed(params: dict, tokens: jax.Array, config: ModelConfig):
@@ -506,7 +510,8 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
         h = rms_norm(collapse(streams, a_pre), lp["ffn_norm"], c.rms_norm_eps)
         if opts.moe_impl == "tiled":
             y = moe_inference(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp,
-                              scaling=c.routed_scaling_factor, limit=c.swiglu_limit, normalize=c.norm_topk_prob)
+                              scaling=c.routed_scaling_factor, limit=c.swiglu_limit, normalize=c.norm_topk_prob,
+                              backend=opts.kernel_backend)
         else:
             y, _ = moe(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp, scaling=c.routed_scaling_factor,
                        limit=c.swiglu_limit, impl=opts.moe_impl, normalize=c.norm_topk_prob)

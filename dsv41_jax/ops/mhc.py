@@ -11,15 +11,17 @@ from dsv41_jax.ops.norms import rms_normalize
 
 
 def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, hc_eps: float,
-                     rms_eps: float, sinkhorn_iters: int,
-                     unroll: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     rms_eps: float, sinkhorn_iters: int, unroll: bool = False,
+                     comb_kernel: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """streams [..., hc, D] -> (pre [..., hc], post [..., hc], comb [..., hc, hc]).
 
     ``fn`` [(2+hc)*hc, hc*D] rows are ordered pre(hc), post(hc), comb(hc*hc, row-major i -> j). ``comb`` is
     Sinkhorn-projected to (nearly) doubly stochastic, ending column-normalised: comb[i, j] weighs input stream i
     into output stream j. ``unroll``: unroll the Sinkhorn loop (same result) — a GPU decode step then runs a few
     fused kernels instead of launching the loop body's tiny kernels once per iteration; a rolled loop compiles
-    faster (CPU, training).
+    faster (CPU, training). ``comb_kernel``: a Pallas GPU backend (``"pallas_gpu"``, or ``"pallas_gpu_interpret"``
+    on a CPU) computes the softmax and the Sinkhorn iterations in one kernel (``kernels.mhc_gpu``; inference only:
+    no gradient).
     """
     hc = streams.shape[-2]
     flat = rms_normalize(streams.reshape(*streams.shape[:-2], -1), rms_eps)
@@ -28,6 +30,14 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
     base = base.astype(jnp.float32)
     pre = jax.nn.sigmoid(mix[..., :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(mix[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    if comb_kernel is not None:
+        from dsv41_jax.kernels.mhc_gpu import sinkhorn_comb  # lazy: ops does not need the kernels package
+
+        lead = mix.shape[:-1]
+        flat_logits = (mix[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(-1, hc * hc)
+        comb = sinkhorn_comb(flat_logits, hc=hc, eps=float(hc_eps), iters=int(sinkhorn_iters),
+                             interpret=comb_kernel.endswith("interpret"))
+        return pre, post, comb.reshape(*lead, hc, hc)
     logits = (mix[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*mix.shape[:-1], hc, hc)
     comb = jax.nn.softmax(logits, axis=-1) + hc_eps
     comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
