@@ -9,6 +9,8 @@ Bound: relative L2 error ||g_bf16 - g_f32|| / ||g_f32|| <= 1e-2 for every gradie
 which the float32-vs-bf16 accumulation defect shows clearly on CPU (T in the thousands, a few heads).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,6 +185,32 @@ def test_rms_norm_and_head_follow_the_official_rounding():
     hf_logits = head_logits(x, head, hf_rounding=True)  # lm_head(x).float(): rounded to bf16 first
     np.testing.assert_array_equal(np.asarray(hf_logits), np.asarray(jnp.asarray(exact, jnp.float32).astype(BF16),
                                                                      np.float32))
+
+
+def test_head_bf16_backward_runs_16bit_gemms_and_matches_float32():
+    """The fp32 head's backward rounds the logits' cotangent to bf16 once and runs bf16 GEMMs with float32
+    accumulation (not float32 GEMMs: TF32 on GPUs, a slow kernel of the train step); both gradients stay within the
+    bound of the float32 gradients on upcast inputs, summed over 1,024 tokens."""
+    from dsv41_jax.ops.linear import head_logits
+
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((4, 256, 64)), BF16)
+    head = jnp.asarray(rng.standard_normal((300, 64)) / 8, BF16)
+    target = jnp.asarray(rng.integers(0, 300, (4, 256)))
+
+    def loss(h, w):
+        logits = head_logits(h, w)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), target[..., None], -1))
+
+    got = jax.grad(loss, (0, 1))(x, head)
+    want = jax.grad(loss, (0, 1))(*_up((x, head)))
+    assert got[0].dtype == BF16 and got[1].dtype == BF16
+    errs = [_rel(a, b) for a, b in zip(got, want)]
+    assert max(errs) <= BOUND, errs
+    hlo = jax.jit(jax.grad(loss, (0, 1))).lower(x, head).as_text()
+    operands = [re.search(r"\((tensor<[^>]*>), (tensor<[^>]*>)\) ->", ln).groups()
+                for ln in hlo.splitlines() if "dot_general" in ln]
+    assert len(operands) == 3 and all(t.endswith("bf16>") for pair in operands for t in pair), operands
 
 
 def test_yarn_factor_is_read_from_the_config():

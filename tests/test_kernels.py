@@ -121,6 +121,27 @@ def test_sequence_attention_fwd_and_grads(backend):
             _close(a, b_, 1e-4)
 
 
+def test_sequence_attention_bwd_rotated_loop_order():
+    """The GPU backward with ``bwd_rotate`` (each program starts its window / selected-row loops at its own block:
+    3 window blocks and 3 selected-row blocks of 16 rows here) gives the reference gradients."""
+    rng = np.random.default_rng(8)
+    b, t, h, d, n, k, window = 1, 40, 2, 16, 40, 40, 40
+    q, kv, ckv = (jnp.asarray(rng.normal(size=s_), jnp.float32) for s_ in ((b, t, h, d), (b, t, d), (b, n, d)))
+    topk = jnp.asarray(rng.integers(-1, n, size=(b, t, k)), jnp.int32)
+    sink = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+
+    def grads(fn):
+        return jax.grad(lambda q_, kv_, c_, s_: jnp.sum(jnp.tanh(fn(q_, kv_, pos, c_, topk, s_, window=window))),
+                        argnums=(0, 1, 2, 3))(q, kv, ckv, sink)
+
+    want = grads(RA.sequence_sparse_attention)
+    got = grads(lambda *a, **kw: KN.sequence_sparse_attention(*a, **kw, backend="pallas_gpu_interpret",
+                                                              tuning={"bwd_rotate": True}))
+    for a, b_ in zip(got, want):
+        _close(a, b_, 1e-4)
+
+
 def _indexer_case(seed, n, ratio, t=6):
     """Exactly representable inputs (small integers, weights k/4, head dim 64): every score is exact in fp32 in any
     summation order, so kernel and reference index sets must agree bit for bit — with many exact ties."""

@@ -76,6 +76,40 @@ def test_mhc_comb_kernel_equals_the_xla_sinkhorn():
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
 
 
+def test_mhc_mixes_are_float32_exact_with_their_gradients():
+    """The split-contraction float32 projection (ops.linear.narrow_matmul_f32: the mHC coefficients, the router) and
+    the 4 x 4 stream mixes written as sums of products (ops.mhc) — no slow float32 GEMMs on GPUs — give
+    float32-exact values and gradients against float64."""
+    from dsv41_jax.ops.linear import narrow_matmul_f32 as _project
+    from dsv41_jax.ops.mhc import collapse, expand
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((96, 2048))  # K = 2048: four chunks of 512; M = 96: no token split
+    w = 0.01 * rng.standard_normal((24, 2048))
+    g = rng.standard_normal((96, 24))
+    out, vjp = jax.vjp(_project, jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
+    dx, dw = vjp(jnp.asarray(g, jnp.float32))
+    for got, want in ((out, x @ w.T), (dx, g @ w), (dw, g.T @ x)):
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=2e-6 * np.abs(want).max())
+    m2 = rng.standard_normal((512, 24))  # M = 512: the weight gradient's token axis split in two
+    x2 = rng.standard_normal((512, 1024))
+    _, vjp = jax.vjp(_project, jnp.asarray(x2, jnp.float32), jnp.asarray(w[:, :1024], jnp.float32))
+    np.testing.assert_allclose(np.asarray(vjp(jnp.asarray(m2, jnp.float32))[1], np.float64), m2.T @ x2,
+                               rtol=0, atol=2e-6 * np.abs(m2.T @ x2).max())
+    w3, g3 = rng.standard_normal((40, 2048)), rng.standard_normal((96, 40))  # N = 40: dx as a float32 GEMM
+    _, vjp = jax.vjp(_project, jnp.asarray(x, jnp.float32), jnp.asarray(w3, jnp.float32))
+    np.testing.assert_allclose(np.asarray(vjp(jnp.asarray(g3, jnp.float32))[0], np.float64), g3 @ w3,
+                               rtol=0, atol=2e-6 * np.abs(g3 @ w3).max())
+
+    s = rng.standard_normal((2, 3, 4, 8))
+    pre, post, y = rng.random((2, 3, 4)), rng.random((2, 3, 4)), rng.standard_normal((2, 3, 8))
+    comb = rng.random((2, 3, 4, 4))
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    np.testing.assert_allclose(collapse(f32(s), f32(pre)), np.einsum("bts,btsd->btd", pre, s), rtol=1e-6, atol=1e-6)
+    want = post[..., None] * y[..., None, :] + np.einsum("btij,btid->btjd", comb, s)
+    np.testing.assert_allclose(expand(f32(s), f32(y), f32(post), f32(comb)), want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("quant", [False, True])
 def test_causality(setup, quant):
     config, params, hasher, tokens = setup

@@ -608,3 +608,20 @@ def test_blocked_grouped_matmul_equals_ragged_dot():
     y_ragged, _ = moe(x, params, impl="ragged", **kw)
     y_blocked, _ = moe(x, params, impl="blocked", **kw)
     np.testing.assert_allclose(y_blocked, y_ragged, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_impl_auto_picks_blocked_on_gpus_only(monkeypatch):
+    """``auto`` (the default of ForwardOptions, TrainConfig and ``dsv41 train``) is the blocked grouped GEMM on a
+    GPU backend and ragged_dot elsewhere; an unknown name is an error naming the choices."""
+    from dsv41_jax.model.forward import ForwardOptions
+    from dsv41_jax.ops import moe as moe_ops
+
+    assert ForwardOptions().moe_impl == "auto" and TrainConfig().moe_impl == "auto"
+    for platform, want in (("gpu", "blocked"), ("cuda", "blocked"), ("tpu", "ragged"), ("cpu", "ragged")):
+        monkeypatch.setattr(moe_ops.jax, "default_backend", lambda p=platform: p)
+        assert moe_ops.resolve_moe_impl("auto") == want
+    assert moe_ops.resolve_moe_impl("dense") == "dense"
+    with pytest.raises(ValueError, match="moe impl 'grouped'"):
+        moe_ops.resolve_moe_impl("grouped")
+    with pytest.raises(TrainConfigError, match="moe_impl"):
+        TrainConfig(moe_impl="grouped")

@@ -239,11 +239,15 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
 # ----------------------------------------------------------------------------------------------------------------
 
 @functools.partial(jax.jit, static_argnames=("window", "scale", "wspan", "block_h", "block_k", "num_warps",
-                                             "num_stages", "atomic", "interpret"))
+                                             "num_stages", "rotate", "atomic", "interpret"))
 def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse, dout, qseg=None, wseg=None, *,
                   window: int, scale: float, wspan: int, block_h: int = 64, block_k: int = 32, num_warps: int = 8,
-                  num_stages: int = 1, atomic: bool = True, interpret: bool = False):
+                  num_stages: int = 1, rotate: bool = False, atomic: bool = True, interpret: bool = False):
     """Gradients (dq, dwkv, dckv, dsink) of ``attention_fwd``'s output, fused.
+
+    ``rotate``: each program starts its window / selected-row loops at a block offset of its own (its query index
+    modulo the block count) instead of block 0, so programs running at the same time scatter-add into different
+    rows (neighbouring queries share most of their window and, in a causal prefix, most of their selected rows).
 
     ``atomic=True`` (the GPU path): each program scatter-adds its rows' dKV with fp32 atomics. ``atomic=False``
     writes the per-(query, row) dKV blocks and sums them with an XLA scatter-add (used in interpret mode, whose
@@ -316,6 +320,8 @@ def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse,
                 dst_ref[r, hb, pl.ds(i * bk, bk), :] = jnp.where(valid[:, None], dkv, 0.0)
 
         def win_body(i, dq):
+            if rotate:
+                i = (i + ci) % n_w
             jj, valid = _window_rows(wpos_ref, wseg_ref, bi, ws + i * bk + jnp.arange(bk), s_len, qp, qs, window, fl)
             kmat = pltr.load(wkv_ref.at[bi, jj[:, None], cols], mask=valid[:, None], other=0)
             dq, dkv = grads(dq, kmat, valid)
@@ -323,6 +329,8 @@ def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse,
             return dq
 
         def cmp_body(i, dq):
+            if rotate:
+                i = (i + ci) % n_c
             t = i * bk + jnp.arange(bk)
             idx = pltr.load(topk_ref.at[bi, ci, jnp.minimum(t, kk - 1)], mask=t < kk, other=-1)
             valid = idx >= 0

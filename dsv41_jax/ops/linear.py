@@ -45,7 +45,91 @@ def head_logits(h: jax.Array, w: jax.Array, *, hf_rounding: bool = False) -> jax
     fixtures are float32)."""
     if hf_rounding:
         return linear(h, w).astype(jnp.float32)
+    if jnp.dtype(h.dtype).itemsize < 4 and jnp.dtype(h.dtype) == jnp.dtype(w.dtype):
+        return _head_16bit(h, w)
     return jnp.einsum("...i,oi->...o", h, w, precision=matmul_precision(h, w), preferred_element_type=jnp.float32)
+
+
+@jax.custom_vjp
+def _head_16bit(h: jax.Array, w: jax.Array) -> jax.Array:
+    """float32 logits of 16-bit ``h`` and ``w`` whose backward GEMMs run on 16-bit operands too. Left to autodiff,
+    the float32 cotangent of the logits made both backward GEMMs float32 ones ([tokens, V] x [V, d] and its
+    transpose: TF32 on the H200, 8.5 ms of a 240 ms train step, benchmarks/RESULTS.md). Here the cotangent is
+    rounded once to the operands' dtype — as every other backward GEMM of a 16-bit step receives it — and the
+    products accumulate in float32; the gradients come back in the operands' dtype as before."""
+    return jnp.einsum("...i,oi->...o", h, w, preferred_element_type=jnp.float32)
+
+
+def _head_16bit_fwd(h, w):
+    return _head_16bit(h, w), (h, w)
+
+
+def _head_16bit_bwd(res, g):
+    h, w = res
+    g = g.astype(h.dtype)
+    dh = jnp.einsum("...o,oi->...i", g, w, preferred_element_type=jnp.float32).astype(h.dtype)
+    lead = "".join(chr(ord("a") + i) for i in range(h.ndim - 1))
+    dw = jnp.einsum(f"{lead}o,{lead}i->oi", g, h, preferred_element_type=jnp.float32).astype(w.dtype)
+    return dh, dw
+
+
+_head_16bit.defvjp(_head_16bit_fwd, _head_16bit_bwd)
+
+
+def _chunks(n: int, piece: int) -> int:
+    """How many equal chunks of at least ``piece`` a length ``n`` splits into (a power of two up to 16 dividing n;
+    1 when n is short or odd)."""
+    for c in (16, 8, 4, 2):
+        if n % c == 0 and n // c >= piece:
+            return c
+    return 1
+
+
+def narrow_matmul_f32(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, K] · w [N, K]ᵀ -> [M, N] in float32 at full float32 precision, for a narrow ``w`` (few outputs N, a long
+    contraction K: the mHC coefficient projection, the MoE router). One float32 dot of that shape runs on a GPU as
+    a cuBLAS GEMM with one small tile per 32 rows looping over all of K (measured on the H200: 1.6 ms for a
+    [4096, 20480] x [20480, 24] product, and as slow for its two gradients), so the products are arranged for
+    parallelism (:func:`_narrow_matmul`); float32 arithmetic throughout, only the order of the additions differs
+    from one long dot."""
+    return _narrow_matmul(x.astype(jnp.float32), w.astype(jnp.float32))
+
+
+@jax.custom_vjp
+def _narrow_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, K] · w [N, K]ᵀ -> [M, N], float32 (N small, K long): the contraction split into up to 16 chunks, one
+    batched float32 GEMM over them, the partial products summed (a split-K GEMM: 16x the thread blocks of one long
+    dot)."""
+    return _narrow_matmul_fwd(x, w)[0]
+
+
+def _narrow_matmul_fwd(x, w):
+    m, k = x.shape
+    n = w.shape[0]
+    s = _chunks(k, 512)
+    parts = jnp.einsum("smk,snk->smn", jnp.swapaxes(x.reshape(m, s, k // s), 0, 1),
+                       jnp.swapaxes(w.reshape(n, s, k // s), 0, 1), precision=jax.lax.Precision.HIGHEST)
+    return jnp.sum(parts, axis=0), (x, w)
+
+
+def _narrow_matmul_bwd(res, g):
+    x, w = res
+    m, k = x.shape
+    n = w.shape[0]
+    # dx [M, K] = g [M, N] · w [N, K]: a contraction over the few outputs; for N <= 32 a fused sum of products (an
+    # elementwise pass over dx) rather than a GEMM whose contraction is N long
+    if n <= 32:
+        dx = jnp.sum(g[:, :, None] * w[None, :, :], axis=1)
+    else:
+        dx = jnp.einsum("mn,nk->mk", g, w, precision=jax.lax.Precision.HIGHEST)
+    # dw [N, K] = gᵀ x: the token axis (the contraction) split into chunks, one batched GEMM, summed
+    s = _chunks(m, 256)
+    dw = jnp.sum(jnp.einsum("smn,smk->snk", g.reshape(s, m // s, n), x.reshape(s, m // s, k),
+                            precision=jax.lax.Precision.HIGHEST), axis=0)
+    return dx, dw
+
+
+_narrow_matmul.defvjp(_narrow_matmul_fwd, _narrow_matmul_bwd)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -180,5 +264,5 @@ def select_expert(w, e):
     return w[e]
 
 
-__all__ = ["linear", "LoraWeight", "lora_linear", "head_logits", "matmul_precision", "Fp8GemmInput", "is_plain_weight",
+__all__ = ["linear", "narrow_matmul_f32", "LoraWeight", "lora_linear", "head_logits", "matmul_precision", "Fp8GemmInput", "is_plain_weight",
            "weight_array", "gemm_input", "gemm_operands", "select_expert", "quantized_gemm_backend"]

@@ -2,11 +2,20 @@
 ``pre``/``post``/``comb`` from one projection of the RMS-normalised flattened streams, and — the V4.1 single-pass
 twist — a site's input is collapsed with the ``pre`` computed at the PREVIOUS site (SPEC §3).
 Everything here runs in float32.
+
+Shapes decide how the float32 products run on a GPU (measured on the H200 train step, benchmarks/RESULTS.md): the
+coefficient projection [tokens, hc·D] x [(2+hc)·hc, hc·D]ᵀ has 24 outputs and a 20,480-long contraction, which a
+float32 cuBLAS GEMM ran with one 32x32 tile per 32 tokens looping over the whole contraction (1.6 ms for 4 GFLOP);
+its weight gradient and input gradient were as slow. So the projection is ``ops.linear.narrow_matmul_f32`` (the
+contraction split into a batch of chunks), and the 4 x 4 stream mixes (``collapse`` / ``expand``) are written as
+sums of products that XLA fuses with their neighbours instead of batched GEMMs with a contraction of 4. All of it
+stays exact float32 arithmetic (only the order of the float32 additions differs from one long dot).
 """
 
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.ops.linear import narrow_matmul_f32
 from dsv41_jax.ops.norms import rms_normalize
 
 
@@ -25,7 +34,7 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
     """
     hc = streams.shape[-2]
     flat = rms_normalize(streams.reshape(*streams.shape[:-2], -1), rms_eps)
-    mix = jnp.einsum("...k,mk->...m", flat, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    mix = narrow_matmul_f32(flat.reshape(-1, flat.shape[-1]), fn).reshape(*flat.shape[:-1], -1)
     scale = scale.astype(jnp.float32)
     base = base.astype(jnp.float32)
     pre = jax.nn.sigmoid(mix[..., :hc] * scale[0] + base[:hc]) + hc_eps
@@ -52,14 +61,12 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
 
 def collapse(streams: jax.Array, pre: jax.Array) -> jax.Array:
     """Σ_s pre[s] · streams[s]  (fp32 math, result in the streams' dtype)."""
-    out = jnp.einsum("...s,...sd->...d", pre.astype(jnp.float32), streams.astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
+    out = jnp.sum(pre.astype(jnp.float32)[..., None] * streams.astype(jnp.float32), axis=-2)
     return out.astype(streams.dtype)
 
 
 def expand(streams: jax.Array, y: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
     """out[j] = post[j] · y + Σ_i comb[i, j] · streams[i]."""
-    mixed = jnp.einsum("...ij,...id->...jd", comb.astype(jnp.float32), streams.astype(jnp.float32),
-                       precision=jax.lax.Precision.HIGHEST)
+    mixed = jnp.sum(comb.astype(jnp.float32)[..., None] * streams.astype(jnp.float32)[..., :, None, :], axis=-3)
     out = post[..., None].astype(jnp.float32) * y.astype(jnp.float32)[..., None, :] + mixed
     return out.astype(streams.dtype)

@@ -79,8 +79,9 @@ def add_parser(sub, formatter_class=argparse.ArgumentDefaultsHelpFormatter) -> N
     g.add_argument("--remat-scope", choices=("forward", "layer"), default="forward",
                    help="where --remat applies: around the whole forward, or around each decoder layer (the "
                         "backward then recomputes one layer at a time)")
-    g.add_argument("--moe-impl", choices=("ragged", "blocked", "dense", "expert_parallel"), default="ragged",
-                   help="MoE implementation (blocked: grouped GEMM over padded row blocks, no ragged_dot)")
+    g.add_argument("--moe-impl", choices=("auto", "ragged", "blocked", "dense", "expert_parallel"), default="auto",
+                   help="MoE implementation (blocked: grouped GEMM over padded row blocks, no ragged_dot; ragged: "
+                        "jax.lax.ragged_dot; auto: blocked on GPUs, ragged elsewhere)")
     g.add_argument("--query-chunk", type=int, default=256, help="attention / indexer query chunk")
     g.add_argument("--bias-update-rate", type=float, default=1e-3, help="noaux expert-bias update (0 = off)")
     g.add_argument("--aux-loss", type=float, default=0.0, help="sequence-wise balance loss coefficient")

@@ -10,6 +10,8 @@ import dataclasses
 import re
 from typing import Any, Mapping
 
+from dsv41_jax.ops.moe import MOE_IMPLS
+
 
 class TrainConfigError(ValueError):
     """An invalid training configuration; the message names the field."""
@@ -61,7 +63,7 @@ class TrainConfig:
     # where the policy applies: "forward" (one checkpoint around the whole forward: its backward holds every layer's
     # recomputed residuals at once) | "layer" (one checkpoint per decoder layer: one layer's at a time)
     remat_scope: str = "forward"
-    moe_impl: str = "ragged"
+    moe_impl: str = "auto"  # ops.moe.MOE_IMPLS; auto: the blocked grouped GEMM on GPUs, ragged_dot elsewhere
     query_chunk: int = 256
     # --- MoE balance ------------------------------------------------------------------------------
     bias_update_rate: float = 1e-3  # DeepSeekMoE noaux: bias += rate * sign(mean load - load); 0 disables
@@ -111,8 +113,8 @@ class TrainConfig:
         for name in ("b1", "b2"):
             if not 0 <= getattr(self, name) < 1:
                 raise err(name, f"must be in [0, 1), got {getattr(self, name)}")
-        if self.moe_impl not in ("ragged", "blocked", "dense", "expert_parallel"):
-            raise err("moe_impl", f"must be ragged, blocked, dense or expert_parallel, got {self.moe_impl!r}")
+        if self.moe_impl not in MOE_IMPLS:
+            raise err("moe_impl", f"must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
         if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank <= 0:
             raise err("lora_rank", f"must be a positive integer, got {self.lora_rank!r}")
         if not self.lora_alpha > 0:

@@ -1,0 +1,114 @@
+#!/usr/bin/env python
+"""Block configurations of the fused GPU sparse-attention backward at a train step's shape, timed in one process.
+
+    python benchmarks/sweep_attention_bwd.py --out DIR            # on the GPU
+    python benchmarks/sweep_attention_bwd.py --smoke              # CPU: tiny sizes, interpret mode
+
+Shape (``fullwidth4``'s compressed layers at batch 4 x 1024): 64 heads x 512, window 128, a ratio-2 compressed
+sequence (N = T / 2 entries) whose top-512 lists hold every visible entry (at T = 1024 every query sees at most 512
+entries: the causal prefix, the case where neighbouring queries scatter-add into the same rows). Per configuration
+(``tuning`` keys of ``kernels.sequence_sparse_attention``; the first row is the default): forward + backward time
+(``jax.grad`` of Σ out · ct; best of 3 trials of 5 calls), and the largest relative L2 difference of the four
+gradients against the default configuration's. Rows go to DIR/sweep_attention_bwd.jsonl as they are measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dsv41_jax import kernels as KN  # noqa: E402
+
+CONFIGS = (
+    {},  # the default (kernels._gpu_tuning)
+    {"bwd_rotate": True},
+    {"bwd_block_h": 64, "bwd_block_k": 16, "bwd_num_warps": 8},
+    {"bwd_block_h": 64, "bwd_block_k": 16, "bwd_num_warps": 8, "bwd_rotate": True},
+    {"bwd_block_h": 64, "bwd_block_k": 16, "bwd_num_warps": 4},
+    {"bwd_block_h": 32, "bwd_block_k": 32, "bwd_num_warps": 4},
+    {"bwd_block_h": 32, "bwd_block_k": 16, "bwd_num_warps": 8},
+)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=".")
+    args = p.parse_args(argv)
+    b, t, h, d, window, k = (1, 64, 4, 32, 16, 16) if SMOKE else (args.batch, args.seq, 64, 512, 128, 512)
+    backend = "pallas_gpu_interpret" if SMOKE else "auto"
+    n = t // 2
+    rng = np.random.default_rng(0)
+    bf = jnp.bfloat16
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), bf)
+    kv = jnp.asarray(rng.standard_normal((b, t, d)), bf)
+    ckv = jnp.asarray(rng.standard_normal((b, n, d)), bf)
+    ct = jnp.asarray(rng.standard_normal((b, t, h, d)), bf)
+    sink = jnp.asarray(rng.standard_normal((h,)), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    visible = (np.arange(t) + 1) // 2  # entry e covers tokens 2e, 2e + 1: complete once 2e + 1 <= t
+    slots = np.arange(k)
+    topk = np.where(slots[None, :] < np.minimum(visible, k)[:, None], slots[None, :], -1).astype(np.int32)
+    topk = jnp.asarray(np.broadcast_to(topk, (b, t, k)))
+    os.makedirs(args.out, exist_ok=True)
+    sink_path = os.path.join(args.out, "sweep_attention_bwd.jsonl")
+    base = None
+    rows = []
+    for tun in CONFIGS:
+        row = {"config": tun, "batch": b, "seq": t, "device": jax.devices()[0].device_kind}
+        try:
+            def loss(q_, kv_, c_, s_, tun=tun):
+                out = KN.sequence_sparse_attention(q_, kv_, pos, c_, topk, s_, window=window, backend=backend,
+                                                   tuning=tun)
+                return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
+
+            g = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+            t0 = time.perf_counter()
+            grads = jax.block_until_ready(g(q, kv, ckv, sink))
+            row["compile_s"] = round(time.perf_counter() - t0, 1)
+            best = float("inf")
+            for _ in range(1 if SMOKE else 3):
+                t0 = time.perf_counter()
+                for _ in range(1 if SMOKE else 5):
+                    out = g(q, kv, ckv, sink)
+                jax.block_until_ready(out)
+                best = min(best, (time.perf_counter() - t0) / (1 if SMOKE else 5))
+            row["fwd_bwd_ms"] = best * 1e3
+            if base is None:
+                base = grads
+            row["max_rel_diff_vs_default"] = max(
+                float(jnp.linalg.norm((a.astype(jnp.float32) - c.astype(jnp.float32)).ravel())
+                      / jnp.maximum(jnp.linalg.norm(c.astype(jnp.float32).ravel()), 1e-30))
+                for a, c in zip(grads, base))
+        except Exception as e:  # report and go on (a config may not fit shared memory)
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+        with open(sink_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+    print(f"\nfused sparse-attention backward, batch {b} x {t}, {h} x {d}, window {window}, top-{k} of N = {n}")
+    print("| config | fwd+bwd ms | max rel. diff vs default |")
+    print("|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {json.dumps(r['config'])} | error: {r['error'][:120]} | |")
+        else:
+            print(f"| {json.dumps(r['config'])} | {r['fwd_bwd_ms']:.2f} | {r['max_rel_diff_vs_default']:.1e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
