@@ -127,7 +127,8 @@ plt.show()"""),
 `dsv41_jax.load_checkpoint` reads the training checkpoint directory (the latest step) back as inference parameters;
 they are the trained parameters bit for bit."""),
     ("code", """restored_config, restored = dsv41_jax.load_checkpoint(ckpt_dir)
-restored = jax.tree.map(np.asarray, restored)  # host arrays, like the model's: the compiled forward is reused
+# placed as the model's parameters are (committed to their device), so the compiled forward is reused
+restored = jax.tree.map(lambda r, p: jax.device_put(r, p.sharding), restored, params)
 trained = jax.device_get(result.state["params"])
 same = jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), trained, restored))
 print(f"checkpoint steps {os.listdir(ckpt_dir)}; restored == trained: {same}; config unchanged: "
