@@ -38,6 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dsv41_jax.inference.moe import routed_slots  # noqa: E402
 from dsv41_jax.kernels import expert_gemm_gpu as EG  # noqa: E402
 
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
+from ceilings import read_bandwidth  # noqa: E402
+
 
 def _args():
     ap = argparse.ArgumentParser()
@@ -50,20 +53,6 @@ def _args():
     ap.add_argument("--reps", type=int, default=3 if SMOKE else 20)
     ap.add_argument("--out", default=None)
     return ap.parse_args()
-
-
-def read_bandwidth(gib: float) -> float:
-    """Bytes/s of a read-only kernel (a bf16 sum) over ``gib`` GiB, median of 10 (as benchmarks/profile_decode.py)."""
-    n = int(gib * 2 ** 30) // 2
-    x = jnp.ones((n,), jnp.bfloat16)
-    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    f(x).block_until_ready()
-    ts = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append(time.perf_counter() - t0)
-    return n * 2 / statistics.median(ts)
 
 
 def swiglu_rows(rows, w1, w2, w3, limit):

@@ -66,6 +66,7 @@ import dsv41_jax  # noqa: E402,F401  (first: the version under --code wins over 
 
 sys.path.insert(1, HERE)
 from bench_inference import decode_inputs, fill_cache, h200_config  # noqa: E402
+from ceilings import read_bandwidth  # noqa: E402
 from trace_events import load_trace, newest_trace, union_length  # noqa: E402
 from dsv41_jax.config import ModelConfig  # noqa: E402
 from dsv41_jax.inference.cache import init_cache  # noqa: E402
@@ -134,21 +135,6 @@ def step_bytes(config: ModelConfig, params, batch: int, context: int) -> dict:
                 pool = min(visible, c.candidate_topk_blocks * c.candidate_block_size)
                 parts["KV: indexer keys (HSI pool)"] += batch * pool * c.index_head_dim * item
     return dict(parts)
-
-
-def read_bandwidth(gib: float) -> float:
-    """Bytes/s of a read-only kernel (a bf16 sum) over a buffer of ``gib`` GiB: median of 10 runs."""
-    n = int(gib * 2 ** 30) // 2
-    x = jnp.ones((n,), jnp.bfloat16)
-    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    f(x).block_until_ready()
-    ts = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append(time.perf_counter() - t0)
-    del x
-    return n * 2 / statistics.median(ts)
 
 
 # ----------------------------------------------------------------------------------------------------------------
