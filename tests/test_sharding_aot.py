@@ -1,4 +1,5 @@
-"""Ahead-of-time compilation of the sharded tiny model's decode step for a small TPU topology (v5p:2x2x2, 8 chips)
+"""Ahead-of-time compilation of the sharded tiny model's decode step (the 6-layer cut with one layer of every role:
+half the compile of the 12-layer tiny, the same kinds of layers) for a small TPU topology (v5p:2x2x2, 8 chips)
 on this CPU host with libtpu (``pip install -e ".[tpu]"``); skipped when libtpu is not installed. The full-size pod
 compile is ``launch/aot_pod.sh`` (output in benchmarks/RESULTS.md)."""
 
@@ -18,9 +19,13 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
 
 @pytest.mark.slow  # a subprocess that imports jax and compiles
 def test_aot_compile_tiny_decode_for_v5p_2x2x2(tmp_path):
+    from dsv41_jax.checkpoint.orbax_ckpt import write_config_json
+    from dsv41_jax.train.testing import every_role_config
+
+    write_config_json(str(tmp_path), every_role_config())
     out = tmp_path / "aot.json"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "aot_compile.py"), "--config", "tiny",
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "aot_compile.py"), "--config", str(tmp_path / "config.json"),
            "--set", "vocab_size=264", "--set", "num_attention_heads=8", "--set", "o_groups=8",
            "--topology", "v5p:2x2x2", "--mesh", "data=2,expert=2,tensor=2", "--batch", "4", "--context", "256",
            "--targets", "decode", "--out", str(out)]
