@@ -8,7 +8,9 @@ One cache of ``max_batch`` slots x ``max_len`` tokens is allocated once; every p
 those static sizes (prefill chunks also per power-of-two chunk length). Requests in one call may have different
 prompt lengths: each slot keeps its own length, so nothing of another sequence or of padding reaches its
 attention windows, compressor groups, indexer or Engram n-grams. The Engram look-back of each slot (its last n-1
-compressed ids) is kept on the host next to the hasher, since Engram row ids are computed there.
+compressed ids) is kept on the host next to the hasher, which hashes prompts; ``generate``'s decode loop hashes each
+sampled token on the device instead (bit-identical), so that its steps run back to back with the tokens read back
+in runs (``decode_loop`` / ``readback_every``), and brings the host's look-back up to date at its end.
 
 Per-request problems (empty prompt, prompt longer than ``max_len``, token ids outside the vocabulary, invalid
 sampling parameters) are reported in that request's result (``finish_reason == "error"``) and the other requests
@@ -485,7 +487,9 @@ class Engine:
                 tok, state, self.cache = decode_chain(self.params, self.cache, state, tables, *samp, *limits,
                                                       config=self.config, opts=self.options)
                 sampled.append(tok)
-            *rows, device_active = jax.device_get(sampled + [state["active"]])
+            # one transfer for the run: its tokens and the slots the device still feeds
+            *rows, device_active = np.asarray(jnp.stack(sampled + [state["active"].astype(jnp.int32)]))
+            device_active = device_active.astype(bool)
             for row in rows:
                 if not active.any():
                     break
