@@ -97,6 +97,10 @@ def _decode_chain(params, cache, state, engram_hash, temperature, top_k, top_p, 
     # the Engine's finish_reason, evaluated where the token is: stop token, max_new_tokens, cache room
     done = jnp.any(nxt[:, None] == stops, axis=-1) | (generated >= max_new) | (generated > room)
     new_state.update(tokens=jnp.where(active, nxt, tokens), active=active & ~done, generated=generated, step=step)
+    if "readback" in state:  # the last R steps' tokens (row (step - 1) mod R) and, in row R, the active slots
+        buf = state["readback"]
+        r = buf.shape[0] - 1
+        new_state["readback"] = buf.at[(step - 1) % r].set(nxt).at[r].set(new_state["active"].astype(jnp.int32))
     return nxt, new_state, cache
 
 
@@ -115,7 +119,9 @@ def decode_chain(params, cache, state: dict, engram_hash: DeviceEngramHash | Non
     it on the tokens read back, agrees with the device on every slot's end.
 
     state: ``tokens`` int32 [B], ``active`` bool [B], ``generated`` int32 [B], ``step`` int32 [] (+
-    ``engram_history`` int32 [B, N-1]). An active slot at the cache's capacity is not fed and samples -1."""
+    ``engram_history`` int32 [B, N-1]; + optionally ``readback`` int32 [R + 1, B]: each step writes its tokens to
+    row (step - 1) mod R and the active slots to row R, so that a run of up to R steps comes back in one transfer
+    without any other program). An active slot at the cache's capacity is not fed and samples -1."""
     opts = _decode_opts(opts)
     if config.engram_layer_ids and (engram_hash is None or "engram_history" not in state):
         raise DecodeError("this config has Engram layers: decode_chain needs engram_hash (hasher.device_tables()) "

@@ -464,7 +464,8 @@ class Engine:
             max_new[s], room[s] = mnt, self.max_len - len(ids)
         generated = np.asarray([len(out[info[s][0]]) if s in info else 0 for s in range(b)], np.int32)
         state = {"tokens": jnp.asarray(nxt.astype(np.int32)), "active": jnp.asarray(active),
-                 "generated": jnp.asarray(generated), "step": jnp.zeros((), jnp.int32)}
+                 "generated": jnp.asarray(generated), "step": jnp.zeros((), jnp.int32),
+                 "readback": jnp.zeros((self.readback_every + 1, b), jnp.int32)}
         tables = None
         hist0 = self._hist
         if self.hasher is not None:
@@ -482,14 +483,13 @@ class Engine:
                     for s in np.flatnonzero(active)]
             n = 1 if steps == 0 else max(1, min(self.readback_every, max(left)))
             fed = int(active.sum())
-            sampled = []
             for _ in range(n):
-                tok, state, self.cache = decode_chain(self.params, self.cache, state, tables, *samp, *limits,
-                                                      config=self.config, opts=self.options)
-                sampled.append(tok)
-            # one transfer for the run: its tokens and the slots the device still feeds
-            *rows, device_active = np.asarray(jnp.stack(sampled + [state["active"].astype(jnp.int32)]))
-            device_active = device_active.astype(bool)
+                _tok, state, self.cache = decode_chain(self.params, self.cache, state, tables, *samp, *limits,
+                                                       config=self.config, opts=self.options)
+            # one transfer for the run: its tokens and the slots the device still feeds (decode_chain's readback)
+            buf = np.asarray(state["readback"])
+            rows = [buf[(steps + i) % self.readback_every] for i in range(n)]
+            device_active = buf[-1].astype(bool)
             for row in rows:
                 if not active.any():
                     break
