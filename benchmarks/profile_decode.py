@@ -325,7 +325,7 @@ def profile_loops(config, params, batch, context, opts, steps, profile_steps, re
     out["compile_s"] = time.perf_counter() - t0
     run(2)
     for k in readback:
-        n = max(k, steps)
+        n = max(2 * k, steps)  # at least two runs: the read-back of one overlaps nothing, of the next likewise
         n = -(-n // k) * k
         t0 = time.perf_counter()
         for _ in range(n // k):
