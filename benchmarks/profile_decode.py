@@ -2,6 +2,7 @@
 
     python benchmarks/profile_decode.py --models 12L,bench40 --batches 1,32 --context 32768 [--out DIR]
     python benchmarks/profile_decode.py --code /path/to/other/checkout ...   # profile another version's code
+    python benchmarks/profile_decode.py --loops --readback 1,8,32 ...      # the Engine's decode loops (see --loops)
 
 For every (model, batch): bf16 parameters and cache, the cache filled with random entries at ``--context`` tokens
 per slot; the step is the Engine's (``decode_and_sample``: decode + sampling, cache donated), timed over
