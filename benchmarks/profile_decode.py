@@ -2,6 +2,7 @@
 
     python benchmarks/profile_decode.py --models 12L,bench40 --batches 1,32 --context 32768 [--out DIR]
     python benchmarks/profile_decode.py --code /path/to/other/checkout ...   # profile another version's code
+    python benchmarks/profile_decode.py --loops --readback 1,8,32 ...      # the Engine's decode loops (see --loops)
 
 For every (model, batch): bf16 parameters and cache, the cache filled with random entries at ``--context`` tokens
 per slot; the step is the Engine's (``decode_and_sample``: decode + sampling, cache donated), timed over
@@ -50,6 +51,13 @@ def _args(argv):
     ap.add_argument("--out", default=None)
     ap.add_argument("--mhc-kernel", action="store_true", help="InferenceOptions(mhc_kernel=True)")
     ap.add_argument("--floor-gib", type=float, default=4.0, help="buffer size of the read-only bandwidth kernel")
+    ap.add_argument("--loops", action="store_true",
+                    help="time the Engine's decode loops instead: the device loop (decode_chain: Engram hash and "
+                         "token feed on the device, tokens read back every k steps, for each --readback k; the "
+                         "profile is of one run of --profile-steps steps) and, for the --host-loop-batches, the "
+                         "host loop (tokens read back and hashed on the host every step) as the baseline")
+    ap.add_argument("--readback", default="1,8,32", help="with --loops: the read-back intervals k to time")
+    ap.add_argument("--host-loop-batches", default="1", help="with --loops: batches that also time the host loop")
     return ap.parse_args(argv)
 
 
@@ -65,7 +73,7 @@ import numpy as np  # noqa: E402
 import dsv41_jax  # noqa: E402,F401  (first: the version under --code wins over this directory's)
 
 sys.path.insert(1, HERE)
-from bench_inference import decode_inputs, fill_cache, h200_config  # noqa: E402
+from bench_inference import decode_inputs, fill_cache, h200_config, synthetic_hasher  # noqa: E402
 from ceilings import read_bandwidth  # noqa: E402
 from trace_events import load_trace, newest_trace, union_length  # noqa: E402
 from dsv41_jax.config import ModelConfig  # noqa: E402
@@ -247,6 +255,125 @@ def profile_one(config, params, batch, context, opts, steps, profile_steps, out_
                 profiled_wall_ms=wall * 1e3, **summary)
 
 
+def check_device_hash(config, hasher, batch=256, steps=6) -> dict:
+    """The device hash against the host hasher on this device: random tokens over random look-backs."""
+    from dsv41_jax.ops.engram_hash import device_history, engram_row_ids_step, engram_row_ids_step_device
+
+    rng = np.random.default_rng(0)
+    tables = hasher.device_tables()
+    ids = rng.integers(0, config.vocab_size, (batch, 5))
+    _, hist = engram_row_ids_step(ids, hasher.empty_history(batch), hasher.token_map, hasher.layout,
+                                  valid=rng.random((batch, 5)) > 0.2)
+    dev = jnp.asarray(device_history(hist))
+    fn = jax.jit(engram_row_ids_step_device)
+    equal = 0
+    for _ in range(steps):
+        new = rng.integers(0, config.vocab_size, batch)
+        want, hist = hasher.step(new[:, None], hist)
+        got, dev = fn(tables, dev, jnp.asarray(new, jnp.int32))
+        equal += int(np.array_equal(np.asarray(got), want[:, 0]))
+    return dict(device_hash_equal_steps=equal, device_hash_steps=steps, device_hash_rows=batch)
+
+
+def profile_loops(config, params, batch, context, opts, steps, profile_steps, readback, host_loop):
+    """The decode loops a serving Engine runs (see --loops), timed on one cache."""
+    from dsv41_jax.inference.decode import decode_chain
+    from dsv41_jax.ops.engram_hash import device_history
+
+    cache = init_cache(config, batch, context + 512, jnp.bfloat16)
+    cache = jax.jit(fill_cache, static_argnums=(1,), donate_argnums=(0,))(cache, context, jax.random.PRNGKey(1))
+    samp, _, tok, act = decode_inputs(config, batch)
+    hasher = synthetic_hasher(config)
+    out = {}
+    if hasher is not None:
+        out.update(check_device_hash(config, hasher))
+    if host_loop:  # the per-step loop: read the tokens back, hash them on the host, send the rows, dispatch
+        hist = hasher.empty_history(batch) if hasher else None
+        host_tok = np.full((batch,), 5, np.int32)
+        ts = []
+        for i in range(steps + 2):
+            t0 = time.perf_counter()
+            eids = None
+            if hasher is not None:
+                rows, hist = hasher.step(host_tok[:, None], hist)
+                eids = jnp.asarray(rows[:, 0])
+            nxt, cache = decode_and_sample(params, cache, jnp.asarray(host_tok), eids, act, *samp,
+                                           jnp.full((batch,), i + 1, jnp.int32), config=config, opts=opts)
+            host_tok = np.asarray(nxt)
+            ts.append(time.perf_counter() - t0)
+        out.update(host_loop_step_ms=statistics.median(ts[2:]) * 1e3, host_loop_compile_s=ts[0])
+    # the device loop: nothing comes back between steps; greedy, no stops, limits far away
+    never = jnp.full((batch, 1), -2, jnp.int32)
+    far = jnp.full((batch,), 1 << 30, jnp.int32)
+    ring = max(max(readback), profile_steps, 2)  # decode_chain's readback rows: a run of <= ring steps
+    state = {"tokens": tok, "active": act, "generated": jnp.zeros((batch,), jnp.int32),
+             "step": jnp.zeros((), jnp.int32), "readback": jnp.zeros((ring + 1, batch), jnp.int32)}
+    tables = None
+    if hasher is not None:
+        tables = hasher.device_tables()
+        state["engram_history"] = jnp.asarray(device_history(hasher.empty_history(batch)))
+    state = jax.device_put(state, jax.devices()[0])
+
+    def run(n):
+        nonlocal cache, state
+        for _ in range(n):
+            _t, state, cache = decode_chain(params, cache, state, tables, *samp, never, far, far, config=config,
+                                            opts=opts)
+        return np.asarray(state["readback"])  # one read-back per run, as the Engine does
+
+    t0 = time.perf_counter()
+    run(1)
+    out["compile_s"] = time.perf_counter() - t0
+    run(2)
+    for k in readback:
+        n = max(2 * k, steps)  # at least two runs: the read-back of one overlaps nothing, of the next likewise
+        n = -(-n // k) * k
+        t0 = time.perf_counter()
+        for _ in range(n // k):
+            run(k)
+        out[f"device_loop_k{k}_step_ms"] = (time.perf_counter() - t0) / n * 1e3
+    jax.block_until_ready(cache)
+    log_dir = tempfile.mkdtemp(prefix="decode_trace_")
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        t0 = time.perf_counter()
+        run(profile_steps)  # one run: the tokens read back once, at its end
+        wall = (time.perf_counter() - t0) / profile_steps
+    del cache
+    out.update(profiled_wall_ms=wall * 1e3, **summarize_trace(log_dir, profile_steps, config.num_hidden_layers))
+    k_best = max(readback)
+    out.update(step_ms=out[f"device_loop_k{k_best}_step_ms"], readback_every=k_best)
+    return out
+
+
+def print_loops(args, meta, bw, rows) -> None:
+    ks = [int(x) for x in args.readback.split(",")]
+    print(f"\n{args.label} — decode loops — JAX {jax.__version__}, {meta['device']}, context {args.context}, bf16, "
+          f"read-only kernel {bw / 1e12:.2f} TB/s")
+    head = ["model", "batch", "floor ms", "host loop ms (x floor)"] + [f"device loop k={k} ms (x floor)" for k in ks]
+    head += ["profiled run busy ms/step", "busy %", "launches/layer", "D2H/step", "H2D/step", "compile s"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        if "busy_ms_per_step" not in r:
+            print(f"| {r['model']} | {r['batch']} | error: {r.get('error')} |")
+            continue
+        f = r["floor_ms"]
+        host = f"{r['host_loop_step_ms']:.2f} ({r['host_loop_step_ms'] / f:.2f}x)" if "host_loop_step_ms" in r else "-"
+        cells = [r["model"], str(r["batch"]), f"{f:.2f}", host]
+        cells += [f"{r[f'device_loop_k{k}_step_ms']:.2f} ({r[f'device_loop_k{k}_step_ms'] / f:.2f}x)" for k in ks]
+        cells += [f"{r['busy_ms_per_step']:.2f}", f"{100 * r['busy_ms_per_step'] / r['profiled_wall_ms']:.0f}",
+                  f"{r['launches_per_layer']:.1f}", f"{r['d2h_per_step']:.3f}", f"{r['h2d_per_step']:.3f}",
+                  f"{r['compile_s']:.1f}"]
+        print("| " + " | ".join(cells) + " |")
+        if "device_hash_equal_steps" in r:
+            print(f"  {r['model']} B={r['batch']}: device Engram hash == host hash in {r['device_hash_equal_steps']}"
+                  f" / {r['device_hash_steps']} steps of {r['device_hash_rows']} rows")
+    for r in rows:
+        for t in r.get("top", [])[:8]:
+            print(f"  {r['model']} B={r['batch']}: {t['ms_per_step']:.3f} ms/step x{t['count_per_step']:.0f} "
+                  f"{t['name']}")
+
+
 def main():
     args = ARGS
     out = args.out or os.environ.get("OUT") or "."
@@ -267,16 +394,26 @@ def main():
             parts = step_bytes(config, params, b, args.context)
             floor_ms = sum(parts.values()) / bw * 1e3
             try:
-                r = profile_one(config, params, b, args.context, opts, args.steps, args.profile_steps, out)
+                if args.loops:
+                    r = profile_loops(config, params, b, args.context, opts, args.steps, args.profile_steps,
+                                      [int(x) for x in args.readback.split(",")],
+                                      str(b) in args.host_loop_batches.split(","))
+                else:
+                    r = profile_one(config, params, b, args.context, opts, args.steps, args.profile_steps, out)
             except Exception as e:  # noqa: BLE001 - report and continue with the next size
                 r = dict(error=repr(e)[:400])
             r.update(model=config.name, batch=b, floor_ms=floor_ms, step_gb=sum(parts.values()) / 1e9,
                      bytes=parts)
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "events"}), flush=True)
+            with open(os.path.join(out, f"profile_decode{('_' + args.label) if args.label else ''}.json"), "w") as f:
+                json.dump(dict(meta=meta, rows=rows), f, indent=1)  # after every row: a cut-off run keeps its rows
         del params
     with open(os.path.join(out, f"profile_decode{('_' + args.label) if args.label else ''}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    if args.loops:
+        print_loops(args, meta, bw, rows)
+        return
     print(f"\n{args.label} — JAX {jax.__version__}, {meta['device']}, context {args.context}, bf16, read-only "
           f"kernel {bw / 1e12:.2f} TB/s")
     print("| model | batch | step ms | floor ms | step / floor | queued step ms | busy ms | busy % | launches/step | "

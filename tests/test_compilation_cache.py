@@ -160,7 +160,7 @@ def test_a_program_already_in_jax_cache_is_stored_from_a_fresh_compile(program_d
 def test_the_engine_compiles_one_decode_program_and_reloads_every_program(program_dir):
     from dsv41_jax import Engine, load_config
     from dsv41_jax.inference import FAST_COMPILE, InferenceOptions
-    from dsv41_jax.inference.decode import _decode_sample
+    from dsv41_jax.inference.decode import _decode_chain
     from dsv41_jax.inference.step import _jit
     from dsv41_jax.inference.weights import host_random_params
 
@@ -170,7 +170,7 @@ def test_the_engine_compiles_one_decode_program_and_reloads_every_program(progra
                     options=opts, compilation_cache=False)
     first = [r.tokens for r in engine.generate([[5, 6, 7], list(range(3, 30))], max_new_tokens=4)]
     first.append(engine.generate([[9] * 20], max_new_tokens=6)[0].tokens)  # another prompt length, batch fill
-    decode = _jit(_decode_sample, ("config", "opts", "return_logits"), ("cache",), FAST_COMPILE)
+    decode = _jit(_decode_chain, ("config", "opts"), ("cache",), FAST_COMPILE)
     assert decode.built == 1 and len(decode._programs) == 1  # one decode program for every call
     stored = sorted(os.listdir(program_dir))
 

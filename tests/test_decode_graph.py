@@ -16,8 +16,8 @@ def test_gpu_decode_graph_has_no_host_round_trip_and_no_cache_sized_copy():
     # inside the kernels); batch 1 picks fewer experts than exist (the slot kernels), BATCH picks every expert
     # (batched GEMMs over the stacked experts): neither leaves a rolled loop or a per-expert weight slice
     assert 1 * config.num_experts_per_tok < config.n_routed_experts <= BATCH * config.num_experts_per_tok
-    for batch in (1, BATCH):
-        audit = audit_decode_step(config, batch, MAX_LEN,
+    for batch, chained in ((1, False), (BATCH, False), (1, True)):  # chained: decode_chain, Engine.generate's step
+        audit = audit_decode_step(config, batch, MAX_LEN, chained=chained,
                                   opts=InferenceOptions(kernel_backend="pallas_gpu_interpret"))
         assert audit.dynamic_loops == [] and audit.conds == 0 and audit.callbacks == 0, audit.summary()
         assert audit.big_concats == [] and audit.big_copies == [], (audit.big_concats, audit.big_copies)

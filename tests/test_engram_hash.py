@@ -23,6 +23,9 @@ from dsv41_jax.ops.engram_hash import (
     engram_primes,
     engram_row_ids,
     engram_row_ids_step,
+    device_engram_hash,
+    device_history,
+    engram_row_ids_step_device,
     is_prime,
 )
 from dsv41_jax.tokenizer import ByteTokenizer, HFTokenizer, compressed_token_map, load_tokenizer
@@ -286,6 +289,64 @@ def test_step_does_not_mutate_history():
     hist = EngramHistory.empty(1, 4)
     _, new = engram_row_ids_step(np.array([[5, 6]]), hist, np.arange(256), layout)
     assert hist.tokens.tolist() == [[DEAD] * 3] and new.tokens.tolist() == [[DEAD, 5, 6]]
+
+
+# ----------------------------------------------------------------------------------------
+# The decode step's hash on the device (uint32 words) == the host's int64 hash
+# ----------------------------------------------------------------------------------------
+
+
+def _device_layouts(rng):
+    base = EngramHashLayout.build(layer_ids=(0, 3, 7), max_ngram_size=5, n_heads=3, vocab_size=1000,
+                                  compressed_vocab_size=40, pad_compressed_id=5)
+    shape = base.multipliers.shape
+    return [
+        ("released", EngramHashLayout.build((1, 14), 4, 8, 16_000_000, 99092, 2), 129280),
+        ("tiny", EngramHashLayout.build(**TINY), 300),
+        ("bigrams only", EngramHashLayout.build((2,), 2, 3, 50, 17, 16), 20),
+        # products that overflow int64 and XORs with the sign bit set: wrapped, floor-mod of negative hashes
+        ("wrapping", dataclasses.replace(base, multipliers=rng.integers(2**62, 2**63 - 1, shape, np.int64) | 1,
+                                         rows_per_layer=()), 64),
+        ("negative", dataclasses.replace(base, multipliers=rng.integers(-2**63, 2**63 - 1, shape, np.int64) | 1,
+                                         rows_per_layer=()), 64),
+        # primes just below 2^30: the modulo's Horner chunks shrink to 2 bits
+        ("primes near 2^30", EngramHashLayout.build((2,), 2, 2, 2**30 - 100, 1000, 3), 1000),
+    ]
+
+
+def test_device_step_hash_equals_the_host_hash():
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(7)
+    step = jax.jit(engram_row_ids_step_device)
+    for name, layout, V in _device_layouts(rng):
+        vc = layout.compressed_vocab_size
+        token_map = rng.integers(0, vc, size=V)
+        token_map[:4] = [0, vc - 1, layout.pad_compressed_id, vc - 1]  # boundary compressed ids, the pad's id
+        token_map[-1] = vc - 1
+        tables = device_engram_hash(token_map, layout)
+        B = 48
+        # histories: empty, shorter than N-1, padding holes, documents starting just before the new token
+        T = int(rng.integers(0, 2 * layout.max_ngram_size))
+        ids = rng.integers(0, V, size=(B, T))
+        valid = rng.random((B, T)) > 0.25
+        segments = np.cumsum(rng.random((B, T)) < 0.25, axis=1)
+        _, hist = engram_row_ids_step(ids, EngramHistory.empty(B, layout.max_ngram_size), token_map, layout,
+                                      valid=valid, segment_ids=segments)
+        dev = jnp.asarray(device_history(hist))
+        for _ in range(layout.max_ngram_size + 1):  # until every row's look-back is all decoded tokens
+            new = rng.integers(0, V, size=B)
+            new[:4] = [0, V - 1, 2, 3]
+            active = rng.random(B) > 0.2
+            want, after = engram_row_ids_step(new[:, None], hist, token_map, layout)
+            got, dev_after = step(tables, dev, jnp.asarray(new, jnp.int32), jnp.asarray(active))
+            np.testing.assert_array_equal(np.asarray(got)[active], want[active, 0], err_msg=name)
+            keep = active[:, None]
+            hist = EngramHistory(np.where(keep, after.tokens, hist.tokens), np.where(keep, after.segments,
+                                 hist.segments), hist.num_positions, hist.num_valid)
+            dev = dev_after
+            np.testing.assert_array_equal(np.asarray(dev), device_history(hist), err_msg=name)
 
 
 # ----------------------------------------------------------------------------------------

@@ -92,6 +92,38 @@ def test_sampling_seeds_stop_tokens_and_limits():
     assert full.finish_reason == "max_len" and len(full.tokens) == 3  # fed at positions 38, 39; the 3rd has no room
 
 
+def test_device_decode_loop_equals_the_host_loop():
+    """generate's decode loop with the Engram hash on the device and tokens read back in runs (default) gives
+    the tokens of the loop that reads every step back and hashes on the host, with the same ends and the same
+    Engram look-back afterwards."""
+    eng = _engine()
+    p = [_prompt(9, 2), _prompt(21, 7), _prompt(MAX_LEN - 4, 4)]
+    greedy = eng.generate([p[0]], max_new_tokens=6, stop_tokens=())[0].tokens
+    reqs = [Request(p[0], max_new_tokens=9, stop_tokens=(greedy[4],)),  # ends by a stop token inside a run
+            Request(p[1], temperature=1.0, top_k=20, seed=3, max_new_tokens=11, stop_tokens=()),
+            Request(p[2], max_new_tokens=10, stop_tokens=())]  # ends by max_len
+    got = {}
+    try:
+        for loop, every in (("host", 1), ("device", 3), ("device", 8)):
+            eng.decode_loop, eng.readback_every = loop, every
+            res = eng.generate(reqs)
+            hist = [a.copy() for a in (eng._hist.tokens, eng._hist.segments, eng._hist.num_positions,
+                                       eng._hist.num_valid)]
+            got[loop, every] = ([(r.tokens, r.finish_reason) for r in res], hist)
+    finally:
+        eng.decode_loop, eng.readback_every = "device", 8
+    want_tokens, want_hist = got["host", 1]
+    assert [r for _, r in want_tokens] == ["stop", "length", "max_len"]
+    for key in (("device", 3), ("device", 8)):
+        assert got[key][0] == want_tokens, key
+        for a, b in zip(got[key][1], want_hist):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(EngineError, match="decode_loop"):
+        Engine(eng.config, eng.params, max_batch=1, max_len=8, decode_loop="gpu")
+    with pytest.raises(EngineError, match="readback_every"):
+        Engine(eng.config, eng.params, max_batch=1, max_len=8, readback_every=0)
+
+
 def test_bad_input_is_a_clear_error_and_the_rest_is_served():
     eng = _engine()
     good = _prompt(7, 5)

@@ -6,7 +6,8 @@ iteration (one device->host copy and a host wait per iteration); a ``cond`` copi
 host callbacks stop the stream. Loops with a static trip count (``lax.scan``, ``fori_loop`` with Python-int bounds)
 do not. Concatenates or copies of cache-sized buffers cost a cache-sized HBM round trip per layer.
 
-:func:`audit_decode_step` traces the decode program (``decode_and_sample``, the Engine's step) on abstract shapes
+:func:`audit_decode_step` traces the decode program (``decode_and_sample``, or ``decode_chain``: the step
+``Engine.generate`` runs, which also hashes the Engram n-grams and feeds its tokens on the device) on abstract shapes
 (nothing is allocated, so full-width configs work on a laptop) and walks its jaxpr — every nested jaxpr except the
 bodies of Pallas kernels, whose loops run inside one kernel — counting those constructs. ``benchmarks/
 decode_graph_report.py`` prints the counts; tests pin the structural properties so they cannot regress.
@@ -111,15 +112,35 @@ def audit_jaxpr(jaxpr, big_bytes: int) -> GraphAudit:
 
 
 def decode_program(config: ModelConfig, batch: int, max_len: int, *, dtype=jnp.bfloat16,
-                   opts: InferenceOptions = InferenceOptions()):
-    """(function, abstract arguments) of the Engine's decode step (decode + sampling), ready for
-    ``jax.make_jaxpr`` / ``jax.jit(...).lower``."""
-    from dsv41_jax.inference.decode import _decode_opts, _decode_sample
+                   opts: InferenceOptions = InferenceOptions(), chained: bool = False, readback: int = 8):
+    """(function, abstract arguments) of a decode step, ready for ``jax.make_jaxpr`` / ``jax.jit(...).lower``:
+    ``decode_and_sample`` (decode + sampling, the Engram rows given), or with ``chained`` the step ``Engine.generate``
+    runs, ``decode_chain`` (the Engram hash on the device, its tokens fed to the next step, a ``readback`` ring)."""
+    from dsv41_jax.inference.decode import _decode_chain, _decode_opts, _decode_sample
 
     opts = _decode_opts(opts)
     params = abstract_params(config, dtype)
     cache = abstract_cache(config, batch, max_len, dtype)
     vec = lambda dt: jax.ShapeDtypeStruct((batch,), dt)  # noqa: E731
+    if chained:
+        state = {"tokens": vec(jnp.int32), "active": vec(jnp.bool_), "generated": vec(jnp.int32),
+                 "step": jax.ShapeDtypeStruct((), jnp.int32),
+                 "readback": jax.ShapeDtypeStruct((readback + 1, batch), jnp.int32)}
+        tables = None
+        if config.engram_layer_ids:
+            from dsv41_jax.model.hasher import default_hasher
+
+            tables = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                  default_hasher(config).device_tables())
+            state["engram_history"] = jax.ShapeDtypeStruct((batch, config.engram_max_ngram_size - 1), jnp.int32)
+        args = (params, cache, state, tables, vec(jnp.float32), vec(jnp.int32), vec(jnp.float32), vec(jnp.int32),
+                jax.ShapeDtypeStruct((batch, 1), jnp.int32), vec(jnp.int32), vec(jnp.int32))
+
+        def chain(params, cache, state, tables, temperature, top_k, top_p, seeds, stops, max_new, room):
+            return _decode_chain(params, cache, state, tables, temperature, top_k, top_p, seeds, stops, max_new,
+                                 room, config=config, opts=opts)
+
+        return chain, args
     eids = None
     if config.engram_layer_ids:
         eids = jax.ShapeDtypeStruct((batch, len(config.engram_layer_ids), config.n_hash_cols), jnp.int32)
@@ -141,9 +162,11 @@ def smallest_source_bytes(config: ModelConfig, batch: int, max_len: int, dtype=j
 
 
 def audit_decode_step(config: ModelConfig, batch: int, max_len: int, *, dtype=jnp.bfloat16,
-                      opts: InferenceOptions = InferenceOptions(), big_bytes: int | None = None) -> GraphAudit:
-    """Audit the decode program of ``config`` at ``batch`` x ``max_len`` (abstract shapes; nothing allocated)."""
-    fn, args = decode_program(config, batch, max_len, dtype=dtype, opts=opts)
+                      opts: InferenceOptions = InferenceOptions(), big_bytes: int | None = None,
+                      chained: bool = False) -> GraphAudit:
+    """Audit the decode program of ``config`` at ``batch`` x ``max_len`` (abstract shapes; nothing allocated);
+    ``chained``: ``decode_chain``, the step ``Engine.generate`` runs (see :func:`decode_program`)."""
+    fn, args = decode_program(config, batch, max_len, dtype=dtype, opts=opts, chained=chained)
     jaxpr = jax.make_jaxpr(fn)(*args)
     if big_bytes is None:
         big_bytes = smallest_source_bytes(config, batch, max_len, dtype)

@@ -22,7 +22,8 @@ FP4 compressed KV and indexer keys, each with its block scales) — the bytes ``
 counts; the cached forward reads and writes them through ``packed_cache.read`` / ``set_rows``.
 
 Engram's look-back state (the last n-1 compressed ids per slot) depends only on tokens and lives on the host next
-to the hasher (``EngramHistory``); it is accounted for here all the same. Top-k selections and the HSI pool are
+to the hasher (``EngramHistory``), with a copy in the decode loop's device state while ``Engine.generate`` decodes
+(``decode.decode_chain``); it is accounted for here all the same. Top-k selections and the HSI pool are
 per-step values, not cache.
 """
 

@@ -26,6 +26,7 @@ from dsv41_jax.config import ModelConfig
 from dsv41_jax.inference.cache import cache_capacity, check_capacity
 from dsv41_jax.inference.sampling import sample
 from dsv41_jax.inference.step import InferenceOptions, embed, head, jit_for, run_layers
+from dsv41_jax.ops.engram_hash import DeviceEngramHash, engram_row_ids_step_device
 
 
 class DecodeError(ValueError):
@@ -82,6 +83,54 @@ def decode_and_sample(params, cache, tokens, engram_ids, active, temperature, to
               opts=opts, return_logits=return_logits)
 
 
+def _decode_chain(params, cache, state, engram_hash, temperature, top_k, top_p, seeds, stops, max_new, room, *,
+                  config: ModelConfig, opts: InferenceOptions):
+    tokens, active = state["tokens"], state["active"]
+    eids, new_state = None, {}
+    if config.engram_layer_ids:
+        eids, new_state["engram_history"] = engram_row_ids_step_device(engram_hash, state["engram_history"], tokens,
+                                                                       active)
+    logits, cache, full = _step(params, cache, tokens, eids, active, config, opts)
+    step = state["step"] + 1
+    nxt = jnp.where(full, -1, sample(logits, temperature, top_k, top_p, seeds, jnp.full(tokens.shape, step)))
+    generated = state["generated"] + active.astype(jnp.int32)
+    # the Engine's finish_reason, evaluated where the token is: stop token, max_new_tokens, cache room
+    done = jnp.any(nxt[:, None] == stops, axis=-1) | (generated >= max_new) | (generated > room)
+    new_state.update(tokens=jnp.where(active, nxt, tokens), active=active & ~done, generated=generated, step=step)
+    if "readback" in state:  # the last R steps' tokens (row (step - 1) mod R) and, in row R, the active slots
+        buf = state["readback"]
+        r = buf.shape[0] - 1
+        new_state["readback"] = buf.at[(step - 1) % r].set(nxt).at[r].set(new_state["active"].astype(jnp.int32))
+    return nxt, new_state, cache
+
+
+def decode_chain(params, cache, state: dict, engram_hash: DeviceEngramHash | None, temperature, top_k, top_p,
+                 seeds, stops, max_new, room, *, config: ModelConfig, opts: InferenceOptions = InferenceOptions()):
+    """One decode step that feeds itself: (next tokens [B] int32, next state, cache); the cache is donated.
+
+    Unlike ``decode_and_sample`` it needs nothing from the host between steps, so any number of steps can be
+    dispatched back to back and their tokens read back later: the state carries the tokens to feed, the active
+    slots, the tokens generated so far per slot and the step number (the sampling stream's position); with Engram
+    layers also the slots' look-back (``ops.engram_hash.device_history``), hashed on the device
+    (``engram_row_ids_step_device``, bit-identical to the host hasher with ``engram_hash`` = the hasher's
+    ``device_tables()``). A slot ends — stays in the batch but is no longer fed — when it samples one of its
+    ``stops`` (int32 [B, S], padded with -2), reaches ``max_new`` generated tokens, or generated more than
+    ``room`` (its max_len minus its prompt length): the ``Engine``'s ``finish_reason``, so the host, replaying
+    it on the tokens read back, agrees with the device on every slot's end.
+
+    state: ``tokens`` int32 [B], ``active`` bool [B], ``generated`` int32 [B], ``step`` int32 [] (+
+    ``engram_history`` int32 [B, N-1]; + optionally ``readback`` int32 [R + 1, B]: each step writes its tokens to
+    row (step - 1) mod R and the active slots to row R, so that a run of up to R steps comes back in one transfer
+    without any other program). An active slot at the cache's capacity is not fed and samples -1."""
+    opts = _decode_opts(opts)
+    if config.engram_layer_ids and (engram_hash is None or "engram_history" not in state):
+        raise DecodeError("this config has Engram layers: decode_chain needs engram_hash (hasher.device_tables()) "
+                          "and state['engram_history'] (ops.engram_hash.device_history)")
+    fn = jit_for(_decode_chain, opts)
+    return fn(params, cache, state, engram_hash if config.engram_layer_ids else None, temperature, top_k, top_p,
+              seeds, stops, max_new, room, config=config, opts=opts)
+
+
 def decode_step(params: dict, cache: dict, tokens, engram_ids=None, active=None, *, config: ModelConfig,
                 opts: InferenceOptions = InferenceOptions()):
     """Feed one token per slot: ``tokens`` int [B]; ``engram_ids`` int32 [B, n_engram_layers, n_hash_cols] (the
@@ -110,4 +159,4 @@ def decode_step(params: dict, cache: dict, tokens, engram_ids=None, active=None,
                            config=config, opts=opts)
 
 
-__all__ = ["DecodeError", "decode_step", "decode_step_jit", "decode_and_sample"]
+__all__ = ["DecodeError", "decode_step", "decode_step_jit", "decode_and_sample", "decode_chain"]

@@ -8,7 +8,9 @@ One cache of ``max_batch`` slots x ``max_len`` tokens is allocated once; every p
 those static sizes (prefill chunks also per power-of-two chunk length). Requests in one call may have different
 prompt lengths: each slot keeps its own length, so nothing of another sequence or of padding reaches its
 attention windows, compressor groups, indexer or Engram n-grams. The Engram look-back of each slot (its last n-1
-compressed ids) is kept on the host next to the hasher, since Engram row ids are computed there.
+compressed ids) is kept on the host next to the hasher, which hashes prompts; ``generate``'s decode loop hashes each
+sampled token on the device instead (bit-identical), so that its steps run back to back with the tokens read back
+in runs (``decode_loop`` / ``readback_every``), and brings the host's look-back up to date at its end.
 
 Per-request problems (empty prompt, prompt longer than ``max_len``, token ids outside the vocabulary, invalid
 sampling parameters) are reported in that request's result (``finish_reason == "error"``) and the other requests
@@ -31,7 +33,7 @@ import numpy as np
 from dsv41_jax.compilation_cache import enable_compilation_cache
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.inference.cache import CacheFootprint, cache_footprint, init_cache, tree_bytes
-from dsv41_jax.inference.decode import decode_and_sample, decode_step_jit
+from dsv41_jax.inference.decode import decode_and_sample, decode_chain, decode_step_jit
 from dsv41_jax.inference.prefill import prefill as _prefill
 from dsv41_jax.inference.sampling import SamplingError, SamplingParams, sample_jit
 from dsv41_jax.inference.step import InferenceOptions, check_ced_plan
@@ -140,10 +142,16 @@ class Engine:
     def __init__(self, config: ModelConfig, params: dict, *, max_batch: int = 8, max_len: int = 4096,
                  tokenizer=None, hasher=None, prefill_chunk: int = 512,
                  options: InferenceOptions = InferenceOptions(), cache_dtype=None, weights: str | None = None,
-                 cache: str = "bf16", compilation_cache=None):
+                 cache: str = "bf16", compilation_cache=None, decode_loop: str = "device",
+                 readback_every: int = 8):
         """``compilation_cache``: JAX's persistent compilation cache — None (default: on, under
         ``$XDG_CACHE_HOME/dsv41_jax`` or ``~/.cache/dsv41_jax``, unless ``DSV41_COMPILATION_CACHE=off``), False (off),
-        True, or a directory (``dsv41_jax.compilation_cache``)."""
+        True, or a directory (``dsv41_jax.compilation_cache``).
+
+        ``decode_loop``: how ``generate`` runs its decode steps — ``"device"`` (default: each step hashes Engram
+        n-grams and feeds its own samples on the device, so steps are dispatched back to back and their tokens
+        read back every ``readback_every`` steps; ``on_token`` is then called in runs of up to that many) or
+        ``"host"`` (the tokens read back after every step and hashed on the host, the previous loop)."""
         if not isinstance(max_batch, int) or max_batch <= 0:
             raise EngineError(f"max_batch must be a positive integer, got {max_batch!r}")
         if not isinstance(max_len, int) or max_len <= 0:
@@ -151,6 +159,10 @@ class Engine:
         if max_len > config.max_position_embeddings:
             raise EngineError(f"max_len {max_len} exceeds the model's max_position_embeddings "
                               f"{config.max_position_embeddings}")
+        if decode_loop not in ("device", "host"):
+            raise EngineError(f"decode_loop must be 'device' or 'host', got {decode_loop!r}")
+        if not isinstance(readback_every, int) or isinstance(readback_every, bool) or readback_every <= 0:
+            raise EngineError(f"readback_every must be a positive integer, got {readback_every!r}")
         if not isinstance(prefill_chunk, int) or prefill_chunk <= 0:
             raise EngineError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         validate_params(params, config)
@@ -163,6 +175,8 @@ class Engine:
         self.max_batch = max_batch
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk
+        self.decode_loop = decode_loop
+        self.readback_every = readback_every
         self.options = options
         self.tokenizer = tokenizer
         if hasher is None and config.engram_layer_ids:
@@ -396,13 +410,12 @@ class Engine:
         for i, *_ in ok:
             active[slot_of[i]] = True
         info = {slot_of[i]: (i, ids, stops, mnt) for i, ids, _, stops, mnt in ok}
-        step = 0
-        t1 = time.perf_counter()
-        while True:
-            # account the tokens sampled last, finish what is done
+
+        def account(tokens) -> None:
+            """The tokens one step sampled: append them to the active slots' outputs, finish what is done."""
             for s in np.flatnonzero(active):
                 i, ids, stops, mnt = info[s]
-                tok = int(nxt[s])
+                tok = int(tokens[s])
                 out[i].append(tok)
                 if on_token is not None:
                     on_token(i, tok)
@@ -410,23 +423,104 @@ class Engine:
                 if reason is not None:
                     active[s] = False
                     results[i] = Result(out[i], reason, len(ids), text=self._decode_text(out[i]))
-            if not active.any():
-                break
-            step += 1
-            eids = self._engram_step(nxt, active)
-            res = decode_and_sample(self.params, self.cache, jnp.asarray(nxt.astype(np.int32)),
-                                    None if eids is None else jnp.asarray(eids), jnp.asarray(active), *samp,
-                                    jnp.full((b,), step, jnp.int32), config=self.config, opts=self.options)
-            nxt_dev, self.cache = res
-            nxt = np.asarray(nxt_dev)
-            if step == 1:
-                stats.first_step_s = time.perf_counter() - t1
-                stats.first_step_tokens = int(active.sum())
+
+        t1 = time.perf_counter()
+        account(nxt)  # the prefill's tokens
+        if self.decode_loop == "device":
+            step = self._decode_on_device(nxt, active, out, info, samp, account, stats, t1)
+        else:
+            step = 0
+            while active.any():
+                step += 1
+                eids = self._engram_step(nxt, active)
+                res = decode_and_sample(self.params, self.cache, jnp.asarray(nxt.astype(np.int32)),
+                                        None if eids is None else jnp.asarray(eids), jnp.asarray(active), *samp,
+                                        jnp.full((b,), step, jnp.int32), config=self.config, opts=self.options)
+                nxt_dev, self.cache = res
+                nxt = np.asarray(nxt_dev)
+                if step == 1:
+                    stats.first_step_s = time.perf_counter() - t1
+                    stats.first_step_tokens = int(active.sum())
+                account(nxt)
         stats.decode_s = time.perf_counter() - t1
         stats.compile_s = compile_seconds() - c0
         stats.decode_steps = step
         stats.new_tokens = sum(len(v) for v in out.values())
         return results  # type: ignore[return-value]
+
+    def _decode_on_device(self, nxt, active, out, info, samp, account, stats, t0) -> int:
+        """The decode loop of ``generate`` with nothing read back between steps (``decode_chain``: each step
+        hashes its Engram n-grams and feeds its own samples on the device, and ends slots by their limits there).
+        Steps are dispatched in runs of up to ``readback_every`` (the first run is one step, so that
+        ``first_step_s`` is the compile); each run's tokens come back at once and ``account`` replays them on the
+        host, with the same ends as the device's (checked). A run is never longer than the most steps any active
+        slot can still take, so only slots ended early by a stop token waste steps. Returns the steps run."""
+        b = self.max_batch
+        stops = np.full((b, max(len(v[2]) for v in info.values())), -2, np.int32)  # -2: never sampled
+        max_new = np.zeros((b,), np.int32)
+        room = np.zeros((b,), np.int32)
+        for s, (_i, ids, st, mnt) in info.items():
+            stops[s, :len(st)] = st
+            max_new[s], room[s] = mnt, self.max_len - len(ids)
+        generated = np.asarray([len(out[info[s][0]]) if s in info else 0 for s in range(b)], np.int32)
+        state = {"tokens": jnp.asarray(nxt.astype(np.int32)), "active": jnp.asarray(active),
+                 "generated": jnp.asarray(generated), "step": jnp.zeros((), jnp.int32),
+                 "readback": jnp.zeros((self.readback_every + 1, b), jnp.int32)}
+        tables = None
+        hist0 = self._hist
+        if self.hasher is not None:
+            from dsv41_jax.ops.engram_hash import device_history
+
+            tables = self.hasher.device_tables()
+            state["engram_history"] = jnp.asarray(device_history(self._hist))
+        limits = tuple(jnp.asarray(a) for a in (stops, max_new, room))
+        device = getattr(self.params["embed"], "sharding", None)
+        if isinstance(device, jax.sharding.SingleDeviceSharding):  # committed like the state the steps return,
+            state = jax.device_put(state, device)  # so that the first step's program serves the later ones
+        steps = 0
+        while active.any():
+            left = [min(max_new[s] - len(out[info[s][0]]), room[s] - len(out[info[s][0]]) + 1)
+                    for s in np.flatnonzero(active)]
+            n = 1 if steps == 0 else max(1, min(self.readback_every, max(left)))
+            fed = int(active.sum())
+            for _ in range(n):
+                _tok, state, self.cache = decode_chain(self.params, self.cache, state, tables, *samp, *limits,
+                                                       config=self.config, opts=self.options)
+            # one transfer for the run: its tokens and the slots the device still feeds (decode_chain's readback)
+            buf = np.asarray(state["readback"])
+            rows = [buf[(steps + i) % self.readback_every] for i in range(n)]
+            device_active = buf[-1].astype(bool)
+            for row in rows:
+                if not active.any():
+                    break
+                account(row)
+            if steps == 0:
+                stats.first_step_s = time.perf_counter() - t0
+                stats.first_step_tokens = fed
+            steps += n
+            if not np.array_equal(active, device_active):
+                raise EngineError(f"internal: the device ended slots {np.flatnonzero(device_active != active)} "
+                                  "differently from the host")
+        if self.hasher is not None:
+            self._hist = self._fed_history(hist0, info, out)
+        return steps
+
+    def _fed_history(self, hist: EngramHistory, info, out) -> EngramHistory:
+        """The host look-back after ``_decode_on_device``: every token a slot was fed (its outputs but the
+        last) appended, continuing its newest segment."""
+        k = hist.tokens.shape[1]
+        tokens, segments = hist.tokens.copy(), hist.segments.copy()
+        positions, valid = hist.num_positions.copy(), hist.num_valid.copy()
+        for s, (i, *_rest) in info.items():
+            fed = out[i][:-1]
+            if not fed:
+                continue
+            ids = self.hasher.token_map[np.asarray(fed)]
+            tokens[s] = np.concatenate([hist.tokens[s], ids])[-k:]
+            segments[s] = np.concatenate([hist.segments[s], np.full(len(fed), hist.segments[s, -1])])[-k:]
+            positions[s] += len(fed)
+            valid[s] += len(fed)
+        return EngramHistory(tokens, segments, positions, valid)
 
     # ------------------------------------------------------------------------------------------------------
     # Continuous batching (dsv41_jax.inference.batching)

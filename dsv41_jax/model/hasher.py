@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.ops.engram_hash import EngramHashLayout, EngramHistory, engram_row_ids, engram_row_ids_step
+from dsv41_jax.ops.engram_hash import (EngramHashLayout, EngramHistory, device_engram_hash, engram_row_ids,
+                                       engram_row_ids_step)
 from dsv41_jax.tokenizer import ByteTokenizer, compressed_token_map
 
 
@@ -44,6 +45,13 @@ class EngramHasher:
 
     def step(self, tokens, history: EngramHistory, *, valid=None):
         return engram_row_ids_step(np.asarray(tokens), history, self.token_map, self.layout, valid=valid)
+
+    def device_tables(self):
+        """The hash constants on the device (``ops.engram_hash.DeviceEngramHash``, built once) for the decode
+        step's own hashing (``inference.decode.decode_chain``)."""
+        if getattr(self, "_device_tables", None) is None:
+            self._device_tables = device_engram_hash(self.token_map, self.layout)
+        return self._device_tables
 
 
 def default_hasher(config: ModelConfig, tokenizer=None) -> EngramHasher | None:

@@ -51,6 +51,10 @@ __all__ = [
     "engram_row_ids",
     "EngramHistory",
     "engram_row_ids_step",
+    "DeviceEngramHash",
+    "device_engram_hash",
+    "device_history",
+    "engram_row_ids_step_device",
 ]
 
 #: Marker for "no token here" (before the sequence start or a DEAD/padding
@@ -487,4 +491,161 @@ def engram_row_ids_step(
         num_positions=history.num_positions + ids.shape[1],
         num_valid=history.num_valid + live_count,
     )
+    return rows, new_history
+
+
+# --------------------------------------------------------------------------------------
+# The decode step's hash on the device (32-bit arithmetic, bit-identical)
+# --------------------------------------------------------------------------------------
+#
+# A decode step hashes one new token per sequence. Doing that on the host forces the
+# sampled token back to the host before the next step can be dispatched; on the device
+# the step can feed its own sample to the next one. JAX runs with 64-bit integers off,
+# so the int64 arithmetic above is carried out on (hi, lo) pairs of uint32 words:
+#
+# * ``compressed_id * multiplier mod 2^64``: the id is < 2^31, so the low word's 32 x 32
+#   product is formed from 16-bit halves (every partial product fits 32 bits) and the
+#   high word adds ``id * multiplier_hi mod 2^32``;
+# * XOR is word-wise;
+# * the floor modulo by a prime p < 2^31 runs Horner's rule over w-bit chunks of the
+#   64-bit value, most significant first, with w chosen so that ``r * 2^w + chunk``
+#   (r < p) stays below 2^32; a negative int64 (top bit set) is ``x_u - 2^64``, so its
+#   floor modulo is ``(x_u mod p - 2^64 mod p) mod p``.
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceEngramHash:
+    """The hash constants as device arrays (a pytree; ``pad`` and ``chunk_bits`` are static).
+
+    token_map int32 [V]; mult_hi / mult_lo uint32 [L, N]; primes and two64_mod (2^64 mod p)
+    uint32 [L, N-1, H]; offsets int32 [L, (N-1)*H].
+    """
+
+    token_map: object
+    mult_hi: object
+    mult_lo: object
+    primes: object
+    two64_mod: object
+    offsets: object
+    pad: int
+    chunk_bits: int
+
+    @property
+    def max_ngram_size(self) -> int:
+        return int(self.mult_hi.shape[1])
+
+
+def _flatten_device_hash(t: DeviceEngramHash):
+    return (t.token_map, t.mult_hi, t.mult_lo, t.primes, t.two64_mod, t.offsets), (t.pad, t.chunk_bits)
+
+
+def _unflatten_device_hash(aux, leaves) -> DeviceEngramHash:
+    return DeviceEngramHash(*leaves, *aux)
+
+
+def _register_pytree() -> None:
+    import jax
+
+    jax.tree_util.register_pytree_node(DeviceEngramHash, _flatten_device_hash, _unflatten_device_hash)
+
+
+_register_pytree()
+
+
+def device_engram_hash(token_map, layout: EngramHashLayout) -> DeviceEngramHash:
+    """The device form of ``layout`` and ``token_map`` (checked like the host hash's)."""
+    import jax.numpy as jnp
+
+    tm = _check_token_map(token_map, layout)
+    if layout.compressed_vocab_size > 2**31:
+        raise ValueError(f"compressed_vocab_size {layout.compressed_vocab_size} does not fit int32 device ids")
+    primes = layout.primes.astype(np.int64)
+    if primes.max(initial=2) >= 2**31:
+        raise ValueError(f"an engram prime ({int(primes.max())}) is >= 2^31; the device hash needs primes < 2^31")
+    # Largest w with p * 2^w <= 2^32 for every prime (p < 2^bitlen(p)); at most 31.
+    chunk_bits = int(min(32 - int(p).bit_length() for p in primes.reshape(-1))) if primes.size else 16
+    words = layout.multipliers.astype(np.int64).view(np.uint64)
+    two64 = np.asarray([[[(1 << 64) % int(p) for p in hs] for hs in orders] for orders in primes], np.uint32)
+    return DeviceEngramHash(
+        token_map=jnp.asarray(tm.astype(np.int32)),
+        mult_hi=jnp.asarray((words >> np.uint64(32)).astype(np.uint32)),
+        mult_lo=jnp.asarray((words & np.uint64(0xFFFFFFFF)).astype(np.uint32)),
+        primes=jnp.asarray(primes.astype(np.uint32)),
+        two64_mod=jnp.asarray(two64.reshape(primes.shape)),
+        offsets=jnp.asarray(layout.offsets.astype(np.int32)),
+        pad=int(layout.pad_compressed_id),
+        chunk_bits=chunk_bits,
+    )
+
+
+def device_history(history: EngramHistory):
+    """The device look-back of ``history`` for decoding (new tokens continue the newest segment): int32 [B, N-1]
+    compressed ids, oldest first, ``DEAD`` where the look-back is blocked (no token, padding, or an earlier
+    segment than the newest position's). Blocking is sticky, so a blocked entry blocks everything older."""
+    tokens = np.asarray(history.tokens, np.int64)
+    segments = np.asarray(history.segments, np.int64)
+    live = (tokens != DEAD) & (segments == segments[:, -1:])
+    return np.where(live, tokens, DEAD).astype(np.int32)
+
+
+def _mul_u64_by_u32(t, hi, lo):
+    """(t * (hi * 2^32 + lo)) mod 2^64 as (hi, lo) uint32 words; t uint32."""
+    import jax.numpy as jnp
+
+    m16 = jnp.uint32(0xFFFF)
+    t0, t1 = t & m16, t >> 16
+    a0, a1 = lo & m16, lo >> 16
+    p00, p01, p10, p11 = t0 * a0, t0 * a1, t1 * a0, t1 * a1
+    mid = (p00 >> 16) + (p01 & m16) + (p10 & m16)  # < 3 * 2^16
+    out_lo = (mid << 16) | (p00 & m16)
+    out_hi = p11 + (p01 >> 16) + (p10 >> 16) + (mid >> 16) + t * hi  # wraps mod 2^32
+    return out_hi, out_lo
+
+
+def _floor_mod_i64(hi, lo, p, two64_mod, w: int):
+    """Floor modulo of the int64 (hi, lo) by p (uint32, < 2^31): Horner over w-bit chunks (p * 2^w <= 2^32)."""
+    import jax.numpy as jnp
+
+    r = jnp.zeros(jnp.broadcast_shapes(hi.shape, p.shape), jnp.uint32)
+    top = 64
+    while top > 0:
+        width = min(w, top)
+        bottom = top - width
+        # bits [bottom, top) of the 64-bit value
+        if bottom >= 32:
+            chunk = (hi >> (bottom - 32)) & jnp.uint32((1 << width) - 1)
+        elif top <= 32:
+            chunk = (lo >> bottom) & jnp.uint32((1 << width) - 1)
+        else:  # straddles the words
+            chunk = ((hi & jnp.uint32((1 << (top - 32)) - 1)) << (32 - bottom)) | (lo >> bottom)
+        r = ((r << width) | chunk) % p if width < 32 else chunk % p
+        top = bottom
+    negative = (hi >> 31) == 1
+    return jnp.where(negative, (r + p - two64_mod) % p, r)
+
+
+def engram_row_ids_step_device(tables: DeviceEngramHash, history, new_tokens, active=None):
+    """One decode step of the hash on the device: ``history`` int32 [B, N-1] (``device_history``), ``new_tokens``
+    int [B] raw ids (clipped into the token map: every caller feeds sampled ids), ``active`` bool [B] (inactive
+    rows keep their history). Returns ``(row_ids int32 [B, L, (N-1)*H], new_history)``, bit-identical to
+    ``engram_row_ids_step`` of one valid token continuing the newest segment."""
+    import jax.numpy as jnp
+
+    n = tables.max_ngram_size
+    k = n - 1
+    compressed = jnp.take(tables.token_map, new_tokens.astype(jnp.int32), mode="clip")  # [B]
+    src = jnp.concatenate([compressed[:, None], history[:, ::-1]], axis=1)  # look-back j = 0..N-1
+    blocked = jnp.cumsum((src == DEAD).astype(jnp.int32), axis=1) > 0  # sticky
+    look = jnp.where(blocked, tables.pad, src).astype(jnp.uint32)  # [B, N]
+    hi, lo = _mul_u64_by_u32(look[:, None, :], tables.mult_hi[None], tables.mult_lo[None])  # [B, L, N]
+    r_hi, r_lo = hi[..., 0], lo[..., 0]
+    per_order = []
+    for i in range(1, n):
+        r_hi, r_lo = r_hi ^ hi[..., i], r_lo ^ lo[..., i]  # hash of the (i+1)-gram, [B, L]
+        per_order.append(_floor_mod_i64(r_hi[..., None], r_lo[..., None], tables.primes[None, :, i - 1],
+                                        tables.two64_mod[None, :, i - 1], tables.chunk_bits))  # [B, L, H]
+    rows = jnp.concatenate(per_order, axis=-1).astype(jnp.int32) + tables.offsets[None]
+    new_history = jnp.concatenate([history[:, 1:], compressed[:, None]], axis=1) if k > 1 else compressed[:, None]
+    if active is not None:
+        new_history = jnp.where(active[:, None], new_history, history)
     return rows, new_history
