@@ -10,8 +10,9 @@ Backends
 Gradients (``jax.custom_vjp``): ``pallas_gpu`` has a FUSED backward (a dQ kernel per query with dQ in registers;
 dKV by key-centric kernels that sum each row's gradient in float32 over the queries reading it and write it once,
 no atomics: ``pallas_gpu.attention_bwd``; sink gradient from the saved log-sum-exp), the default for every dtype
-(``tuning={"fused_bwd": False}`` opts out; ``{"bwd_dkv": "atomic"}`` selects the earlier fp32 atomic scatter-add). Its bf16 gradients are within bf16 rounding of float32 on the H200 (benchmarks/RESULTS.md: an earlier
-"0.30 error" compared it against a reference backward whose bf16 accumulation was the inaccurate side).
+(``tuning={"fused_bwd": False}`` opts out; ``{"bwd_dkv": "atomic"}`` selects the earlier fp32 atomic scatter-add).
+Its bf16 gradients are within bf16 rounding of float32 (the atomic form's on the H200, benchmarks/RESULTS.md: an
+earlier "0.30 error" compared it against a reference backward whose bf16 accumulation was the inaccurate side).
 ``pallas_tpu`` uses a REFERENCE-RECOMPUTE backward (the VJP of the plain-JAX reference recomputed from the saved
 inputs, every sum in float32: the shared KV enters the query-chunk map in float32 and gathered rows scatter-add their
 gradient in float32, ``ops.gather``): accurate, not fast. The indexer returns integer indices (no gradient), as in
