@@ -8,8 +8,8 @@ entries (random), window ``window``, sink per head. Decode shape: 64 sequences x
 Losses: ``sum`` (loss = sum of outputs: same-sign contributions, the worst case for a stalled sum) and ``random``
 (a random normal cotangent). Columns: relative L2 error of each gradient vs the float32 reference backward, and
 the fwd + bwd time (ms, median of 5). Backwards: ``reference`` (plain JAX, jax.grad), ``recompute`` (the kernel
-forward with the reference-recompute backward), ``fused`` (the Pallas GPU backward: dQ per query, dKV by key
-block) and ``atomic`` (the same with the earlier fp32 atomic dKV scatter-add); ``--backwards`` picks them.
+forward with the reference-recompute backward), ``fused`` (the Pallas GPU backward, its default dKV modes), ``atomic``
+and ``by_key`` (the same with every dKV by fp32 atomic scatter-add / by key block); ``--backwards`` picks them.
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def run(args):
     truth = {w: f(*up(xs)) for w, f in grad_fn(seq_attn("reference"), cot).items()}
     known = {"reference": lambda: seq_attn("reference"), "recompute": lambda: seq_attn(be, {"fused_bwd": False}),
              "fused": lambda: seq_attn(be, {"fused_bwd": True}),
-             "atomic": lambda: seq_attn(be, {"fused_bwd": True, "bwd_dkv": "atomic"})}
+             "atomic": lambda: seq_attn(be, {"fused_bwd": True, "bwd_dkv": "atomic", "bwd_dkv_selected": "atomic"}),
+             "by_key": lambda: seq_attn(be, {"fused_bwd": True, "bwd_dkv": "by_key", "bwd_dkv_selected": "by_key"})}
     wanted = [w for w in args.backwards.split(",") if w]
     unknown = sorted(set(wanted) - set(known))
     if unknown:
@@ -168,7 +169,8 @@ if __name__ == "__main__":
                     help="one loss halves the compilations (the float32 truth and every backward)")
     ap.add_argument("--backwards", default="reference,recompute,fused",
                     help="prefill backwards, comma-separated: reference, recompute, fused (the default GPU "
-                         "backward: dKV by key block), atomic (the fused backward with fp32 atomic dKV)")
+                         "backward), atomic / by_key (the fused backward with every dKV by fp32 atomics / by key "
+                         "block)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode shape")
     a = ap.parse_args()
     if a.loss != "both":

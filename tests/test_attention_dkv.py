@@ -5,6 +5,7 @@ interpret mode. Shapes are tiny but span several key blocks and query splits."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dsv41_jax import kernels as KN
 from dsv41_jax.kernels import pallas_gpu as G
@@ -63,11 +64,14 @@ def _grads(fn, q, kv, ckv, sink, ct):
         q, kv, ckv, sink)
 
 
-def test_by_key_backward_equals_autodiff_float32():
+@pytest.mark.parametrize("tuning,k", [({"bwd_key_block": 16, "bwd_key_splits": 2}, 24),
+                                      ({}, 6)])  # lists < N / 4 wide: selected rows by scatter-add, window by key
+def test_by_key_backward_equals_autodiff_float32(tuning, k):
     """Window of 8 over 40 tokens (3 window blocks of 16 slots), 24 picks among 40 entries (3 entry blocks), two
     query splits per block, packed documents, a floor, duplicates and -1 slots: every gradient equals the
-    reference's autodiff gradient up to float32 summation order."""
-    q, kv, ckv, topk, sink, pos, seg, floor = _case(0, jnp.float32)
+    reference's autodiff gradient up to float32 summation order. Narrow lists: the default for selected rows is
+    the scatter-add (``BY_KEY_MIN_FILL``), the window rows still by key."""
+    q, kv, ckv, topk, sink, pos, seg, floor = _case(0, jnp.float32, k=k)
     ct = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
 
     def attn(be, tuning=None):
@@ -78,7 +82,7 @@ def test_by_key_backward_equals_autodiff_float32():
         return f
 
     want = _grads(attn("reference"), q, kv, ckv, sink, ct)
-    got = _grads(attn("pallas_gpu_interpret", {"bwd_key_block": 16, "bwd_key_splits": 2}), q, kv, ckv, sink, ct)
+    got = _grads(attn("pallas_gpu_interpret", tuning), q, kv, ckv, sink, ct)
     errs = {name: _rel(g, w) for name, g, w in zip(("dq", "dkv", "dckv", "dsink"), got, want)}
     assert all(e < 1e-5 for e in errs.values()), errs
 

@@ -10,7 +10,9 @@ Backends
 Gradients (``jax.custom_vjp``): ``pallas_gpu`` has a FUSED backward (a dQ kernel per query with dQ in registers;
 dKV by key-centric kernels that sum each row's gradient in float32 over the queries reading it and write it once,
 no atomics: ``pallas_gpu.attention_bwd``; sink gradient from the saved log-sum-exp), the default for every dtype
-(``tuning={"fused_bwd": False}`` opts out; ``{"bwd_dkv": "atomic"}`` selects the earlier fp32 atomic scatter-add).
+(``tuning={"fused_bwd": False}`` opts out; ``{"bwd_dkv": "atomic", "bwd_dkv_selected": "atomic"}`` selects the
+earlier fp32 atomic scatter-add, which stays the default for selected rows when the top-k lists are narrower than
+a quarter of the entries: ``pallas_gpu.BY_KEY_MIN_FILL``).
 Its bf16 gradients are within bf16 rounding of float32 (the atomic form's on the H200, benchmarks/RESULTS.md: an
 earlier "0.30 error" compared it against a reference backward whose bf16 accumulation was the inaccurate side).
 ``pallas_tpu`` uses a REFERENCE-RECOMPUTE backward (the VJP of the plain-JAX reference recomputed from the saved
@@ -175,8 +177,6 @@ def _attention_bwd(cfg, res, g):
 
         interp = cfg.backend.endswith("interpret")
         tuning = _gpu_tuning(cfg, q, topk, bwd=True)
-        if interp and tuning.get("dkv") == "atomic":  # interpret mode's atomics neither mask nor sum duplicates
-            tuning["dkv"] = "slab"
         dq, dw, dc, ds = G.attention_bwd(q, q_pos, wkv.astype(q.dtype), wpos, wstart, floor,
                                          None if ckv is None else ckv.astype(q.dtype), topk, sink, out, lse, g,
                                          qseg, wseg, window=cfg.window, scale=cfg.scale, wspan=cfg.wspan,

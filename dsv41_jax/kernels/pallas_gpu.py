@@ -373,31 +373,38 @@ def _dkv_by_key(qq, do, lse_p, delta_p, rows_kv, *, lists, window_args, scale, b
     return jnp.sum(part, axis=1)[:, :r_len]
 
 
+# Selected rows go by key block when the lists are at least this share of the entries wide (K >= N / 4): then a
+# key block's groups are mostly full. Sparser lists waste most of each group's tile: top-512 of a 4096-entry
+# ratio-1 sequence on the H200 took 33.5 ms fwd + bwd with both row kinds by key, 22.0 ms with both atomic
+# (benchmarks/RESULTS.md).
+BY_KEY_MIN_FILL = 0.25
+
+
 @functools.partial(jax.jit, static_argnames=("window", "scale", "wspan", "block_h", "block_k", "num_warps",
-                                             "num_stages", "rotate", "dkv", "key_block", "key_block_h",
-                                             "key_splits", "key_warps", "key_stages", "interpret"))
+                                             "num_stages", "rotate", "dkv", "dkv_selected", "key_block",
+                                             "key_block_h", "key_splits", "key_warps", "key_stages", "interpret"))
 def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse, dout, qseg=None, wseg=None, *,
                   window: int, scale: float, wspan: int, block_h: int = 64, block_k: int = 32, num_warps: int = 8,
-                  num_stages: int = 1, rotate: bool = False, dkv: str = "by_key", key_block: int | None = None,
-                  key_block_h: int | None = None, key_splits: int | None = None, key_warps: int = 8,
-                  key_stages: int = 1, interpret: bool = False):
+                  num_stages: int = 1, rotate: bool = False, dkv: str = "by_key", dkv_selected: str = "auto",
+                  key_block: int | None = None, key_block_h: int | None = None, key_splits: int | None = None,
+                  key_warps: int = 8, key_stages: int = 1, interpret: bool = False):
     """Gradients (dq, dwkv, dckv, dsink) of ``attention_fwd``'s output.
 
     dQ: one program per (query, head block), dQ in registers, over the query's window / selected rows (BK =
     ``block_k`` rows per step). ``rotate``: each program starts its loops at a block offset of its own.
 
-    dKV (= dK + dV, K = V), by ``dkv``:
-      * ``"by_key"`` (default): key-centric, no atomics (``_dkv_by_key``): per block of ``key_block`` window
-        slots, the contiguous range of queries whose window spans it (``wstart`` non-decreasing); per block of
-        compressed entries, the queries that picked any of them, from an inverted index of the top-k lists
+    dKV (= dK + dV, K = V) of the window rows by ``dkv``, of the selected (compressed) rows by ``dkv_selected``
+    ("auto": ``"by_key"`` when the lists are at least ``BY_KEY_MIN_FILL`` of the entries wide, else ``"atomic"``):
+      * ``"by_key"``: key-centric, no atomics (``_dkv_by_key``): per block of ``key_block`` window slots, the
+        contiguous range of queries whose window spans it (``wstart`` non-decreasing); per block of compressed
+        entries, the queries that picked any of them, from an inverted index of the top-k lists
         (``_key_block_groups``: one sort). Each row's dKV is summed in float32 in registers over those queries
         and written once. Rows picked twice in one list count twice, like the reference's gather transpose.
-      * ``"atomic"``: the dQ programs scatter-add every (query, row) dKV with fp32 atomics (the earlier kernel:
-        neighbouring queries collide on the same rows; kept for comparison).
+      * ``"atomic"``: the dQ programs scatter-add every (query, row) dKV with fp32 atomics (neighbouring queries
+        collide on the same rows).
       * ``"slab"``: per-(query, row) dKV blocks written out and summed by an XLA scatter-add (interpret mode's
-        stand-in for ``"atomic"``: its atomic emulation neither masks nor sums duplicate indices)."""
-    if dkv not in DKV_MODES:
-        raise ValueError(f"attention_bwd: dkv must be one of {DKV_MODES}, got {dkv!r}")
+        stand-in for ``"atomic"``, which it replaces there: its atomic emulation neither masks nor sums duplicate
+        indices)."""
     b, c, h, d = q.shape
     s_len = wkv.shape[1]
     if qseg is None:
@@ -408,6 +415,13 @@ def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse,
         ckv = jnp.zeros((b, 1, d), wkv.dtype)
         topk = jnp.full((b, c, 1), -1, jnp.int32)
     n, kk = ckv.shape[1], topk.shape[-1]
+    if dkv_selected == "auto":
+        dkv_selected = "by_key" if kk >= BY_KEY_MIN_FILL * n else "atomic"
+    for name, mode in (("dkv", dkv), ("dkv_selected", dkv_selected)):
+        if mode not in DKV_MODES:
+            raise ValueError(f"attention_bwd: {name} must be one of {DKV_MODES} (or 'auto' for dkv_selected), "
+                             f"got {mode!r}")
+    modes = ["slab" if interpret and m == "atomic" else m for m in (dkv, dkv_selected if has_cmp else "by_key")]
     bh = max(16, min(_pow2(block_h), _pow2(h)))
     hp = -(-h // bh) * bh
     dp = _pow2(d)
@@ -430,15 +444,18 @@ def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse,
     vdt = wkv.dtype
     topk = topk.astype(jnp.int32)
     wstart = wstart.astype(jnp.int32)
-    atomic = dkv == "atomic"
-    emit_dkv = dkv != "by_key"
+    # the dQ kernel's extra outputs: (kind index, mode, shape) for the rows whose dKV it emits
+    shapes = {"atomic": ((b, s_len, dp), (b, n, dp)),
+              "slab": ((b * c, n_hb, n_w * bk, dp), (b * c, n_hb, max(n_c, 1) * bk, dp))}
+    emitted = [(i, m, shapes[m][i]) for i, m in enumerate(modes) if m != "by_key"]
 
     def kernel(q_ref, do_ref, lse_ref, dl_ref, qpos_ref, wkv_ref, wpos_ref, wstart_ref, floor_ref, ckv_ref,
                topk_ref, qseg_ref, wseg_ref, *refs):
-        if emit_dkv:
-            dq_ref, dw_ref, dc_ref = refs[-3:]  # (atomic: the zero inputs aliased to dw / dc come first)
-        else:
-            dq_ref, dw_ref, dc_ref = refs[0], None, None
+        outs = refs[len(refs) - 1 - len(emitted):]  # (the zero inputs aliased to atomic outputs come first)
+        dq_ref = outs[0]
+        dst = [None, None]
+        for (i, _, _), ref in zip(emitted, outs[1:]):
+            dst[i] = ref
         r = pl.program_id(0)
         hb = pl.program_id(1)
         h0 = hb * bh
@@ -454,25 +471,23 @@ def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse,
         qs = qseg_ref[bi, ci]
         cols = jnp.arange(dp)[None, :]
 
-        def grads(dq, kmat, valid):
+        def grads(dq, kmat, valid, kind):
             s = _dot_nt(qv, kmat, prec) * scale
             p = jnp.where(valid[None, :], jnp.exp(s - lse_v[:, None]), 0.0)  # [bh, bk]
             dpm = _dot_nt(dov, kmat, prec)
             ds = p * (dpm - dl[:, None])
             dq = dq + _dot_nn(ds.astype(vdt), kmat, prec) * scale
-            if not emit_dkv:
+            if modes[kind] == "by_key":
                 return dq, None
             dkv = _dot_tn(ds.astype(vdt), qv, prec) * scale + _dot_tn(p.astype(vdt), dov, prec)  # [bk, dp]
             return dq, dkv
 
-        def emit(dst_ref, rows, i, dkv, valid):
-            if not emit_dkv:
-                return
-            if atomic:
-                pltr.atomic_add(dst_ref, (bi, rows[:, None], cols), dkv,
+        def emit(kind, rows, i, dkv, valid):
+            if modes[kind] == "atomic":
+                pltr.atomic_add(dst[kind], (bi, rows[:, None], cols), dkv,
                                 mask=jnp.broadcast_to(valid[:, None], dkv.shape))
-            else:  # per-(query, head block) slab, summed outside
-                dst_ref[r, hb, pl.ds(i * bk, bk), :] = jnp.where(valid[:, None], dkv, 0.0)
+            elif modes[kind] == "slab":  # per-(query, head block) slab, summed outside
+                dst[kind][r, hb, pl.ds(i * bk, bk), :] = jnp.where(valid[:, None], dkv, 0.0)
 
         def win_body(i, dq):
             if rotate:
@@ -480,8 +495,8 @@ def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse,
             jj, valid = _window_rows(wpos_ref, wseg_ref, bi, ws + i * bk + jnp.arange(bk), s_len, qp, qs, window, fl,
                                      ws + wspan)
             kmat = pltr.load(wkv_ref.at[bi, jj[:, None], cols], mask=valid[:, None], other=0)
-            dq, dkv = grads(dq, kmat, valid)
-            emit(dw_ref, jj, i, dkv, valid)
+            dq, dkv = grads(dq, kmat, valid, 0)
+            emit(0, jj, i, dkv, valid)
             return dq
 
         def cmp_body(i, dq):
@@ -492,8 +507,8 @@ def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse,
             valid = idx >= 0
             safe = jnp.clip(idx, 0, n - 1)
             kmat = pltr.load(ckv_ref.at[bi, safe[:, None], cols], mask=valid[:, None], other=0)
-            dq, dkv = grads(dq, kmat, valid)
-            emit(dc_ref, safe, i, dkv, valid)
+            dq, dkv = grads(dq, kmat, valid, 1)
+            emit(1, safe, i, dkv, valid)
             return dq
 
         dq = jnp.zeros((bh, dp), jnp.float32)
@@ -502,40 +517,35 @@ def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse,
             dq = jax.lax.fori_loop(0, n_c, cmp_body, dq)
         dq_ref[bi, ci, pl.ds(h0, bh), :] = dq
 
-    if atomic:
-        shapes = ((b, s_len, dp), (b, n, dp))
-    else:
-        shapes = ((b * c, n_hb, n_w * bk, dp), (b * c, n_hb, max(n_c, 1) * bk, dp))
     args = (qq, do, lse_p, delta_p, q_pos.astype(jnp.int32), wkv_p, wpos.astype(jnp.int32), wstart,
             floor.astype(jnp.int32), ckv_p, topk, qseg.astype(jnp.int32), wseg.astype(jnp.int32))
     aliases = {}
-    if atomic:  # the atomics accumulate into zero-initialised buffers aliased to the outputs
-        args = args + (jnp.zeros(shapes[0], jnp.float32), jnp.zeros(shapes[1], jnp.float32))
-        aliases = {len(args) - 2: 1, len(args) - 1: 2}
-    dq_shape = jax.ShapeDtypeStruct((b, c, hp, dp), jnp.float32)
-    if emit_dkv:
-        out_shape = (dq_shape, jax.ShapeDtypeStruct(shapes[0], jnp.float32),
-                     jax.ShapeDtypeStruct(shapes[1], jnp.float32))
-    else:
-        out_shape = (dq_shape,)
+    for j, (_, m, shape) in enumerate(emitted):
+        if m == "atomic":  # the atomics accumulate into zero-initialised buffers aliased to the outputs
+            aliases[len(args)] = 1 + j
+            args = args + (jnp.zeros(shape, jnp.float32),)
+    out_shape = (jax.ShapeDtypeStruct((b, c, hp, dp), jnp.float32),) + tuple(
+        jax.ShapeDtypeStruct(shape, jnp.float32) for _, _, shape in emitted)
     res = pl.pallas_call(
         kernel, grid=(b * c, n_hb), out_shape=out_shape,
         input_output_aliases=aliases, compiler_params=_params(num_warps, num_stages), interpret=interpret,
-        name="csa2_sparse_attention_bwd" if emit_dkv else "csa2_sparse_attention_bwd_dq",
+        name="csa2_sparse_attention_bwd" if emitted else "csa2_sparse_attention_bwd_dq",
     )(*args)
     dq = res[0]
-    if dkv == "slab":
-        dw, dc = res[1:]
-        bidx = jnp.repeat(jnp.arange(b), c)[:, None]
-        wrows = jnp.clip(wstart.reshape(b * c, 1) + jnp.arange(n_w * bk)[None, :], 0, s_len - 1)
-        dw = jnp.zeros((b, s_len, dp), jnp.float32).at[bidx, wrows].add(jnp.sum(dw, axis=1))
-        t = jnp.arange(max(n_c, 1) * bk)
-        crows = jnp.where(t[None, :] < kk, topk.reshape(b * c, kk)[:, jnp.minimum(t, kk - 1)], -1)
-        dc = jnp.zeros((b, n, dp), jnp.float32).at[bidx, jnp.clip(crows, 0, n - 1)].add(
-            jnp.where((crows >= 0)[..., None], jnp.sum(dc, axis=1), 0.0))
-    elif atomic:
-        dw, dc = res[1:]
-    else:
+    grads_kv = [None, None]
+    bidx = jnp.repeat(jnp.arange(b), c)[:, None]
+    for (i, m, _), g in zip(emitted, res[1:]):
+        if m == "atomic":
+            grads_kv[i] = g
+        elif i == 0:
+            wrows = jnp.clip(wstart.reshape(b * c, 1) + jnp.arange(n_w * bk)[None, :], 0, s_len - 1)
+            grads_kv[0] = jnp.zeros((b, s_len, dp), jnp.float32).at[bidx, wrows].add(jnp.sum(g, axis=1))
+        else:
+            t = jnp.arange(max(n_c, 1) * bk)
+            crows = jnp.where(t[None, :] < kk, topk.reshape(b * c, kk)[:, jnp.minimum(t, kk - 1)], -1)
+            grads_kv[1] = jnp.zeros((b, n, dp), jnp.float32).at[bidx, jnp.clip(crows, 0, n - 1)].add(
+                jnp.where((crows >= 0)[..., None], jnp.sum(g, axis=1), 0.0))
+    if "by_key" in modes:
         wide = jnp.dtype(q.dtype).itemsize >= 4
         kbk = max(16, _pow2(key_block or (16 if wide else 32)))
         kbh = max(16, min(_pow2(key_block_h or (16 if wide else 32)), hp))
@@ -550,16 +560,17 @@ def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse,
             return int(max(1, min(8, -(-528 // progs))))
 
         common = dict(scale=scale, bk=kbk, bh=kbh, num_warps=key_warps, num_stages=key_stages, interpret=interpret)
-        floor_v = floor.astype(jnp.int32)
-        dw = _dkv_by_key(qq, do, lse_p, delta_p, wkv_p, lists=_window_query_ranges(wstart, wspan, s_len, kbk),
-                         window_args=(q_pos.astype(jnp.int32), wpos.astype(jnp.int32), wstart, floor_v,
-                                      qseg.astype(jnp.int32), wseg.astype(jnp.int32), window, wspan),
-                         n_split=splits(s_len), **common)
-        if has_cmp:
-            dc = _dkv_by_key(qq, do, lse_p, delta_p, ckv_p, lists=_key_block_groups(topk, n, kbk),
-                             window_args=None, n_split=splits(n), **common)
-        else:
-            dc = jnp.zeros((b, n, dp), jnp.float32)
+        if modes[0] == "by_key":
+            grads_kv[0] = _dkv_by_key(qq, do, lse_p, delta_p, wkv_p,
+                                      lists=_window_query_ranges(wstart, wspan, s_len, kbk),
+                                      window_args=(q_pos.astype(jnp.int32), wpos.astype(jnp.int32), wstart,
+                                                   floor.astype(jnp.int32), qseg.astype(jnp.int32),
+                                                   wseg.astype(jnp.int32), window, wspan),
+                                      n_split=splits(s_len), **common)
+        if modes[1] == "by_key" and has_cmp:
+            grads_kv[1] = _dkv_by_key(qq, do, lse_p, delta_p, ckv_p, lists=_key_block_groups(topk, n, kbk),
+                                      window_args=None, n_split=splits(n), **common)
+    dw, dc = grads_kv
     dq = dq[:, :, :h, :d].astype(q.dtype)
     dw = dw[..., :d].astype(wkv.dtype)
     dc = None if ckv_in is None else (dc[..., :d].astype(ckv_in.dtype) if has_cmp else jnp.zeros_like(ckv_in))
