@@ -16,9 +16,12 @@ Kernels (all run in Pallas interpret mode on CPU for the tests):
     block (BK rows per step); the per-head sink starts the running max / denominator. Gathered rows live only in
     registers / shared memory. Optional split-K over the key list for small batches (flash-decoding), merged in
     JAX. Returns the output and the log-sum-exp (for the backward).
-  * ``attention_bwd``: fused backward. Per (query, head block): dQ in registers; dKV (= dK + dV, K = V) of every
-    window / selected row is scatter-added with fp32 atomics (duplicates across queries and within a list are
-    summed like the reference's gather transpose); the sink gradient comes from the LSE in JAX.
+  * ``attention_bwd``: backward. Per (query, head block): dQ in registers. dKV (= dK + dV, K = V) per block of
+    rows (``_dkv_by_key``): the queries that read the block (a contiguous range for window rows, an inverted index
+    of the top-k lists for selected rows) are looped over with the block's dKV tile in float32 registers, written
+    once, no atomics; selected rows of lists narrower than a quarter of the entries are scatter-added with fp32
+    atomics from the dQ programs instead (``BY_KEY_MIN_FILL``). Duplicates across queries and within a list are
+    summed like the reference's gather transpose; the sink gradient comes from the LSE in JAX.
   * ``score_pool``: indexer scoring Σ_h w_h·ReLU(q_h·k)·d^-½ over streamed key tiles, visibility mask, and per-block
     / per-superblock maxima only (see ``hier_topk``); never writes the score matrix.
   * ``gather_score``: scores of explicit entry ids (the hierarchical top-k leaves, HSI pools for Reindex layers).
@@ -277,9 +280,9 @@ def _key_block_groups(topk, n: int, bk: int):
 
 
 def _window_query_ranges(wstart, wspan: int, s_len: int, bk: int):
-    """For each block of ``bk`` window slots, the queries whose slot span [wstart, wstart + wspan) meets it:
-    [B, n_blocks + 1]-style (lo, hi) pairs as two [B, n_blocks] arrays. ``wstart`` must be non-decreasing along
-    the queries (both call sites: all zeros, or t - window + 1)."""
+    """For each block of ``bk`` window slots, the range of queries whose slot span [wstart, wstart + wspan) meets
+    it: (lo, hi), each [B, n_blocks] int32. ``wstart`` must be non-decreasing along the queries (both call sites:
+    all zeros, or t - window + 1), so those queries are contiguous."""
     nkb = -(-s_len // bk)
     first_row = jnp.arange(nkb, dtype=jnp.int32) * bk
     lo = jax.vmap(lambda w: jnp.searchsorted(w + wspan, first_row, side="right"))(wstart)
@@ -292,9 +295,10 @@ def _dkv_by_key(qq, do, lse_p, delta_p, rows_kv, *, lists, window_args, scale, b
     """dKV of a table of K = V rows without atomics: one program per (batch row, block of ``bk`` rows, head block,
     split of the block's query list) holds the block's rows and its dKV tile, loops over the queries that read the
     block (recomputing their probabilities from the saved log-sum-exp) and writes the tile once; the head blocks
-    and splits are summed afterwards. ``lists``: (lo [B, nkb], hi [B, nkb]) ranges, of groups (compressed rows:
-    ``window_args`` None, group_query / group_count from ``_key_block_groups``) or of queries (window rows:
-    ``window_args`` = (q_pos, wpos, wstart, floor, qseg, wseg, window, wspan)). Returns [B, R, dp] float32."""
+    and splits are summed afterwards. Window rows: ``lists`` = (lo, hi) query ranges per block
+    (``_window_query_ranges``) and ``window_args`` = (q_pos, wpos, wstart, floor, qseg, wseg, window, wspan), the
+    mask computed per query as in the forward. Selected rows: ``lists`` = ``_key_block_groups``' output and
+    ``window_args`` None, each group's pick counts weighting its probabilities. Returns [B, R, dp] float32."""
     b, c, hp, dp = qq.shape
     r_len = rows_kv.shape[1]
     nkb = -(-r_len // bk)
@@ -307,7 +311,6 @@ def _dkv_by_key(qq, do, lse_p, delta_p, rows_kv, *, lists, window_args, scale, b
     if is_window:
         q_pos, wpos, wstart, floor, qseg, wseg, window, wspan = window_args
         lo, hi = lists
-        # a query's count column is unused for window rows: its mask is computed from positions in the kernel
         extra = (q_pos, jnp.pad(wpos, ((0, 0), (0, nkb * bk - r_len)), constant_values=-1), wstart, floor, qseg,
                  jnp.pad(wseg, ((0, 0), (0, nkb * bk - r_len)), constant_values=-1))
     else:
