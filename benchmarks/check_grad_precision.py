@@ -8,7 +8,8 @@ entries (random), window ``window``, sink per head. Decode shape: 64 sequences x
 Losses: ``sum`` (loss = sum of outputs: same-sign contributions, the worst case for a stalled sum) and ``random``
 (a random normal cotangent). Columns: relative L2 error of each gradient vs the float32 reference backward, and
 the fwd + bwd time (ms, median of 5). Backwards: ``reference`` (plain JAX, jax.grad), ``recompute`` (the kernel
-forward with the reference-recompute backward) and ``fused`` (the Pallas GPU backward kernel).
+forward with the reference-recompute backward), ``fused`` (the Pallas GPU backward, its default dKV modes), ``atomic``
+and ``by_key`` (the same with every dKV by fp32 atomic scatter-add / by key block); ``--backwards`` picks them.
 """
 
 from __future__ import annotations
@@ -96,10 +97,15 @@ def run(args):
             q, kv, pos, ckv, topk, sink, window=args.window, chunk=256, backend=backend, tuning=tuning)
 
     truth = {w: f(*up(xs)) for w, f in grad_fn(seq_attn("reference"), cot).items()}
-    variants = [("reference", seq_attn("reference"))]
-    if on_gpu:
-        variants += [("recompute", seq_attn(be, {"fused_bwd": False})),
-                     ("fused", seq_attn(be, {"fused_bwd": True}))]
+    known = {"reference": lambda: seq_attn("reference"), "recompute": lambda: seq_attn(be, {"fused_bwd": False}),
+             "fused": lambda: seq_attn(be, {"fused_bwd": True}),
+             "atomic": lambda: seq_attn(be, {"fused_bwd": True, "bwd_dkv": "atomic", "bwd_dkv_selected": "atomic"}),
+             "by_key": lambda: seq_attn(be, {"fused_bwd": True, "bwd_dkv": "by_key", "bwd_dkv_selected": "by_key"})}
+    wanted = [w for w in args.backwards.split(",") if w]
+    unknown = sorted(set(wanted) - set(known))
+    if unknown:
+        raise SystemExit(f"--backwards: unknown {unknown}; choose among {sorted(known)}")
+    variants = [(w, known[w]()) for w in wanted if w == "reference" or on_gpu]
     for name, attn in variants:
         for w, f in grad_fn(attn, cot).items():
             try:
@@ -112,7 +118,7 @@ def run(args):
             print(json.dumps(rows[-1]), flush=True)
 
     # -- decode shape -------------------------------------------------------------------------------------------
-    if on_gpu:
+    if on_gpu and not args.no_decode:
         xs, topk_d, q_pos, win_pos, cot = decode_case(args.decode_batch, args.decode_entries, args.heads, args.dim,
                                                       args.topk, args.window)
         dshape = f"decode B={args.decode_batch} N={args.decode_entries}"
@@ -161,6 +167,11 @@ if __name__ == "__main__":
     ap.add_argument("--json", default=None)
     ap.add_argument("--loss", choices=("sum", "random", "both"), default="both",
                     help="one loss halves the compilations (the float32 truth and every backward)")
+    ap.add_argument("--backwards", default="reference,recompute,fused",
+                    help="prefill backwards, comma-separated: reference, recompute, fused (the default GPU "
+                         "backward), atomic / by_key (the fused backward with every dKV by fp32 atomics / by key "
+                         "block)")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode shape")
     a = ap.parse_args()
     if a.loss != "both":
         LOSSES = (a.loss,)

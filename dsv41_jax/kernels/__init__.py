@@ -7,10 +7,14 @@ Backends
   ``"pallas_gpu_interpret"``  / ``"pallas_tpu_interpret"``: the same kernels in Pallas interpret mode (CPU tests).
   ``"auto"`` (default)        pallas_gpu on GPU, pallas_tpu on TPU, reference elsewhere (CPU).
 
-Gradients (``jax.custom_vjp``): ``pallas_gpu`` has a FUSED backward kernel (dQ in registers, dKV by fp32 atomic
-scatter-add, sink gradient from the saved log-sum-exp), the default for every dtype (``tuning={"fused_bwd": False}``
-opts out). Its bf16 gradients are within bf16 rounding of float32 on the H200 (benchmarks/RESULTS.md: an earlier
-"0.30 error" compared it against a reference backward whose bf16 accumulation was the inaccurate side).
+Gradients (``jax.custom_vjp``): ``pallas_gpu`` has a FUSED backward (a dQ kernel per query with dQ in registers;
+dKV by key-centric kernels that sum each row's gradient in float32 over the queries reading it and write it once,
+no atomics: ``pallas_gpu.attention_bwd``; sink gradient from the saved log-sum-exp), the default for every dtype
+(``tuning={"fused_bwd": False}`` opts out; ``{"bwd_dkv": "atomic", "bwd_dkv_selected": "atomic"}`` selects the
+earlier fp32 atomic scatter-add, which stays the default for selected rows when the top-k lists are narrower than
+a quarter of the entries: ``pallas_gpu.BY_KEY_MIN_FILL``).
+Its bf16 gradients are within bf16 rounding of float32 (the atomic form's on the H200, benchmarks/RESULTS.md: an
+earlier "0.30 error" compared it against a reference backward whose bf16 accumulation was the inaccurate side).
 ``pallas_tpu`` uses a REFERENCE-RECOMPUTE backward (the VJP of the plain-JAX reference recomputed from the saved
 inputs, every sum in float32: the shared KV enters the query-chunk map in float32 and gathered rows scatter-add their
 gradient in float32, ``ops.gather``): accurate, not fast. The indexer returns integer indices (no gradient), as in
@@ -172,10 +176,11 @@ def _attention_bwd(cfg, res, g):
         from dsv41_jax.kernels import pallas_gpu as G
 
         interp = cfg.backend.endswith("interpret")
+        tuning = _gpu_tuning(cfg, q, topk, bwd=True)
         dq, dw, dc, ds = G.attention_bwd(q, q_pos, wkv.astype(q.dtype), wpos, wstart, floor,
                                          None if ckv is None else ckv.astype(q.dtype), topk, sink, out, lse, g,
-                                         qseg, wseg, window=cfg.window, scale=cfg.scale, wspan=cfg.wspan, atomic=not interp,
-                                         interpret=interp, **_gpu_tuning(cfg, q, topk, bwd=True))
+                                         qseg, wseg, window=cfg.window, scale=cfg.scale, wspan=cfg.wspan,
+                                         interpret=interp, **tuning)
         dw = dw.astype(wkv.dtype)
         dc = None if ckv is None else dc.astype(ckv.dtype)
     else:  # reference-recompute backward (TPU; GPU with fused_bwd=False): VJP of the plain-JAX reference

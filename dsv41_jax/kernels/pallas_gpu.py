@@ -16,9 +16,12 @@ Kernels (all run in Pallas interpret mode on CPU for the tests):
     block (BK rows per step); the per-head sink starts the running max / denominator. Gathered rows live only in
     registers / shared memory. Optional split-K over the key list for small batches (flash-decoding), merged in
     JAX. Returns the output and the log-sum-exp (for the backward).
-  * ``attention_bwd``: fused backward. Per (query, head block): dQ in registers; dKV (= dK + dV, K = V) of every
-    window / selected row is scatter-added with fp32 atomics (duplicates across queries and within a list are
-    summed like the reference's gather transpose); the sink gradient comes from the LSE in JAX.
+  * ``attention_bwd``: backward. Per (query, head block): dQ in registers. dKV (= dK + dV, K = V) per block of
+    rows (``_dkv_by_key``): the queries that read the block (a contiguous range for window rows, an inverted index
+    of the top-k lists for selected rows) are looped over with the block's dKV tile in float32 registers, written
+    once, no atomics; selected rows of lists narrower than a quarter of the entries are scatter-added with fp32
+    atomics from the dQ programs instead (``BY_KEY_MIN_FILL``). Duplicates across queries and within a list are
+    summed like the reference's gather transpose; the sink gradient comes from the LSE in JAX.
   * ``score_pool``: indexer scoring Σ_h w_h·ReLU(q_h·k)·d^-½ over streamed key tiles, visibility mask, and per-block
     / per-superblock maxima only (see ``hier_topk``); never writes the score matrix.
   * ``gather_score``: scores of explicit entry ids (the hierarchical top-k leaves, HSI pools for Reindex layers).
@@ -72,14 +75,19 @@ def _prec(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def _window_rows(wpos_ref, wseg_ref, bi, j, s_len, qp, qs, window, fl):
+def _window_rows(wpos_ref, wseg_ref, bi, j, s_len, qp, qs, window, fl, wend):
     """Window key slots ``j`` of batch row ``bi`` (inside a kernel): (clamped slot ids, valid mask). A key is valid
-    when its slot exists and holds a position inside the query's window, at or above the floor, in its document."""
-    inb = (j >= 0) & (j < s_len)
+    when its slot exists, lies in the query's slot span (before ``wend`` = its first slot + wspan) and holds a
+    position inside the query's window, at or above the floor, in its document."""
+    inb = (j >= 0) & (j < s_len) & (j < wend)
     jj = jnp.clip(j, 0, s_len - 1)
     kp = pltr.load(wpos_ref.at[bi, jj], mask=inb, other=-1)
     ksg = pltr.load(wseg_ref.at[bi, jj], mask=inb, other=-1)
-    return jj, inb & (kp >= 0) & (kp <= qp) & (kp > qp - window) & (kp >= fl) & (ksg == qs)
+    return jj, _window_valid(inb, kp, ksg, qp, qs, window, fl)
+
+
+def _window_valid(inb, kp, ksg, qp, qs, window, fl):
+    return inb & (kp >= 0) & (kp <= qp) & (kp > qp - window) & (kp >= fl) & (ksg == qs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -155,7 +163,8 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
             return m_new, l, acc
 
         def load_win(i):
-            jj, valid = _window_rows(wpos_ref, wseg_ref, bi, ws + i * bk + jnp.arange(bk), s_len, qp, qs, window, fl)
+            jj, valid = _window_rows(wpos_ref, wseg_ref, bi, ws + i * bk + jnp.arange(bk), s_len, qp, qs, window, fl,
+                                      ws + wspan)
             kmat = pltr.load(wkv_ref.at[bi, jj[:, None], cols], mask=valid[:, None], other=0)
             if bd == dp:
                 return kmat, valid
@@ -235,23 +244,170 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Sparse attention, fused backward
+# Sparse attention, backward
 # ----------------------------------------------------------------------------------------------------------------
 
+DKV_MODES = ("by_key", "atomic", "slab")
+
+
+def _key_block_groups(topk, n: int, bk: int):
+    """Inverted index of the selections, per batch row: which queries picked entries of each block of ``bk``
+    compressed entries, and how often each entry.
+
+    topk [B, C, K] (-1 = empty; ids clipped to [0, n) like the forward's gather) -> (group_query [B, G] int32,
+    group_count [B, G, bk] float32: how many times the group's query lists each entry of the block (duplicates
+    within a list count, as in the forward's softmax), group_range [B, n_blocks + 1] int32: the groups of block
+    ``kb`` are ``group_range[kb] <= g < group_range[kb + 1]``, in ascending query order). A group is one
+    (block, query) pair; G = C · min(K, n_blocks) bounds their number. Built by one sort of the B·C·K picks."""
+    b, c, k = topk.shape
+    nkb = -(-n // bk)
+    g_max = c * min(k, nkb)
+    big = nkb * c  # sorts after every real (block, query) key
+    ids = topk.reshape(b, c * k)
+    query = jnp.broadcast_to(jnp.arange(c * k, dtype=jnp.int32) // k, (b, c * k))
+    safe = jnp.clip(ids, 0, n - 1)
+    key = jnp.where(ids >= 0, (safe // bk) * c + query, big)
+    key, slot = jax.lax.sort((key, safe % bk), dimension=1, num_keys=1)
+    real = key < big
+    first = real & jnp.concatenate([jnp.ones((b, 1), bool), key[:, 1:] != key[:, :-1]], axis=1)
+    gid = jnp.where(real, jnp.cumsum(first, axis=1, dtype=jnp.int32) - 1, g_max)  # g_max: dropped
+    rows = jnp.arange(b)[:, None]
+    count = jnp.zeros((b, g_max, bk), jnp.float32).at[rows, gid, slot].add(1.0, mode="drop")
+    gkey = jnp.full((b, g_max), big, jnp.int32).at[rows, jnp.where(first, gid, g_max)].set(key, mode="drop")
+    bounds = jnp.arange(nkb + 1, dtype=jnp.int32) * c
+    grange = jax.vmap(lambda g_: jnp.searchsorted(g_, bounds, side="left"))(gkey).astype(jnp.int32)
+    return gkey % c, count, grange
+
+
+def _window_query_ranges(wstart, wspan: int, s_len: int, bk: int):
+    """For each block of ``bk`` window slots, the range of queries whose slot span [wstart, wstart + wspan) meets
+    it: (lo, hi), each [B, n_blocks] int32. ``wstart`` must be non-decreasing along the queries (both call sites:
+    all zeros, or t - window + 1), so those queries are contiguous."""
+    nkb = -(-s_len // bk)
+    first_row = jnp.arange(nkb, dtype=jnp.int32) * bk
+    lo = jax.vmap(lambda w: jnp.searchsorted(w + wspan, first_row, side="right"))(wstart)
+    hi = jax.vmap(lambda w: jnp.searchsorted(w, first_row + bk - 1, side="right"))(wstart)
+    return lo.astype(jnp.int32), hi.astype(jnp.int32)
+
+
+def _dkv_by_key(qq, do, lse_p, delta_p, rows_kv, *, lists, window_args, scale, bk, bh, n_split, num_warps,
+                num_stages, interpret):
+    """dKV of a table of K = V rows without atomics: one program per (batch row, block of ``bk`` rows, head block,
+    split of the block's query list) holds the block's rows and its dKV tile, loops over the queries that read the
+    block (recomputing their probabilities from the saved log-sum-exp) and writes the tile once; the head blocks
+    and splits are summed afterwards. Window rows: ``lists`` = (lo, hi) query ranges per block
+    (``_window_query_ranges``) and ``window_args`` = (q_pos, wpos, wstart, floor, qseg, wseg, window, wspan), the
+    mask computed per query as in the forward. Selected rows: ``lists`` = ``_key_block_groups``' output and
+    ``window_args`` None, each group's pick counts weighting its probabilities. Returns [B, R, dp] float32."""
+    b, c, hp, dp = qq.shape
+    r_len = rows_kv.shape[1]
+    nkb = -(-r_len // bk)
+    if nkb * bk != r_len:
+        rows_kv = jnp.pad(rows_kv, ((0, 0), (0, nkb * bk - r_len), (0, 0)))
+    n_hb = hp // bh
+    prec = _prec(qq.dtype)
+    vdt = rows_kv.dtype
+    is_window = window_args is not None
+    if is_window:
+        q_pos, wpos, wstart, floor, qseg, wseg, window, wspan = window_args
+        lo, hi = lists
+        extra = (q_pos, jnp.pad(wpos, ((0, 0), (0, nkb * bk - r_len)), constant_values=-1), wstart, floor, qseg,
+                 jnp.pad(wseg, ((0, 0), (0, nkb * bk - r_len)), constant_values=-1))
+    else:
+        group_query, group_count, grange = lists
+        lo, hi = grange[:, :-1], grange[:, 1:]
+        extra = (group_query, group_count)
+
+    def kernel(q_ref, do_ref, lse_ref, dl_ref, kv_ref, lo_ref, hi_ref, *refs):
+        out_ref = refs[-1]
+        pid = pl.program_id(0)
+        hb = pl.program_id(1)
+        sp = pl.program_id(2)
+        bi = pid // nkb
+        kb = pid % nkb
+        h0 = hb * bh
+        r0 = kb * bk
+        kmat = kv_ref[bi, pl.ds(r0, bk), :]  # [bk, dp]
+        g_lo = lo_ref[bi, kb]
+        g_hi = hi_ref[bi, kb]
+        per = (g_hi - g_lo + n_split - 1) // n_split
+        a = g_lo + sp * per
+        e = jnp.minimum(a + per, g_hi)
+        slots = r0 + jnp.arange(bk)
+        if is_window:
+            qpos_ref, wpos_ref, wstart_ref, floor_ref, qseg_ref, wseg_ref = refs[:6]
+            kp = wpos_ref[bi, pl.ds(r0, bk)]
+            ksg = wseg_ref[bi, pl.ds(r0, bk)]
+            fl = floor_ref[bi]
+        else:
+            gq_ref, gc_ref = refs[:2]
+
+        def body(g, acc):
+            if is_window:
+                ci = g
+                ws = wstart_ref[bi, ci]
+                inb = (slots >= ws) & (slots < ws + wspan) & (slots < r_len)
+                valid = _window_valid(inb, kp, ksg, qpos_ref[bi, ci], qseg_ref[bi, ci], window, fl)
+                count = valid.astype(jnp.float32)
+            else:
+                ci = gq_ref[bi, g]
+                count = gc_ref[bi, g, :]
+                valid = count > 0
+            qv = q_ref[bi, ci, pl.ds(h0, bh), :]
+            dov = do_ref[bi, ci, pl.ds(h0, bh), :]
+            lse_v = lse_ref[bi, ci, pl.ds(h0, bh)]
+            dl = dl_ref[bi, ci, pl.ds(h0, bh)]
+            s = _dot_nt(qv, kmat, prec) * scale  # [bh, bk]
+            # unread rows may score far above the log-sum-exp: masked before the product, never inf · 0
+            p = jnp.where(valid[None, :], jnp.exp(jnp.where(valid[None, :], s, 0.0) - lse_v[:, None]), 0.0)
+            p = p * count[None, :]
+            ds = p * (_dot_nt(dov, kmat, prec) - dl[:, None])
+            return acc + _dot_tn(ds.astype(vdt), qv, prec) * scale + _dot_tn(p.astype(vdt), dov, prec)
+
+        acc = jax.lax.fori_loop(a, e, body, jnp.zeros((bk, dp), jnp.float32))
+        out_ref[bi, hb * n_split + sp, pl.ds(r0, bk), :] = acc
+
+    part = pl.pallas_call(
+        kernel, grid=(b * nkb, n_hb, n_split),
+        out_shape=jax.ShapeDtypeStruct((b, n_hb * n_split, nkb * bk, dp), jnp.float32),
+        compiler_params=_params(num_warps, num_stages), interpret=interpret,
+        name="csa2_sparse_attention_bwd_dkv_window" if is_window else "csa2_sparse_attention_bwd_dkv_selected",
+    )(qq, do, lse_p, delta_p, rows_kv, lo, hi, *extra)
+    return jnp.sum(part, axis=1)[:, :r_len]
+
+
+# Selected rows go by key block when the lists are at least this share of the entries wide (K >= N / 4): then a
+# key block's groups are mostly full. Sparser lists waste most of each group's tile: top-512 of a 4096-entry
+# ratio-1 sequence on the H200 took 33.5 ms fwd + bwd with both row kinds by key, 22.0 ms with both atomic
+# (benchmarks/RESULTS.md).
+BY_KEY_MIN_FILL = 0.25
+
+
 @functools.partial(jax.jit, static_argnames=("window", "scale", "wspan", "block_h", "block_k", "num_warps",
-                                             "num_stages", "rotate", "atomic", "interpret"))
+                                             "num_stages", "rotate", "dkv", "dkv_selected", "key_block",
+                                             "key_block_h", "key_splits", "key_warps", "key_stages", "interpret"))
 def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse, dout, qseg=None, wseg=None, *,
                   window: int, scale: float, wspan: int, block_h: int = 64, block_k: int = 32, num_warps: int = 8,
-                  num_stages: int = 1, rotate: bool = False, atomic: bool = True, interpret: bool = False):
-    """Gradients (dq, dwkv, dckv, dsink) of ``attention_fwd``'s output, fused.
+                  num_stages: int = 1, rotate: bool = False, dkv: str = "by_key", dkv_selected: str = "auto",
+                  key_block: int | None = None, key_block_h: int | None = None, key_splits: int | None = None,
+                  key_warps: int = 8, key_stages: int = 1, interpret: bool = False):
+    """Gradients (dq, dwkv, dckv, dsink) of ``attention_fwd``'s output.
 
-    ``rotate``: each program starts its window / selected-row loops at a block offset of its own (its query index
-    modulo the block count) instead of block 0, so programs running at the same time scatter-add into different
-    rows (neighbouring queries share most of their window and, in a causal prefix, most of their selected rows).
+    dQ: one program per (query, head block), dQ in registers, over the query's window / selected rows (BK =
+    ``block_k`` rows per step). ``rotate``: each program starts its loops at a block offset of its own.
 
-    ``atomic=True`` (the GPU path): each program scatter-adds its rows' dKV with fp32 atomics. ``atomic=False``
-    writes the per-(query, row) dKV blocks and sums them with an XLA scatter-add (used in interpret mode, whose
-    atomic emulation neither masks nor sums duplicate indices)."""
+    dKV (= dK + dV, K = V) of the window rows by ``dkv``, of the selected (compressed) rows by ``dkv_selected``
+    ("auto": ``"by_key"`` when the lists are at least ``BY_KEY_MIN_FILL`` of the entries wide, else ``"atomic"``):
+      * ``"by_key"``: key-centric, no atomics (``_dkv_by_key``): per block of ``key_block`` window slots, the
+        contiguous range of queries whose window spans it (``wstart`` non-decreasing); per block of compressed
+        entries, the queries that picked any of them, from an inverted index of the top-k lists
+        (``_key_block_groups``: one sort). Each row's dKV is summed in float32 in registers over those queries
+        and written once. Rows picked twice in one list count twice, like the reference's gather transpose.
+      * ``"atomic"``: the dQ programs scatter-add every (query, row) dKV with fp32 atomics (neighbouring queries
+        collide on the same rows).
+      * ``"slab"``: per-(query, row) dKV blocks written out and summed by an XLA scatter-add (interpret mode's
+        stand-in for ``"atomic"``, which it replaces there: its atomic emulation neither masks nor sums duplicate
+        indices)."""
     b, c, h, d = q.shape
     s_len = wkv.shape[1]
     if qseg is None:
@@ -262,6 +418,13 @@ def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse,
         ckv = jnp.zeros((b, 1, d), wkv.dtype)
         topk = jnp.full((b, c, 1), -1, jnp.int32)
     n, kk = ckv.shape[1], topk.shape[-1]
+    if dkv_selected == "auto":
+        dkv_selected = "by_key" if kk >= BY_KEY_MIN_FILL * n else "atomic"
+    for name, mode in (("dkv", dkv), ("dkv_selected", dkv_selected)):
+        if mode not in DKV_MODES:
+            raise ValueError(f"attention_bwd: {name} must be one of {DKV_MODES} (or 'auto' for dkv_selected), "
+                             f"got {mode!r}")
+    modes = ["slab" if interpret and m == "atomic" else m for m in (dkv, dkv_selected if has_cmp else "by_key")]
     bh = max(16, min(_pow2(block_h), _pow2(h)))
     hp = -(-h // bh) * bh
     dp = _pow2(d)
@@ -284,10 +447,18 @@ def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse,
     vdt = wkv.dtype
     topk = topk.astype(jnp.int32)
     wstart = wstart.astype(jnp.int32)
+    # the dQ kernel's extra outputs: (kind index, mode, shape) for the rows whose dKV it emits
+    shapes = {"atomic": ((b, s_len, dp), (b, n, dp)),
+              "slab": ((b * c, n_hb, n_w * bk, dp), (b * c, n_hb, max(n_c, 1) * bk, dp))}
+    emitted = [(i, m, shapes[m][i]) for i, m in enumerate(modes) if m != "by_key"]
 
     def kernel(q_ref, do_ref, lse_ref, dl_ref, qpos_ref, wkv_ref, wpos_ref, wstart_ref, floor_ref, ckv_ref,
                topk_ref, qseg_ref, wseg_ref, *refs):
-        dq_ref, dw_ref, dc_ref = refs[-3:]  # (atomic: the zero inputs aliased to dw / dc come first)
+        outs = refs[len(refs) - 1 - len(emitted):]  # (the zero inputs aliased to atomic outputs come first)
+        dq_ref = outs[0]
+        dst = [None, None]
+        for (i, _, _), ref in zip(emitted, outs[1:]):
+            dst[i] = ref
         r = pl.program_id(0)
         hb = pl.program_id(1)
         h0 = hb * bh
@@ -303,29 +474,32 @@ def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse,
         qs = qseg_ref[bi, ci]
         cols = jnp.arange(dp)[None, :]
 
-        def grads(dq, kmat, valid):
+        def grads(dq, kmat, valid, kind):
             s = _dot_nt(qv, kmat, prec) * scale
             p = jnp.where(valid[None, :], jnp.exp(s - lse_v[:, None]), 0.0)  # [bh, bk]
             dpm = _dot_nt(dov, kmat, prec)
             ds = p * (dpm - dl[:, None])
             dq = dq + _dot_nn(ds.astype(vdt), kmat, prec) * scale
+            if modes[kind] == "by_key":
+                return dq, None
             dkv = _dot_tn(ds.astype(vdt), qv, prec) * scale + _dot_tn(p.astype(vdt), dov, prec)  # [bk, dp]
             return dq, dkv
 
-        def emit(dst_ref, rows, i, dkv, valid):
-            if atomic:
-                pltr.atomic_add(dst_ref, (bi, rows[:, None], cols), dkv,
+        def emit(kind, rows, i, dkv, valid):
+            if modes[kind] == "atomic":
+                pltr.atomic_add(dst[kind], (bi, rows[:, None], cols), dkv,
                                 mask=jnp.broadcast_to(valid[:, None], dkv.shape))
-            else:  # per-(query, head block) slab, summed outside
-                dst_ref[r, hb, pl.ds(i * bk, bk), :] = jnp.where(valid[:, None], dkv, 0.0)
+            elif modes[kind] == "slab":  # per-(query, head block) slab, summed outside
+                dst[kind][r, hb, pl.ds(i * bk, bk), :] = jnp.where(valid[:, None], dkv, 0.0)
 
         def win_body(i, dq):
             if rotate:
                 i = (i + ci) % n_w
-            jj, valid = _window_rows(wpos_ref, wseg_ref, bi, ws + i * bk + jnp.arange(bk), s_len, qp, qs, window, fl)
+            jj, valid = _window_rows(wpos_ref, wseg_ref, bi, ws + i * bk + jnp.arange(bk), s_len, qp, qs, window, fl,
+                                     ws + wspan)
             kmat = pltr.load(wkv_ref.at[bi, jj[:, None], cols], mask=valid[:, None], other=0)
-            dq, dkv = grads(dq, kmat, valid)
-            emit(dw_ref, jj, i, dkv, valid)
+            dq, dkv = grads(dq, kmat, valid, 0)
+            emit(0, jj, i, dkv, valid)
             return dq
 
         def cmp_body(i, dq):
@@ -336,8 +510,8 @@ def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse,
             valid = idx >= 0
             safe = jnp.clip(idx, 0, n - 1)
             kmat = pltr.load(ckv_ref.at[bi, safe[:, None], cols], mask=valid[:, None], other=0)
-            dq, dkv = grads(dq, kmat, valid)
-            emit(dc_ref, safe, i, dkv, valid)
+            dq, dkv = grads(dq, kmat, valid, 1)
+            emit(1, safe, i, dkv, valid)
             return dq
 
         dq = jnp.zeros((bh, dp), jnp.float32)
@@ -346,31 +520,60 @@ def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse,
             dq = jax.lax.fori_loop(0, n_c, cmp_body, dq)
         dq_ref[bi, ci, pl.ds(h0, bh), :] = dq
 
-    if atomic:
-        shapes = ((b, s_len, dp), (b, n, dp))
-    else:
-        shapes = ((b * c, n_hb, n_w * bk, dp), (b * c, n_hb, max(n_c, 1) * bk, dp))
     args = (qq, do, lse_p, delta_p, q_pos.astype(jnp.int32), wkv_p, wpos.astype(jnp.int32), wstart,
             floor.astype(jnp.int32), ckv_p, topk, qseg.astype(jnp.int32), wseg.astype(jnp.int32))
     aliases = {}
-    if atomic:  # the atomics accumulate into zero-initialised buffers aliased to the outputs
-        args = args + (jnp.zeros(shapes[0], jnp.float32), jnp.zeros(shapes[1], jnp.float32))
-        aliases = {len(args) - 2: 1, len(args) - 1: 2}
-    dq, dw, dc = pl.pallas_call(
-        kernel, grid=(b * c, n_hb),
-        out_shape=(jax.ShapeDtypeStruct((b, c, hp, dp), jnp.float32),
-                   jax.ShapeDtypeStruct(shapes[0], jnp.float32), jax.ShapeDtypeStruct(shapes[1], jnp.float32)),
+    for j, (_, m, shape) in enumerate(emitted):
+        if m == "atomic":  # the atomics accumulate into zero-initialised buffers aliased to the outputs
+            aliases[len(args)] = 1 + j
+            args = args + (jnp.zeros(shape, jnp.float32),)
+    out_shape = (jax.ShapeDtypeStruct((b, c, hp, dp), jnp.float32),) + tuple(
+        jax.ShapeDtypeStruct(shape, jnp.float32) for _, _, shape in emitted)
+    res = pl.pallas_call(
+        kernel, grid=(b * c, n_hb), out_shape=out_shape,
         input_output_aliases=aliases, compiler_params=_params(num_warps, num_stages), interpret=interpret,
-        name="csa2_sparse_attention_bwd",
+        name="csa2_sparse_attention_bwd" if emitted else "csa2_sparse_attention_bwd_dq",
     )(*args)
-    if not atomic:
-        bidx = jnp.repeat(jnp.arange(b), c)[:, None]
-        wrows = jnp.clip(wstart.reshape(b * c, 1) + jnp.arange(n_w * bk)[None, :], 0, s_len - 1)
-        dw = jnp.zeros((b, s_len, dp), jnp.float32).at[bidx, wrows].add(jnp.sum(dw, axis=1))
-        t = jnp.arange(max(n_c, 1) * bk)
-        crows = jnp.where(t[None, :] < kk, topk.reshape(b * c, kk)[:, jnp.minimum(t, kk - 1)], -1)
-        dc = jnp.zeros((b, n, dp), jnp.float32).at[bidx, jnp.clip(crows, 0, n - 1)].add(
-            jnp.where((crows >= 0)[..., None], jnp.sum(dc, axis=1), 0.0))
+    dq = res[0]
+    grads_kv = [None, None]
+    bidx = jnp.repeat(jnp.arange(b), c)[:, None]
+    for (i, m, _), g in zip(emitted, res[1:]):
+        if m == "atomic":
+            grads_kv[i] = g
+        elif i == 0:
+            wrows = jnp.clip(wstart.reshape(b * c, 1) + jnp.arange(n_w * bk)[None, :], 0, s_len - 1)
+            grads_kv[0] = jnp.zeros((b, s_len, dp), jnp.float32).at[bidx, wrows].add(jnp.sum(g, axis=1))
+        else:
+            t = jnp.arange(max(n_c, 1) * bk)
+            crows = jnp.where(t[None, :] < kk, topk.reshape(b * c, kk)[:, jnp.minimum(t, kk - 1)], -1)
+            grads_kv[1] = jnp.zeros((b, n, dp), jnp.float32).at[bidx, jnp.clip(crows, 0, n - 1)].add(
+                jnp.where((crows >= 0)[..., None], jnp.sum(g, axis=1), 0.0))
+    if "by_key" in modes:
+        wide = jnp.dtype(q.dtype).itemsize >= 4
+        kbk = max(16, _pow2(key_block or (16 if wide else 32)))
+        kbh = max(16, min(_pow2(key_block_h or (16 if wide else 32)), hp))
+        while hp % kbh:
+            kbh //= 2
+        k_hb = hp // kbh
+
+        def splits(rows):  # enough programs for a few waves of a 132-SM GPU, at most 8 partial tiles per row
+            if key_splits:
+                return key_splits
+            progs = b * (-(-rows // kbk)) * k_hb
+            return int(max(1, min(8, -(-528 // progs))))
+
+        common = dict(scale=scale, bk=kbk, bh=kbh, num_warps=key_warps, num_stages=key_stages, interpret=interpret)
+        if modes[0] == "by_key":
+            grads_kv[0] = _dkv_by_key(qq, do, lse_p, delta_p, wkv_p,
+                                      lists=_window_query_ranges(wstart, wspan, s_len, kbk),
+                                      window_args=(q_pos.astype(jnp.int32), wpos.astype(jnp.int32), wstart,
+                                                   floor.astype(jnp.int32), qseg.astype(jnp.int32),
+                                                   wseg.astype(jnp.int32), window, wspan),
+                                      n_split=splits(s_len), **common)
+        if modes[1] == "by_key" and has_cmp:
+            grads_kv[1] = _dkv_by_key(qq, do, lse_p, delta_p, ckv_p, lists=_key_block_groups(topk, n, kbk),
+                                      window_args=None, n_split=splits(n), **common)
+    dw, dc = grads_kv
     dq = dq[:, :, :h, :d].astype(q.dtype)
     dw = dw[..., :d].astype(wkv.dtype)
     dc = None if ckv_in is None else (dc[..., :d].astype(ckv_in.dtype) if has_cmp else jnp.zeros_like(ckv_in))
