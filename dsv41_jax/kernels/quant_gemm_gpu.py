@@ -15,6 +15,10 @@
     are options of this form too; both measured far slower on an H200.)
   Rows past M and K past the end are masked in the kernel (no padded copy of x); without a K split the kernel
   writes the [M, N] output in x.dtype, with one the float32 partial sums are added by one small XLA reduction.
+* ``fp8_gemm_fused``: several ``fp8_gemm`` weights of one input in one launch (the attention's wq_a + wkv, the
+  shared expert's w1 + w3): the grid's column blocks run over the projections one after another, each program runs
+  ``fp8_gemm``'s program on the projection that owns its column block — a weight stream several times longer than
+  one projection's, for the same per-launch fixed cost. ``fp8_gemm`` is its one-weight case.
 * ``fp4_grouped_gemm``: rows sorted by expert (``group_sizes``), ``w [E, N, K/2]`` two e2m1 codes per byte
   (element 2j in the low nibble, 2j+1 in the high one, as ``checkpoint.quantized``) and one e8m0 scale per 32 along
   K. Grid (row tile, column block): each row tile belongs to one expert (tile metadata from XLA: expert, first row,
