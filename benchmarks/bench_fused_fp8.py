@@ -2,7 +2,7 @@
 projections as separate FP8 kernels vs XLA's dequantise-then-GEMM, at the release's projection sizes and decode
 token counts; optionally a decode step with release-precision weights vs bf16 weights. One process on the GPU:
 
-    PYTHONUNBUFFERED=1 python benchmarks/bench_fused_fp8.py --out DIR [--decode 12L] [--budget-s 150]
+    PYTHONUNBUFFERED=1 python benchmarks/bench_fused_fp8.py --out DIR [--decode 12L] [--budget-s 150] [--skip-gemm]
     python benchmarks/bench_fused_fp8.py --smoke          # CPU: tiny sizes, interpret mode, no timing
 
 Groups (each projection FP8 e4m3, 32 x 32 blocks, e8m0 scales; K = 5120 = d): the attention's wq_a (1280) + wkv
@@ -226,6 +226,7 @@ def main():
     ap.add_argument("--batches", default="1")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--budget-s", type=float, default=150.0, help="no decode part once the GEMM part took this long")
+    ap.add_argument("--skip-gemm", action="store_true", help="only the decode comparison (and the ceilings)")
     args = ap.parse_args()
     OUT["meta"] = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), jax=jax.__version__,
                        devices=[d.device_kind for d in jax.devices()],
@@ -245,7 +246,7 @@ def main():
     save()
     log("| group | M | variant | dev µs | wall µs | % of 4.8 TB/s | % of copy BW | % of read-only BW | rel err |\n"
         "|---|---:|---|---:|---:|---:|---:|---:|---:|")
-    for m in MS:
+    for m in () if args.skip_gemm else MS:
         for name, ns in GROUPS.items():
             gemm_group(name, ns, m)
             save()
