@@ -96,10 +96,10 @@ def test_gpu_kernel_tilings_are_exact_on_the_contiguous_paths():
 def test_fused_fp8_kernel_equals_the_float32_reference_and_the_separate_kernels():
     """Several projections of one input in one launch (``fp8_linear_fused``): each output equals float64 on the
     dequantised weights (float32 in: accumulation-order noise; bf16 in: one bf16 rounding), and equals the separate
-    kernel with the same tiling bit for bit — partial column blocks at a projection's end (N = 80, 40), masked K,
-    rows past M, K splits, and the M = 1 gemv form."""
+    kernel with the same tiling bit for bit (checked on the projection placed after the first) — partial column
+    blocks at a projection's end (N = 80, 40), masked K, rows past M, K splits, and the M = 1 gemv form."""
     rng = np.random.default_rng(7)
-    ws = [_weights(rng, (n, 100), N.FP8_BLOCK) for n in (80, 32, 64)]
+    ws = [_weights(rng, (n, 100), N.FP8_BLOCK) for n in (80, 32)]
     x = jnp.asarray(rng.standard_normal((3, 100)), jnp.float32)
     xf = np.asarray(x, np.float64)
     for tuning in (None, dict(block_n=16, block_k=64, split_k=2)):
@@ -108,7 +108,7 @@ def test_fused_fp8_kernel_equals_the_float32_reference_and_the_separate_kernels(
             want = xf @ np.asarray(w.dequantize(), np.float64).T
             assert y.dtype == jnp.float32 and y.shape == want.shape
             np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(tuning))
-            if tuning:
+            if tuning and w is ws[-1]:  # the projection whose column blocks start past the first's
                 np.testing.assert_array_equal(y, QG.fp8_linear(x, w, backend="pallas_gpu_interpret", tuning=tuning))
     ws = [_weights(rng, (n, 256), N.FP8_BLOCK) for n in (64, 40)]
     xb = Q.fake_quant_gemm_input_fp8(jnp.asarray(rng.standard_normal((1, 256)), jnp.float32), 32).astype(jnp.bfloat16)
@@ -118,7 +118,8 @@ def test_fused_fp8_kernel_equals_the_float32_reference_and_the_separate_kernels(
         want = np.asarray(xb, np.float64) @ np.asarray(w.dequantize(), np.float64).T
         assert y.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=2 ** -8, atol=1e-6 * np.abs(want).max())
-        np.testing.assert_array_equal(y, QG.fp8_linear(xb, w, backend="pallas_gpu_interpret", tuning=tuning))
+        if w is ws[-1]:
+            np.testing.assert_array_equal(y, QG.fp8_linear(xb, w, backend="pallas_gpu_interpret", tuning=tuning))
 
 
 def test_linear_many_fuses_marked_fp8_weights_and_falls_back_otherwise():
@@ -157,6 +158,13 @@ def test_fused_fp8_refuses_unsupported_operands_clearly():
 
     with pytest.raises(ValueError, match="input's K = 64"):
         G.fp8_gemm_fused(x, ((a.values, a.scales), (b.values, b.scales)), interpret=True)
+    # empty GEMMs are defined (zeros of the right shapes), not a crash inside the tiling
+    e = type(a)(jnp.zeros((0, 64), jnp.uint8), jnp.zeros((0, 2), jnp.uint8), N.FP8_BLOCK, (0, 64), (32, 32))
+    ys = QG.fp8_linear_fused(jnp.ones((0, 64), jnp.float32), [a, a], backend="pallas_gpu_interpret")
+    assert [y.shape for y in ys] == [(0, 32), (0, 32)]
+    ys = QG.fp8_linear_fused(x, [a, e], backend="pallas_gpu_interpret")
+    assert [y.shape for y in ys] == [(2, 32), (2, 0)]
+    np.testing.assert_allclose(ys[0], QG.fp8_linear(x, a, backend="reference"), rtol=1e-5, atol=1e-6)
 
 
 def test_gpu_kernels_refuse_operands_the_lowering_would_address_wrong():

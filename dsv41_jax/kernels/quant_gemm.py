@@ -192,5 +192,5 @@ def fp4_grouped(x: jax.Array, group_sizes: jax.Array, w, *, backend: str = "auto
     return T.fp4_grouped_gemm(x, gs, w.values, w.scales, interpret=be.endswith("interpret"), **(tuning or {}))
 
 
-__all__ = ["BACKENDS", "resolve_backend", "fp8_linear", "fp8_linear_fused", "fp4_grouped", "takes_fp8", "takes_fp4_grouped",
-           "QuantGemmError"]
+__all__ = ["BACKENDS", "resolve_backend", "fp8_linear", "fp8_linear_fused", "fp4_grouped", "takes_fp8",
+           "takes_fp4_grouped", "QuantGemmError"]

@@ -168,6 +168,15 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
             raise ValueError(f"fp8_gemm_fused: weight {p} must be uint8 values [N, K] and uint8 scales {want_s}, "
                              f"got {v.dtype} {tuple(v.shape)} / {s.dtype} {tuple(s.shape)}")
         ns_.append(int(v.shape[0]))
+    if m == 0 or k == 0 or 0 in ns_:  # empty GEMMs (no rows, an empty contraction or an empty projection): zeros
+        if m and k and any(ns_):
+            live = [p for p, n in enumerate(ns_) if n]
+            ys = fp8_gemm_fused(x, tuple(weights[p] for p in live), block_m=block_m, block_n=block_n,
+                                block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages,
+                                prefetch=prefetch, gemv=gemv, scale_side=scale_side, name=name, interpret=interpret)
+            got = dict(zip(live, ys))
+            return tuple(got.get(p, jnp.zeros((m, 0), x.dtype)) for p in range(len(ns_)))
+        return tuple(jnp.zeros((m, n), x.dtype) for n in ns_)
     if num_warps is None and len(weights) > 1 and (m == 1 if gemv is None else gemv):
         # measured on an H200 (benchmarks/RESULTS.md, 2026-12-02, one run): the fused gemv form with 8 warps took
         # 5.27 / 10.86 µs for wq_a + wkv / w1 + w3 against 5.83 / 11.44 with fp8_gemm's 4

@@ -280,5 +280,5 @@ def select_expert(w, e):
     return w[e]
 
 
-__all__ = ["linear", "linear_many", "narrow_matmul_f32", "LoraWeight", "lora_linear", "head_logits", "matmul_precision", "Fp8GemmInput", "is_plain_weight",
-           "weight_array", "gemm_input", "gemm_operands", "select_expert", "quantized_gemm_backend"]
+__all__ = ["linear", "linear_many", "narrow_matmul_f32", "LoraWeight", "lora_linear", "head_logits", "matmul_precision",
+           "Fp8GemmInput", "is_plain_weight", "weight_array", "gemm_input", "gemm_operands", "select_expert", "quantized_gemm_backend"]
