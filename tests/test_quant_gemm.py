@@ -93,6 +93,80 @@ def test_gpu_kernel_tilings_are_exact_on_the_contiguous_paths():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(tuning))
 
 
+def test_fused_fp8_kernel_equals_the_float32_reference_and_the_separate_kernels():
+    """Several projections of one input in one launch (``fp8_linear_fused``): each output equals float64 on the
+    dequantised weights (float32 in: accumulation-order noise; bf16 in: one bf16 rounding), and equals the separate
+    kernel with the same tiling bit for bit (checked on the projection placed after the first) — partial column
+    blocks at a projection's end (N = 80, 40), masked K, rows past M, K splits, and the M = 1 gemv form."""
+    rng = np.random.default_rng(7)
+    ws = [_weights(rng, (n, 100), N.FP8_BLOCK) for n in (80, 32)]
+    x = jnp.asarray(rng.standard_normal((3, 100)), jnp.float32)
+    xf = np.asarray(x, np.float64)
+    for tuning in (None, dict(block_n=16, block_k=64, split_k=2)):
+        got = QG.fp8_linear_fused(x, ws, backend="pallas_gpu_interpret", tuning=tuning)
+        for y, w in zip(got, ws):
+            want = xf @ np.asarray(w.dequantize(), np.float64).T
+            assert y.dtype == jnp.float32 and y.shape == want.shape
+            np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(tuning))
+            if tuning and w is ws[-1]:  # the projection whose column blocks start past the first's
+                np.testing.assert_array_equal(y, QG.fp8_linear(x, w, backend="pallas_gpu_interpret", tuning=tuning))
+    ws = [_weights(rng, (n, 256), N.FP8_BLOCK) for n in (64, 40)]
+    xb = Q.fake_quant_gemm_input_fp8(jnp.asarray(rng.standard_normal((1, 256)), jnp.float32), 32).astype(jnp.bfloat16)
+    tuning = dict(block_n=8, block_k=64, prefetch=2)  # gemv: 4 unrolled K steps, 2 loaded ahead
+    got = QG.fp8_linear_fused(xb, ws, backend="pallas_gpu_interpret", tuning=tuning)
+    for y, w in zip(got, ws):
+        want = np.asarray(xb, np.float64) @ np.asarray(w.dequantize(), np.float64).T
+        assert y.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=2 ** -8, atol=1e-6 * np.abs(want).max())
+        if w is ws[-1]:
+            np.testing.assert_array_equal(y, QG.fp8_linear(xb, w, backend="pallas_gpu_interpret", tuning=tuning))
+
+
+def test_linear_many_fuses_marked_fp8_weights_and_falls_back_otherwise():
+    """``ops.linear.linear_many``: marked release FP8 weights on a kernel backend -> one fused launch; a mix of
+    forms (a float weight among them) -> ``linear`` per weight; both equal the per-weight ``linear``."""
+    from dsv41_jax.ops.linear import linear_many
+
+    rng = np.random.default_rng(8)
+    a, b = (_weights(rng, (n, 64), N.FP8_BLOCK) for n in (64, 32))
+    x = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.float32)
+    marked = (Fp8GemmInput(a, "pallas_gpu_interpret"), Fp8GemmInput(b, "pallas_gpu_interpret"))
+    fused = jax.make_jaxpr(lambda x: linear_many(x, marked))(x)
+    assert str(fused).count("pallas_call") == 1
+    for got, w in zip(linear_many(x, marked), marked):
+        ref = linear(x, Fp8GemmInput(w.weight))  # the reference: input rounded to FP8, dequantise, GEMM
+        assert got.shape == (2, 3, w.shape[0])
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(ref))))
+    mixed = (marked[0], jnp.asarray(rng.standard_normal((16, 64)), jnp.float32))
+    for got, w in zip(linear_many(x, mixed), mixed):
+        np.testing.assert_array_equal(got, linear(x, w))
+
+
+def test_fused_fp8_refuses_unsupported_operands_clearly():
+    rng = np.random.default_rng(9)
+    a, b = _weights(rng, (32, 64), N.FP8_BLOCK), _weights(rng, (32, 96), N.FP8_BLOCK)
+    x = jnp.ones((2, 64), jnp.float32)
+    with pytest.raises(QG.QuantGemmError, match="must share K"):
+        QG.fp8_linear_fused(x, [a, b], backend="pallas_gpu_interpret")
+    with pytest.raises(QG.QuantGemmError, match="no weights"):
+        QG.fp8_linear_fused(x, [], backend="pallas_gpu_interpret")
+    with pytest.raises(QG.QuantGemmError, match="weight 1: fp8_linear takes an FP8 block-scaled"):
+        QG.fp8_linear_fused(x, [a, _weights(rng, (2, 32, 64), N.FP4_ROWS)])
+    with pytest.raises(QG.QuantGemmError, match="the weight takes K = 64"):
+        QG.fp8_linear_fused(jnp.ones((2, 48), jnp.float32), [a, a])
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    with pytest.raises(ValueError, match="input's K = 64"):
+        G.fp8_gemm_fused(x, ((a.values, a.scales), (b.values, b.scales)), interpret=True)
+    # empty GEMMs are defined (zeros of the right shapes), not a crash inside the tiling
+    e = type(a)(jnp.zeros((0, 64), jnp.uint8), jnp.zeros((0, 2), jnp.uint8), N.FP8_BLOCK, (0, 64), (32, 32))
+    ys = QG.fp8_linear_fused(jnp.ones((0, 64), jnp.float32), [a, a], backend="pallas_gpu_interpret")
+    assert [y.shape for y in ys] == [(0, 32), (0, 32)]
+    ys = QG.fp8_linear_fused(x, [a, e], backend="pallas_gpu_interpret")
+    assert [y.shape for y in ys] == [(2, 32), (2, 0)]
+    np.testing.assert_allclose(ys[0], QG.fp8_linear(x, a, backend="reference"), rtol=1e-5, atol=1e-6)
+
+
 def test_gpu_kernels_refuse_operands_the_lowering_would_address_wrong():
     """2-4 GiB operands get 32-bit signed offsets in the Triton lowering (wrong past 2 GiB): a clear error at trace
     time (abstract shapes, nothing allocated), not a silently wrong GEMM."""
@@ -176,6 +250,11 @@ def test_gpu_kernels_lower_to_triton_without_a_gpu():
     sds, bf, u8 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.uint8
     cases = [(G.fp8_gemm, (sds((1, 5120), bf), sds((2304, 5120), u8), sds((72, 160), u8))),
              (G.fp8_gemm, (sds((3, 1000), jnp.float32), sds((300, 1000), u8), sds((10, 32), u8))),
+             # the attention's wq_a + wkv of the release in one launch: M = 1 (gemv form) and M = 8 (dot form)
+             (G.fp8_gemm_fused, (sds((1, 5120), bf), ((sds((1280, 5120), u8), sds((40, 160), u8)),
+                                                      (sds((512, 5120), u8), sds((16, 160), u8))))),
+             (G.fp8_gemm_fused, (sds((8, 5120), bf), ((sds((1280, 5120), u8), sds((40, 160), u8)),
+                                                      (sds((512, 5120), u8), sds((16, 160), u8))))),
              (G.fp4_grouped_gemm, (sds((48, 5120), bf), sds((384,), jnp.int32), sds((384, 2304, 2560), u8),
                                    sds((384, 2304, 160), u8))),
              (G.fp4_grouped_gemm, (sds((13, 96), jnp.float32), sds((5,), jnp.int32), sds((5, 40, 48), u8),

@@ -11,6 +11,7 @@ Backends (the attention kernels' convention, :mod:`dsv41_jax.kernels`)
 Operations
   ``fp8_linear(x, w)``: ``x [..., K] · wᵀ`` for an FP8 32 x 32 block-scaled ``QuantizedTensor`` w [N, K] -> [..., N]
   in x.dtype (float32 accumulation).
+  ``fp8_linear_fused(x, (w_0, w_1, ...))``: several such projections of one input, one kernel launch on GPUs.
   ``fp4_grouped(x, group_sizes, w)``: rows of x [A, K] sorted by expert, ``group_sizes`` [E] int, stacked FP4
   experts w [E, N, K] -> [A, N] in x.dtype; rows past ``sum(group_sizes)`` are 0.
 
@@ -130,6 +131,40 @@ def fp8_linear(x: jax.Array, w, *, backend: str = "auto", tuning: dict | None = 
     return y.reshape(lead + (w.shape[0],))
 
 
+def fp8_linear_fused(x: jax.Array, ws, *, backend: str = "auto", tuning: dict | None = None) -> tuple:
+    """Several FP8 projections of ONE input: x [..., K] and FP8 32 x 32 block-scaled QuantizedTensors
+    (w_0 [N_0, K], w_1 [N_1, K], ...) -> (x · w_0ᵀ [..., N_0], ...) in x.dtype, each as ``fp8_linear`` computes it.
+
+    On ``pallas_gpu`` one kernel launch streams all the weights (``quant_gemm_gpu.fp8_gemm_fused``: at decode a
+    single projection is too short a stream to approach HBM bandwidth); ``reference`` dequantises each weight and
+    runs one GEMM each; ``pallas_tpu`` has no fused kernel yet and runs its FP8 kernel once per weight."""
+    ws = tuple(ws)
+    if not ws:
+        raise QuantGemmError("fp8_linear_fused: no weights given")
+    for i, w in enumerate(ws):
+        try:
+            _check_fp8(w)
+        except QuantGemmError as e:
+            raise QuantGemmError(f"fp8_linear_fused weight {i}: {e}") from None
+    k = ws[0].shape[1]
+    other = [(i, w.shape) for i, w in enumerate(ws) if w.shape[1] != k]
+    if other:
+        raise QuantGemmError(f"fp8_linear_fused: the weights must share K (one input); weight 0 takes K = {k}, "
+                             f"weights {[i for i, _ in other]} have shapes {[s for _, s in other]}")
+    _check_x(x, k, "fp8_linear_fused")
+    be = resolve_backend(backend)
+    if not be.startswith("pallas_gpu"):
+        return tuple(fp8_linear(x, w, backend=be, tuning=tuning) for w in ws)
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    _check_gpu_addressing("fp8_linear_fused", x2, *(w.values for w in ws))
+    ys = G.fp8_gemm_fused(x2, tuple((w.values, w.scales) for w in ws), interpret=be.endswith("interpret"),
+                          **(tuning or {}))
+    return tuple(y.reshape(lead + (w.shape[0],)) for y, w in zip(ys, ws))
+
+
 def fp4_grouped(x: jax.Array, group_sizes: jax.Array, w, *, backend: str = "auto",
                 tuning: dict | None = None) -> jax.Array:
     """Grouped GEMM over stacked FP4 experts: x [A, K] sorted by expert, group_sizes [E] -> [A, N] (x.dtype)."""
@@ -157,5 +192,5 @@ def fp4_grouped(x: jax.Array, group_sizes: jax.Array, w, *, backend: str = "auto
     return T.fp4_grouped_gemm(x, gs, w.values, w.scales, interpret=be.endswith("interpret"), **(tuning or {}))
 
 
-__all__ = ["BACKENDS", "resolve_backend", "fp8_linear", "fp4_grouped", "takes_fp8", "takes_fp4_grouped",
-           "QuantGemmError"]
+__all__ = ["BACKENDS", "resolve_backend", "fp8_linear", "fp8_linear_fused", "fp4_grouped", "takes_fp8",
+           "takes_fp4_grouped", "QuantGemmError"]

@@ -15,6 +15,10 @@
     are options of this form too; both measured far slower on an H200.)
   Rows past M and K past the end are masked in the kernel (no padded copy of x); without a K split the kernel
   writes the [M, N] output in x.dtype, with one the float32 partial sums are added by one small XLA reduction.
+* ``fp8_gemm_fused``: several ``fp8_gemm`` weights of one input in one launch (the attention's wq_a + wkv, the
+  shared expert's w1 + w3): the grid's column blocks run over the projections one after another, each program runs
+  ``fp8_gemm``'s program on the projection that owns its column block — a weight stream several times longer than
+  one projection's, for the same per-launch fixed cost. ``fp8_gemm`` is its one-weight case.
 * ``fp4_grouped_gemm``: rows sorted by expert (``group_sizes``), ``w [E, N, K/2]`` two e2m1 codes per byte
   (element 2j in the low nibble, 2j+1 in the high one, as ``checkpoint.quantized``) and one e8m0 scale per 32 along
   K. Grid (row tile, column block): each row tile belongs to one expert (tile metadata from XLA: expert, first row,
@@ -34,7 +38,9 @@ number) — every scale a quantiser writes for real weights is far inside both.
 Addressing: the Triton lowering uses 32-bit signed element offsets for arrays of at most 4 GiB, so an operand of
 2-4 GiB is addressed wrong past 2 GiB; ``quant_gemm`` refuses such operands (see ``_check_gpu_addressing``).
 
-Measured on an H200 (benchmarks/RESULTS.md): correct; at M = 1 the gemv form reaches 37 % of the 4.8 TB/s
+Fused (``fp8_gemm_fused``) on an H200 (benchmarks/RESULTS.md, 2026-12-02): at M = 1 wq_a + wkv in 5.3-5.8 µs
+(33-36 % of 4.8 TB/s; 1.65x the two separate kernels), w1 + w3 in 10.9-11.4 µs (43-45 %; 1.16x); M = 8 / 64
+1.06-1.44x the separate kernels at 11-22 %. Single kernels: at M = 1 the gemv form reaches 37 % of the 4.8 TB/s
 datasheet bandwidth on 2304 x 5120 (1.8x the tensor-core form; an XLA read-only kernel over the same 11.8 MB reaches
 48 %), M > 1 and the FP4 grouped kernel stay at 12-31 %: far from the >= 70 % goal.
 """
@@ -118,17 +124,64 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
                 num_stages=num_stages or 3, prefetch=pf, gemv=gemv, scale_side=scale_side)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages",
-                                             "prefetch", "gemv", "scale_side", "name", "interpret"))
+_TILING_ARGS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "prefetch", "gemv",
+                "scale_side")
+
+
+@functools.partial(jax.jit, static_argnames=_TILING_ARGS + ("name", "interpret"))
 def fp8_gemm(x, values, scales, *, block_m: int | None = None, block_n: int | None = None,
              block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
              num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
              scale_side: str | None = None, name: str = "fp8_block_gemm", interpret: bool = False):
     """x [M, K] (bf16 / f32), values uint8 e4m3 bytes [N, K], scales uint8 [ceil(N/32), ceil(K/32)] -> [M, N]
     x.dtype. Tiling: ``fp8_default_tiling``."""
+    return fp8_gemm_fused(x, ((values, scales),), block_m=block_m, block_n=block_n, block_k=block_k,
+                          split_k=split_k, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, gemv=gemv,
+                          scale_side=scale_side, name=name, interpret=interpret)[0]
+
+
+@functools.partial(jax.jit, static_argnames=_TILING_ARGS + ("name", "interpret"))
+def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | None = None,
+                   block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
+                   num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
+                   scale_side: str | None = None, name: str = "fp8_block_gemm_fused", interpret: bool = False):
+    """Several FP8 GEMMs of ONE input in one launch: x [M, K] and weights ((values [N_p, K], scales
+    [ceil(N_p/32), ceil(K/32)]), ...) -> (x · w_pᵀ [M, N_p] in x.dtype, ...).
+
+    Why: at decode a single projection's weights (6-12 MB) are streamed in a few µs, of which the launch's fixed
+    cost (ramp-up, tail) is about half (benchmarks/RESULTS.md); the projections of a layer that read the same input
+    (the attention's wq_a and wkv, the shared expert's w1 and w3) are one weight stream here. The grid's column
+    blocks are the projections' column blocks one after another; a program finds its projection from its column
+    block index (a static chain of ``pl.when``) and runs the same program as ``fp8_gemm`` on that weight, so each
+    output is exact as ``fp8_gemm``'s. Tiling (``fp8_default_tiling``) is chosen for the total N and shared by all
+    projections; a projection whose N the column block does not divide is masked at its end."""
+    if not weights:
+        raise ValueError("fp8_gemm_fused: no weights given")
     m, k = x.shape
-    n = values.shape[0]
-    t = fp8_default_tiling(m, n, k, block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
+    ns_ = []
+    for p, (v, s) in enumerate(weights):
+        if v.ndim != 2 or v.shape[1] != k:
+            raise ValueError(f"fp8_gemm_fused: weight {p} has values {tuple(v.shape)}; every weight must be [N, K] "
+                             f"with the input's K = {k}")
+        want_s = (-(-v.shape[0] // SCALE_BLOCK), -(-k // SCALE_BLOCK))
+        if v.dtype != jnp.uint8 or s.dtype != jnp.uint8 or tuple(s.shape) != want_s:
+            raise ValueError(f"fp8_gemm_fused: weight {p} must be uint8 values [N, K] and uint8 scales {want_s}, "
+                             f"got {v.dtype} {tuple(v.shape)} / {s.dtype} {tuple(s.shape)}")
+        ns_.append(int(v.shape[0]))
+    if m == 0 or k == 0 or 0 in ns_:  # empty GEMMs (no rows, an empty contraction or an empty projection): zeros
+        if m and k and any(ns_):
+            live = [p for p, n in enumerate(ns_) if n]
+            ys = fp8_gemm_fused(x, tuple(weights[p] for p in live), block_m=block_m, block_n=block_n,
+                                block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages,
+                                prefetch=prefetch, gemv=gemv, scale_side=scale_side, name=name, interpret=interpret)
+            got = dict(zip(live, ys))
+            return tuple(got.get(p, jnp.zeros((m, 0), x.dtype)) for p in range(len(ns_)))
+        return tuple(jnp.zeros((m, n), x.dtype) for n in ns_)
+    if num_warps is None and len(weights) > 1 and (m == 1 if gemv is None else gemv):
+        # measured on an H200 (benchmarks/RESULTS.md, 2026-12-02, one run): the fused gemv form with 8 warps took
+        # 5.27 / 10.86 µs for wq_a + wkv / w1 + w3 against 5.83 / 11.44 with fp8_gemm's 4
+        num_warps = 8
+    t = fp8_default_tiling(m, sum(ns_), k, block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
                            num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, gemv=gemv,
                            scale_side=scale_side)
     bm, bn, bk, split_k, pf, gemv = (t[a] for a in ("block_m", "block_n", "block_k", "split_k", "prefetch", "gemv"))
@@ -140,18 +193,23 @@ def fp8_gemm(x, values, scales, *, block_m: int | None = None, block_n: int | No
         raise ValueError(f"scale_side must be 'x' or 'w', got {t['scale_side']!r}")
     n_kb = -(-k // bk)
     kb_per = -(-n_kb // split_k)
-    nm, nn = -(-m // bm), -(-n // bn)
+    nm = -(-m // bm)
+    nns = [-(-n // bn) for n in ns_]
+    starts = [sum(nns[:p]) for p in range(len(nns))]  # first column block of each projection in the grid
     sub = min(bn, SCALE_BLOCK)  # weight rows that share one scale row: the unit of loads and dots
     dot_dtype = jnp.float32 if x.dtype == jnp.float32 else jnp.bfloat16
     xd = x.astype(dot_dtype)  # no copy for bf16 / float32 activations; rows and K are masked in the kernel
     k_mask = k % bk != 0 or kb_per * split_k != n_kb  # K past the end, or K steps past the last block
-    n_tail, m_tail = n % bn != 0, m % bm != 0
-    ks, ns = scales.shape
+    m_tail = m % bm != 0
+    ns = -(-k // SCALE_BLOCK)  # scale columns
     out_dtype = x.dtype if split_k == 1 else jnp.float32
     f32 = jnp.float32
+    n_w = len(weights)
 
-    def kernel(x_ref, v_ref, s_ref, o_ref):
-        mi, ni, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    def program(x_ref, v_ref, s_ref, o_ref, n, mi, ni, si):
+        """``fp8_gemm``'s program: output tile (row block mi, column block ni) of one weight [n, k], K split si."""
+        ks = -(-n // SCALE_BLOCK)  # scale rows
+        n_tail = n % bn != 0
         n0 = ni * bn
         rows_m = mi * bm + jnp.arange(bm)
         mmask = rows_m < m
@@ -225,15 +283,26 @@ def fp8_gemm(x, values, scales, *, block_m: int | None = None, block_n: int | No
             else:
                 o_ref[lead + (pl.ds(mi * bm, bm), pl.ds(c0, sub))] = acc.astype(o_ref.dtype)
 
-    out_shape = (m, n) if split_k == 1 else (split_k, m, n)
-    out = pl.pallas_call(
-        kernel, grid=(nm, nn, split_k),
-        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
+    def kernel(x_ref, *refs):
+        w_refs, o_refs = refs[:2 * n_w], refs[2 * n_w:]
+        mi, ni, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        if n_w == 1:
+            program(x_ref, w_refs[0], w_refs[1], o_refs[0], ns_[0], mi, ni, si)
+            return
+        for p in range(n_w):  # exactly one branch runs: the projection that owns column block ni
+            @pl.when((ni >= starts[p]) & (ni < starts[p] + nns[p]))
+            def _(p=p):
+                program(x_ref, w_refs[2 * p], w_refs[2 * p + 1], o_refs[p], ns_[p], mi, ni - starts[p], si)
+
+    out_shapes = tuple(jax.ShapeDtypeStruct((m, n) if split_k == 1 else (split_k, m, n), out_dtype) for n in ns_)
+    flat_w = [a for vs in weights for a in vs]
+    outs = pl.pallas_call(
+        kernel, grid=(nm, sum(nns), split_k), out_shape=out_shapes,
         compiler_params=_params(t["num_warps"], t["num_stages"]), interpret=interpret, name=name,
-    )(xd, values, scales)
+    )(xd, *flat_w)
     if split_k == 1:
-        return out
-    return jnp.sum(out, axis=0).astype(x.dtype)  # one small fused reduction over the K splits
+        return tuple(outs)
+    return tuple(jnp.sum(o, axis=0).astype(x.dtype) for o in outs)  # small fused reductions over the K splits
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from dsv41_jax.ops import quant
 from dsv41_jax.ops.gather import take_rows_batched
-from dsv41_jax.ops.linear import is_plain_weight, linear, matmul_precision, weight_array
+from dsv41_jax.ops.linear import is_plain_weight, linear, linear_many, matmul_precision, weight_array
 from dsv41_jax.ops.norms import rms_norm
 from dsv41_jax.ops.rope import apply_rope
 
@@ -26,10 +26,11 @@ def attention_inputs(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, conf
     cos / sin [B, T, r/2] are the layer's RoPE tables at the tokens' positions."""
     c = config
     b, t, _ = x.shape
-    q_res = rms_norm(linear(x, p["wq_a"]), p["q_norm"], c.rms_norm_eps)
+    q_low, kv_low = linear_many(x, (p["wq_a"], p["wkv"]))  # one FP8 launch for both on the release's GPU path
+    q_res = rms_norm(q_low, p["q_norm"], c.rms_norm_eps)
     q = linear(q_res, p["wq_b"]).reshape(b, t, c.num_attention_heads, c.head_dim)
     q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-    kv = apply_rope(rms_norm(linear(x, p["wkv"]), p["kv_norm"], c.rms_norm_eps), cos, sin)
+    kv = apply_rope(rms_norm(kv_low, p["kv_norm"], c.rms_norm_eps), cos, sin)
     if quant_on:
         kv = quant.fake_quant_fp8_e4m3_block(kv, 32)
     return q_res, q, kv

@@ -35,6 +35,22 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x, w, precision=matmul_precision(x, w))
 
 
+def linear_many(x: jax.Array, ws) -> tuple:
+    """``tuple(linear(x, w) for w in ws)`` for several projections of the same input, computed as one launch where
+    a kernel can: release FP8 weights marked for a quantised-GEMM kernel (all with the same kernel backend and K)
+    go through ``quant_gemm.fp8_linear_fused`` — one weight stream instead of one short launch per projection at
+    decode; the input is rounded to FP8 once (the same rounding each GEMM would apply). Any other mix of weight
+    forms runs ``linear`` once per weight. Same values either way (float32 accumulation-order noise)."""
+    ws = tuple(ws)
+    bes = {quantized_gemm_backend(w) for w in ws}
+    if len(ws) > 1 and len(bes) == 1 and None not in bes and len({w.shape[-1] for w in ws}) == 1:
+        from dsv41_jax.kernels import quant_gemm  # lazy: kernels import ops
+
+        if all(quant_gemm.takes_fp8(w.weight) for w in ws):
+            return quant_gemm.fp8_linear_fused(gemm_input(x, ws[0]), [w.weight for w in ws], backend=bes.pop())
+    return tuple(linear(x, w) for w in ws)
+
+
 def head_logits(h: jax.Array, w: jax.Array, *, hf_rounding: bool = False) -> jax.Array:
     """float32 logits h [..., d] · head [V, d]ᵀ.
 
@@ -264,5 +280,5 @@ def select_expert(w, e):
     return w[e]
 
 
-__all__ = ["linear", "narrow_matmul_f32", "LoraWeight", "lora_linear", "head_logits", "matmul_precision", "Fp8GemmInput", "is_plain_weight",
-           "weight_array", "gemm_input", "gemm_operands", "select_expert", "quantized_gemm_backend"]
+__all__ = ["linear", "linear_many", "narrow_matmul_f32", "LoraWeight", "lora_linear", "head_logits", "matmul_precision",
+           "Fp8GemmInput", "is_plain_weight", "weight_array", "gemm_input", "gemm_operands", "select_expert", "quantized_gemm_backend"]

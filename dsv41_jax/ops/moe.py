@@ -19,8 +19,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.ops.linear import (gemm_input, is_plain_weight, linear, matmul_precision, narrow_matmul_f32,
-                                  quantized_gemm_backend, weight_array)
+from dsv41_jax.ops.linear import (gemm_input, is_plain_weight, linear, linear_many, matmul_precision,
+                                  narrow_matmul_f32, quantized_gemm_backend, weight_array)
 
 MOE_IMPLS = ("auto", "ragged", "blocked", "dense", "expert_parallel")
 
@@ -49,8 +49,8 @@ def route(x: jax.Array, gate_weight: jax.Array, gate_bias: jax.Array, *, top_k: 
 
 def swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, limit: float) -> jax.Array:
     """silu(min(W1 x, limit)) · clip(W3 x, ±limit) in fp32 (the pre-down-projection activation)."""
-    gate = linear(x, w1).astype(jnp.float32)  # linear: any weight form (float, release FP8 / FP4, marked)
-    up = linear(x, w3).astype(jnp.float32)
+    # any weight form (float, release FP8 / FP4, marked); release FP8 weights on the GPU kernel path: one launch
+    gate, up = (y.astype(jnp.float32) for y in linear_many(x, (w1, w3)))
     if limit > 0:
         up = jnp.clip(up, -limit, limit)
         gate = jnp.minimum(gate, limit)
