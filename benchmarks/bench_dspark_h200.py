@@ -1,7 +1,7 @@
 """DSpark on a target whose decode step reads GiBs of weights: train a target, train its drafter against the frozen
 target, then plain vs speculative decoding — all in one process (one device call).
 
-    python benchmarks/bench_dspark_h200.py --out DIR            # an NVIDIA H200: ~7 minutes
+    python benchmarks/bench_dspark_h200.py --out DIR            # an NVIDIA H200: ~9 minutes (--budget-s 540)
     python benchmarks/bench_dspark_h200.py --smoke --out DIR    # the same pipeline at toy size, CPU (~2-4 minutes)
 
 Recipe (``--smoke`` shrinks every size; the numbers below are the defaults):
@@ -20,7 +20,11 @@ Recipe (``--smoke`` shrinks every size; the numbers below are the defaults):
 3. Decoding (bf16 weights, float32-only parameters in float32): held-out ``asyncio`` prompts of 96 characters,
    ``--new-tokens`` greedy tokens, batch 1 and 16; plain decoding, then speculation with the schedule off, the
    confidence threshold 0.5 and the hardware-aware prefix scheduler over a step-time table measured in the same
-   process (every chunk width 1 .. γ + 1). Every speculative row checks that its tokens equal plain decoding's.
+   process (every chunk width 1 .. γ + 1; ``--prefix-batches``), and the speculative step program alone at full
+   width (``round_ms_full_width``, against the plain step). Rows run in the order plain / speculation at every
+   batch, then threshold, then prefix; ``--budget-s`` skips what would start too late. Prefill runs without CED
+   (the drafter's target layers 1-2 are encoder layers); it is outside the timed decode loop. Every speculative
+   row checks that its tokens equal plain decoding's.
    Floor: the bytes a plain step must read (active bf16 weights: batch 1 = attention / shared / top-6 of 16 routed
    experts per layer + head; batch b = the routed experts b tokens are expected to touch under uniform routing)
    over a read-only kernel's bandwidth measured in the same process.
@@ -153,13 +157,17 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--budget-s", type=float, default=None, help="skip what is left after this many seconds")
+    ap.add_argument("--watchdog-s", type=float, default=None, help="while decoding, dump every thread's stack to "
+                    "DIR/stacks.txt every this many seconds (where a slow compile sits); 0 = off (default: 60 on an "
+                    "accelerator, off on the CPU)")
+    ap.add_argument("--log-compiles", action="store_true", help="while decoding, log every compilation (jax_log_compiles)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     smoke = args.smoke
-    budget = args.budget_s or (1e9 if smoke else 390)
-    target_s = args.target_s if args.target_s is not None else (0.0 if smoke else 90.0)
-    drafter_s = args.drafter_s if args.drafter_s is not None else (0.0 if smoke else 45.0)
+    budget = args.budget_s or (1e9 if smoke else 540)
+    target_s = args.target_s if args.target_s is not None else (0.0 if smoke else 75.0)
+    drafter_s = args.drafter_s if args.drafter_s is not None else (0.0 if smoke else 60.0)
     new = args.new_tokens or (12 if smoke else 128)
     reps = args.reps if args.reps is not None else (1 if smoke else 2)
     out = args.out or "."
@@ -230,6 +238,14 @@ def main(argv=None):
 
         bw = read_bandwidth(2.0)
     record["read_bandwidth_bytes_per_s"] = bw
+    watchdog = args.watchdog_s if args.watchdog_s is not None else (0 if cpu else 60)
+    if watchdog:
+        import faulthandler
+
+        stacks = open(os.path.join(out, "stacks.txt"), "w")
+        faulthandler.dump_traceback_later(watchdog, repeat=True, file=stacks)
+    if args.log_compiles:
+        jax.config.update("jax_log_compiles", True)
     # ced=False: the drafter's target layers include encoder layers (1, 2), which CED prefill runs before the
     # replay segment is known; prefill is outside the timed decode loop
     opts = InferenceOptions(ced=False, **(dict(compiler_options=FAST_COMPILE) if cpu else {}))
@@ -249,10 +265,12 @@ def main(argv=None):
 
     def timed(fn, steps_of):
         times, res, steps = [], None, None
-        for _ in range(reps + 1):  # the first run compiles
+        for i in range(reps + 1):  # the first run compiles
+            t0 = time.perf_counter()
             res, dt = fn()
             times.append(dt)
             steps = steps_of()
+            say(f"  run {i}: {time.perf_counter() - t0:.1f} s wall, decode loop {dt * 1e3:.1f} ms")
         return res, statistics.median(times[1:] if reps else times), steps
 
     def row(b, name, tps, plain_tps, acc, steps, rollbacks, dt, floor_s, same, **extra):
@@ -266,8 +284,11 @@ def main(argv=None):
         print(f"| {b} | {name} | {tps:,.1f} | {tps / plain_tps:.2f} | {acc:.2f} | {steps} | {rollbacks} | "
               f"{step_ms:.2f} | {sf} | {same} |", flush=True)
 
-    plan = [(b, v) for b in (int(x) for x in args.batches.split(",")) for v in ("plain", "none", "threshold")]
-    plan += [(b, "prefix") for b, _ in plan[::3] if b in prefix_batches]
+    batches = [int(x) for x in args.batches.split(",")]
+    # the rows that matter most first (a run cut short by its limit keeps them): plain and speculation at every
+    # batch, then the schedulers
+    plan = [(b, v) for b in batches for v in ("plain", "none")] + [(b, "threshold") for b in batches]
+    plan += [(b, "prefix") for b in batches if b in prefix_batches]
     plain_out, plain_tps = {}, {}
     for b, variant in plan:
         if left() < (20 if smoke else 45):
@@ -278,6 +299,7 @@ def main(argv=None):
         say(f"batch {b}: {variant}")
         if b not in engines:
             engines[b] = Engine(config, params, max_batch=b, max_len=max_len, options=opts, tokenizer=tok)
+            say(f"  engine for batch {b} built")
         eng = engines[b]
         prompts = heldout_prompts(b, prompt_len, tok)
         sb = step_bytes(config, b)
@@ -312,11 +334,17 @@ def main(argv=None):
             return res, dec.stats.decode_s
         res, dt, _ = timed(run_spec, lambda: dec.stats.steps)
         st = dec.stats
+        if variant == "none":  # the step program alone at full width (the program the runs used: no compile)
+            t_round = dec.measure_step_times(widths=(gamma + 1,), reps=5)[gamma + 1]
+            extra["round_ms_full_width"] = t_round * 1e3
+            say(f"  one speculative step program at width {gamma + 1}: {t_round * 1e3:.2f} ms")
         same = all(r.tokens == plain_out[b][s] for s, r in enumerate(res))
         tps = b * new / dt
         name = {"none": "DSpark", "threshold": "DSpark + threshold 0.5", "prefix": "DSpark + prefix (measured)"}
         row(b, name[variant], tps, plain_tps[b], st.mean_accepted_length, st.steps, st.rollbacks, dt, floor_s,
             "yes" if same else "NO", drafted=st.drafted, accepted=st.accepted, **extra)
+    if watchdog:
+        faulthandler.cancel_dump_traceback_later()
     record["wall_s"] = time.perf_counter() - t_start
     save()
     say(f"done in {record['wall_s']:.0f} s")
