@@ -1,0 +1,354 @@
+"""DSpark on a target whose decode step reads GiBs of weights: train a target, train its drafter against the frozen
+target, then plain vs speculative decoding — all in one process (one device call).
+
+    python benchmarks/bench_dspark_h200.py --out DIR            # an NVIDIA H200: ~9 minutes (--budget-s 540)
+    python benchmarks/bench_dspark_h200.py --smoke --out DIR    # the same pipeline at toy size, CPU (~2-4 minutes)
+
+Recipe (``--smoke`` shrinks every size; the numbers below are the defaults):
+
+1. Target ``spec-h200``: the release's layer width (d 5120, 64 heads x 512, q LoRA 1280, 8 x 1024 output groups,
+   expert width 2304) with 4 layers (roles 0 SWA · 1 ratio-2 Full · 2 ratio-2 Reuse · 3 ratio-1 Full), 16 routed
+   experts top-6 + 1 shared, no Engram, byte vocabulary (259), fake quantisation off: 2.94 B backbone parameters,
+   1.52 B active per decoded token (≈ 3 GB of bf16 weights read per batch-1 step). Trained from random
+   initialisation on the Python standard library's sources (``asyncio`` held out), rows of 512 bytes, batch 8,
+   AdamW lr 5e-4 (warm-up 30, cosine to 10 %), bf16 compute / float32 masters, for as many steps as fit
+   ``--target-s`` seconds after compilation (measured on the first steps; the cosine schedule is fitted to them).
+2. Drafter: one DSpark block (block size 5, fed by the residual entering layers 1-3, SWA-only attention, 8 routed
+   experts top-1 + shared, Markov rank 64, noise token 258), trained against the frozen target with target-greedy
+   labels (``DSparkTrainStep``, 32 anchors per row, same data), same optimiser settings with lr 1e-3, for as many
+   steps as fit ``--drafter-s`` seconds.
+3. Decoding (bf16 weights, float32-only parameters in float32): held-out ``asyncio`` prompts of 96 characters,
+   ``--new-tokens`` greedy tokens, batch 1 and 16; plain decoding, then speculation with the schedule off, the
+   confidence threshold 0.5 and the hardware-aware prefix scheduler over a step-time table measured in the same
+   process (every chunk width 1 .. γ + 1; ``--prefix-batches``), and the speculative step program alone at full
+   width (``round_ms_full_width``, against the plain step). Rows run in the order plain / speculation at every
+   batch, then threshold, then prefix; ``--budget-s`` skips what would start too late. Prefill runs without CED
+   (the drafter's target layers 1-2 are encoder layers); it is outside the timed decode loop. Every speculative
+   row checks that its tokens equal plain decoding's.
+   Floor: the bytes a plain step must read (active bf16 weights: batch 1 = attention / shared / top-6 of 16 routed
+   experts per layer + head; batch b = the routed experts b tokens are expected to touch under uniform routing)
+   over a read-only kernel's bandwidth measured in the same process.
+
+Output: a table on stdout, ``DIR/bench_dspark_h200.json`` (rewritten after every row, so a run cut short by its
+time limit keeps what it measured) and the two training curves in ``DIR/train_*.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import sysconfig
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_speculative import heldout_prompts  # noqa: E402
+from dsv41_jax.config import load_config  # noqa: E402
+from dsv41_jax.inference import Engine, InferenceOptions  # noqa: E402
+from dsv41_jax.inference.speculative import SpeculativeDecoder, steps_per_s_from_table  # noqa: E402
+from dsv41_jax.inference.step import FAST_COMPILE  # noqa: E402
+from dsv41_jax.model.counting import count_params, per_layer_params  # noqa: E402
+from dsv41_jax.model.params import flat_specs  # noqa: E402
+from dsv41_jax.tokenizer import ByteTokenizer  # noqa: E402
+from dsv41_jax.train.config import TrainConfig  # noqa: E402
+from dsv41_jax.train.data import DataLoader, Dataset, load_corpus  # noqa: E402
+from dsv41_jax.train.dspark import DSparkTrainOptions, DSparkTrainStep  # noqa: E402
+from dsv41_jax.train.optimizer import lr_at  # noqa: E402
+from dsv41_jax.train.step import make_train_step  # noqa: E402
+
+EXCLUDE = "test,tests,idle_test,site-packages,dist-packages,__pycache__,asyncio"  # asyncio: the held-out prompts
+
+
+def target_config(smoke: bool):
+    """The target + drafter configuration (see the module docstring)."""
+    common = dict(vocab_size=259, num_hidden_layers=4, compress_ratios=(0, 2, 2, 1), kv_source_layer_ids=(1, 3),
+                  index_source_layer_ids=(1, 3), candidate_source_layer_id=3, engram_layer_ids=(),
+                  engram_num_embeddings=(), num_nextn_predict_layers=1, dspark_target_layer_ids=(1, 2, 3),
+                  dspark_noise_token_id=258, dspark_block_size=5, quant_sim=False)
+    if smoke:  # the default model's toy widths
+        return load_config("default").replace(name="spec-smoke", **common, dspark_n_routed_experts=4,
+                                              dspark_num_experts_per_tok=1, dspark_markov_rank=16)
+    return load_config("flash").replace(name="spec-h200", **common, n_routed_experts=16, num_experts_per_tok=6,
+                                        dspark_n_routed_experts=8, dspark_num_experts_per_tok=1,
+                                        dspark_markov_rank=64)
+
+
+def step_bytes(config, batch: int) -> dict:
+    """Bytes of weights a plain decode step must read, at 2 bytes per parameter (the few float32-only ones are
+    counted as bf16): every non-routed backbone weight, the routed experts ``batch`` tokens are expected to touch
+    under uniform top-k routing (a fraction 1 - (1 - k / E) ** batch of them) and the head (the embedding is a
+    lookup: one row per token)."""
+    c = config
+    layers = per_layer_params(c)
+    routed = sum(layer["routed experts"][0] for layer in layers)
+    other = sum(n for layer in layers for comp, (n, _) in layer.items() if comp != "routed experts")
+    touched = 1 - (1 - c.num_experts_per_tok / c.n_routed_experts) ** batch
+    head = c.vocab_size * c.hidden_size
+    return dict(routed=2 * routed, other=2 * other, head=2 * head, touched_fraction=touched,
+                total=2 * (other + touched * routed + head))
+
+
+def inference_params(train_params: dict, config) -> dict:
+    """bf16 copies of float32 masters, the float32-only parameters kept in float32 (what the loaders give)."""
+    fp32 = {p for p, s in flat_specs(config, include_dspark=True) if s.dtype == "float32"}
+
+    def cast(path, x):
+        name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        return x if name in fp32 else x.astype(jnp.bfloat16)
+
+    return jax.tree_util.tree_map_with_path(cast, train_params)
+
+
+def train_loop(step_fn, state, loader, tc: TrainConfig, seconds: float, max_steps: int, log, metrics_path: str,
+               say) -> tuple[dict, dict]:
+    """Steps until ``seconds`` after the first (compiling) step, the LR schedule fitted to the step count that
+    fits (measured over steps 2-6), at most ``max_steps``. Returns (state, record)."""
+    t0 = time.perf_counter()
+    total = max_steps
+    step, t_first, t_probe, last = 0, None, None, {}
+    history = []
+    with open(metrics_path, "w") as f:
+        while step < total:
+            batch = next(loader)
+            state, m = step_fn(state, batch, lr_at(step, tc, total))
+            step += 1
+            if step == 1:
+                jax.block_until_ready(state["step"])
+                t_first = time.perf_counter() - t0
+                say(f"  first step (compile included) {t_first:.1f} s")
+            if step == 2:
+                jax.block_until_ready(state["step"])
+                t_probe = time.perf_counter()
+            if step == 6 and total > 6:
+                jax.block_until_ready(state["step"])
+                per = (time.perf_counter() - t_probe) / 4
+                total = max(7, min(max_steps, 6 + int((seconds - (time.perf_counter() - t0 - t_first)) / per)))
+                say(f"  {per * 1e3:.0f} ms / step: {total} steps fit")
+            if step % log == 0 or step == total:
+                last = {k: float(v) for k, v in jax.device_get(m).items()}
+                row = dict(step=step, elapsed_s=time.perf_counter() - t0, **last)
+                history.append(row)
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                say("  " + " ".join(f"{k} {v:.4g}" for k, v in row.items() if k in (
+                    "step", "loss", "ce", "top1", "accept_rate", "elapsed_s")))
+    jax.block_until_ready(state["step"])
+    wall = time.perf_counter() - t0
+    rec = dict(steps=step, compile_first_step_s=t_first, train_s=wall - t_first, tokens=step * tc.seq_len *
+               tc.batch_size, final=last, train_config=tc.to_dict())
+    return state, rec
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="toy sizes, for a CPU rehearsal")
+    ap.add_argument("--target-s", type=float, default=None, help="seconds of target training after compiling")
+    ap.add_argument("--drafter-s", type=float, default=None, help="seconds of drafter training after compiling")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--prefix-batches", default="1", help="batches that also run the prefix scheduler (its "
+                    "step-time table compiles one program per chunk width)")
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--budget-s", type=float, default=None, help="skip what is left after this many seconds")
+    ap.add_argument("--watchdog-s", type=float, default=None, help="while decoding, dump every thread's stack to "
+                    "DIR/stacks.txt every this many seconds (where a slow compile sits); 0 = off (default: 60 on an "
+                    "accelerator, off on the CPU)")
+    ap.add_argument("--log-compiles", action="store_true", help="while decoding, log every compilation (jax_log_compiles)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    smoke = args.smoke
+    budget = args.budget_s or (1e9 if smoke else 540)
+    target_s = args.target_s if args.target_s is not None else (0.0 if smoke else 75.0)
+    drafter_s = args.drafter_s if args.drafter_s is not None else (0.0 if smoke else 60.0)
+    new = args.new_tokens or (12 if smoke else 128)
+    reps = args.reps if args.reps is not None else (1 if smoke else 2)
+    out = args.out or "."
+    os.makedirs(out, exist_ok=True)
+    cpu = jax.default_backend() == "cpu"
+
+    def say(msg):
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    config = target_config(smoke)
+    counts = count_params(config)
+    record = dict(config=config.name, device=jax.devices()[0].device_kind, jax=jax.__version__,
+                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=" ".join(sys.argv),
+                  params=dict(backbone=counts.backbone, dspark=counts.dspark, active_decode=counts.active_decode),
+                  rows=[])
+
+    def save():
+        with open(os.path.join(out, "bench_dspark_h200.json"), "w") as f:
+            json.dump(record, f, indent=1)
+
+    # ---- data -----------------------------------------------------------------------------------------------
+    tok = ByteTokenizer(model_vocab_size=config.vocab_size)
+    stdlib = sysconfig.get_paths()["stdlib"]
+    corpus = load_corpus([stdlib], tok, glob="*.py", exclude=EXCLUDE, model_vocab_size=config.vocab_size,
+                         max_docs=40 if smoke else None)
+    record["data"] = dict(stdlib=stdlib, tokens=int(len(corpus.tokens)), docs=int(corpus.n_docs), exclude=EXCLUDE)
+    say(f"data: {corpus.n_docs} files of {stdlib}, {len(corpus.tokens):,} byte tokens")
+
+    # ---- 1. the target ----------------------------------------------------------------------------------------
+    seq, bs = (128, 4) if smoke else (512, 8)
+    tc = TrainConfig(seq_len=seq, batch_size=bs, steps=2000, lr=5e-4, warmup_steps=4 if smoke else 30,
+                     min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0, compute_dtype="float32" if cpu else "bfloat16",
+                     quant_sim=False)
+    say(f"target {config.name}: {counts.backbone / 1e9:.3f} B backbone parameters, {counts.active_decode / 1e9:.3f} B "
+        f"active per decoded token; training")
+    step_fn = make_train_step(config, tc)
+    state = step_fn.init_state()
+    loader = DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=0))
+    state, rec = train_loop(step_fn, state, loader, tc, target_s, 8 if smoke else 2000, 2 if smoke else 25,
+                            os.path.join(out, "train_target.jsonl"), say)
+    loader.close()
+    record["target_training"] = rec
+    target_params = state["params"]
+    del state, step_fn
+    save()
+
+    # ---- 2. the drafter against the frozen target -------------------------------------------------------------
+    tcd = tc.replace(lr=1e-3, seed=1)
+    opts_d = DSparkTrainOptions(anchors=8 if smoke else 32, labels="target")
+    say(f"drafter: {counts.dspark / 1e9:.3f} B parameters ({config.num_nextn_predict_layers} block); training")
+    dstep = DSparkTrainStep(config, tcd, target_params, opts_d)
+    del target_params  # the step holds its compute-dtype copy
+    dstate = dstep.init_state()
+    loader = DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=1))
+    dstate, rec = train_loop(dstep, dstate, loader, tcd, drafter_s, 6 if smoke else 2000, 2 if smoke else 25,
+                             os.path.join(out, "train_drafter.jsonl"), say)
+    loader.close()
+    record["drafter_training"] = dict(rec, options=opts_d.to_dict())
+    params = inference_params({**dstep.target, "dspark": dstate["params"]["dspark"]}, config)
+    del dstate, dstep
+    save()
+
+    # ---- 3. decoding ----------------------------------------------------------------------------------------
+    if cpu:
+        bw = None
+    else:
+        from benchmarks.ceilings import read_bandwidth
+
+        bw = read_bandwidth(2.0)
+    record["read_bandwidth_bytes_per_s"] = bw
+    watchdog = args.watchdog_s if args.watchdog_s is not None else (0 if cpu else 60)
+    if watchdog:
+        import faulthandler
+
+        stacks = open(os.path.join(out, "stacks.txt"), "w")
+        faulthandler.dump_traceback_later(watchdog, repeat=True, file=stacks)
+    if args.log_compiles:
+        jax.config.update("jax_log_compiles", True)
+    # ced=False: the drafter's target layers include encoder layers (1, 2), which CED prefill runs before the
+    # replay segment is known; prefill is outside the timed decode loop
+    opts = InferenceOptions(ced=False, **(dict(compiler_options=FAST_COMPILE) if cpu else {}))
+    gamma = config.dspark_block_size
+    prompt_len = 96
+    max_len = 2 * prompt_len + new + 16
+    print(f"# bench_dspark_h200: {config.name} ({counts.active_decode / 1e9:.3f} B active / token), "
+          f"{record['device']}, γ={gamma}, prompt {prompt_len} chars, {new} new tokens, greedy")
+    print("| batch | decoding | tokens/s | × plain | accepted length | steps | rollbacks | step ms | "
+          "step / floor | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    prefix_batches = {int(x) for x in args.prefix_batches.split(",") if x}
+    engines = {}
+
+    def left():
+        return budget - (time.perf_counter() - t_start)
+
+    def timed(fn, steps_of):
+        times, res, steps = [], None, None
+        for i in range(reps + 1):  # the first run compiles
+            t0 = time.perf_counter()
+            res, dt = fn()
+            times.append(dt)
+            steps = steps_of()
+            say(f"  run {i}: {time.perf_counter() - t0:.1f} s wall, decode loop {dt * 1e3:.1f} ms")
+        return res, statistics.median(times[1:] if reps else times), steps
+
+    def row(b, name, tps, plain_tps, acc, steps, rollbacks, dt, floor_s, same, **extra):
+        step_ms = dt / steps * 1e3
+        r = dict(batch=b, decoding=name, tokens_per_s=tps, speedup=tps / plain_tps, accepted_length=acc,
+                 steps=steps, rollbacks=rollbacks, step_ms=step_ms,
+                 step_over_floor=None if floor_s is None else step_ms / 1e3 / floor_s, same_tokens=same, **extra)
+        record["rows"].append(r)
+        save()
+        sf = "—" if floor_s is None else f"{step_ms / 1e3 / floor_s:.2f}"
+        print(f"| {b} | {name} | {tps:,.1f} | {tps / plain_tps:.2f} | {acc:.2f} | {steps} | {rollbacks} | "
+              f"{step_ms:.2f} | {sf} | {same} |", flush=True)
+
+    batches = [int(x) for x in args.batches.split(",")]
+    # the rows that matter most first (a run cut short by its limit keeps them): plain and speculation at every
+    # batch, then the schedulers
+    plan = [(b, v) for b in batches for v in ("plain", "none")] + [(b, "threshold") for b in batches]
+    plan += [(b, "prefix") for b in batches if b in prefix_batches]
+    plain_out, plain_tps = {}, {}
+    for b, variant in plan:
+        if left() < (20 if smoke else 45):
+            say(f"budget: skipping batch {b} {variant} ({left():.0f} s left)")
+            record.setdefault("skipped", []).append(f"batch {b} {variant}")
+            save()
+            continue
+        say(f"batch {b}: {variant}")
+        if b not in engines:
+            engines[b] = Engine(config, params, max_batch=b, max_len=max_len, options=opts, tokenizer=tok)
+            say(f"  engine for batch {b} built")
+        eng = engines[b]
+        prompts = heldout_prompts(b, prompt_len, tok)
+        sb = step_bytes(config, b)
+        floor_s = None if bw is None else sb["total"] / bw
+        if variant == "plain":
+            def run_plain():
+                res = eng.generate(prompts, max_new_tokens=new, stop_tokens=())
+                return res, eng.last_stats.decode_s
+            res, dt, _ = timed(run_plain, lambda: new - 1)
+            plain_out[b] = [r.tokens for r in res]
+            plain_tps[b] = b * new / dt
+            sample = tok.decode(res[0].tokens)
+            record.setdefault("samples", {})[str(b)] = dict(prompt=tok.decode(prompts[0]), plain=sample)
+            row(b, "plain", plain_tps[b], plain_tps[b], 1.0, new - 1, 0, dt, floor_s, "—", floor_bytes=sb["total"],
+                floor_ms=None if floor_s is None else floor_s * 1e3)
+            say(f"  sample: {sample[:160]!r}")
+            continue
+        if b not in plain_tps:
+            continue
+        kw, extra = {}, {}
+        if variant == "threshold":
+            kw = dict(schedule="threshold", threshold=0.5)
+        elif variant == "prefix":
+            table = SpeculativeDecoder(eng).measure_step_times(reps=5)
+            extra["step_time_table_ms"] = {str(w): t * 1e3 for w, t in table.items()}
+            say("  step-time table: " + ", ".join(f"{w}: {t * 1e3:.2f} ms" for w, t in table.items()))
+            kw = dict(schedule="prefix", step_times=table)
+        dec = SpeculativeDecoder(eng, **kw)
+
+        def run_spec():
+            res = dec.generate(prompts, max_new_tokens=new, stop_tokens=())
+            return res, dec.stats.decode_s
+        res, dt, _ = timed(run_spec, lambda: dec.stats.steps)
+        st = dec.stats
+        if variant == "none":  # the step program alone at full width (the program the runs used: no compile)
+            t_round = dec.measure_step_times(widths=(gamma + 1,), reps=5)[gamma + 1]
+            extra["round_ms_full_width"] = t_round * 1e3
+            say(f"  one speculative step program at width {gamma + 1}: {t_round * 1e3:.2f} ms")
+        same = all(r.tokens == plain_out[b][s] for s, r in enumerate(res))
+        tps = b * new / dt
+        name = {"none": "DSpark", "threshold": "DSpark + threshold 0.5", "prefix": "DSpark + prefix (measured)"}
+        row(b, name[variant], tps, plain_tps[b], st.mean_accepted_length, st.steps, st.rollbacks, dt, floor_s,
+            "yes" if same else "NO", drafted=st.drafted, accepted=st.accepted, **extra)
+    if watchdog:
+        faulthandler.cancel_dump_traceback_later()
+    record["wall_s"] = time.perf_counter() - t_start
+    save()
+    say(f"done in {record['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
