@@ -106,6 +106,9 @@ def summarize(mode, token_times, arrivals, t_start, t_end, steps, max_batch, n_p
 
 
 def run_static(engine, reqs):
+    """Fixed batches through ``Engine.generate``: its device decode loop hands tokens back in runs of up to
+    ``engine.readback_every`` steps, so the static mode's inter-token latencies are bursty (zero inside a run); its
+    throughput is what it is compared on."""
     b = engine.max_batch
     times = [[] for _ in reqs]
     steps = 0
