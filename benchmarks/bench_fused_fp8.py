@@ -46,6 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import bench_quant_gemm as B  # noqa: E402  (random_fp8 / random_fp4, device_time, rel_err)
+from ceilings import copy_and_read_bandwidth  # noqa: E402
 from dsv41_jax.kernels import quant_gemm as QG  # noqa: E402
 
 DATASHEET_BW = 4.8e12
@@ -80,12 +81,8 @@ def dev_and_wall_us(fn, args, r):
 
 
 def ceilings():
-    n = (1 << 16) if SMOKE else (1 << 30)  # int32 elements: 4 GiB
-    a = jnp.full((n // 1024, 1024), 3, jnp.int32)
-    copy_us, _, _ = dev_and_wall_us(jax.jit(lambda v: v + 1), (a,), 1)
-    read_us, _, _ = dev_and_wall_us(jax.jit(lambda v: jnp.sum(v, axis=1)), (a,), 1)
-    del a
-    OUT["ceilings"] = dict(copy_bw=2 * 4 * n / (copy_us * 1e-6), read_bw=4 * n / (read_us * 1e-6))
+    OUT["ceilings"] = copy_and_read_bandwidth(lambda fn, args: dev_and_wall_us(fn, args, 1)[0],
+                                              (1 << 16) if SMOKE else (1 << 30))
     log(f"copy {OUT['ceilings']['copy_bw'] / 1e12:.2f} TB/s (read + write of 4 GiB), read-only "
         f"{OUT['ceilings']['read_bw'] / 1e12:.2f} TB/s, datasheet {DATASHEET_BW / 1e12:.1f} TB/s")
 

@@ -45,6 +45,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_quant_gemm as B  # noqa: E402  (random weights, device_time, rel_err)
+from ceilings import copy_and_read_bandwidth  # noqa: E402
 from dsv41_jax.kernels import quant_gemm_gpu as G  # noqa: E402
 
 DATASHEET_BW = 4.8e12
@@ -151,12 +152,8 @@ def dev_us(fn, args, r):
 
 
 def ceilings():
-    n = (1 << 16) if SMOKE else (1 << 30)  # int32 elements: 4 GiB
-    a = jnp.full((n // 1024, 1024), 3, jnp.int32)
-    copy_us = dev_us(jax.jit(lambda v: v + 1), (a,), 1)
-    read_us = dev_us(jax.jit(lambda v: jnp.sum(v, axis=1)), (a,), 1)
-    OUT["ceilings"].update(copy_bw=2 * 4 * n / (copy_us * 1e-6), read_bw=4 * n / (read_us * 1e-6))
-    del a
+    OUT["ceilings"].update(copy_and_read_bandwidth(lambda fn, args: dev_us(fn, args, 1),
+                                                   (1 << 16) if SMOKE else (1 << 30)))
     log(f"copy {OUT['ceilings']['copy_bw'] / 1e12:.2f} TB/s (read + write), read-only "
         f"{OUT['ceilings']['read_bw'] / 1e12:.2f} TB/s (4 GiB), datasheet {DATASHEET_BW / 1e12:.1f} TB/s")
     for n_, k_ in SHAPES:  # a read-only kernel over exactly the weight's bytes
