@@ -20,6 +20,7 @@ class EngramHasher:
     def __init__(self, config: ModelConfig, token_map: np.ndarray):
         self.config = config
         self.token_map = np.asarray(token_map, np.int64)
+        self._device_tables = None  # built on first use by device_tables()
         if len(self.token_map) < config.vocab_size:
             raise ValueError(f"Engram token map covers {len(self.token_map)} ids but vocab_size is "
                              f"{config.vocab_size}")
@@ -49,7 +50,7 @@ class EngramHasher:
     def device_tables(self):
         """The hash constants on the device (``ops.engram_hash.DeviceEngramHash``, built once) for the decode
         step's own hashing (``inference.decode.decode_chain``)."""
-        if getattr(self, "_device_tables", None) is None:
+        if self._device_tables is None:
             self._device_tables = device_engram_hash(self.token_map, self.layout)
         return self._device_tables
 
