@@ -430,6 +430,7 @@ def test_tiny_model_overfits_a_small_batch(cfg):
     np.testing.assert_allclose(np.round(bias / 1e-3), bias / 1e-3, atol=1e-3)
 
 
+@pytest.mark.slow  # one more train-step program (~30 s of compilation on 2 cores)
 def test_compute_copy_steps_equal_casting_the_masters(cfg):
     """TrainConfig.compute_copy (the bf16 weights kept in the state, written by the update) trains the same as
     casting the float32 masters every step: two steps give the same masters, moments and losses (the gradient of

@@ -83,10 +83,12 @@ class _AttnCfg:
 # Default block configuration of the fused GPU backward (``pallas_gpu.attention_bwd`` keyword arguments; explicit
 # ``tuning={"bwd_<name>": ...}`` entries win): the dQ kernel's tiles (``block_h`` heads x ``block_k`` rows,
 # ``num_warps``) and, where set, the key-centric dKV kernels' (``key_block`` rows x ``key_block_h`` heads,
-# ``key_warps``, ``key_splits``; unset = ``attention_bwd``'s own defaults). 16-bit inputs: from the H200 sweeps in
-# benchmarks/RESULTS.md (``benchmarks/bench_train_tiles.py`` measures candidates in a train step's shapes).
+# ``key_warps``, ``key_splits``; unset = ``attention_bwd``'s own defaults). 16-bit inputs: picked by the H200 sweep
+# at fullwidth4's train shapes (benchmarks/RESULTS.md, 2026-12-02, ``benchmarks/bench_train_tiles.py``): dQ over
+# 32-row steps (was 16) and the dKV kernels on 4 warps (was 8), each 4-10 % faster per layer there; other shapes
+# (decode-sized backward passes) are unmeasured with these.
 GPU_BWD_DEFAULTS = {
-    "16bit": {"block_h": 32, "block_k": 16, "num_warps": 4},
+    "16bit": {"block_h": 32, "block_k": 32, "num_warps": 4, "key_warps": 4},
     "float32": {"block_h": 16, "block_k": 16, "num_warps": 4},  # fp32 tiles are twice the registers
 }
 
