@@ -361,8 +361,8 @@ def place_state(step: TrainStep, state: dict) -> dict:
     """Inverse of :func:`canonical_state`: pad Engram tables and place every leaf on the step's mesh."""
     if getattr(step, "is_lora", False):
         return state if step.mesh is None else jax.device_put(state, step.state_shardings())
-    if step.mesh is None:
-        return step.attach_compute_copy(state)
+    if step.mesh is None:  # (the DSpark drafter's step has no compute copy)
+        return step.attach_compute_copy(state) if isinstance(step, TrainStep) else state
     from dsv41_jax.parallel.api import pad_params
 
     params = pad_params(state["params"], step.config, step.mesh, step.rules)
