@@ -27,6 +27,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -144,17 +145,36 @@ def summarize_trace(trace_dir: str, top: int = 40) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------------
 
+def hlo_stats(text: str) -> dict:
+    """Counts in a compiled step's optimised HLO: fusions; fusions that cast a float32 master (an operand
+    ``state__params__*``) to a bf16 array (the per-step weight casts); the Pallas kernels by name with their grids."""
+    fusions = casts = 0
+    grids = set()
+    for line in text.splitlines():
+        if " fusion(" in line:
+            fusions += 1
+            lhs, _, rhs = line.partition(" fusion(")
+            if "= bf16[" in lhs and "%state__params__" in rhs.split(")", 1)[0]:
+                casts += 1
+        elif "custom-call(" in line and "grid_x = " in line:
+            name = re.search(r'name = "([^"]+)"', line)
+            g = re.search(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+)", line)
+            if name and g:
+                grids.add(f"{name.group(1)}:{'x'.join(g.groups())}")
+    return {"hlo_fusions": fusions, "hlo_master_casts": casts, "pallas_grids": sorted(grids)}
+
+
 def run_variant(args, variant: str, peak: float, out_dir: str, profile: bool) -> dict:
     remat, _, rest = variant.partition(":")
     scope, *flags = rest.split("+")
-    unknown = set(flags) - {"noquant", "blocked"}
+    unknown = set(flags) - {"noquant", "blocked", "copy"}
     if unknown:
-        raise ValueError(f"variant {variant!r}: unknown flags {sorted(unknown)} (noquant, blocked)")
+        raise ValueError(f"variant {variant!r}: unknown flags {sorted(unknown)} (noquant, blocked, copy)")
     config = preset(args.preset)
     tc = TrainConfig(seq_len=args.seq, batch_size=args.batch, steps=1000, warmup_steps=10, lr=1e-4,
                      compute_dtype="bfloat16", remat=remat, remat_scope=scope or "forward",
                      quant_sim=False if "noquant" in flags else None, query_chunk=args.query_chunk,
-                     moe_impl="blocked" if "blocked" in flags else "ragged")
+                     moe_impl="blocked" if "blocked" in flags else "ragged", compute_copy="copy" in flags)
     step = make_train_step(config, tc)
     state = step.init_state(seed=0)
     rng = np.random.default_rng(0)
@@ -173,8 +193,8 @@ def run_variant(args, variant: str, peak: float, out_dir: str, profile: bool) ->
     t_compile = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     row = {"variant": variant, "remat": remat, "remat_scope": scope or "forward",
-           "quant_sim": "noquant" not in flags, "moe_impl": tc.moe_impl,
-           "compile_s": round(t_compile, 1)}
+           "quant_sim": "noquant" not in flags, "moe_impl": tc.moe_impl, "compute_copy": tc.compute_copy,
+           "compile_s": round(t_compile, 1), **hlo_stats(compiled.as_text())}
     for field in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes"):
         row[field] = int(getattr(mem, field, 0) or 0) if mem is not None else None
     if profile:

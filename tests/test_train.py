@@ -18,6 +18,7 @@ from dsv41_jax.train.data import (DataError, Dataset, build_rows, load_corpus, r
                                   tokenize_documents)
 from dsv41_jax.train.loss import balance_loss, expert_load, indexer_kl_loss, noaux_bias_update
 from dsv41_jax.train.optimizer import build_optimizer, trainable_mask
+from dsv41_jax.train.step import place_state
 from dsv41_jax.train.testing import random_batch, small_config, write_corpus
 
 # The one train-step program most tests share (same HLO as `dsv41 train ... --seq-len 32 --batch-size 2
@@ -427,6 +428,32 @@ def test_tiny_model_overfits_a_small_batch(cfg):
     assert not np.array_equal(bias, bias0)
     # the noaux rule moves the bias in steps of the rate (sums of signs)
     np.testing.assert_allclose(np.round(bias / 1e-3), bias / 1e-3, atol=1e-3)
+
+
+@pytest.mark.slow  # one more train-step program (~30 s of compilation on 2 cores)
+def test_compute_copy_steps_equal_casting_the_masters(cfg):
+    """TrainConfig.compute_copy (the bf16 weights kept in the state, written by the update) trains the same as
+    casting the float32 masters every step: two steps give the same masters, moments and losses (the gradient of
+    the copy, upcast, is the masters' gradient: the transpose of the cast), and the copy is the new masters cast."""
+    tc = TrainConfig(lr=3e-3, steps=50, schedule="constant", **STD)  # test_tiny_model_overfits' program
+    plain, copied = make_train_step(cfg, tc), make_train_step(cfg, tc.replace(compute_copy=True))
+    batch = random_batch(cfg, 2, 32, seed=0, hasher=default_hasher(cfg))
+    a, b = plain.init_state(seed=0), copied.init_state(seed=0)
+    assert "compute" not in a and b["compute"]["layers"][0]["attn"]["wq_a"].dtype == jnp.bfloat16
+    for i in range(2):
+        a, ma = plain(a, batch, lr_at(i, tc))
+        b, mb = copied(b, batch, lr_at(i, tc))
+        assert float(mb["loss"]) == pytest.approx(float(ma["loss"]), rel=1e-6)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path((a["params"], a["opt_state"]))[0],
+                            jax.tree.leaves((b["params"], b["opt_state"]))):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert np.linalg.norm(x - y) <= 1e-6 * max(np.linalg.norm(x), 1e-30), jax.tree_util.keystr(path)
+    for x, y in zip(jax.tree.leaves(copied.compute_params(b["params"])), jax.tree.leaves(b["compute"])):
+        assert x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
+    # a restored state (checkpoints hold no copy) gets it back from place_state
+    assert "compute" in place_state(copied, {k: v for k, v in b.items() if k != "compute"})
+    with pytest.raises(TrainConfigError, match="compute_copy"):
+        TrainConfig(compute_copy=True, compute_dtype="float32")
 
 
 def test_packed_documents_loss_equals_separate_documents(cfg):

@@ -80,6 +80,19 @@ class _AttnCfg:
     tuning: tuple  # sorted (name, value) pairs for the GPU kernels
 
 
+# Default block configuration of the fused GPU backward (``pallas_gpu.attention_bwd`` keyword arguments; explicit
+# ``tuning={"bwd_<name>": ...}`` entries win): the dQ kernel's tiles (``block_h`` heads x ``block_k`` rows,
+# ``num_warps``) and, where set, the key-centric dKV kernels' (``key_block`` rows x ``key_block_h`` heads,
+# ``key_warps``, ``key_splits``; unset = ``attention_bwd``'s own defaults). 16-bit inputs: picked by the H200 sweep
+# at fullwidth4's train shapes (benchmarks/RESULTS.md, 2026-12-02, ``benchmarks/bench_train_tiles.py``): dQ over
+# 32-row steps (was 16) and the dKV kernels on 4 warps (was 8), each 4-10 % faster per layer there; other shapes
+# (decode-sized backward passes) are unmeasured with these.
+GPU_BWD_DEFAULTS = {
+    "16bit": {"block_h": 32, "block_k": 32, "num_warps": 4, "key_warps": 4},
+    "float32": {"block_h": 16, "block_k": 16, "num_warps": 4},  # fp32 tiles are twice the registers
+}
+
+
 def _gpu_tuning(cfg: _AttnCfg, q, topk, bwd=False):
     """Block sizes for the GPU kernels: explicit ``tuning`` entries win; defaults were picked by the H200 sweeps in
     benchmarks/RESULTS.md (decode: 32 heads x 512 x 32 rows, 4 warps, 3 stages; prefill: 64 x 512 x 64, 8 warps)."""
@@ -91,9 +104,8 @@ def _gpu_tuning(cfg: _AttnCfg, q, topk, bwd=False):
     wide = jnp.dtype(q.dtype).itemsize >= 4  # fp32 tiles are twice the registers / shared memory
     if bwd:
         t = {k[4:]: v for k, v in t.items() if k.startswith("bwd_")}
-        t.setdefault("block_h", 16 if wide else 32)
-        t.setdefault("block_k", 16)
-        t.setdefault("num_warps", 4)
+        for k_, v_ in GPU_BWD_DEFAULTS["float32" if wide else "16bit"].items():
+            t.setdefault(k_, v_)
         return t
     t = {k: v for k, v in t.items() if not k.startswith("bwd_")}
     rows = b * c

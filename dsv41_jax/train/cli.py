@@ -82,6 +82,9 @@ def add_parser(sub, formatter_class=argparse.ArgumentDefaultsHelpFormatter) -> N
     g.add_argument("--moe-impl", choices=("auto", "ragged", "blocked", "dense", "expert_parallel"), default="auto",
                    help="MoE implementation (blocked: grouped GEMM over padded row blocks, no ragged_dot; ragged: "
                         "jax.lax.ragged_dot; auto: blocked on GPUs, ragged elsewhere)")
+    g.add_argument("--compute-copy", action="store_true",
+                   help="keep the bf16 copy of the float32 masters in the train state, written by each update, "
+                        "instead of casting every master each step (the same training; + 2 bytes per weight)")
     g.add_argument("--query-chunk", type=int, default=256, help="attention / indexer query chunk")
     g.add_argument("--bias-update-rate", type=float, default=1e-3, help="noaux expert-bias update (0 = off)")
     g.add_argument("--aux-loss", type=float, default=0.0, help="sequence-wise balance loss coefficient")
@@ -156,7 +159,7 @@ def run(args) -> int:
         min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, b2=args.b2, grad_clip=args.grad_clip,
         trainable=tuple(args.train_only), frozen=tuple(args.freeze), compute_dtype=args.dtype,
         quant_sim=None if args.quant_sim == "config" else args.quant_sim == "on", remat=args.remat,
-        remat_scope=args.remat_scope,
+        remat_scope=args.remat_scope, compute_copy=args.compute_copy,
         moe_impl=args.moe_impl, query_chunk=args.query_chunk, bias_update_rate=args.bias_update_rate,
         aux_loss_coef=args.aux_loss, indexer_loss=args.indexer_loss, indexer_loss_coef=args.indexer_loss_coef,
         lora=args.lora, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,

@@ -4,6 +4,9 @@ State (a plain pytree, what checkpoints hold)::
 
     {"step": int32 [], "params": float32 master weights, "opt_state": optax state (float32), "rng": uint32 [2]}
 
+(with ``TrainConfig.compute_copy`` also ``"compute"``: the masters cast to the compute dtype, written by each update
+and read by the next step's forward; checkpoints do not hold it, :func:`place_state` rebuilds it.)
+
 Per step: cast the master weights to the compute dtype (bf16 by default; the parameters the model keeps in float32 —
 mHC, sinks, router biases — stay float32), run the forward (segment ids passed through for packed documents,
 optionally under a ``jax.checkpoint`` rematerialisation policy, around the whole forward or each decoder layer), masked next-token cross-entropy (+ optional
@@ -151,7 +154,19 @@ class TrainStep:
             device = jax.config.jax_default_device
             device = device if isinstance(device, jax.Device) else jax.devices()[0]
             state = jax.device_put(state, jax.sharding.SingleDeviceSharding(device))
-        return state
+        return self.attach_compute_copy(state)
+
+    def compute_params(self, master: dict) -> dict:
+        """The masters in the compute dtype (the float32-only parameters stay float32)."""
+        return jax.tree.map(lambda x, keep: x if keep else x.astype(self._dtype), master, self._fp32)
+
+    def attach_compute_copy(self, state: dict) -> dict:
+        """``state`` with its ``"compute"`` copy (``TrainConfig.compute_copy``; a no-op otherwise or if present)."""
+        if not self.train_config.compute_copy or "compute" in state:
+            return state
+        sh = self.state_shardings()
+        cast = jax.jit(self.compute_params, out_shardings=None if sh is None else sh["compute"])
+        return {**state, "compute": cast(state["params"])}
 
     def abstract_state(self):
         """ShapeDtypeStructs of the (unsharded, unpadded) state: the restore target of a checkpoint."""
@@ -180,6 +195,8 @@ class TrainStep:
             o_sh = map_param_leaves(abstract_o, table, lambda a, p: table[p] if a.shape == abstract_p_table[p].shape
                                     else rep, lambda _: rep)
             self._shardings = {"step": rep, "params": p_sh, "opt_state": o_sh, "rng": rep}
+            if self.train_config.compute_copy:
+                self._shardings["compute"] = p_sh
         return self._shardings
 
     # ------------------------------------------------------------------------------------------------------------
@@ -199,7 +216,10 @@ class TrainStep:
         return fn(params, batch["tokens"])
 
     def loss_fn(self, master: dict, batch: dict):
-        params = jax.tree.map(lambda x, keep: x if keep else x.astype(self._dtype), master, self._fp32)
+        return self.compute_loss_fn(self.compute_params(master), batch)
+
+    def compute_loss_fn(self, params: dict, batch: dict):
+        """``loss_fn`` of the compute-dtype copy (``compute_params(master)``, padded like the masters)."""
         if self.mesh is not None:
             from dsv41_jax.parallel.api import unpad_params
 
@@ -237,7 +257,14 @@ class TrainStep:
     def step_fn(self, state: dict, batch: dict, lr):
         tc = self.train_config
         rng, _ = jax.random.split(state["rng"])
-        (_, (metrics, loads)), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(state["params"], batch)
+        if tc.compute_copy:
+            # the gradient of the copy, upcast: the same values as the masters' gradient (the transpose of the
+            # cast), which the update fuses in as it fuses the cast's transpose otherwise
+            (_, (metrics, loads)), grads = jax.value_and_grad(self.compute_loss_fn, has_aux=True)(
+                state["compute"], batch)
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
+        else:
+            (_, (metrics, loads)), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(state["params"], batch)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         lr = jnp.asarray(lr, jnp.float32)
         updates = jax.tree.map(lambda u: (lr * u).astype(u.dtype), updates)
@@ -258,6 +285,8 @@ class TrainStep:
         metrics["lr"] = lr
         metrics.update(load_balance_stats(loads))
         new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "rng": rng}
+        if tc.compute_copy:
+            new_state["compute"] = self.compute_params(params)
         return new_state, metrics
 
     # ------------------------------------------------------------------------------------------------------------
@@ -330,10 +359,10 @@ def canonical_state(step: TrainStep, state: dict) -> dict:
 
 def place_state(step: TrainStep, state: dict) -> dict:
     """Inverse of :func:`canonical_state`: pad Engram tables and place every leaf on the step's mesh."""
-    if step.mesh is None:
-        return state
     if getattr(step, "is_lora", False):
-        return jax.device_put(state, step.state_shardings())
+        return state if step.mesh is None else jax.device_put(state, step.state_shardings())
+    if step.mesh is None:  # (the DSpark drafter's step has no compute copy)
+        return step.attach_compute_copy(state) if isinstance(step, TrainStep) else state
     from dsv41_jax.parallel.api import pad_params
 
     params = pad_params(state["params"], step.config, step.mesh, step.rules)
@@ -348,7 +377,8 @@ def place_state(step: TrainStep, state: dict) -> dict:
 
     opt = map_param_leaves(state["opt_state"], table, pad_like)
     out = {"step": state["step"], "params": params, "opt_state": opt, "rng": state["rng"]}
-    return jax.device_put(out, step.state_shardings())
+    sh = {k: v for k, v in step.state_shardings().items() if k in out}
+    return step.attach_compute_copy(jax.device_put(out, sh))
 
 
 def canonical_shardings(step: TrainStep, abstract_state: dict):
