@@ -38,8 +38,9 @@ number) — every scale a quantiser writes for real weights is far inside both.
 Addressing: the Triton lowering uses 32-bit signed element offsets for arrays of at most 4 GiB, so an operand of
 2-4 GiB is addressed wrong past 2 GiB; ``quant_gemm`` refuses such operands (see ``_check_gpu_addressing``).
 
-Fused (``fp8_gemm_fused``) on an H200 (benchmarks/RESULTS.md, 2026-12-02): at M = 1 wq_a + wkv in 5.3-5.8 µs
-(33-36 % of 4.8 TB/s; 1.65x the two separate kernels), w1 + w3 in 10.9-11.4 µs (43-45 %; 1.16x); M = 8 / 64
+Fused (``fp8_gemm_fused``) on an H200 (benchmarks/RESULTS.md, 2026-12-02): at M = 1 wq_a + wkv in 4.9-5.8 µs
+(33-39 % of 4.8 TB/s; 1.65x the two separate kernels), w1 + w3 in 10.5-11.4 µs (43-47 %; 1.16x) — an XLA
+read-only kernel over the same 9.2 / 23.6 MB takes 4.4 / 8.1 µs (43 / 61 %); M = 8 / 64
 1.06-1.44x the separate kernels at 11-22 %. Single kernels: at M = 1 the gemv form reaches 37 % of the 4.8 TB/s
 datasheet bandwidth on 2304 x 5120 (1.8x the tensor-core form; an XLA read-only kernel over the same 11.8 MB reaches
 48 %), M > 1 and the FP4 grouped kernel stay at 12-31 %: far from the >= 70 % goal.
@@ -183,10 +184,14 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
             got = dict(zip(live, ys))
             return tuple(got.get(p, jnp.zeros((m, 0), x.dtype)) for p in range(len(ns_)))
         return tuple(jnp.zeros((m, n), x.dtype) for n in ns_)
-    if num_warps is None and len(weights) > 1 and (m == 1 if gemv is None else gemv):
-        # measured on an H200 (benchmarks/RESULTS.md, 2026-12-02, one run): the fused gemv form with 8 warps took
-        # 5.27 / 10.86 µs for wq_a + wkv / w1 + w3 against 5.83 / 11.44 with fp8_gemm's 4
-        num_warps = 8
+    if len(weights) > 1 and (m == 1 if gemv is None else gemv):
+        # measured on an H200 (benchmarks/RESULTS.md, 2026-12-02): the fused gemv form with 8 warps took 5.27 / 10.86
+        # µs for wq_a + wkv / w1 + w3 against 5.83 / 11.44 with fp8_gemm's 4 (one run); in the 16-tiling sweep of a
+        # later run 512-byte K steps with 4 loaded ahead (the same 16 KB in flight per program, half the steps) took
+        # 4.88 / 10.50 µs against 5.32 / 11.04 for 256-byte steps with 8 ahead, the best of both groups
+        num_warps = 8 if num_warps is None else num_warps
+        if block_k is None and prefetch is None:
+            block_k, prefetch = 512, 4
     t = fp8_default_tiling(m, sum(ns_), k, block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
                            num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, gemv=gemv,
                            scale_side=scale_side, group_view=group_view)
