@@ -143,7 +143,7 @@ class Engine:
                  tokenizer=None, hasher=None, prefill_chunk: int = 512,
                  options: InferenceOptions = InferenceOptions(), cache_dtype=None, weights: str | None = None,
                  cache: str = "bf16", compilation_cache=None, decode_loop: str = "device",
-                 readback_every: int = 8):
+                 readback_every: int = 8, engram_tables: str = "device"):
         """``compilation_cache``: JAX's persistent compilation cache — None (default: on, under
         ``$XDG_CACHE_HOME/dsv41_jax`` or ``~/.cache/dsv41_jax``, unless ``DSV41_COMPILATION_CACHE=off``), False (off),
         True, or a directory (``dsv41_jax.compilation_cache``).
@@ -151,7 +151,10 @@ class Engine:
         ``decode_loop``: how ``generate`` runs its decode steps — ``"device"`` (default: each step hashes Engram
         n-grams and feeds its own samples on the device, so steps are dispatched back to back and their tokens
         read back every ``readback_every`` steps; ``on_token`` is then called in runs of up to that many) or
-        ``"host"`` (the tokens read back after every step and hashed on the host, the previous loop)."""
+        ``"host"`` (the tokens read back after every step and hashed on the host, the previous loop).
+
+        ``engram_tables``: ``"device"`` (default) or ``"host"``: the Engram tables in host memory (pinned), each
+        step's rows gathered on the host and only they moved to the device (``inference.host_tables``)."""
         if not isinstance(max_batch, int) or max_batch <= 0:
             raise EngineError(f"max_batch must be a positive integer, got {max_batch!r}")
         if not isinstance(max_len, int) or max_len <= 0:
@@ -168,6 +171,13 @@ class Engine:
         validate_params(params, config)
         self.compilation_cache_dir = enable_compilation_cache(compilation_cache)  # before the first compile
         params, options = _precision(config, params, options, weights, cache)  # weights= / cache= (release)
+        if engram_tables not in ("device", "host"):
+            raise EngineError(f"engram_tables must be 'device' or 'host', got {engram_tables!r}")
+        if engram_tables == "host":
+            from dsv41_jax.inference.host_tables import place_engram_tables
+
+            params = place_engram_tables(params, "host")
+        self.engram_tables = engram_tables
         if options.ced:
             check_ced_plan(config)
         self.config = config

@@ -1,0 +1,73 @@
+"""Engram tables in host memory (serving).
+
+The release's Engram tables are ≈ 200 GB of FP8 rows: with them on the devices the model needs 8 × H200, without
+them 4 (benchmarks/RESULTS.md). A decode step reads a few KB of them per token. ``tables_to_host`` places every
+Engram table (``.../engram/embed``: a float array or a release-format QuantizedTensor's values and scales) in host
+memory with its sharding otherwise unchanged; ``ops.engram.table_rows`` then sees the host memory space under jit
+and gathers the step's rows on the host (``ops.gather.take_rows_from_host``), so only those rows cross to the
+device, scheduled by XLA alongside the layers before the first Engram layer (they depend only on the step's ids).
+Inference only: a host table has no gradient path."""
+
+from __future__ import annotations
+
+import jax
+
+from dsv41_jax.model.release_weights import _map_with_path
+
+ENGRAM_TABLE = ("engram", "embed")  # the (parent, name) of Engram row tables in the parameter tree
+PLACEMENTS = ("device", "host")
+
+
+def is_engram_table(path: str) -> bool:
+    return tuple(path.split("/")[-2:]) == ENGRAM_TABLE
+
+
+def _to_memory(x, memory_kind: str):
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:  # not yet on a device: the default device
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.device_put(x, sharding.with_memory_kind(memory_kind))
+
+
+def place_engram_tables(params: dict, placement: str = "host", memory_kind: str = "pinned_host") -> dict:
+    """``params`` with every Engram table in host memory (``placement="host"``, as ``memory_kind``) or in device
+    memory (``"device"``); every other leaf is returned as is."""
+    from dsv41_jax.checkpoint.quantized import QuantizedTensor
+
+    if placement not in PLACEMENTS:
+        raise ValueError(f"Engram table placement must be one of {PLACEMENTS}, got {placement!r}")
+    kind = memory_kind if placement == "host" else "device"
+
+    def place(path, leaf):
+        if not is_engram_table(path):
+            return leaf
+        inner = getattr(leaf, "weight", None)  # an Fp8GemmInput mark keeps its table inside
+        if inner is not None:
+            import dataclasses
+
+            return dataclasses.replace(leaf, weight=place(path, inner))
+        if isinstance(leaf, QuantizedTensor):
+            import dataclasses
+
+            return dataclasses.replace(leaf, values=_to_memory(leaf.values, kind), scales=_to_memory(leaf.scales,
+                                                                                                     kind))
+        return _to_memory(leaf, kind)
+
+    return _map_with_path(place, params)
+
+
+def engram_table_bytes(params: dict) -> dict:
+    """{"host": bytes of Engram tables in host memory, "device": in device memory}."""
+    from dsv41_jax.ops.gather import in_host_memory
+
+    out = {"host": 0, "device": 0}
+
+    def count(path, leaf):
+        if is_engram_table(path):
+            inner = getattr(leaf, "weight", leaf)
+            for a in (inner.values, inner.scales) if hasattr(inner, "values") else (inner,):
+                out["host" if in_host_memory(a) else "device"] += int(a.size * a.dtype.itemsize)
+        return leaf
+
+    _map_with_path(count, params)
+    return out
