@@ -21,7 +21,8 @@ outputs against float32 on the dequantised weights (rel err).
 
 ``--decode 12L|bench40``: the Engine's decode step (``decode_and_sample``) with bf16 weights vs the release's
 weights (FP8 / FP4 / Engram-row bytes on device, random, GEMM inputs rounded to FP8, ``quantized_gemm=pallas_gpu``),
-bf16 cache filled to ``--context`` tokens, batch ``--batches``: median synced step over 10 steps, and 10 steps queued.
+bf16 cache filled to ``--context`` tokens, batch ``--batches``: median synced step over 10 steps, and 10 steps queued;
+``--engram-host`` adds the release weights with the Engram tables in host memory (``inference.host_tables``).
 Skipped when the GEMM part has used ``--budget-s``. Output: DIR/bench_fused_fp8.json (after each part) and tables.
 """
 
@@ -248,11 +249,12 @@ def random_release_params(config, params, key):
     return RW._map_with_path(one, params)
 
 
-def decode_compare(model, batches, context, save=lambda: None):
+def decode_compare(model, batches, context, save=lambda: None, engram_host=False):
     from bench_inference import decode_inputs, fill_cache
     from profile_decode import MODELS
     from dsv41_jax.inference.cache import init_cache
     from dsv41_jax.inference.decode import decode_and_sample
+    from dsv41_jax.inference.host_tables import engram_table_bytes
     from dsv41_jax.inference.step import InferenceOptions
     from dsv41_jax.model.params import init_params
     from dsv41_jax.model.release_weights import weight_bytes
@@ -266,11 +268,16 @@ def decode_compare(model, batches, context, save=lambda: None):
              "release": (random_release_params(config, params_bf16, jax.random.PRNGKey(5)),
                          InferenceOptions(**base, gemm_input_fp8=True, quantized_gemm=BE))}
     jax.block_until_ready(forms["release"][0])
+    if engram_host:  # the same release weights with the Engram tables in host memory (inference.host_tables)
+        from dsv41_jax.inference.host_tables import place_engram_tables
+
+        forms["release, Engram in host memory"] = (place_engram_tables(forms["release"][0]), forms["release"][1])
     log(f"decode: params ready ({time.time() - T0:.0f} s)")
     for b in batches:
         for form, (params, opts) in forms.items():
             row = dict(model=config.name, batch=b, context=context, weights=form,
-                       weight_gb=weight_bytes(params) / 1e9)
+                       weight_gb=weight_bytes(params) / 1e9,
+                       engram_tables_gb={k: v / 1e9 for k, v in engram_table_bytes(params).items()})
             try:
                 cache = init_cache(config, b, context + 64, jnp.bfloat16)
                 cache = jax.jit(fill_cache, static_argnums=(1,), donate_argnums=(0,))(cache, context,
@@ -316,6 +323,8 @@ def main():
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--budget-s", type=float, default=150.0, help="no decode part once the GEMM part took this long")
     ap.add_argument("--skip-gemm", action="store_true", help="only the decode comparison (and the ceilings)")
+    ap.add_argument("--engram-host", action="store_true",
+                    help="decode: also the release weights with the Engram tables in host memory")
     ap.add_argument("--sweep", action="store_true", help="the fused gemv tilings of SWEEP_M1 at M = 1, both groups")
     ap.add_argument("--sweep-budget-s", type=float, default=120.0,
                     help="no further sweep configuration once this long has passed since the start")
@@ -358,7 +367,8 @@ def main():
             OUT["errors"].append("decode comparison skipped: budget")
         else:
             try:
-                decode_compare(args.decode, [int(b) for b in args.batches.split(",")], args.context, save)
+                decode_compare(args.decode, [int(b) for b in args.batches.split(",")], args.context, save,
+                               args.engram_host)
             except Exception as e:  # noqa: BLE001
                 OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
                 log(f"decode FAILED: {type(e).__name__}: {str(e)[:300]}")
