@@ -8,7 +8,7 @@ import pytest
 
 from dsv41_jax.inference import Engine
 from dsv41_jax.inference.engine import EngineError
-from dsv41_jax.inference.host_tables import engram_table_bytes, place_engram_tables
+from dsv41_jax.inference.host_tables import choose_placement, engram_table_bytes, place_engram_tables
 from dsv41_jax.inference.weights import host_random_params
 from dsv41_jax.model import release_weights as RW
 from dsv41_jax.ops.engram import engram_write
@@ -39,8 +39,15 @@ def test_engram_write_from_a_host_table_equals_the_device_table(tiny_config):
         assert gathers and all('_xla_compute_type = "host"' in ln for ln in gathers)  # ... read only on the host
 
 
-def test_engram_table_placement_is_validated(tiny_config):
+def test_engram_table_placement_is_validated_and_auto_follows_the_device_budget(tiny_config):
+    gb = 10 ** 9  # the full release on one H200: ≈ 510 GB of weights, 200 GB of them Engram tables
+    assert choose_placement(510 * gb, 200 * gb, 20 * gb, 141 * gb) == "host"
+    assert choose_placement(60 * gb, 20 * gb, 20 * gb, 141 * gb) == "device"
+    assert choose_placement(510 * gb, 200 * gb, 20 * gb, None) == "device"  # no reported limit (CPU)
+    assert choose_placement(510 * gb, 0, 20 * gb, 141 * gb) == "device"  # no tables to move
     params = host_random_params(tiny_config, 0)
+    engine = Engine(tiny_config, params, max_batch=1, max_len=16, compilation_cache=False)
+    assert engine.engram_tables == "device" and engram_table_bytes(engine.params)["host"] == 0
     with pytest.raises(ValueError, match="placement"):
         place_engram_tables(params, "disk")
     with pytest.raises(EngineError, match="engram_tables"):

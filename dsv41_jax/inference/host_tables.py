@@ -16,6 +16,7 @@ from dsv41_jax.model.release_weights import _map_with_path
 
 ENGRAM_TABLE = ("engram", "embed")  # the (parent, name) of Engram row tables in the parameter tree
 PLACEMENTS = ("device", "host")
+DEVICE_HEADROOM = 0.9  # share of a device's memory that weights + cache may take (the rest: activations, programs)
 
 
 def is_engram_table(path: str) -> bool:
@@ -71,3 +72,29 @@ def engram_table_bytes(params: dict) -> dict:
 
     _map_with_path(count, params)
     return out
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes of ``tree``'s arrays held by one device: a committed array's first shard (its whole size if it is
+    unsharded or not yet placed)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shards = getattr(x, "addressable_shards", None)
+        total += int(shards[0].data.nbytes) if shards else int(x.size * x.dtype.itemsize)
+    return total
+
+
+def choose_placement(param_bytes: int, table_bytes: int, cache_bytes: int, device_bytes: int | None,
+                     headroom: float = DEVICE_HEADROOM) -> str:
+    """``"host"`` when weights + cache (per device) exceed ``headroom`` of the device's memory with the Engram
+    tables on it, else ``"device"``; an unknown device memory (``None``: e.g. the CPU backend) gives ``"device"``.
+    ``param_bytes`` includes the tables' ``table_bytes``."""
+    if device_bytes is None or table_bytes == 0:
+        return "device"
+    return "host" if param_bytes + cache_bytes > headroom * device_bytes else "device"
+
+
+def device_memory_bytes(device=None) -> int | None:
+    """The allocator's limit on ``device`` (default: the first device), or None where the backend reports none."""
+    stats = (device or jax.devices()[0]).memory_stats()
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
