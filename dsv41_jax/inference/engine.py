@@ -155,7 +155,7 @@ class Engine:
 
         ``engram_tables``: ``"device"``, ``"host"`` (the Engram tables in host memory, pinned: each step's rows
         gathered on the host and only they moved to the device, ``inference.host_tables``) or ``"auto"`` (default:
-        ``"host"`` when the weights and the cache would take more than 90 % of the device's memory with the tables
+        ``"host"`` when the weights and the cache would take more than the device's memory with the tables
         on it, ``"device"`` otherwise and wherever the backend reports no memory limit, as on the CPU)."""
         if not isinstance(max_batch, int) or max_batch <= 0:
             raise EngineError(f"max_batch must be a positive integer, got {max_batch!r}")

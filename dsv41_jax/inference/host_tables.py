@@ -16,7 +16,8 @@ from dsv41_jax.model.release_weights import _map_with_path
 
 ENGRAM_TABLE = ("engram", "embed")  # the (parent, name) of Engram row tables in the parameter tree
 PLACEMENTS = ("device", "host")
-DEVICE_HEADROOM = 0.9  # share of a device's memory that weights + cache may take (the rest: activations, programs)
+DEVICE_HEADROOM = 1.0  # "auto" moves the tables only where weights + cache cannot fit at all: a placement that
+# could have run on the device is never changed (the host gather is not yet measured on a GPU)
 
 
 def is_engram_table(path: str) -> bool:
