@@ -78,8 +78,12 @@ def test_gpu_kernel_tilings_are_exact_on_the_contiguous_paths():
                                                                    scale_side="x")):
         got = QG.fp8_linear(x, w, backend="pallas_gpu_interpret", tuning=tuning)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(tuning))
-    # the gemv form (M = 1): unrolled K steps loaded ahead, 3 K splits of 3 steps over 8 K blocks (one masked)
-    for tuning in (dict(block_n=8, block_k=64, split_k=3, prefetch=1), dict(block_n=32, prefetch=0)):
+    # the gemv form (M = 1): unrolled K steps loaded ahead, 3 K splits of 3 steps over 8 K blocks (one masked);
+    # 4-row column blocks (8 programs per scale row) with every K step loaded ahead; the [rows, K/32, 32] group view
+    # (scale bytes loaded per 32-column group) on the masked and the contiguous path
+    for tuning in (dict(block_n=8, block_k=64, split_k=3, prefetch=1), dict(block_n=32, prefetch=0),
+                   dict(block_n=4, block_k=128, prefetch=4), dict(block_n=8, block_k=64, split_k=3, group_view=True),
+                   dict(block_n=4, block_k=128, prefetch=4, group_view=True)):
         got = QG.fp8_linear(x[:1], w, backend="pallas_gpu_interpret", tuning=tuning)
         np.testing.assert_allclose(got, want[:1], rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(tuning))
     w4 = _weights(rng, (3, 64, 512), N.FP4_ROWS, scale=0.1)

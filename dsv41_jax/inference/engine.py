@@ -32,7 +32,7 @@ import numpy as np
 
 from dsv41_jax.compilation_cache import enable_compilation_cache
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.inference.cache import CacheFootprint, cache_footprint, init_cache, tree_bytes
+from dsv41_jax.inference.cache import CacheFootprint, abstract_cache, cache_footprint, init_cache, tree_bytes
 from dsv41_jax.inference.decode import decode_and_sample, decode_chain, decode_step_jit
 from dsv41_jax.inference.prefill import prefill as _prefill
 from dsv41_jax.inference.sampling import SamplingError, SamplingParams, sample_jit
@@ -143,7 +143,7 @@ class Engine:
                  tokenizer=None, hasher=None, prefill_chunk: int = 512,
                  options: InferenceOptions = InferenceOptions(), cache_dtype=None, weights: str | None = None,
                  cache: str = "bf16", compilation_cache=None, decode_loop: str = "device",
-                 readback_every: int = 8):
+                 readback_every: int = 8, engram_tables: str = "auto"):
         """``compilation_cache``: JAX's persistent compilation cache — None (default: on, under
         ``$XDG_CACHE_HOME/dsv41_jax`` or ``~/.cache/dsv41_jax``, unless ``DSV41_COMPILATION_CACHE=off``), False (off),
         True, or a directory (``dsv41_jax.compilation_cache``).
@@ -151,7 +151,12 @@ class Engine:
         ``decode_loop``: how ``generate`` runs its decode steps — ``"device"`` (default: each step hashes Engram
         n-grams and feeds its own samples on the device, so steps are dispatched back to back and their tokens
         read back every ``readback_every`` steps; ``on_token`` is then called in runs of up to that many) or
-        ``"host"`` (the tokens read back after every step and hashed on the host, the previous loop)."""
+        ``"host"`` (the tokens read back after every step and hashed on the host, the previous loop).
+
+        ``engram_tables``: ``"device"``, ``"host"`` (the Engram tables in host memory, pinned: each step's rows
+        gathered on the host and only they moved to the device, ``inference.host_tables``) or ``"auto"`` (default:
+        ``"host"`` when the weights and the cache would take more than the device's memory with the tables
+        on it, ``"device"`` otherwise and wherever the backend reports no memory limit, as on the CPU)."""
         if not isinstance(max_batch, int) or max_batch <= 0:
             raise EngineError(f"max_batch must be a positive integer, got {max_batch!r}")
         if not isinstance(max_len, int) or max_len <= 0:
@@ -168,6 +173,19 @@ class Engine:
         validate_params(params, config)
         self.compilation_cache_dir = enable_compilation_cache(compilation_cache)  # before the first compile
         params, options = _precision(config, params, options, weights, cache)  # weights= / cache= (release)
+        if engram_tables not in ("device", "host", "auto"):
+            raise EngineError(f"engram_tables must be 'device', 'host' or 'auto', got {engram_tables!r}")
+        from dsv41_jax.inference import host_tables as HT
+
+        if engram_tables == "auto":
+            tables = HT.engram_table_bytes(params)
+            cache_bytes = tree_bytes(abstract_cache(config, max_batch, max_len, cache_dtype or params["embed"].dtype,
+                                                    packed=cache == "release"))
+            engram_tables = HT.choose_placement(HT.per_device_bytes(params), tables["host"] + tables["device"],
+                                                cache_bytes, HT.device_memory_bytes())
+        if engram_tables == "host":
+            params = HT.place_engram_tables(params, "host")
+        self.engram_tables = engram_tables
         if options.ced:
             check_ced_plan(config)
         self.config = config

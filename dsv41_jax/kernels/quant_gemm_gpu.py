@@ -38,8 +38,9 @@ number) — every scale a quantiser writes for real weights is far inside both.
 Addressing: the Triton lowering uses 32-bit signed element offsets for arrays of at most 4 GiB, so an operand of
 2-4 GiB is addressed wrong past 2 GiB; ``quant_gemm`` refuses such operands (see ``_check_gpu_addressing``).
 
-Fused (``fp8_gemm_fused``) on an H200 (benchmarks/RESULTS.md, 2026-12-02): at M = 1 wq_a + wkv in 5.3-5.8 µs
-(33-36 % of 4.8 TB/s; 1.65x the two separate kernels), w1 + w3 in 10.9-11.4 µs (43-45 %; 1.16x); M = 8 / 64
+Fused (``fp8_gemm_fused``) on an H200 (benchmarks/RESULTS.md, 2026-12-02): at M = 1 wq_a + wkv in 4.9-5.8 µs
+(33-39 % of 4.8 TB/s; 1.65x the two separate kernels), w1 + w3 in 10.5-11.4 µs (43-47 %; 1.16x) — an XLA
+read-only kernel over the same 9.2 / 23.6 MB takes 4.4 / 8.1 µs (43 / 61 %); M = 8 / 64
 1.06-1.44x the separate kernels at 11-22 %. Single kernels: at M = 1 the gemv form reaches 37 % of the 4.8 TB/s
 datasheet bandwidth on 2304 x 5120 (1.8x the tensor-core form; an XLA read-only kernel over the same 11.8 MB reaches
 48 %), M > 1 and the FP4 grouped kernel stay at 12-31 %: far from the >= 70 % goal.
@@ -91,7 +92,7 @@ def _e8m0_mult(s_byte, extra_exp: int = 0):
 def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, block_n: int | None = None,
                        block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
                        num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
-                       scale_side: str | None = None) -> dict:
+                       scale_side: str | None = None, group_view: bool | None = None) -> dict:
     """The tiling of ``fp8_gemm`` for an [m, k] x [n, k] GEMM; any argument given overrides its default.
 
     block_m / block_n / block_k: the output tile and the K step; split_k: K ranges given to separate programs (their
@@ -99,7 +100,9 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
     step being computed (0: a ``fori_loop`` left to the compiler's software pipelining, ``num_stages`` deep);
     gemv (M = 1 only): no tensor-core dot, a [block_n, block_k] float32 accumulator of elementwise products summed
     once at the end; scale_side: which operand takes the e8m0 block scale ("x": the [block_m, block_k] activation
-    tile, once per 32 weight rows; "w": every weight element)."""
+    tile, once per 32 weight rows; "w": every weight element); group_view (gemv form only): weights and activations
+    read as [rows, K/32, 32] views, so a K step's scale bytes are one contiguous [block_k / 32] load broadcast over
+    each 32-column group in registers (instead of a [block_k] gather of repeated scale bytes); needs K % 32 == 0."""
     gemv = (m == 1) if gemv is None else gemv
     if gemv and m != 1:
         raise ValueError(f"the gemv form takes one activation row, got M = {m}")
@@ -120,31 +123,34 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
     kb_per = -(-n_kb // split_k)
     pf = (min(8, kb_per) if gemv else 0) if prefetch is None else min(prefetch, kb_per)
     scale_side = scale_side or ("x" if gemv else "w")
+    group_view = bool(group_view) and gemv and k % SCALE_BLOCK == 0 and _pow2(bk // SCALE_BLOCK) == bk // SCALE_BLOCK
     return dict(block_m=bm, block_n=bn, block_k=bk, split_k=split_k, num_warps=num_warps or 4,
-                num_stages=num_stages or 3, prefetch=pf, gemv=gemv, scale_side=scale_side)
+                num_stages=num_stages or 3, prefetch=pf, gemv=gemv, scale_side=scale_side, group_view=group_view)
 
 
 _TILING_ARGS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "prefetch", "gemv",
-                "scale_side")
+                "scale_side", "group_view")
 
 
 @functools.partial(jax.jit, static_argnames=_TILING_ARGS + ("name", "interpret"))
 def fp8_gemm(x, values, scales, *, block_m: int | None = None, block_n: int | None = None,
              block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
              num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
-             scale_side: str | None = None, name: str = "fp8_block_gemm", interpret: bool = False):
+             scale_side: str | None = None, group_view: bool | None = None, name: str = "fp8_block_gemm",
+             interpret: bool = False):
     """x [M, K] (bf16 / f32), values uint8 e4m3 bytes [N, K], scales uint8 [ceil(N/32), ceil(K/32)] -> [M, N]
     x.dtype. Tiling: ``fp8_default_tiling``."""
     return fp8_gemm_fused(x, ((values, scales),), block_m=block_m, block_n=block_n, block_k=block_k,
                           split_k=split_k, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, gemv=gemv,
-                          scale_side=scale_side, name=name, interpret=interpret)[0]
+                          scale_side=scale_side, group_view=group_view, name=name, interpret=interpret)[0]
 
 
 @functools.partial(jax.jit, static_argnames=_TILING_ARGS + ("name", "interpret"))
 def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | None = None,
                    block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
-                   scale_side: str | None = None, name: str = "fp8_block_gemm_fused", interpret: bool = False):
+                   scale_side: str | None = None, group_view: bool | None = None, name: str = "fp8_block_gemm_fused",
+                   interpret: bool = False):
     """Several FP8 GEMMs of ONE input in one launch: x [M, K] and weights ((values [N_p, K], scales
     [ceil(N_p/32), ceil(K/32)]), ...) -> (x · w_pᵀ [M, N_p] in x.dtype, ...).
 
@@ -173,22 +179,28 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
             live = [p for p, n in enumerate(ns_) if n]
             ys = fp8_gemm_fused(x, tuple(weights[p] for p in live), block_m=block_m, block_n=block_n,
                                 block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages,
-                                prefetch=prefetch, gemv=gemv, scale_side=scale_side, name=name, interpret=interpret)
+                                prefetch=prefetch, gemv=gemv, scale_side=scale_side, group_view=group_view, name=name,
+                                interpret=interpret)
             got = dict(zip(live, ys))
             return tuple(got.get(p, jnp.zeros((m, 0), x.dtype)) for p in range(len(ns_)))
         return tuple(jnp.zeros((m, n), x.dtype) for n in ns_)
-    if num_warps is None and len(weights) > 1 and (m == 1 if gemv is None else gemv):
-        # measured on an H200 (benchmarks/RESULTS.md, 2026-12-02, one run): the fused gemv form with 8 warps took
-        # 5.27 / 10.86 µs for wq_a + wkv / w1 + w3 against 5.83 / 11.44 with fp8_gemm's 4
-        num_warps = 8
+    if len(weights) > 1 and (m == 1 if gemv is None else gemv):
+        # measured on an H200 (benchmarks/RESULTS.md, 2026-12-02): the fused gemv form with 8 warps took 5.27 / 10.86
+        # µs for wq_a + wkv / w1 + w3 against 5.83 / 11.44 with fp8_gemm's 4 (one run); in the 16-tiling sweep of a
+        # later run 512-byte K steps with 4 loaded ahead (the same 16 KB in flight per program, half the steps) took
+        # 4.88 / 10.50 µs against 5.32 / 11.04 for 256-byte steps with 8 ahead, the best of both groups
+        num_warps = 8 if num_warps is None else num_warps
+        if block_k is None and prefetch is None:
+            block_k, prefetch = 512, 4
     t = fp8_default_tiling(m, sum(ns_), k, block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
                            num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, gemv=gemv,
-                           scale_side=scale_side)
+                           scale_side=scale_side, group_view=group_view)
     bm, bn, bk, split_k, pf, gemv = (t[a] for a in ("block_m", "block_n", "block_k", "split_k", "prefetch", "gemv"))
     x_side = t["scale_side"] == "x"
-    if bk % SCALE_BLOCK or not (bn % SCALE_BLOCK == 0 or SCALE_BLOCK % bn == 0) or bn < (8 if gemv else 16):
+    gview = t["group_view"]
+    if bk % SCALE_BLOCK or not (bn % SCALE_BLOCK == 0 or SCALE_BLOCK % bn == 0) or bn < (2 if gemv else 16):
         raise ValueError(f"block_k {bk} must be a multiple of {SCALE_BLOCK}; block_n {bn} a multiple or a divisor "
-                         f"of it (>= 16; >= 8 for the gemv form)")
+                         f"of it (>= 16; >= 2 for the gemv form)")
     if t["scale_side"] not in ("x", "w"):
         raise ValueError(f"scale_side must be 'x' or 'w', got {t['scale_side']!r}")
     n_kb = -(-k // bk)
@@ -202,6 +214,7 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
     k_mask = k % bk != 0 or kb_per * split_k != n_kb  # K past the end, or K steps past the last block
     m_tail = m % bm != 0
     ns = -(-k // SCALE_BLOCK)  # scale columns
+    kg, gpb = k // SCALE_BLOCK, bk // SCALE_BLOCK  # group view: 32-column groups in K and per K step
     out_dtype = x.dtype if split_k == 1 else jnp.float32
     f32 = jnp.float32
     n_w = len(weights)
@@ -214,7 +227,36 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
         rows_m = mi * bm + jnp.arange(bm)
         mmask = rows_m < m
 
+        def load_grouped(kb):  # group view: [sub, gpb, 32] weight tiles, [gpb, 32] activations, [gpb] scale bytes
+            g0 = kb * gpb
+            grp = g0 + jnp.arange(gpb)
+            gin = grp < kg
+            lane = jnp.arange(SCALE_BLOCK)
+            ws, ss = [], []
+            for g in range(bn // sub):
+                srow = jnp.minimum((n0 + g * sub) // SCALE_BLOCK, ks - 1)
+                if k_mask or n_tail:
+                    rows = n0 + g * sub + jnp.arange(sub)
+                    idx = (jnp.minimum(rows, n - 1)[:, None, None], jnp.minimum(grp, kg - 1)[None, :, None],
+                           lane[None, None, :])
+                    ws.append(pltr.load(v_ref.at[idx], mask=(rows < n)[:, None, None] & gin[None, :, None],
+                                        other=0))
+                else:  # one contiguous bk-byte run per weight row
+                    ws.append(v_ref[pl.ds(n0 + g * sub, sub), pl.ds(g0, gpb), :])
+                if k_mask:
+                    ss.append(pltr.load(s_ref.at[srow, jnp.minimum(grp, kg - 1)], mask=gin, other=127))
+                else:
+                    ss.append(s_ref[srow, pl.ds(g0, gpb)])
+            if k_mask:
+                xc = pltr.load(x_ref.at[0, jnp.minimum(grp, kg - 1)[:, None], lane[None, :]],
+                               mask=gin[:, None], other=0)
+            else:
+                xc = x_ref[0, pl.ds(g0, gpb), :]
+            return ws, xc, ss
+
         def load(kb):  # the K step's weight tiles (one per scale row), activation tile and scale bytes
+            if gview:
+                return load_grouped(kb)
             k0 = kb * bk
             cols = k0 + jnp.arange(bk)
             kin = cols < k
@@ -243,9 +285,11 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
             ws, xc, ss = loaded
             new = []
             for acc, w, s in zip(accs, ws, ss):
-                mult = _e8m0_mult(s)  # [bk] float32 powers of two
+                mult = _e8m0_mult(s)  # [bk] float32 powers of two ([bk / 32] in the group view)
                 w8 = jax.lax.bitcast_convert_type(w, jnp.float8_e4m3fn)  # loaded as bytes (masked fp8 loads fail)
-                if gemv:  # float32 products: exact (4 x 8 significant bits, times a power of two)
+                if gview:  # [sub, gpb, 32] x [gpb, 32] (the scale broadcast over its group): same exact products
+                    new.append(acc + w8.astype(f32) * (xc.astype(f32) * mult[:, None])[None])
+                elif gemv:  # float32 products: exact (4 x 8 significant bits, times a power of two)
                     new.append(acc + w8.astype(f32) * (xc.astype(f32) * mult)[None, :])
                 elif x_side:  # x * 2^e: exact in the dot dtype while it stays a normal number
                     xs = (xc.astype(f32) * mult[None, :]).astype(dot_dtype)
@@ -254,7 +298,7 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
                     new.append(acc + _dot_nt(xc, (w8.astype(f32) * mult[None, :]).astype(dot_dtype)))
             return new
 
-        acc_shape = (sub, bk) if gemv else (bm, sub)
+        acc_shape = (sub, gpb, SCALE_BLOCK) if gview else (sub, bk) if gemv else (bm, sub)
         accs = [jnp.zeros(acc_shape, f32) for _ in range(bn // sub)]
         base = si * kb_per
         if pf == 0:  # one loop, software-pipelined by the compiler (num_stages)
@@ -272,6 +316,8 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
             c0 = n0 + g * sub
             cols_n = c0 + jnp.arange(sub)
             if gemv:
+                if gview:
+                    acc = jnp.sum(acc, axis=2)
                 res = jnp.sum(acc, axis=1).astype(o_ref.dtype)  # [sub]
                 if n_tail:
                     pltr.store(o_ref.at[lead + (0, cols_n)], res, mask=cols_n < n)
@@ -296,6 +342,9 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
 
     out_shapes = tuple(jax.ShapeDtypeStruct((m, n) if split_k == 1 else (split_k, m, n), out_dtype) for n in ns_)
     flat_w = [a for vs in weights for a in vs]
+    if gview:  # [rows, K/32, 32] views of the row-major bytes: no copy
+        xd = xd.reshape(m, kg, SCALE_BLOCK)
+        flat_w = [a.reshape(a.shape[0], kg, SCALE_BLOCK) if i % 2 == 0 else a for i, a in enumerate(flat_w)]
     outs = pl.pallas_call(
         kernel, grid=(nm, sum(nns), split_k), out_shape=out_shapes,
         compiler_params=_params(t["num_warps"], t["num_stages"]), interpret=interpret, name=name,

@@ -6,7 +6,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.ops.gather import take_rows
+from dsv41_jax.ops.gather import in_host_memory, take_rows, take_rows_from_host
 from dsv41_jax.ops.linear import Fp8GemmInput, is_plain_weight, linear, matmul_precision
 
 
@@ -50,12 +50,14 @@ def engram_write(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: f
 def table_rows(table, row_ids: jax.Array, dtype) -> jax.Array:
     """``table[row_ids]`` (:func:`dsv41_jax.ops.gather.take_rows`: the gradient of a row many n-grams share is
     summed in float32); a release-format (FP8 rows + scales) table gathers the stored bytes of the needed rows
-    only and dequantises them (to ``dtype``)."""
+    only and dequantises them (to ``dtype``). A table in host memory (``inference.host_tables``) is gathered on the
+    host: only the looked-up rows move to the device (inference only)."""
     if isinstance(table, Fp8GemmInput):
         table = table.weight
     if is_plain_weight(table):
-        return take_rows(table, row_ids)
-    rows = dataclasses.replace(table, values=jnp.take(table.values, row_ids, axis=0),
-                               scales=jnp.take(table.scales, row_ids, axis=0),
+        return take_rows_from_host(table, row_ids) if in_host_memory(table) else take_rows(table, row_ids)
+    take = (take_rows_from_host if in_host_memory(table.values) else
+            lambda a, ids: jnp.take(a, ids, axis=0))
+    rows = dataclasses.replace(table, values=take(table.values, row_ids), scales=take(table.scales, row_ids),
                                shape=tuple(row_ids.shape) + tuple(table.shape[1:]))
     return rows.dequantize(dtype)

@@ -59,3 +59,26 @@ def take_rows_batched(table: jax.Array, ids: jax.Array, dtype=None) -> jax.Array
     """Per batch row: table [B, N, ...], ids int [B, ...] -> [B, ..., *table.shape[2:]] (``table[b][ids[b]]``), as
     ``dtype``; the gradient w.r.t. ``table`` is scatter-added in float32."""
     return _take(table, ids, jnp.dtype(table.dtype if dtype is None else dtype), True)
+
+
+def in_host_memory(x) -> bool:
+    """Whether ``x`` (an array, or a tracer under jit) lives in host memory (a ``pinned_host`` / ``unpinned_host``
+    sharding): XLA cannot gather from it in a device computation."""
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+def take_rows_from_host(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """``table[ids]`` along axis 0 (indices clamped into [0, N)) for a table in host memory: the ids move to the
+    host, the rows are gathered there (``compute_on("device_host")``) and only they move to the device — the
+    table's bytes never do. Inference only (no gradient to a host table). table [N, ...], ids int [...] on the
+    device -> [..., *table.shape[1:]] in the table's dtype, in device memory.
+
+    Why: the release's Engram tables (≈ 200 GB FP8) do not fit the devices' memory with the rest of the model; a
+    decode step reads a few KB of them per token."""
+    from jax.experimental.compute_on import compute_on
+
+    ids = jnp.clip(ids, 0, table.shape[0] - 1)  # clamped on the device: the host gather may then promise bounds
+    ids_host = jax.device_put(ids, jax.memory.Space.Host)
+    with compute_on("device_host"):
+        rows = table.at[ids_host].get(mode="promise_in_bounds")
+    return jax.device_put(rows, jax.memory.Space.Device)
