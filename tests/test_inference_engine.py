@@ -124,6 +124,24 @@ def test_device_decode_loop_equals_the_host_loop():
         Engine(eng.config, eng.params, max_batch=1, max_len=8, readback_every=0)
 
 
+def test_decode_steps_hash_engram_ngrams_on_the_device_like_the_host_hasher():
+    """decode_step, the host loop and serve hash each step's tokens on the device (Engine._engram_step): the row ids
+    and the look-back equal the host hasher's step, active slots advanced, inactive ones kept."""
+    eng = _engine()
+    eng.prefill([_prompt(5, 11), _prompt(13, 12)], [0, 2])
+    rng = np.random.default_rng(5)
+    for active in (np.array([True, False, True]), np.array([True, True, True])):
+        tokens = rng.integers(0, eng.config.vocab_size, 3)
+        before = eng._hist
+        want, after = eng.hasher.step(np.where(active, tokens, 0)[:, None], before)
+        got = eng._engram_step(tokens, active)
+        assert isinstance(got, jax.Array)  # computed on the device, nothing hashed on the host
+        np.testing.assert_array_equal(np.asarray(got)[active], want[active, 0])
+        for field in ("tokens", "segments", "num_positions", "num_valid"):
+            a, b, new = getattr(after, field), getattr(before, field), getattr(eng._hist, field)
+            np.testing.assert_array_equal(new, np.where(active if a.ndim == 1 else active[:, None], a, b), field)
+
+
 def test_bad_input_is_a_clear_error_and_the_rest_is_served():
     eng = _engine()
     good = _prompt(7, 5)
