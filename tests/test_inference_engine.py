@@ -14,7 +14,9 @@ from dsv41_jax.cli import main
 from dsv41_jax.inference import (FAST_COMPILE, EngineError, InferenceOptions, Request, cache_footprint, decode_step,
                                  init_cache)
 from dsv41_jax.inference.cache import abstract_cache, tree_bytes
+from dsv41_jax.inference.decode import _decode_chain, _decode_opts
 from dsv41_jax.inference.sampling import SamplingError, SamplingParams, filter_logits, sample
+from dsv41_jax.inference.step import jit_for
 from dsv41_jax.inference.weights import host_random_params
 from dsv41_jax.tokenizer import ByteTokenizer
 from dsv41_jax.train.testing import every_role_config
@@ -103,15 +105,20 @@ def test_device_decode_loop_equals_the_host_loop():
             Request(p[1], temperature=1.0, top_k=20, seed=3, max_new_tokens=11, stop_tokens=()),
             Request(p[2], max_new_tokens=10, stop_tokens=())]  # ends by max_len
     got = {}
+    chain = jit_for(_decode_chain, _decode_opts(eng.options)).jitted
+    programs = {}
     try:
         for loop, every in (("host", 1), ("device", 3), ("device", 8)):
             eng.decode_loop, eng.readback_every = loop, every
             res = eng.generate(reqs)
+            programs[loop, every] = chain._cache_size()
             hist = [a.copy() for a in (eng._hist.tokens, eng._hist.segments, eng._hist.num_positions,
                                        eng._hist.num_valid)]
             got[loop, every] = ([(r.tokens, r.finish_reason) for r in res], hist)
     finally:
         eng.decode_loop, eng.readback_every = "device", 8
+    # one decode program per shape, whatever the run length: a run dispatches the same compiled step k times
+    assert programs["device", 3] == programs["device", 8] >= 1
     want_tokens, want_hist = got["host", 1]
     assert [r for _, r in want_tokens] == ["stop", "length", "max_len"]
     for key in (("device", 3), ("device", 8)):
