@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -67,6 +68,9 @@ def _args(argv):
     ap.add_argument("--no-precompile", action="store_true",
                     help="with --loops: compile each program at its first call (default: every batch's programs "
                          "are compiled first, concurrently, and their compile times reported)")
+    ap.add_argument("--variant", default="", help="with --loops: an InferenceOptions boolean field (e.g. "
+                    "mhc_one_pass) whose device loop is also timed and profiled, set, at --variant-batches")
+    ap.add_argument("--variant-batches", default="1")
     ap.add_argument("--diagnose-compile", default="",
                     help="with --loops: batches whose device-loop program is compiled again at the end, alone, "
                          "with XLA's GEMM autotuning off (how much of its compile time is autotuning)")
@@ -505,11 +509,18 @@ def main():
             host_batches = args.host_loop_batches.split(",")
             for b in batches:
                 setups[b] = loop_setup(config, b, args.context, opts, ks, args.profile_steps, str(b) in host_batches)
+            vopts = dataclasses.replace(opts, **{args.variant: True}) if args.variant else None
+            vbatches = [int(x) for x in args.variant_batches.split(",")] if args.variant else []
+            for b in vbatches:
+                setups[b, args.variant] = loop_setup(config, b, args.context, vopts, ks, args.profile_steps, False)
             if not args.no_precompile:
                 jobs = {}
                 for b in batches:
                     jobs.update({f"{config.name} {k}": v for k, v in loop_programs(config, params, opts,
                                                                                      setups[b]).items()})
+                for b in vbatches:
+                    jobs.update({f"{config.name} {k} {args.variant}": v for k, v in
+                                 loop_programs(config, params, vopts, setups[b, args.variant]).items()})
                 meta.setdefault("compile", {}).update(precompile(jobs))
                 print(json.dumps({"compile": meta["compile"]}), flush=True)
         for b in batches:
@@ -530,6 +541,21 @@ def main():
             print(json.dumps({k: v for k, v in r.items() if k != "events"}), flush=True)
             with open(os.path.join(out, f"profile_decode{('_' + args.label) if args.label else ''}.json"), "w") as f:
                 json.dump(dict(meta=meta, rows=rows), f, indent=1)  # after every row: a cut-off run keeps its rows
+        for b in (vbatches if args.loops else []):
+            parts = step_bytes(config, params, b, args.context)
+            try:
+                r = profile_loops(config, params, setups.pop((b, args.variant)), vopts, args.steps, args.profile_steps,
+                                  ks)
+                r["compile"] = meta.get("compile", {}).get(f"{config.name} B{b} device loop (decode_chain) "
+                                                           f"{args.variant}", {})
+            except Exception as e:  # noqa: BLE001
+                r = dict(error=repr(e)[:400])
+            r.update(model=f"{config.name} + {args.variant}", batch=b, floor_ms=sum(parts.values()) / bw * 1e3,
+                     step_gb=sum(parts.values()) / 1e9, bytes=parts, variant=args.variant)
+            rows.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "events"}), flush=True)
+            with open(os.path.join(out, f"profile_decode{('_' + args.label) if args.label else ''}.json"), "w") as f:
+                json.dump(dict(meta=meta, rows=rows), f, indent=1)
         for b in (int(x) for x in args.diagnose_compile.split(",") if x):
             if time.perf_counter() - t_start > args.diagnose_before_s:
                 meta.setdefault("compile", {})[f"B{b} diagnosis"] = "skipped (time)"

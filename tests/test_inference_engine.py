@@ -117,8 +117,11 @@ def test_device_decode_loop_equals_the_host_loop():
             got[loop, every] = ([(r.tokens, r.finish_reason) for r in res], hist)
     finally:
         eng.decode_loop, eng.readback_every = "device", 8
-    # one decode program per shape, whatever the run length: a run dispatches the same compiled step k times
-    assert programs["device", 3] == programs["device", 8] >= 1
+    # One compiled step per read-back interval (the ring's shape), whatever the run lengths and the number of stop
+    # tokens (bucketed): a run dispatches the same program k times. The first generate above ran k = 8 with no stop.
+    assert programs["device", 3] == programs["device", 8] == programs["host", 1] + 1
+    eng.generate([Request(p[0], max_new_tokens=3, stop_tokens=(1, 2, 3))])  # k = 8, three stop tokens
+    assert chain._cache_size() == programs["device", 8]
     want_tokens, want_hist = got["host", 1]
     assert [r for _, r in want_tokens] == ["stop", "length", "max_len"]
     for key in (("device", 3), ("device", 8)):

@@ -463,7 +463,12 @@ class Engine:
         host, with the same ends as the device's (checked). A run is never longer than the most steps any active
         slot can still take, so only slots ended early by a stop token waste steps. Returns the steps run."""
         b = self.max_batch
-        stops = np.full((b, max(len(v[2]) for v in info.values())), -2, np.int32)  # -2: never sampled
+        # -2: never sampled. The width is bucketed (4, 8, 16, ...) so that calls with different numbers of stop
+        # tokens run the same compiled step (its shapes are the program's: a new width would compile it again).
+        width = 4
+        while width < max(len(v[2]) for v in info.values()):
+            width *= 2
+        stops = np.full((b, width), -2, np.int32)
         max_new = np.zeros((b,), np.int32)
         room = np.zeros((b,), np.int32)
         for s, (_i, ids, st, mnt) in info.items():
