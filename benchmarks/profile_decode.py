@@ -504,58 +504,49 @@ def main():
         config = MODELS[name]()
         params = init_params(config, jax.random.PRNGKey(0), jnp.bfloat16)
         jax.block_until_ready(params)
-        setups = {}
-        if args.loops:  # every batch's inputs first, then all their programs compiled at once
+        setups, vopts, vbatches = {}, None, []
+        if args.loops:  # every batch's inputs first; each batch's programs compiled at once before it is timed
             host_batches = args.host_loop_batches.split(",")
             for b in batches:
                 setups[b] = loop_setup(config, b, args.context, opts, ks, args.profile_steps, str(b) in host_batches)
-            vopts = dataclasses.replace(opts, **{args.variant: True}) if args.variant else None
-            vbatches = [int(x) for x in args.variant_batches.split(",")] if args.variant else []
-            for b in vbatches:
-                setups[b, args.variant] = loop_setup(config, b, args.context, vopts, ks, args.profile_steps, False)
-            if not args.no_precompile:
-                jobs = {}
-                for b in batches:
-                    jobs.update({f"{config.name} {k}": v for k, v in loop_programs(config, params, opts,
-                                                                                     setups[b]).items()})
+            if args.variant:
+                vopts = dataclasses.replace(opts, **{args.variant: True})
+                vbatches = [int(x) for x in args.variant_batches.split(",")]
                 for b in vbatches:
+                    setups[b, args.variant] = loop_setup(config, b, args.context, vopts, ks, args.profile_steps,
+                                                         False)
+        for b in batches:
+            if args.loops and not args.no_precompile:  # (a batch's slow compile cannot hide the earlier rows)
+                jobs = {f"{config.name} {k}": v for k, v in loop_programs(config, params, opts, setups[b]).items()}
+                if b in vbatches:
                     jobs.update({f"{config.name} {k} {args.variant}": v for k, v in
                                  loop_programs(config, params, vopts, setups[b, args.variant]).items()})
-                meta.setdefault("compile", {}).update(precompile(jobs))
-                print(json.dumps({"compile": meta["compile"]}), flush=True)
-        for b in batches:
-            parts = step_bytes(config, params, b, args.context)
-            floor_ms = sum(parts.values()) / bw * 1e3
-            try:
-                if args.loops:
-                    r = profile_loops(config, params, setups.pop(b), opts, args.steps, args.profile_steps, ks,
-                                      profile=str(b) in args.profile_batches.split(",") or args.profile_batches == "all")
-                    r["compile"] = meta.get("compile", {}).get(f"{config.name} B{b} device loop (decode_chain)", {})
-                else:
-                    r = profile_one(config, params, b, args.context, opts, args.steps, args.profile_steps, out)
-            except Exception as e:  # noqa: BLE001 - report and continue with the next size
-                r = dict(error=repr(e)[:400])
-            r.update(model=config.name, batch=b, floor_ms=floor_ms, step_gb=sum(parts.values()) / 1e9,
-                     bytes=parts)
-            rows.append(r)
-            print(json.dumps({k: v for k, v in r.items() if k != "events"}), flush=True)
-            with open(os.path.join(out, f"profile_decode{('_' + args.label) if args.label else ''}.json"), "w") as f:
-                json.dump(dict(meta=meta, rows=rows), f, indent=1)  # after every row: a cut-off run keeps its rows
-        for b in (vbatches if args.loops else []):
-            parts = step_bytes(config, params, b, args.context)
-            try:
-                r = profile_loops(config, params, setups.pop((b, args.variant)), vopts, args.steps, args.profile_steps,
-                                  ks)
-                r["compile"] = meta.get("compile", {}).get(f"{config.name} B{b} device loop (decode_chain) "
-                                                           f"{args.variant}", {})
-            except Exception as e:  # noqa: BLE001
-                r = dict(error=repr(e)[:400])
-            r.update(model=f"{config.name} + {args.variant}", batch=b, floor_ms=sum(parts.values()) / bw * 1e3,
-                     step_gb=sum(parts.values()) / 1e9, bytes=parts, variant=args.variant)
-            rows.append(r)
-            print(json.dumps({k: v for k, v in r.items() if k != "events"}), flush=True)
-            with open(os.path.join(out, f"profile_decode{('_' + args.label) if args.label else ''}.json"), "w") as f:
-                json.dump(dict(meta=meta, rows=rows), f, indent=1)
+                done = precompile(jobs)
+                done[f"B{b} programs (concurrently), s"] = done.pop("all programs (concurrently), s")
+                meta.setdefault("compile", {}).update(done)
+                print(json.dumps({"compile": done}), flush=True)
+            variants = [(opts, "", b)] + ([(vopts, args.variant, (b, args.variant))] if b in vbatches else [])
+            for o, variant, key in variants if args.loops else [(opts, "", b)]:
+                parts = step_bytes(config, params, b, args.context)
+                floor_ms = sum(parts.values()) / bw * 1e3
+                try:
+                    if args.loops:
+                        r = profile_loops(config, params, setups.pop(key), o, args.steps, args.profile_steps, ks,
+                                          profile=args.profile_batches == "all"
+                                          or str(b) in args.profile_batches.split(","))
+                        r["compile"] = meta.get("compile", {}).get(
+                            f"{config.name} B{b} device loop (decode_chain)" + (f" {variant}" if variant else ""), {})
+                    else:
+                        r = profile_one(config, params, b, args.context, opts, args.steps, args.profile_steps, out)
+                except Exception as e:  # noqa: BLE001 - report and continue with the next size
+                    r = dict(error=repr(e)[:400])
+                r.update(model=config.name + (f" + {variant}" if variant else ""), batch=b, floor_ms=floor_ms,
+                         step_gb=sum(parts.values()) / 1e9, bytes=parts)
+                rows.append(r)
+                print(json.dumps({k: v for k, v in r.items() if k != "events"}), flush=True)
+                with open(os.path.join(out, f"profile_decode{('_' + args.label) if args.label else ''}.json"),
+                          "w") as f:
+                    json.dump(dict(meta=meta, rows=rows), f, indent=1)  # after every row: a cut-off run keeps them
         for b in (int(x) for x in args.diagnose_compile.split(",") if x):
             if time.perf_counter() - t_start > args.diagnose_before_s:
                 meta.setdefault("compile", {})[f"B{b} diagnosis"] = "skipped (time)"
