@@ -68,8 +68,9 @@ def _args(argv):
     ap.add_argument("--no-precompile", action="store_true",
                     help="with --loops: compile each program at its first call (default: every batch's programs "
                          "are compiled first, concurrently, and their compile times reported)")
-    ap.add_argument("--variant", default="", help="with --loops: an InferenceOptions boolean field (e.g. "
-                    "mhc_one_pass) whose device loop is also timed and profiled, set, at --variant-batches")
+    ap.add_argument("--variant", default="", help="with --loops: InferenceOptions boolean fields, comma-separated "
+                    "(e.g. mhc_one_pass,router_one_pass), whose device loop is also timed and profiled, set, at "
+                    "--variant-batches")
     ap.add_argument("--variant-batches", default="1")
     ap.add_argument("--diagnose-compile", default="",
                     help="with --loops: batches whose device-loop program is compiled again at the end, alone, "
@@ -510,7 +511,7 @@ def main():
             for b in batches:
                 setups[b] = loop_setup(config, b, args.context, opts, ks, args.profile_steps, str(b) in host_batches)
             if args.variant:
-                vopts = dataclasses.replace(opts, **{args.variant: True})
+                vopts = dataclasses.replace(opts, **{f: True for f in args.variant.split(",")})
                 vbatches = [int(x) for x in args.variant_batches.split(",")]
                 for b in vbatches:
                     setups[b, args.variant] = loop_setup(config, b, args.context, vopts, ks, args.profile_steps,

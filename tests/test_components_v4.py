@@ -26,9 +26,10 @@ def g():
     return dict(np.load(PATH))
 
 
-def test_router(g):
+@pytest.mark.parametrize("one_pass", [False, True], ids=["split-K", "decode one-pass"])
+def test_router(g, one_pass):
     weights, idx, _ = route(jnp.asarray(g["router_x"]), jnp.asarray(g["router_weight"]), jnp.asarray(g["router_bias"]),
-                            top_k=2, temp=1.0, scaling=float(g["router_scaling"]))
+                            top_k=2, temp=1.0, scaling=float(g["router_scaling"]), one_pass=one_pass)
     order = np.argsort(np.asarray(idx), axis=-1)
     np.testing.assert_array_equal(np.take_along_axis(np.asarray(idx), order, -1), g["router_indices"])
     np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, -1), g["router_weights"], rtol=1e-5)

@@ -72,6 +72,8 @@ class InferenceOptions:
     #                           (kernels.mhc_gpu) instead of about eight small XLA reductions
     mhc_one_pass: bool = False  # steps of at most 64 tokens (decode): each mHC site's projection and RMS as one
     #                             reduction, the stream mixes as unrolled sums (fewer kernels; ops.mhc)
+    router_one_pass: bool = False  # steps of at most 64 tokens: the MoE router's logits as one reduction
+    #                                (ops.moe.route) instead of a split-K float32 GEMM + the sum of its chunks
     gemm_input_fp8: bool = False  # the release's FP8 rounding of every FP8 / FP4 GEMM's input (ForwardOptions)
     quantized_gemm: str = "reference"  # with gemm_input_fp8: how QuantizedTensor GEMMs run — "reference" (dequantise
     #                                    in XLA) or a kernels.quant_gemm backend ("auto", "pallas_gpu", "pallas_tpu")
@@ -494,7 +496,8 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
     cache = dict(cache, swa=list(cache["swa"]), sources=dict(cache["sources"]))
     shared = _Shared()
     mhc_kw = _mhc_kw(c, opts)
-    few = opts.mhc_one_pass and b * t <= 64  # a decode step: fewer, fused mHC kernels (ops.mhc one_pass)
+    small = b * t <= 64  # a decode step (or a short chunk): the one-pass forms, where asked for, fuse better
+    few = opts.mhc_one_pass and small  # fewer, fused mHC kernels (ops.mhc one_pass)
     if few:
         mhc_kw = dict(mhc_kw, one_pass=True)
     for spec in c.plan.layers[lo:hi]:
@@ -516,7 +519,7 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
         if opts.moe_impl == "tiled":
             y = moe_inference(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp,
                               scaling=c.routed_scaling_factor, limit=c.swiglu_limit, normalize=c.norm_topk_prob,
-                              backend=opts.kernel_backend)
+                              backend=opts.kernel_backend, router_one_pass=opts.router_one_pass and small)
         else:
             y, _ = moe(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp, scaling=c.routed_scaling_factor,
                        limit=c.swiglu_limit, impl=opts.moe_impl, normalize=c.norm_topk_prob)
