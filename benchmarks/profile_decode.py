@@ -56,6 +56,8 @@ def _args(argv):
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=None)
     ap.add_argument("--mhc-kernel", action="store_true", help="InferenceOptions(mhc_kernel=True)")
+    ap.add_argument("--options", default="", help="InferenceOptions boolean fields set for every program, "
+                    "comma-separated (e.g. mhc_one_pass,router_one_pass)")
     ap.add_argument("--floor-gib", type=float, default=4.0, help="buffer size of the read-only bandwidth kernel")
     ap.add_argument("--loops", action="store_true",
                     help="time the Engine's decode loops instead: the device loop (decode_chain: Engram hash and "
@@ -493,11 +495,13 @@ def main():
     bw = read_bandwidth(args.floor_gib)
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), jax=jax.__version__, device=jax.devices()[0].device_kind,
                 code=CODE, label=args.label, context=args.context, read_bandwidth_tb_s=bw / 1e12,
+                options=args.options,
                 command="python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]))
     print(json.dumps(meta), flush=True)
     rows = []
     opts = InferenceOptions(quant_sim=False, index_block_elems=1 << 28,
-                            **(dict(mhc_kernel=True) if args.mhc_kernel else {}))
+                            **(dict(mhc_kernel=True) if args.mhc_kernel else {}),
+                            **{f: True for f in args.options.split(",") if f})
     t_start = time.perf_counter()
     ks = [int(x) for x in args.readback.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
