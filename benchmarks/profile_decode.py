@@ -4,6 +4,11 @@
     python benchmarks/profile_decode.py --code /path/to/other/checkout ...   # profile another version's code
     python benchmarks/profile_decode.py --loops --readback 1,8,32 ...      # the Engine's decode loops (see --loops)
 
+With ``--loops`` every batch's programs (the device loop's ``decode_chain`` and, for ``--host-loop-batches``, the
+host loop's ``decode_and_sample``) are lowered and compiled first, concurrently, with the arguments of their first
+call (their compile times and optimised-program sizes are reported); ``--diagnose-compile`` compiles a batch's
+device-loop program again alone with XLA's GEMM autotuning off.
+
 For every (model, batch): bf16 parameters and cache, the cache filled with random entries at ``--context`` tokens
 per slot; the step is the Engine's (``decode_and_sample``: decode + sampling, cache donated), timed over
 ``--steps`` steps with a host sync after each (what a serving loop does), then ``--profile-steps`` steps under
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -50,6 +56,8 @@ def _args(argv):
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=None)
     ap.add_argument("--mhc-kernel", action="store_true", help="InferenceOptions(mhc_kernel=True)")
+    ap.add_argument("--options", default="", help="InferenceOptions boolean fields set for every program, "
+                    "comma-separated (e.g. mhc_one_pass,router_one_pass)")
     ap.add_argument("--floor-gib", type=float, default=4.0, help="buffer size of the read-only bandwidth kernel")
     ap.add_argument("--loops", action="store_true",
                     help="time the Engine's decode loops instead: the device loop (decode_chain: Engram hash and "
@@ -58,6 +66,19 @@ def _args(argv):
                          "host loop (tokens read back and hashed on the host every step) as the baseline")
     ap.add_argument("--readback", default="1,8,32", help="with --loops: the read-back intervals k to time")
     ap.add_argument("--host-loop-batches", default="1", help="with --loops: batches that also time the host loop")
+    ap.add_argument("--profile-batches", default="all", help="with --loops: batches whose device loop is profiled")
+    ap.add_argument("--no-precompile", action="store_true",
+                    help="with --loops: compile each program at its first call (default: every batch's programs "
+                         "are compiled first, concurrently, and their compile times reported)")
+    ap.add_argument("--variant", default="", help="with --loops: InferenceOptions boolean fields, comma-separated "
+                    "(e.g. mhc_one_pass,router_one_pass), whose device loop is also timed and profiled, set, at "
+                    "--variant-batches")
+    ap.add_argument("--variant-batches", default="1")
+    ap.add_argument("--diagnose-compile", default="",
+                    help="with --loops: batches whose device-loop program is compiled again at the end, alone, "
+                         "with XLA's GEMM autotuning off (how much of its compile time is autotuning)")
+    ap.add_argument("--diagnose-before-s", type=float, default=1e9,
+                    help="skip the --diagnose-compile compiles once this many seconds have passed")
     return ap.parse_args(argv)
 
 
@@ -275,19 +296,93 @@ def check_device_hash(config, hasher, batch=256, steps=6) -> dict:
     return dict(device_hash_equal_steps=equal, device_hash_steps=steps, device_hash_rows=batch)
 
 
-def profile_loops(config, params, batch, context, opts, steps, profile_steps, readback, host_loop):
-    """The decode loops a serving Engine runs (see --loops), timed on one cache."""
-    from dsv41_jax.inference.decode import decode_chain
+def loop_setup(config, batch, context, opts, readback, profile_steps, host_loop) -> dict:
+    """The inputs of the two decode loops at one batch size (see --loops): a filled cache, the device loop's state
+    and limits, the host loop's first inputs."""
     from dsv41_jax.ops.engram_hash import device_history
 
     cache = init_cache(config, batch, context + 512, jnp.bfloat16)
     cache = jax.jit(fill_cache, static_argnums=(1,), donate_argnums=(0,))(cache, context, jax.random.PRNGKey(1))
     samp, _, tok, act = decode_inputs(config, batch)
     hasher = synthetic_hasher(config)
+    ring = max(max(readback), profile_steps, 2)  # decode_chain's readback rows: a run of <= ring steps
+    state = {"tokens": tok, "active": act, "generated": jnp.zeros((batch,), jnp.int32),
+             "step": jnp.zeros((), jnp.int32), "readback": jnp.zeros((ring + 1, batch), jnp.int32)}
+    tables = None
+    if hasher is not None:
+        tables = hasher.device_tables()
+        state["engram_history"] = jnp.asarray(device_history(hasher.empty_history(batch)))
+    host_eids = None
+    if hasher is not None:  # the host loop's first rows (the shapes and placement of every later step's rows)
+        host_eids = jnp.asarray(hasher.step(np.full((batch, 1), 5), hasher.empty_history(batch))[0][:, 0])
+    # the device loop: nothing comes back between steps; greedy, no stops, limits far away
+    never = jnp.full((batch, 1), -2, jnp.int32)
+    far = jnp.full((batch,), 1 << 30, jnp.int32)
+    return dict(batch=batch, cache=cache, samp=samp, act=act, hasher=hasher, tables=tables, host_loop=host_loop,
+                state=jax.device_put(state, jax.devices()[0]), limits=(never, far, far), host_eids=host_eids)
+
+
+def loop_programs(config, params, opts, s) -> dict:
+    """{name: thunk} lowering and compiling each program the loops of setup ``s`` run, with exactly the arguments
+    (shapes, placement, donation) of their first call, so that the call finds the compiled program in jit's
+    cache. Each thunk returns its lowering / compile seconds and the size of the optimised program."""
+    from dsv41_jax.inference.decode import _decode_chain, _decode_opts, _decode_sample
+    from dsv41_jax.inference.step import jit_for
+
+    dopts = _decode_opts(opts)
+    b = s["batch"]
+    jobs = {}
+
+    def job(lower):
+        def run():
+            t0 = time.perf_counter()
+            lowered = lower()
+            t1 = time.perf_counter()
+            compiled = lowered.compile()
+            t2 = time.perf_counter()
+            text = compiled.as_text() or ""
+            return dict(lower_s=t1 - t0, compile_s=t2 - t1, hlo_chars=len(text), hlo_fusions=text.count(" fusion("),
+                        hlo_custom_calls=text.count(" custom-call("), hlo_while=text.count(" while("))
+        return run
+
+    chain = jit_for(_decode_chain, dopts).jitted
+    jobs[f"B{b} device loop (decode_chain)"] = job(lambda: chain.lower(
+        params, s["cache"], s["state"], s["tables"], *s["samp"], *s["limits"], config=config, opts=dopts))
+    if s["host_loop"]:
+        host = jit_for(_decode_sample, dopts, static=("config", "opts", "return_logits")).jitted
+        jobs[f"B{b} host loop (decode_and_sample)"] = job(lambda: host.lower(
+            params, s["cache"], jnp.asarray(np.full((b,), 5, np.int32)), s["host_eids"], s["act"], *s["samp"],
+            jnp.full((b,), 1, jnp.int32), config=config, opts=dopts, return_logits=False))
+    return jobs
+
+
+def precompile(jobs: dict) -> dict:
+    """Run the compile thunks concurrently (XLA compiles release the GIL); {name: stats or error}."""
+    import concurrent.futures
+
+    def guarded(fn):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - report; the timed call then compiles (or fails) itself
+            return dict(error=repr(e)[:300])
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(jobs))) as ex:
+        out = dict(zip(jobs, ex.map(guarded, jobs.values())))
+    out["all programs (concurrently), s"] = time.perf_counter() - t0
+    return out
+
+
+def profile_loops(config, params, s, opts, steps, profile_steps, readback, profile=True):
+    """The decode loops a serving Engine runs (see --loops), timed on setup ``s``'s cache."""
+    from dsv41_jax.inference.decode import decode_chain
+
+    batch, samp, act, hasher, tables = s["batch"], s["samp"], s["act"], s["hasher"], s["tables"]
+    cache, state = s.pop("cache"), s.pop("state")
     out = {}
     if hasher is not None:
         out.update(check_device_hash(config, hasher))
-    if host_loop:  # the per-step loop: read the tokens back, hash them on the host, send the rows, dispatch
+    if s["host_loop"]:  # the previous per-step loop: read the tokens back, hash them on the host, send the rows
         hist = hasher.empty_history(batch) if hasher else None
         host_tok = np.full((batch,), 5, np.int32)
         ts = []
@@ -301,29 +396,18 @@ def profile_loops(config, params, batch, context, opts, steps, profile_steps, re
                                            jnp.full((batch,), i + 1, jnp.int32), config=config, opts=opts)
             host_tok = np.asarray(nxt)
             ts.append(time.perf_counter() - t0)
-        out.update(host_loop_step_ms=statistics.median(ts[2:]) * 1e3, host_loop_compile_s=ts[0])
-    # the device loop: nothing comes back between steps; greedy, no stops, limits far away
-    never = jnp.full((batch, 1), -2, jnp.int32)
-    far = jnp.full((batch,), 1 << 30, jnp.int32)
-    ring = max(max(readback), profile_steps, 2)  # decode_chain's readback rows: a run of <= ring steps
-    state = {"tokens": tok, "active": act, "generated": jnp.zeros((batch,), jnp.int32),
-             "step": jnp.zeros((), jnp.int32), "readback": jnp.zeros((ring + 1, batch), jnp.int32)}
-    tables = None
-    if hasher is not None:
-        tables = hasher.device_tables()
-        state["engram_history"] = jnp.asarray(device_history(hasher.empty_history(batch)))
-    state = jax.device_put(state, jax.devices()[0])
+        out.update(host_loop_step_ms=statistics.median(ts[2:]) * 1e3, host_loop_first_call_s=ts[0])
 
     def run(n):
         nonlocal cache, state
         for _ in range(n):
-            _t, state, cache = decode_chain(params, cache, state, tables, *samp, never, far, far, config=config,
+            _t, state, cache = decode_chain(params, cache, state, tables, *samp, *s["limits"], config=config,
                                             opts=opts)
         return np.asarray(state["readback"])  # one read-back per run, as the Engine does
 
     t0 = time.perf_counter()
     run(1)
-    out["compile_s"] = time.perf_counter() - t0
+    out["first_call_s"] = time.perf_counter() - t0  # the compile, unless precompiled
     run(2)
     for k in readback:
         n = max(2 * k, steps)  # at least two runs: the read-back of one overlaps nothing, of the next likewise
@@ -333,15 +417,38 @@ def profile_loops(config, params, batch, context, opts, steps, profile_steps, re
             run(k)
         out[f"device_loop_k{k}_step_ms"] = (time.perf_counter() - t0) / n * 1e3
     jax.block_until_ready(cache)
-    log_dir = tempfile.mkdtemp(prefix="decode_trace_")
-    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-        t0 = time.perf_counter()
-        run(profile_steps)  # one run: the tokens read back once, at its end
-        wall = (time.perf_counter() - t0) / profile_steps
+    if profile:
+        log_dir = tempfile.mkdtemp(prefix="decode_trace_")
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            t0 = time.perf_counter()
+            run(profile_steps)  # one run: the tokens read back once, at its end
+            wall = (time.perf_counter() - t0) / profile_steps
+        out.update(profiled_wall_ms=wall * 1e3, **summarize_trace(log_dir, profile_steps, config.num_hidden_layers))
     del cache
-    out.update(profiled_wall_ms=wall * 1e3, **summarize_trace(log_dir, profile_steps, config.num_hidden_layers))
     k_best = max(readback)
     out.update(step_ms=out[f"device_loop_k{k_best}_step_ms"], readback_every=k_best)
+    return out
+
+
+def diagnose_compile(config, params, opts, batch, context, readback, profile_steps) -> dict:
+    """The device loop's program at ``batch`` compiled alone with XLA's GEMM autotuning off
+    (``xla_gpu_autotune_level=0``; a new program: other compile options are another cache entry), against its
+    compile with the default autotuning (the precompile): how much of the compile time is autotuning."""
+    from dsv41_jax.inference.decode import _decode_chain, _decode_opts
+    from dsv41_jax.inference.step import jit_for
+
+    s = loop_setup(config, batch, context, opts, readback, profile_steps, False)
+    dopts = _decode_opts(opts)
+    t0 = time.perf_counter()
+    lowered = jit_for(_decode_chain, dopts).jitted.lower(params, s["cache"], s["state"], s["tables"], *s["samp"],
+                                                        *s["limits"], config=config, opts=dopts)
+    t1 = time.perf_counter()
+    out = {f"B{batch} device loop lowering alone, s": t1 - t0}
+    try:
+        lowered.compile(compiler_options={"xla_gpu_autotune_level": 0})
+        out[f"B{batch} device loop compile alone, autotune off, s"] = time.perf_counter() - t1
+    except Exception as e:  # noqa: BLE001
+        out[f"B{batch} device loop compile alone, autotune off"] = repr(e)[:200]
     return out
 
 
@@ -350,20 +457,25 @@ def print_loops(args, meta, bw, rows) -> None:
     print(f"\n{args.label} — decode loops — JAX {jax.__version__}, {meta['device']}, context {args.context}, bf16, "
           f"read-only kernel {bw / 1e12:.2f} TB/s")
     head = ["model", "batch", "floor ms", "host loop ms (x floor)"] + [f"device loop k={k} ms (x floor)" for k in ks]
-    head += ["profiled run busy ms/step", "busy %", "launches/layer", "D2H/step", "H2D/step", "compile s"]
+    head += ["profiled run busy ms/step", "busy %", "launches/layer", "D2H/step", "H2D/step",
+             "device loop compile s"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
-        if "busy_ms_per_step" not in r:
+        if "step_ms" not in r:
             print(f"| {r['model']} | {r['batch']} | error: {r.get('error')} |")
             continue
         f = r["floor_ms"]
         host = f"{r['host_loop_step_ms']:.2f} ({r['host_loop_step_ms'] / f:.2f}x)" if "host_loop_step_ms" in r else "-"
         cells = [r["model"], str(r["batch"]), f"{f:.2f}", host]
         cells += [f"{r[f'device_loop_k{k}_step_ms']:.2f} ({r[f'device_loop_k{k}_step_ms'] / f:.2f}x)" for k in ks]
-        cells += [f"{r['busy_ms_per_step']:.2f}", f"{100 * r['busy_ms_per_step'] / r['profiled_wall_ms']:.0f}",
-                  f"{r['launches_per_layer']:.1f}", f"{r['d2h_per_step']:.3f}", f"{r['h2d_per_step']:.3f}",
-                  f"{r['compile_s']:.1f}"]
+        if "busy_ms_per_step" in r:
+            cells += [f"{r['busy_ms_per_step']:.2f}", f"{100 * r['busy_ms_per_step'] / r['profiled_wall_ms']:.0f}",
+                      f"{r['launches_per_layer']:.1f}", f"{r['d2h_per_step']:.3f}", f"{r['h2d_per_step']:.3f}"]
+        else:
+            cells += ["-"] * 5
+        compile_s = r.get("compile", {}).get("compile_s", r.get("first_call_s", float("nan")))
+        cells += [f"{compile_s:.1f}"]
         print("| " + " | ".join(cells) + " |")
         if "device_hash_equal_steps" in r:
             print(f"  {r['model']} B={r['batch']}: device Engram hash == host hash in {r['device_hash_equal_steps']}"
@@ -372,6 +484,8 @@ def print_loops(args, meta, bw, rows) -> None:
         for t in r.get("top", [])[:8]:
             print(f"  {r['model']} B={r['batch']}: {t['ms_per_step']:.3f} ms/step x{t['count_per_step']:.0f} "
                   f"{t['name']}")
+    for name, v in meta.get("compile", {}).items():
+        print(f"  compile: {name}: {v if not isinstance(v, float) else round(v, 1)}")
 
 
 def main():
@@ -381,33 +495,70 @@ def main():
     bw = read_bandwidth(args.floor_gib)
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), jax=jax.__version__, device=jax.devices()[0].device_kind,
                 code=CODE, label=args.label, context=args.context, read_bandwidth_tb_s=bw / 1e12,
+                options=args.options,
                 command="python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]))
     print(json.dumps(meta), flush=True)
     rows = []
     opts = InferenceOptions(quant_sim=False, index_block_elems=1 << 28,
-                            **(dict(mhc_kernel=True) if args.mhc_kernel else {}))
+                            **(dict(mhc_kernel=True) if args.mhc_kernel else {}),
+                            **{f: True for f in args.options.split(",") if f})
+    t_start = time.perf_counter()
+    ks = [int(x) for x in args.readback.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
     for name in args.models.split(","):
         config = MODELS[name]()
         params = init_params(config, jax.random.PRNGKey(0), jnp.bfloat16)
         jax.block_until_ready(params)
-        for b in (int(x) for x in args.batches.split(",")):
-            parts = step_bytes(config, params, b, args.context)
-            floor_ms = sum(parts.values()) / bw * 1e3
-            try:
-                if args.loops:
-                    r = profile_loops(config, params, b, args.context, opts, args.steps, args.profile_steps,
-                                      [int(x) for x in args.readback.split(",")],
-                                      str(b) in args.host_loop_batches.split(","))
-                else:
-                    r = profile_one(config, params, b, args.context, opts, args.steps, args.profile_steps, out)
-            except Exception as e:  # noqa: BLE001 - report and continue with the next size
-                r = dict(error=repr(e)[:400])
-            r.update(model=config.name, batch=b, floor_ms=floor_ms, step_gb=sum(parts.values()) / 1e9,
-                     bytes=parts)
-            rows.append(r)
-            print(json.dumps({k: v for k, v in r.items() if k != "events"}), flush=True)
-            with open(os.path.join(out, f"profile_decode{('_' + args.label) if args.label else ''}.json"), "w") as f:
-                json.dump(dict(meta=meta, rows=rows), f, indent=1)  # after every row: a cut-off run keeps its rows
+        setups, vopts, vbatches = {}, None, []
+        if args.loops:  # every batch's inputs first; each batch's programs compiled at once before it is timed
+            host_batches = args.host_loop_batches.split(",")
+            for b in batches:
+                setups[b] = loop_setup(config, b, args.context, opts, ks, args.profile_steps, str(b) in host_batches)
+            if args.variant:
+                vopts = dataclasses.replace(opts, **{f: True for f in args.variant.split(",")})
+                vbatches = [int(x) for x in args.variant_batches.split(",")]
+                for b in vbatches:
+                    setups[b, args.variant] = loop_setup(config, b, args.context, vopts, ks, args.profile_steps,
+                                                         False)
+        for b in batches:
+            if args.loops and not args.no_precompile:  # (a batch's slow compile cannot hide the earlier rows)
+                jobs = {f"{config.name} {k}": v for k, v in loop_programs(config, params, opts, setups[b]).items()}
+                if b in vbatches:
+                    jobs.update({f"{config.name} {k} {args.variant}": v for k, v in
+                                 loop_programs(config, params, vopts, setups[b, args.variant]).items()})
+                done = precompile(jobs)
+                done[f"B{b} programs (concurrently), s"] = done.pop("all programs (concurrently), s")
+                meta.setdefault("compile", {}).update(done)
+                print(json.dumps({"compile": done}), flush=True)
+            variants = [(opts, "", b)] + ([(vopts, args.variant, (b, args.variant))] if b in vbatches else [])
+            for o, variant, key in variants if args.loops else [(opts, "", b)]:
+                parts = step_bytes(config, params, b, args.context)
+                floor_ms = sum(parts.values()) / bw * 1e3
+                try:
+                    if args.loops:
+                        r = profile_loops(config, params, setups.pop(key), o, args.steps, args.profile_steps, ks,
+                                          profile=args.profile_batches == "all"
+                                          or str(b) in args.profile_batches.split(","))
+                        r["compile"] = meta.get("compile", {}).get(
+                            f"{config.name} B{b} device loop (decode_chain)" + (f" {variant}" if variant else ""), {})
+                    else:
+                        r = profile_one(config, params, b, args.context, opts, args.steps, args.profile_steps, out)
+                except Exception as e:  # noqa: BLE001 - report and continue with the next size
+                    r = dict(error=repr(e)[:400])
+                r.update(model=config.name + (f" + {variant}" if variant else ""), batch=b, floor_ms=floor_ms,
+                         step_gb=sum(parts.values()) / 1e9, bytes=parts)
+                rows.append(r)
+                print(json.dumps({k: v for k, v in r.items() if k != "events"}), flush=True)
+                with open(os.path.join(out, f"profile_decode{('_' + args.label) if args.label else ''}.json"),
+                          "w") as f:
+                    json.dump(dict(meta=meta, rows=rows), f, indent=1)  # after every row: a cut-off run keeps them
+        for b in (int(x) for x in args.diagnose_compile.split(",") if x):
+            if time.perf_counter() - t_start > args.diagnose_before_s:
+                meta.setdefault("compile", {})[f"B{b} diagnosis"] = "skipped (time)"
+                continue
+            meta.setdefault("compile", {}).update(diagnose_compile(config, params, opts, b, args.context, ks,
+                                                                   args.profile_steps))
+            print(json.dumps({"compile": meta["compile"]}), flush=True)
         del params
     with open(os.path.join(out, f"profile_decode{('_' + args.label) if args.label else ''}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -26,9 +26,10 @@ def g():
     return dict(np.load(PATH))
 
 
-def test_router(g):
+@pytest.mark.parametrize("one_pass", [False, True], ids=["split-K", "decode one-pass"])
+def test_router(g, one_pass):
     weights, idx, _ = route(jnp.asarray(g["router_x"]), jnp.asarray(g["router_weight"]), jnp.asarray(g["router_bias"]),
-                            top_k=2, temp=1.0, scaling=float(g["router_scaling"]))
+                            top_k=2, temp=1.0, scaling=float(g["router_scaling"]), one_pass=one_pass)
     order = np.argsort(np.asarray(idx), axis=-1)
     np.testing.assert_array_equal(np.take_along_axis(np.asarray(idx), order, -1), g["router_indices"])
     np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, -1), g["router_weights"], rtol=1e-5)
@@ -88,14 +89,18 @@ def test_grouped_output_projection(g):
     np.testing.assert_allclose(np.asarray(y), g["oproj_y"], rtol=1e-5, atol=1e-5)
 
 
-def test_mhc_mixing(g):
+@pytest.mark.parametrize("fused", [False, True], ids=["default", "decode one-pass"])
+def test_mhc_mixing(g, fused):
+    """Against the reference's values; ``fused``: the decode step's forms (InferenceOptions.mhc_one_pass: the
+    projection and RMS as one reduction, the stream mixes as unrolled sums), to the same tolerances."""
     x = jnp.asarray(g["hc_x"])
     pre, post, comb = mhc_coefficients(x, jnp.asarray(g["hc_fn"]), jnp.asarray(g["hc_base"]),
                                        jnp.asarray(g["hc_scale"]), hc_eps=float(g["hc_eps"]),
-                                       rms_eps=float(g["hc_norm_eps"]), sinkhorn_iters=int(g["hc_sinkhorn_iters"]))
+                                       rms_eps=float(g["hc_norm_eps"]), sinkhorn_iters=int(g["hc_sinkhorn_iters"]),
+                                       one_pass=fused)
     np.testing.assert_allclose(np.asarray(pre), g["hc_pre"], rtol=1e-5)
     np.testing.assert_allclose(np.asarray(post), g["hc_post"], rtol=1e-5)
     np.testing.assert_allclose(np.asarray(comb), g["hc_comb"], rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(collapse(x, pre)), g["hc_collapsed"], rtol=1e-5, atol=1e-5)
-    out = expand(x, jnp.asarray(g["hc_expand_y"]), post, comb)
+    np.testing.assert_allclose(np.asarray(collapse(x, pre, unrolled=fused)), g["hc_collapsed"], rtol=1e-5, atol=1e-5)
+    out = expand(x, jnp.asarray(g["hc_expand_y"]), post, comb, unrolled=fused)
     np.testing.assert_allclose(np.asarray(out), g["hc_expand_out"], rtol=1e-5, atol=1e-5)

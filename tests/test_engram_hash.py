@@ -26,6 +26,7 @@ from dsv41_jax.ops.engram_hash import (
     device_engram_hash,
     device_history,
     engram_row_ids_step_device,
+    advance_history,
     is_prime,
 )
 from dsv41_jax.tokenizer import ByteTokenizer, HFTokenizer, compressed_token_map, load_tokenizer
@@ -343,8 +344,12 @@ def test_device_step_hash_equals_the_host_hash():
             got, dev_after = step(tables, dev, jnp.asarray(new, jnp.int32), jnp.asarray(active))
             np.testing.assert_array_equal(np.asarray(got)[active], want[active, 0], err_msg=name)
             keep = active[:, None]
+            advanced = advance_history(hist, token_map, new, active)  # the host's look-back, no hashing
             hist = EngramHistory(np.where(keep, after.tokens, hist.tokens), np.where(keep, after.segments,
-                                 hist.segments), hist.num_positions, hist.num_valid)
+                                 hist.segments), np.where(active, after.num_positions, hist.num_positions),
+                                 np.where(active, after.num_valid, hist.num_valid))
+            for field in ("tokens", "segments", "num_positions", "num_valid"):
+                np.testing.assert_array_equal(getattr(advanced, field), getattr(hist, field), err_msg=name)
             dev = dev_after
             np.testing.assert_array_equal(np.asarray(dev), device_history(hist), err_msg=name)
 

@@ -158,19 +158,23 @@ def _random_seq(config, n, seed):
     return np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (n,), 3, config.vocab_size)).astype(np.int32)
 
 
-@pytest.mark.parametrize("variant", ["tiny", "small_window", "small_window_quant"])
+@pytest.mark.parametrize("variant", ["tiny", "small_window", "small_window_quant",
+                                     "small_window+mhc_one_pass,router_one_pass"])
 def test_prefill_and_decode_equal_the_training_forward(variant):
     """A mixed-length batch: a short prompt (within the replay window: the full forward) and a long one that ends
     mid-group (ratio 2) and mid-block (HSI blocks), decoding across the points where top-k and the HSI pool
     start pruning. Every logit within 1e-5 of the forward at the same positions (with the fake quantisation on:
-    at the positions where the forward is stable, see _stable_positions)."""
+    at the positions where the forward is stable, see _stable_positions). ``+options``: the decode steps' one-pass
+    forms (InferenceOptions.mhc_one_pass, router_one_pass)."""
+    variant, _, option = variant.partition("+")
     config, params, hasher = _model(variant)
     r = config.sliding_window
     n_steps = 9
     lens = [r - 3, 3 * r - 1]  # tiny: 5 and 23; small window: 1 and 11
     assert lens[1] % 2 == 1 and lens[1] % config.candidate_block_size != 0
     seqs = [_random_seq(config, t + n_steps, seed) for t, seed in zip(lens, (1, 2))]
-    got, _ = _run_engine_path(config, params, hasher, seqs, lens, n_steps, chunk=16)
+    got, _ = _run_engine_path(config, params, hasher, seqs, lens, n_steps, chunk=16,
+                              opts=_opts(config, **{f: True for f in option.split(",") if f}))
     compared = 0
     for seq, t, (logits, first) in zip(seqs, lens, got):
         # positions first .. t-1 come from prefill, t .. t+n_steps-1 from the decode steps

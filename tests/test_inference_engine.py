@@ -14,7 +14,9 @@ from dsv41_jax.cli import main
 from dsv41_jax.inference import (FAST_COMPILE, EngineError, InferenceOptions, Request, cache_footprint, decode_step,
                                  init_cache)
 from dsv41_jax.inference.cache import abstract_cache, tree_bytes
+from dsv41_jax.inference.decode import _decode_chain, _decode_opts
 from dsv41_jax.inference.sampling import SamplingError, SamplingParams, filter_logits, sample
+from dsv41_jax.inference.step import jit_for
 from dsv41_jax.inference.weights import host_random_params
 from dsv41_jax.tokenizer import ByteTokenizer
 from dsv41_jax.train.testing import every_role_config
@@ -103,15 +105,23 @@ def test_device_decode_loop_equals_the_host_loop():
             Request(p[1], temperature=1.0, top_k=20, seed=3, max_new_tokens=11, stop_tokens=()),
             Request(p[2], max_new_tokens=10, stop_tokens=())]  # ends by max_len
     got = {}
+    chain = jit_for(_decode_chain, _decode_opts(eng.options)).jitted
+    programs = {}
     try:
         for loop, every in (("host", 1), ("device", 3), ("device", 8)):
             eng.decode_loop, eng.readback_every = loop, every
             res = eng.generate(reqs)
+            programs[loop, every] = chain._cache_size()
             hist = [a.copy() for a in (eng._hist.tokens, eng._hist.segments, eng._hist.num_positions,
                                        eng._hist.num_valid)]
             got[loop, every] = ([(r.tokens, r.finish_reason) for r in res], hist)
     finally:
         eng.decode_loop, eng.readback_every = "device", 8
+    # One compiled step per read-back interval (the ring's shape), whatever the run lengths and the number of stop
+    # tokens (bucketed): a run dispatches the same program k times. The first generate above ran k = 8 with no stop.
+    assert programs["device", 3] == programs["device", 8] == programs["host", 1] + 1
+    eng.generate([Request(p[0], max_new_tokens=3, stop_tokens=(1, 2, 3))])  # k = 8, three stop tokens
+    assert chain._cache_size() == programs["device", 8]
     want_tokens, want_hist = got["host", 1]
     assert [r for _, r in want_tokens] == ["stop", "length", "max_len"]
     for key in (("device", 3), ("device", 8)):
@@ -122,6 +132,24 @@ def test_device_decode_loop_equals_the_host_loop():
         Engine(eng.config, eng.params, max_batch=1, max_len=8, decode_loop="gpu")
     with pytest.raises(EngineError, match="readback_every"):
         Engine(eng.config, eng.params, max_batch=1, max_len=8, readback_every=0)
+
+
+def test_decode_steps_hash_engram_ngrams_on_the_device_like_the_host_hasher():
+    """decode_step, the host loop and serve hash each step's tokens on the device (Engine._engram_step): the row ids
+    and the look-back equal the host hasher's step, active slots advanced, inactive ones kept."""
+    eng = _engine()
+    eng.prefill([_prompt(5, 11), _prompt(13, 12)], [0, 2])
+    rng = np.random.default_rng(5)
+    for active in (np.array([True, False, True]), np.array([True, True, True])):
+        tokens = rng.integers(0, eng.config.vocab_size, 3)
+        before = eng._hist
+        want, after = eng.hasher.step(np.where(active, tokens, 0)[:, None], before)
+        got = eng._engram_step(tokens, active)
+        assert isinstance(got, jax.Array)  # computed on the device, nothing hashed on the host
+        np.testing.assert_array_equal(np.asarray(got)[active], want[active, 0])
+        for field in ("tokens", "segments", "num_positions", "num_valid"):
+            a, b, new = getattr(after, field), getattr(before, field), getattr(eng._hist, field)
+            np.testing.assert_array_equal(new, np.where(active if a.ndim == 1 else active[:, None], a, b), field)
 
 
 def test_bad_input_is_a_clear_error_and_the_rest_is_served():

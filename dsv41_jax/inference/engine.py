@@ -8,9 +8,10 @@ One cache of ``max_batch`` slots x ``max_len`` tokens is allocated once; every p
 those static sizes (prefill chunks also per power-of-two chunk length). Requests in one call may have different
 prompt lengths: each slot keeps its own length, so nothing of another sequence or of padding reaches its
 attention windows, compressor groups, indexer or Engram n-grams. The Engram look-back of each slot (its last n-1
-compressed ids) is kept on the host next to the hasher, which hashes prompts; ``generate``'s decode loop hashes each
-sampled token on the device instead (bit-identical), so that its steps run back to back with the tokens read back
-in runs (``decode_loop`` / ``readback_every``), and brings the host's look-back up to date at its end.
+compressed ids) is kept on the host next to the hasher, which hashes prompts; every decode step hashes its tokens on
+the device instead (bit-identical): ``generate``'s device loop inside its step program, so that its steps run back to
+back with the tokens read back in runs (``decode_loop`` / ``readback_every``), and ``decode_step``, the host loop and
+``serve`` in a small program before the step, the host only appending the fed tokens to the look-back.
 
 Per-request problems (empty prompt, prompt longer than ``max_len``, token ids outside the vocabulary, invalid
 sampling parameters) are reported in that request's result (``finish_reason == "error"``) and the other requests
@@ -38,11 +39,16 @@ from dsv41_jax.inference.prefill import prefill as _prefill
 from dsv41_jax.inference.sampling import SamplingError, SamplingParams, sample_jit
 from dsv41_jax.inference.step import InferenceOptions, check_ced_plan
 from dsv41_jax.model.params import validate_params
-from dsv41_jax.ops.engram_hash import EngramHistory
+from dsv41_jax.ops.engram_hash import EngramHistory, advance_history, device_history, engram_row_ids_step_device
 
 
 class EngineError(ValueError):
     pass
+
+
+# One decode step's Engram hash on the device (decode_step, the host loop of generate, serve's decode steps); the
+# device loop's steps hash inside their own program (decode_chain).
+_hash_step = jax.jit(engram_row_ids_step_device)
 
 
 @dataclasses.dataclass
@@ -151,7 +157,8 @@ class Engine:
         ``decode_loop``: how ``generate`` runs its decode steps — ``"device"`` (default: each step hashes Engram
         n-grams and feeds its own samples on the device, so steps are dispatched back to back and their tokens
         read back every ``readback_every`` steps; ``on_token`` is then called in runs of up to that many) or
-        ``"host"`` (the tokens read back after every step and hashed on the host, the previous loop).
+        ``"host"`` (the tokens read back after every step, the previous loop; their Engram n-grams are hashed on the
+        device too).
 
         ``engram_tables``: ``"device"``, ``"host"`` (the Engram tables in host memory, pinned: each step's rows
         gathered on the host and only they moved to the device, ``inference.host_tables``) or ``"auto"`` (default:
@@ -313,17 +320,17 @@ class Engine:
             return last[idx], logits[idx]
         return last[idx]
 
-    def _engram_step(self, tokens: np.ndarray, active: np.ndarray) -> np.ndarray | None:
+    def _engram_step(self, tokens: np.ndarray, active: np.ndarray) -> jax.Array | None:
+        """The Engram row ids of one decode step's tokens, int32 [max_batch, n_engram_layers, n_hash_cols] on the
+        device: hashed there (``engram_row_ids_step_device``, bit-identical to the host hasher's ``step``) from the
+        slots' look-back, which the host brings up to date without hashing (``advance_history``). Inactive slots
+        keep their look-back (their rows are those of token 0 and are not used)."""
         if self.hasher is None:
             return None
-        safe = np.where(active, tokens, 0)
-        rows, new = self.hasher.step(safe[:, None], self._hist)
-        keep = active[:, None]
-        old = self._hist
-        self._hist = EngramHistory(np.where(keep, new.tokens, old.tokens), np.where(keep, new.segments, old.segments),
-                                   np.where(active, new.num_positions, old.num_positions),
-                                   np.where(active, new.num_valid, old.num_valid))
-        return rows[:, 0]
+        safe = np.where(active, tokens, 0).astype(np.int32)
+        rows, _ = _hash_step(self.hasher.device_tables(), jnp.asarray(device_history(self._hist)), jnp.asarray(safe))
+        self._hist = advance_history(self._hist, self.hasher.token_map, safe, active)
+        return rows
 
     def decode_step(self, tokens, active=None) -> jax.Array:
         """Feed one token to each active slot (tokens int [max_batch]); returns logits [max_batch, V]."""
@@ -474,7 +481,12 @@ class Engine:
         host, with the same ends as the device's (checked). A run is never longer than the most steps any active
         slot can still take, so only slots ended early by a stop token waste steps. Returns the steps run."""
         b = self.max_batch
-        stops = np.full((b, max(len(v[2]) for v in info.values())), -2, np.int32)  # -2: never sampled
+        # -2: never sampled. The width is bucketed (4, 8, 16, ...) so that calls with different numbers of stop
+        # tokens run the same compiled step (its shapes are the program's: a new width would compile it again).
+        width = 4
+        while width < max(len(v[2]) for v in info.values()):
+            width *= 2
+        stops = np.full((b, width), -2, np.int32)
         max_new = np.zeros((b,), np.int32)
         room = np.zeros((b,), np.int32)
         for s, (_i, ids, st, mnt) in info.items():
@@ -487,8 +499,6 @@ class Engine:
         tables = None
         hist0 = self._hist
         if self.hasher is not None:
-            from dsv41_jax.ops.engram_hash import device_history
-
             tables = self.hasher.device_tables()
             state["engram_history"] = jnp.asarray(device_history(self._hist))
         limits = tuple(jnp.asarray(a) for a in (stops, max_new, room))

@@ -205,13 +205,15 @@ def routed_tiled(x, weights, idx, w1, w2, w3, limit, tile: int | None = None):
 
 
 def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scaling: float, limit: float,
-                  normalize: bool = True, tile: int | None = None, backend: str = "auto") -> jax.Array:
+                  normalize: bool = True, tile: int | None = None, backend: str = "auto",
+                  router_one_pass: bool = False) -> jax.Array:
     """x [..., d] -> y [..., d] in x.dtype (router + tiled routed experts + the shared expert). ``backend`` (a
-    ``dsv41_jax.kernels`` backend) picks the decode path's slot kernels on a GPU (:func:`routed_slots`)."""
+    ``dsv41_jax.kernels`` backend) picks the decode path's slot kernels on a GPU (:func:`routed_slots`);
+    ``router_one_pass``: the router logits as one reduction (``ops.moe.route``)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, idx, _ = route(flat, params["gate"]["weight"], params["gate"]["bias"], top_k=top_k, temp=temp,
-                            scaling=scaling, normalize=normalize)
+                            scaling=scaling, normalize=normalize, one_pass=router_one_pass)
     e = params["experts"]
     if grouped_kernel_backend(e["w1"], e["w2"], e["w3"]) is not None:
         # release FP4 experts with a quantised-GEMM kernel: one grouped Pallas GEMM per projection reads only the

@@ -70,6 +70,10 @@ class InferenceOptions:
     #                               (Pallas on GPU / TPU, the plain-JAX reference on CPU) or one of kernels.BACKENDS
     mhc_kernel: bool = False  # on the Pallas GPU backend: each mHC site's softmax + Sinkhorn in one kernel
     #                           (kernels.mhc_gpu) instead of about eight small XLA reductions
+    mhc_one_pass: bool = False  # steps of at most 64 tokens (decode): each mHC site's projection and RMS as one
+    #                             reduction, the stream mixes as unrolled sums (fewer kernels; ops.mhc)
+    router_one_pass: bool = False  # steps of at most 64 tokens: the MoE router's logits as one reduction
+    #                                (ops.moe.route) instead of a split-K float32 GEMM + the sum of its chunks
     gemm_input_fp8: bool = False  # the release's FP8 rounding of every FP8 / FP4 GEMM's input (ForwardOptions)
     quantized_gemm: str = "reference"  # with gemm_input_fp8: how QuantizedTensor GEMMs run — "reference" (dequantise
     #                                    in XLA) or a kernels.quant_gemm backend ("auto", "pallas_gpu", "pallas_tpu")
@@ -492,6 +496,10 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
     cache = dict(cache, swa=list(cache["swa"]), sources=dict(cache["sources"]))
     shared = _Shared()
     mhc_kw = _mhc_kw(c, opts)
+    small = b * t <= 64  # a decode step (or a short chunk): the one-pass forms, where asked for, fuse better
+    few = opts.mhc_one_pass and small  # fewer, fused mHC kernels (ops.mhc one_pass)
+    if few:
+        mhc_kw = dict(mhc_kw, one_pass=True)
     for spec in c.plan.layers[lo:hi]:
         lp = params["layers"][spec.index]
         if spec.engram_slot is not None:
@@ -500,22 +508,22 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
         if spec.index in capture:
             captured[spec.index] = jnp.mean(streams, axis=2)
         a_pre, a_post, a_comb = mhc_coefficients(streams, **lp["hc_attn"], **mhc_kw)
-        h = rms_norm(collapse(streams, pre_mix), lp["attn_norm"], c.rms_norm_eps)
+        h = rms_norm(collapse(streams, pre_mix, unrolled=few), lp["attn_norm"], c.rms_norm_eps)
         if return_compressor_inputs and spec.mode == FULL:
             compressor_inputs[spec.index] = h
         y, cache, shared = attention_step(lp["attn"], h, spec, pos, pos0, n_valid, cache, shared, c, rope, opts,
                                           quant_on, emit=spec.index not in no_emit)
-        streams = expand(streams, y, a_post, a_comb)
+        streams = expand(streams, y, a_post, a_comb, unrolled=few)
         f_pre, f_post, f_comb = mhc_coefficients(streams, **lp["hc_ffn"], **mhc_kw)
-        h = rms_norm(collapse(streams, a_pre), lp["ffn_norm"], c.rms_norm_eps)
+        h = rms_norm(collapse(streams, a_pre, unrolled=few), lp["ffn_norm"], c.rms_norm_eps)
         if opts.moe_impl == "tiled":
             y = moe_inference(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp,
                               scaling=c.routed_scaling_factor, limit=c.swiglu_limit, normalize=c.norm_topk_prob,
-                              backend=opts.kernel_backend)
+                              backend=opts.kernel_backend, router_one_pass=opts.router_one_pass and small)
         else:
             y, _ = moe(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp, scaling=c.routed_scaling_factor,
                        limit=c.swiglu_limit, impl=opts.moe_impl, normalize=c.norm_topk_prob)
-        streams = expand(streams, y, f_post, f_comb)
+        streams = expand(streams, y, f_post, f_comb, unrolled=few)
         pre_mix = f_pre
     out = (streams, pre_mix, cache)
     if capture:

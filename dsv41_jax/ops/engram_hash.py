@@ -55,6 +55,7 @@ __all__ = [
     "device_engram_hash",
     "device_history",
     "engram_row_ids_step_device",
+    "advance_history",
 ]
 
 #: Marker for "no token here" (before the sequence start or a DEAD/padding
@@ -586,6 +587,34 @@ def device_history(history: EngramHistory):
     segments = np.asarray(history.segments, np.int64)
     live = (tokens != DEAD) & (segments == segments[:, -1:])
     return np.where(live, tokens, DEAD).astype(np.int32)
+
+
+def advance_history(history: EngramHistory, token_map, new_tokens, active=None) -> EngramHistory:
+    """The host look-back after one decode step hashed on the device: each active row appends its token's compressed
+    id (continuing its newest segment), inactive rows keep theirs. Equal to the history ``engram_row_ids_step``
+    returns for one valid token per row, without computing any hash (the rows come from
+    ``engram_row_ids_step_device``)."""
+    tokens = _as_int_array(new_tokens, "new_tokens", 1)
+    b, k = history.tokens.shape
+    if tokens.shape != (b,):
+        raise ValueError(f"new_tokens has shape {tokens.shape}, expected ({b},) for the history's batch")
+    live = np.ones((b,), bool) if active is None else np.asarray(active, bool)
+    tm = np.asarray(token_map)
+    bad = live & ((tokens < 0) | (tokens >= tm.shape[0]))
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"token id {int(tokens[row])} (row {row}) is outside the token map's range [0, {tm.shape[0]})")
+    compressed = tm[np.where(live, tokens, 0)].astype(np.int64)
+    keep = live[:, None]
+    if k == 0:
+        shifted_t, shifted_s = history.tokens, history.segments
+    else:
+        shifted_t = np.concatenate([history.tokens[:, 1:], compressed[:, None]], axis=1)
+        shifted_s = np.concatenate([history.segments[:, 1:], history.segments[:, -1:]], axis=1)
+    step = live.astype(np.int64)
+    return EngramHistory(tokens=np.where(keep, shifted_t, history.tokens),
+                         segments=np.where(keep, shifted_s, history.segments),
+                         num_positions=history.num_positions + step, num_valid=history.num_valid + step)
 
 
 def _mul_u64_by_u32(t, hi, lo):

@@ -111,6 +111,14 @@ def narrow_matmul_f32(x: jax.Array, w: jax.Array) -> jax.Array:
     return _narrow_matmul(x.astype(jnp.float32), w.astype(jnp.float32))
 
 
+def narrow_dot_one_pass(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] · w [N, K]ᵀ -> [..., N] float32 as ONE element-wise product and sum over K (for a few rows: a
+    decode step's router logits / mHC projection). XLA emits it as a single reduction kernel, where
+    :func:`narrow_matmul_f32` launches a split-K GEMM (autotuned when compiled) and a second kernel for the sum of
+    its chunks; exact float32 arithmetic either way, only the order of the additions differs."""
+    return jnp.sum(x.astype(jnp.float32)[..., None, :] * w.astype(jnp.float32), axis=-1)
+
+
 @jax.custom_vjp
 def _narrow_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [M, K] · w [N, K]ᵀ -> [M, N], float32 (N small, K long): the contraction split into up to 16 chunks, one

@@ -21,7 +21,7 @@ from dsv41_jax.ops.norms import rms_normalize
 
 def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, hc_eps: float,
                      rms_eps: float, sinkhorn_iters: int, unroll: bool = False,
-                     comb_kernel: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     comb_kernel: str | None = None, one_pass: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """streams [..., hc, D] -> (pre [..., hc], post [..., hc], comb [..., hc, hc]).
 
     ``fn`` [(2+hc)*hc, hc*D] rows are ordered pre(hc), post(hc), comb(hc*hc, row-major i -> j). ``comb`` is
@@ -30,11 +30,16 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
     fused kernels instead of launching the loop body's tiny kernels once per iteration; a rolled loop compiles
     faster (CPU, training). ``comb_kernel``: a Pallas GPU backend (``"pallas_gpu"``, or ``"pallas_gpu_interpret"``
     on a CPU) computes the softmax and the Sinkhorn iterations in one kernel (``kernels.mhc_gpu``; inference only:
-    no gradient).
+    no gradient). ``one_pass`` (for a few tokens, a decode step): the projection and the RMS of the streams as one
+    reduction over the streams (:func:`_project_rms_one_pass`) instead of a normalisation, a split-K GEMM and the sum
+    of its chunks — fewer kernels, the same float32 maths up to the order of the additions.
     """
     hc = streams.shape[-2]
-    flat = rms_normalize(streams.reshape(*streams.shape[:-2], -1), rms_eps)
-    mix = narrow_matmul_f32(flat.reshape(-1, flat.shape[-1]), fn).reshape(*flat.shape[:-1], -1)
+    if one_pass:
+        mix = _project_rms_one_pass(streams.reshape(*streams.shape[:-2], -1), fn, rms_eps)
+    else:
+        flat = rms_normalize(streams.reshape(*streams.shape[:-2], -1), rms_eps)
+        mix = narrow_matmul_f32(flat.reshape(-1, flat.shape[-1]), fn).reshape(*flat.shape[:-1], -1)
     scale = scale.astype(jnp.float32)
     base = base.astype(jnp.float32)
     pre = jax.nn.sigmoid(mix[..., :hc] * scale[0] + base[:hc]) + hc_eps
@@ -59,14 +64,47 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
     return pre, post, comb
 
 
-def collapse(streams: jax.Array, pre: jax.Array) -> jax.Array:
-    """Σ_s pre[s] · streams[s]  (fp32 math, result in the streams' dtype)."""
-    out = jnp.sum(pre.astype(jnp.float32)[..., None] * streams.astype(jnp.float32), axis=-2)
+def _project_rms_one_pass(flat: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
+    """rms_normalize(flat) · fnᵀ as ONE reduction over the flattened streams: the N raw products and the sum of
+    squares are the N + 1 rows of a single sum over the contraction, and the normalisation (a per-token scalar)
+    is applied to the N sums afterwards. flat [..., K] (any float dtype), fn [N, K] -> [..., N] float32."""
+    x = flat.astype(jnp.float32)
+    w = fn.astype(jnp.float32)
+    rows = jnp.concatenate([x[..., None, :] * w, (x * x)[..., None, :]], axis=-2)  # [..., N + 1, K]
+    sums = jnp.sum(rows, axis=-1)
+    n, k = w.shape
+    return sums[..., :n] * jax.lax.rsqrt(sums[..., n:] / k + eps)
+
+
+def _sum_over(terms):
+    out = terms[0]
+    for t in terms[1:]:
+        out = out + t
+    return out
+
+
+def collapse(streams: jax.Array, pre: jax.Array, *, unrolled: bool = False) -> jax.Array:
+    """Σ_s pre[s] · streams[s]  (fp32 math, result in the streams' dtype). ``unrolled``: the sum over the hc
+    streams as hc - 1 additions (element-wise, so XLA fuses it into its consumer, e.g. the RMS norm's reduction)
+    rather than a reduction of its own."""
+    p32, s32 = pre.astype(jnp.float32), streams.astype(jnp.float32)
+    if unrolled:
+        out = _sum_over([p32[..., i, None] * s32[..., i, :] for i in range(streams.shape[-2])])
+    else:
+        out = jnp.sum(p32[..., None] * s32, axis=-2)
     return out.astype(streams.dtype)
 
 
-def expand(streams: jax.Array, y: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
-    """out[j] = post[j] · y + Σ_i comb[i, j] · streams[i]."""
-    mixed = jnp.sum(comb.astype(jnp.float32)[..., None] * streams.astype(jnp.float32)[..., :, None, :], axis=-3)
+def expand(streams: jax.Array, y: jax.Array, post: jax.Array, comb: jax.Array, *,
+           unrolled: bool = False) -> jax.Array:
+    """out[j] = post[j] · y + Σ_i comb[i, j] · streams[i]. ``unrolled``: the sum over i as additions (one
+    element-wise fusion) rather than a reduction."""
+    c32, s32 = comb.astype(jnp.float32), streams.astype(jnp.float32)
+    if unrolled:
+        hc = streams.shape[-2]
+        mixed = jnp.stack([_sum_over([c32[..., i, j, None] * s32[..., i, :] for i in range(hc)]) for j in range(hc)],
+                          axis=-2)
+    else:
+        mixed = jnp.sum(c32[..., None] * s32[..., :, None, :], axis=-3)
     out = post[..., None].astype(jnp.float32) * y.astype(jnp.float32)[..., None, :] + mixed
     return out.astype(streams.dtype)

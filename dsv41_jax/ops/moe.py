@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.ops.linear import (gemm_input, is_plain_weight, linear, linear_many, matmul_precision,
-                                  narrow_matmul_f32, quantized_gemm_backend, weight_array)
+                                  narrow_dot_one_pass, narrow_matmul_f32, quantized_gemm_backend,
+                                  weight_array)
 
 MOE_IMPLS = ("auto", "ragged", "blocked", "dense", "expert_parallel")
 
@@ -36,9 +37,14 @@ def resolve_moe_impl(impl: str) -> str:
 
 
 def route(x: jax.Array, gate_weight: jax.Array, gate_bias: jax.Array, *, top_k: int, temp: float,
-          scaling: float, normalize: bool = True):
-    """x [M, d] -> (weights [M, k] fp32, indices [M, k] int32, scores [M, E] fp32)."""
-    logits = narrow_matmul_f32(x, gate_weight) / temp  # float32 (the official router); few outputs, long d
+          scaling: float, normalize: bool = True, one_pass: bool = False):
+    """x [M, d] -> (weights [M, k] fp32, indices [M, k] int32, scores [M, E] fp32). ``one_pass`` (a few tokens, a
+    decode step): the logits as one float32 reduction over d (``ops.linear.narrow_dot_one_pass``) instead of a
+    split-K GEMM and the sum of its chunks."""
+    if one_pass:
+        logits = narrow_dot_one_pass(x, gate_weight) / temp
+    else:
+        logits = narrow_matmul_f32(x, gate_weight) / temp  # float32 (the official router); few outputs, long d
     scores = jnp.sqrt(jax.nn.softplus(logits))
     _, idx = jax.lax.top_k(scores + gate_bias.astype(jnp.float32), top_k)
     weights = jnp.take_along_axis(scores, idx, axis=-1)
