@@ -351,9 +351,10 @@ def main(argv=None):
 
     def warm_spec(b):
         def fn(w):
-            dec = SpeculativeDecoder(engines[b, "spec"])
-            for _ in range(2):  # a decoder's first run seeds fresh rings, its later runs rings a step returned
-                dec.generate(prompts[b], max_new_tokens=2 * gamma + 2, stop_tokens=())
+            for kw in (dict(), dict(schedule="threshold", threshold=0.5)):  # device loop; host loop (schedules)
+                dec = SpeculativeDecoder(engines[b, "spec"], **kw)
+                for _ in range(2):  # a decoder's first run seeds fresh rings, its later runs rings a step returned
+                    dec.generate(prompts[b], max_new_tokens=2 * gamma + 2, stop_tokens=())
         return fn
 
     def warm_prefix(b):
@@ -491,7 +492,8 @@ def main(argv=None):
 
     # the rows that matter most first (a run cut short by its limit keeps them): plain and speculation at every
     # batch, then the schedulers
-    plan = [(b, v) for b in batches for v in ("plain", "none")] + [(b, "threshold") for b in batches]
+    plan = [(b, v) for b in batches for v in ("plain", "none")] + [(b, "host") for b in batches]
+    plan += [(b, "threshold") for b in batches]
     plan += [(b, "prefix") for b in batches if b in prefix_batches]
     plain_out, plain_tps = {}, {}
     for b, variant in plan:
@@ -529,6 +531,8 @@ def main(argv=None):
         kw, extra = {}, {}
         if variant == "threshold":
             kw = dict(schedule="threshold", threshold=0.5)
+        elif variant == "host":  # the same speculation with one read-back per step
+            kw = dict(chain_every=0)
         elif variant == "prefix":
             table = SpeculativeDecoder(eng).measure_step_times(reps=5)
             extra["step_time_table_ms"] = {str(w): t * 1e3 for w, t in table.items()}
@@ -547,9 +551,12 @@ def main(argv=None):
             say(f"  one speculative step program at width {gamma + 1}: {t_round * 1e3:.2f} ms")
         same = all(r.tokens == plain_out[b][s] for s, r in enumerate(res))
         tps = b * new / dt
-        name = {"none": "DSpark", "threshold": "DSpark + threshold 0.5", "prefix": "DSpark + prefix (measured)"}
+        # a full-width verification reads the weights (b (γ + 1) tokens') and the drafter's block
+        extra["floor_bytes_verify"] = step_bytes(config, b * (gamma + 1))["total"] + 2 * counts.dspark
+        name = {"none": "DSpark (device loop)", "host": "DSpark (host loop)", "threshold": "DSpark + threshold 0.5",
+                "prefix": "DSpark + prefix (measured)"}
         row(b, name[variant], tps, plain_tps[b], st.mean_accepted_length, st.steps, st.rollbacks, dt, floor_s,
-            "yes" if same else "NO", drafted=st.drafted, accepted=st.accepted, **extra)
+            "yes" if same else "NO", drafted=st.drafted, accepted=st.accepted, device_steps=st.device_steps, **extra)
     if watchdog:
         faulthandler.cancel_dump_traceback_later()
     record["warm_ups"] = {w.name: dict(seconds=w.seconds, error=w.error) for w in warmers.values()}
