@@ -1,8 +1,15 @@
 """DSpark on a target whose decode step reads GiBs of weights: train a target, train its drafter against the frozen
 target, then plain vs speculative decoding — all in one process (one device call).
 
-    python benchmarks/bench_dspark_h200.py --out DIR            # an NVIDIA H200: ~9 minutes (--budget-s 540)
-    python benchmarks/bench_dspark_h200.py --smoke --out DIR    # the same pipeline at toy size, CPU (~2-4 minutes)
+    python benchmarks/bench_dspark_h200.py --out DIR            # an NVIDIA H200: 7 minutes (--budget-s 420)
+    python benchmarks/bench_dspark_h200.py --smoke --out DIR    # the same pipeline at toy size, CPU (~2-5 minutes)
+
+Compiling is most of a short run's time (one program per shape: prefill, decode step, drafting, verification,
+each at batch 1 and 16, and the training steps, ~30-60 s each on an H200). So right after loading the data the
+script builds its decoding engines on zero parameters (the trained ones' dtypes and placement) and runs each
+decoding path once in threads beside the target's training, and one drafter-training step on a zero target: the
+programs then serve the trained parameters without compiling again (``warm_ups`` in the JSON, and every log line
+carries the process's compile seconds so far).
 
 Recipe (``--smoke`` shrinks every size; the numbers below are the defaults):
 
@@ -15,14 +22,18 @@ Recipe (``--smoke`` shrinks every size; the numbers below are the defaults):
    ``--target-s`` seconds after compilation (measured on the first steps; the cosine schedule is fitted to them).
 2. Drafter: one DSpark block (block size 5, fed by the residual entering layers 1-3, SWA-only attention, 8 routed
    experts top-1 + shared, Markov rank 64, noise token 258), trained against the frozen target with target-greedy
-   labels (``DSparkTrainStep``, 32 anchors per row, same data), same optimiser settings with lr 1e-3, for as many
-   steps as fit ``--drafter-s`` seconds.
+   labels (``DSparkTrainStep``, 32 anchors per row), same optimiser settings with lr 1e-3, for as many steps as fit
+   ``--drafter-s`` seconds (cut so that ``--decode-reserve-s`` remain). Its rows: ``--gen-rows`` (half) of every
+   batch are the target's own greedy continuations (``--gen-s`` seconds of generating at batch 16: a corpus stretch
+   as wide as the prompts + greedy bytes to 512; what the drafter must predict at inference), the rest corpus
+   rows.
 3. Decoding (bf16 weights, float32-only parameters in float32): held-out ``asyncio`` prompts of 96 characters,
-   ``--new-tokens`` greedy tokens, batch 1 and 16; plain decoding, then speculation with the schedule off, the
-   confidence threshold 0.5 and the hardware-aware prefix scheduler over a step-time table measured in the same
-   process (every chunk width 1 .. γ + 1; ``--prefix-batches``), and the speculative step program alone at full
-   width (``round_ms_full_width``, against the plain step). Rows run in the order plain / speculation at every
-   batch, then threshold, then prefix; ``--budget-s`` skips what would start too late. Prefill runs without CED
+   ``--new-tokens`` greedy tokens, batch 1 and 16; plain decoding (the device loop, read back every 8 steps),
+   then speculation with the schedule off — on the device (``speculative_chain``, read back every 8 steps) and in
+   the host loop (one read-back per step) — the confidence threshold 0.5 and the hardware-aware prefix scheduler
+   over a step-time table measured in the same process (every chunk width 1 .. γ + 1; ``--prefix-batches``), and
+   the speculative step program alone at full width (``round_ms_full_width``, against the plain step). Rows run in
+   that order of importance; ``--budget-s`` skips what would start too late. Prefill runs without CED
    (the drafter's target layers 1-2 are encoder layers); it is outside the timed decode loop. Every speculative
    row checks that its tokens equal plain decoding's.
    Floor: the bytes a plain step must read (active bf16 weights: batch 1 = attention / shared / top-6 of 16 routed
