@@ -43,6 +43,8 @@ def main(argv=None):
     ap.add_argument("--gen-rows", type=float, default=0.5)
     ap.add_argument("--eval-batch", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--bf16", action="store_true", help="decode with bf16 weights (default float32: greedy ties are "
+                    "then decided identically by a one-token step and a verification chunk)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -72,7 +74,8 @@ def main(argv=None):
     tcd = tc.replace(lr=1e-3, seed=1, steps=args.drafter_steps)
     opts_d = DSparkTrainOptions(anchors=8, labels="target")
     dstep = DSparkTrainStep(config, tcd, target, opts_d)
-    eng = Engine(config, inference_params({**target, "dspark": dstep.init_state()["params"]["dspark"]}, config),
+    cast = (lambda p: inference_params(p, config)) if args.bf16 else (lambda p: p)  # noqa: E731
+    eng = Engine(config, cast({**target, "dspark": dstep.init_state()["params"]["dspark"]}),
                  max_batch=args.eval_batch, max_len=max_len, options=opts, tokenizer=tok)
     rows = None
     for _ in range(args.gen_batches):
@@ -80,7 +83,7 @@ def main(argv=None):
         rows = more if rows is None else np.concatenate([rows, more])
     say(f"{len(rows)} target rows; sample continuation {tok.decode(rows[0, width:].tolist())[:120]!r}")
     plain = [r.tokens for r in eng.generate(prompts, max_new_tokens=args.new_tokens, stop_tokens=())]
-    record = dict(config=config.name, target_steps=args.target_steps, drafter_steps=args.drafter_steps, seq=seq,
+    record = dict(config=config.name, weights="bf16" if args.bf16 else "float32", target_steps=args.target_steps, drafter_steps=args.drafter_steps, seq=seq,
                   target_rows=int(len(rows)), arms=[])
     for name, k in (("corpus", 0), ("corpus + target rows", int(round(args.gen_rows * bs)))):
         dstate = dstep.init_state()
@@ -91,7 +94,7 @@ def main(argv=None):
             dstate, m = dstep(dstate, next(loader), lr_at(i, tcd, args.drafter_steps))
             top1.append(float(m["top1"]))
         loader.close()
-        eng.params = inference_params({**dstep.target, "dspark": dstate["params"]["dspark"]}, config)
+        eng.params = cast({**dstep.target, "dspark": dstate["params"]["dspark"]})
         dec = SpeculativeDecoder(eng)
         res = dec.generate(prompts, max_new_tokens=args.new_tokens, stop_tokens=())
         same = all(r.tokens == p for r, p in zip(res, plain))
