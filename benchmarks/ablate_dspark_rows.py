@@ -15,7 +15,6 @@ import sys
 import sysconfig
 import time
 
-import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -83,7 +82,8 @@ def main(argv=None):
         rows = more if rows is None else np.concatenate([rows, more])
     say(f"{len(rows)} target rows; sample continuation {tok.decode(rows[0, width:].tolist())[:120]!r}")
     plain = [r.tokens for r in eng.generate(prompts, max_new_tokens=args.new_tokens, stop_tokens=())]
-    record = dict(config=config.name, weights="bf16" if args.bf16 else "float32", target_steps=args.target_steps, drafter_steps=args.drafter_steps, seq=seq,
+    record = dict(config=config.name, weights="bf16" if args.bf16 else "float32", target_steps=args.target_steps,
+                  drafter_steps=args.drafter_steps, seq=seq,
                   target_rows=int(len(rows)), arms=[])
     for name, k in (("corpus", 0), ("corpus + target rows", int(round(args.gen_rows * bs)))):
         dstate = dstep.init_state()
@@ -105,7 +105,8 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "ablate_dspark_rows.json"), "w") as f:
         json.dump(record, f, indent=1)
-    print("| drafter rows | accepted length (held-out, greedy) | verification steps | train top-1 (last 20) | same tokens |")
+    print("| drafter rows | accepted length (held-out, greedy) | verification steps | train top-1 (last 20) | "
+          "same tokens |")
     print("|---|---|---|---|---|")
     for a in record["arms"]:
         print(f"| {a['name']} | {a['accepted_length']:.2f} | {a['steps']} | {a['train_top1_last20']:.3f} | "

@@ -69,7 +69,7 @@ from benchmarks.bench_speculative import heldout_prompts  # noqa: E402
 from dsv41_jax.config import load_config  # noqa: E402
 from dsv41_jax.inference import Engine, InferenceOptions  # noqa: E402
 from dsv41_jax.inference.engine import compile_seconds  # noqa: E402
-from dsv41_jax.inference.speculative import SpeculativeDecoder, steps_per_s_from_table  # noqa: E402
+from dsv41_jax.inference.speculative import SpeculativeDecoder  # noqa: E402
 from dsv41_jax.inference.step import FAST_COMPILE  # noqa: E402
 from dsv41_jax.model.counting import count_params, per_layer_params  # noqa: E402
 from dsv41_jax.model.params import abstract_params, flat_specs  # noqa: E402
@@ -220,7 +220,8 @@ def target_rows(engine: Engine, corpus, width: int, seq: int, seconds: float, se
         for p, r in zip(prompts, res):
             row = (p + list(r.tokens))[:seq]
             rows.append(row + [0] * (seq - len(row)))
-        say(f"  {len(rows)} target rows ({time.perf_counter() - t0:.1f} s; {engine.last_stats.decode_s * 1e3 / new:.2f} "
+        say(f"  {len(rows)} target rows ({time.perf_counter() - t0:.1f} s; "
+            f"{engine.last_stats.decode_s * 1e3 / new:.2f} "
             f"ms / step at batch {b})")
     return np.asarray(rows, np.int32)
 
@@ -266,6 +267,8 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--budget-s", type=float, default=None, help="skip what is left after this many seconds")
+    ap.add_argument("--no-train", action="store_true", help="random weights instead of training (the decoding "
+                    "programs' compile times and the steps' costs in a short run; acceptance means nothing)")
     ap.add_argument("--no-warm", action="store_true", help="compile the decoding programs when first used instead "
                     "of beside the target's training")
     ap.add_argument("--watchdog-s", type=float, default=None, help="dump every thread's stack to DIR/stacks.txt "
@@ -387,6 +390,7 @@ def main(argv=None):
         for b in batches:
             if b in prefix_batches:
                 warmers[b, "prefix"] = Warmer(f"prefix-b{b}", warm_prefix(b), say)
+    if not args.no_warm and not args.no_train:
         zero_dstep = DSparkTrainStep(config, tcd, {k: v for k, v in zeros.items() if k != "dspark"}, opts_d)
         probe = DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=7))
         probe_batch = next(probe)
@@ -400,70 +404,85 @@ def main(argv=None):
             del st, m
             zero_dstep.target = zero_dstep._target_as_given = None  # keep the program, not the zeros
         warmers["drafter"] = Warmer("drafter-train", warm_drafter, say)
+    if warmers:
         for w in warmers.values():
             w.start()
         say(f"warm-ups started: {', '.join(w.name for w in warmers.values())}")
 
-    # ---- 1. the target ----------------------------------------------------------------------------------------
-    say(f"target {config.name}: {counts.backbone / 1e9:.3f} B backbone parameters, {counts.active_decode / 1e9:.3f} B "
-        f"active per decoded token; training")
-    step_fn = make_train_step(config, tc)
-    state = step_fn.init_state()
-    loader = DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=0))
-    state, rec = train_loop(step_fn, state, loader, tc, target_s, 8 if smoke else 2000, 2 if smoke else 25,
-                            os.path.join(out, "train_target.jsonl"), say)
-    loader.close()
-    record["target_training"] = rec
-    target_params = state["params"]
-    del state, step_fn
-    stage("target_trained")
+    if args.no_train:  # random weights: the programs' compile times and the steps' costs, no acceptance to speak of
+        from dsv41_jax.model.params import init_from_specs, param_specs
 
-    # the trained target in the engines (the drafter still zeros: plain decoding does not read it)
-    params = jax.device_put(inference_params({**target_params, "dspark": zeros["dspark"]}, config), device)
-    if not same_signature(params, zeros):
-        say("WARNING: the trained parameters' signature differs from the warm-up's: programs compile again")
-    for e in engines.values():
-        e.params = params
+        say("random weights (--no-train): no target / drafter training, no generations")
+        params = jax.device_put(inference_params(init_from_specs(param_specs(config, include_dspark=True),
+                                                                 jax.random.PRNGKey(0)), config), device)
+        if not same_signature(params, zeros):
+            say("WARNING: the random parameters' signature differs from the warm-up's: programs compile again")
+        for e in engines.values():
+            e.params = params
+        record["weights"] = "random (std 0.02), untrained"
+        del zeros
+    else:
+        # ---- 1. the target ----------------------------------------------------------------------------------------
+        say(f"target {config.name}: {counts.backbone / 1e9:.3f} B backbone parameters, "
+            f"{counts.active_decode / 1e9:.3f} B "
+            f"active per decoded token; training")
+        step_fn = make_train_step(config, tc)
+        state = step_fn.init_state()
+        loader = DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=0))
+        state, rec = train_loop(step_fn, state, loader, tc, target_s, 8 if smoke else 2000, 2 if smoke else 25,
+                                os.path.join(out, "train_target.jsonl"), say)
+        loader.close()
+        record["target_training"] = rec
+        target_params = state["params"]
+        del state, step_fn
+        stage("target_trained")
 
-    # ---- 2. target generations, the drafter against the frozen target -------------------------------------------
-    rows = None
-    if gen_s > 0:
-        if (gen_batch, "plain") in warmers:
-            warmers[gen_batch, "plain"].wait(say)
-        width = max(len(p) for p in prompts[gen_batch])  # the prompts' width: the prefill program already built
-        say(f"target generations for the drafter: batch {gen_batch}, {width}-token corpus stretches + "
-            f"{seq - width} greedy tokens, {gen_s:.0f} s")
-        rows = target_rows(engines[gen_batch, "plain"], corpus, width, seq, gen_s, seed=3, say=say)
-        np.save(os.path.join(out, "target_rows.npy"), rows)
-        sample = tok.decode(rows[0, width:].tolist())
-        record["generations"] = dict(rows=int(len(rows)), prompt_width=width, seq=seq, sample=sample[:400])
-        say(f"  sample continuation: {sample[:200]!r}")
-        stage("generated")
-    say(f"drafter: {counts.dspark / 1e9:.3f} B parameters ({config.num_nextn_predict_layers} block); training")
-    dstep = DSparkTrainStep(config, tcd, target_params, opts_d)
-    del target_params
-    dstep.target = jax.device_put(dstep.target, device)  # committed, like the warm-up's zeros
-    if "drafter" in warmers:
-        warmers["drafter"].wait(say)
-        if warmers["drafter"].error is None:
-            dstep._jitted = zero_dstep._jitted  # the program compiled on zeros (the target is an argument)
-    dstate = dstep.init_state()
-    k = int(round(args.gen_rows * bs)) if rows is not None else 0
-    loader = MixedLoader(DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=1)), rows, k,
-                         seed=4)
-    d_seconds = max(5.0, min(drafter_s, left() - reserve)) if not smoke else drafter_s
-    say(f"  {k} of {bs} rows per batch from the target's generations; {d_seconds:.0f} s")
-    dstate, rec = train_loop(dstep, dstate, loader, tcd, d_seconds, 6 if smoke else 2000, 2 if smoke else 25,
-                             os.path.join(out, "train_drafter.jsonl"), say)
-    loader.close()
-    record["drafter_training"] = dict(rec, options=opts_d.to_dict(), target_rows_per_batch=k)
-    params = jax.device_put(inference_params({**dstep.target, "dspark": dstate["params"]["dspark"]}, config),
-                            device)
-    del dstate, dstep
-    for e in engines.values():
-        e.params = params
-    del zeros
-    stage("drafter_trained")
+        # the trained target in the engines (the drafter still zeros: plain decoding does not read it)
+        params = jax.device_put(inference_params({**target_params, "dspark": zeros["dspark"]}, config), device)
+        if not same_signature(params, zeros):
+            say("WARNING: the trained parameters' signature differs from the warm-up's: programs compile again")
+        for e in engines.values():
+            e.params = params
+
+        # ---- 2. target generations, the drafter against the frozen target -------------------------------------------
+        rows = None
+        if gen_s > 0:
+            if (gen_batch, "plain") in warmers:
+                warmers[gen_batch, "plain"].wait(say)
+            width = max(len(p) for p in prompts[gen_batch])  # the prompts' width: the prefill program already built
+            say(f"target generations for the drafter: batch {gen_batch}, {width}-token corpus stretches + "
+                f"{seq - width} greedy tokens, {gen_s:.0f} s")
+            rows = target_rows(engines[gen_batch, "plain"], corpus, width, seq, gen_s, seed=3, say=say)
+            np.save(os.path.join(out, "target_rows.npy"), rows)
+            sample = tok.decode(rows[0, width:].tolist())
+            record["generations"] = dict(rows=int(len(rows)), prompt_width=width, seq=seq, sample=sample[:400])
+            say(f"  sample continuation: {sample[:200]!r}")
+            stage("generated")
+        say(f"drafter: {counts.dspark / 1e9:.3f} B parameters ({config.num_nextn_predict_layers} block); training")
+        dstep = DSparkTrainStep(config, tcd, target_params, opts_d)
+        del target_params
+        dstep.target = jax.device_put(dstep.target, device)  # committed, like the warm-up's zeros
+        if "drafter" in warmers:
+            warmers["drafter"].wait(say)
+            if warmers["drafter"].error is None:
+                dstep._jitted = zero_dstep._jitted  # the program compiled on zeros (the target is an argument)
+        dstate = dstep.init_state()
+        k = int(round(args.gen_rows * bs)) if rows is not None else 0
+        loader = MixedLoader(DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=1)), rows, k,
+                             seed=4)
+        d_seconds = max(5.0, min(drafter_s, left() - reserve)) if not smoke else drafter_s
+        say(f"  {k} of {bs} rows per batch from the target's generations; {d_seconds:.0f} s")
+        dstate, rec = train_loop(dstep, dstate, loader, tcd, d_seconds, 6 if smoke else 2000, 2 if smoke else 25,
+                                 os.path.join(out, "train_drafter.jsonl"), say)
+        loader.close()
+        record["drafter_training"] = dict(rec, options=opts_d.to_dict(), target_rows_per_batch=k)
+        params = jax.device_put(inference_params({**dstep.target, "dspark": dstate["params"]["dspark"]}, config),
+                                device)
+        del dstate, dstep
+        for e in engines.values():
+            e.params = params
+        del zeros
+        stage("drafter_trained")
 
     # ---- 3. decoding ----------------------------------------------------------------------------------------
     if cpu:

@@ -342,7 +342,8 @@ def speculative_chain(params: dict, cache: dict, rings, state: dict, engram_hash
     live = col < n_keep[:, None]
     # the host's finish_reason on each kept token in order: the first that ends the row ends it
     n_before = state["generated"][:, None] + col  # tokens emitted before kept token j
-    ends = (jnp.any(kept[..., None] == state["stops"][:, None, :], axis=-1) | (n_before + 1 >= state["max_new"][:, None])
+    ends = (jnp.any(kept[..., None] == state["stops"][:, None, :], axis=-1)
+            | (n_before + 1 >= state["max_new"][:, None])
             | (state["n_prompt"][:, None] + n_before + 1 > state["max_len"]))
     ended = jnp.any(ends & live, axis=1)
     step = state["step"] + 1
@@ -730,8 +731,8 @@ class SpeculativeDecoder:
         fn = jit_for(speculative_chain, self.opts, donate=("cache", "rings"))
         steps = 0
         while active.any():
-            left = max(min(int(max_new[s]) - len(out[info[s][0]]), e.max_len - int(n_prompt[s]) - len(out[info[s][0]]) + 1)
-                       for s in np.flatnonzero(active))
+            left = max(min(int(max_new[s]), e.max_len - int(n_prompt[s]) + 1) - len(out[info[s][0]])
+                       for s in np.flatnonzero(active))  # tokens the longest-running row may still emit
             n = max(1, min(r, -(-left // (k + 1))))
             for _ in range(n):
                 state, e.cache, self.rings = fn(e.params, e.cache, self.rings, state, tables, config=c, opts=self.opts)
@@ -846,6 +847,7 @@ class SpeculativeDecoder:
 
 
 __all__ = ["init_dspark_rings", "seed_rings", "ring_context", "draft_from_rings", "verify_chunk", "save_touched",
-           "restore_rejected", "greedy_accept", "speculative_round", "speculative_chain", "greedy_acceptance", "speculative_accept",
+           "restore_rejected", "greedy_accept", "speculative_round", "speculative_chain", "greedy_acceptance",
+           "speculative_accept",
            "prefix_survival", "threshold_lengths", "prefix_schedule", "parse_step_times",
            "steps_per_s_from_table", "SpeculativeStats", "SpeculativeDecoder"]
