@@ -1,8 +1,15 @@
 """DSpark on a target whose decode step reads GiBs of weights: train a target, train its drafter against the frozen
 target, then plain vs speculative decoding — all in one process (one device call).
 
-    python benchmarks/bench_dspark_h200.py --out DIR            # an NVIDIA H200: ~9 minutes (--budget-s 540)
-    python benchmarks/bench_dspark_h200.py --smoke --out DIR    # the same pipeline at toy size, CPU (~2-4 minutes)
+    python benchmarks/bench_dspark_h200.py --out DIR            # an NVIDIA H200: 7 minutes (--budget-s 420)
+    python benchmarks/bench_dspark_h200.py --smoke --out DIR    # the same pipeline at toy size, CPU (~2-5 minutes)
+
+Compiling is most of a short run's time (one program per shape: prefill, decode step, drafting, verification,
+each at batch 1 and 16, and the training steps, ~30-60 s each on an H200). So right after loading the data the
+script builds its decoding engines on zero parameters (the trained ones' dtypes and placement) and runs each
+decoding path once in threads beside the target's training, and one drafter-training step on a zero target: the
+programs then serve the trained parameters without compiling again (``warm_ups`` in the JSON, and every log line
+carries the process's compile seconds so far).
 
 Recipe (``--smoke`` shrinks every size; the numbers below are the defaults):
 
@@ -15,14 +22,18 @@ Recipe (``--smoke`` shrinks every size; the numbers below are the defaults):
    ``--target-s`` seconds after compilation (measured on the first steps; the cosine schedule is fitted to them).
 2. Drafter: one DSpark block (block size 5, fed by the residual entering layers 1-3, SWA-only attention, 8 routed
    experts top-1 + shared, Markov rank 64, noise token 258), trained against the frozen target with target-greedy
-   labels (``DSparkTrainStep``, 32 anchors per row, same data), same optimiser settings with lr 1e-3, for as many
-   steps as fit ``--drafter-s`` seconds.
+   labels (``DSparkTrainStep``, 32 anchors per row), same optimiser settings with lr 1e-3, for as many steps as fit
+   ``--drafter-s`` seconds (cut so that ``--decode-reserve-s`` remain). Its rows: ``--gen-rows`` (half) of every
+   batch are the target's own greedy continuations (``--gen-s`` seconds of generating at batch 16: a corpus stretch
+   as wide as the prompts + greedy bytes to 512; what the drafter must predict at inference), the rest corpus
+   rows.
 3. Decoding (bf16 weights, float32-only parameters in float32): held-out ``asyncio`` prompts of 96 characters,
-   ``--new-tokens`` greedy tokens, batch 1 and 16; plain decoding, then speculation with the schedule off, the
-   confidence threshold 0.5 and the hardware-aware prefix scheduler over a step-time table measured in the same
-   process (every chunk width 1 .. γ + 1; ``--prefix-batches``), and the speculative step program alone at full
-   width (``round_ms_full_width``, against the plain step). Rows run in the order plain / speculation at every
-   batch, then threshold, then prefix; ``--budget-s`` skips what would start too late. Prefill runs without CED
+   ``--new-tokens`` greedy tokens, batch 1 and 16; plain decoding (the device loop, read back every 8 steps),
+   then speculation with the schedule off — on the device (``speculative_chain``, read back every 8 steps) and in
+   the host loop (one read-back per step) — the confidence threshold 0.5 and the hardware-aware prefix scheduler
+   over a step-time table measured in the same process (every chunk width 1 .. γ + 1; ``--prefix-batches``), and
+   the speculative step program alone at full width (``round_ms_full_width``, against the plain step). Rows run in
+   that order of importance; ``--budget-s`` skips what would start too late. Prefill runs without CED
    (the drafter's target layers 1-2 are encoder layers); it is outside the timed decode loop. Every speculative
    row checks that its tokens equal plain decoding's.
    Floor: the bytes a plain step must read (active bf16 weights: batch 1 = attention / shared / top-6 of 16 routed
@@ -41,7 +52,12 @@ import os
 import statistics
 import sys
 import sysconfig
+import threading
 import time
+
+# the programs of the decoding phase are compiled (and run once, on zero parameters) beside the training: room
+# for both on the device
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 import jax
 import jax.numpy as jnp
@@ -52,10 +68,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_speculative import heldout_prompts  # noqa: E402
 from dsv41_jax.config import load_config  # noqa: E402
 from dsv41_jax.inference import Engine, InferenceOptions  # noqa: E402
-from dsv41_jax.inference.speculative import SpeculativeDecoder, steps_per_s_from_table  # noqa: E402
+from dsv41_jax.inference.engine import compile_seconds  # noqa: E402
+from dsv41_jax.inference.speculative import SpeculativeDecoder  # noqa: E402
 from dsv41_jax.inference.step import FAST_COMPILE  # noqa: E402
 from dsv41_jax.model.counting import count_params, per_layer_params  # noqa: E402
-from dsv41_jax.model.params import flat_specs  # noqa: E402
+from dsv41_jax.model.params import abstract_params, flat_specs  # noqa: E402
 from dsv41_jax.tokenizer import ByteTokenizer  # noqa: E402
 from dsv41_jax.train.config import TrainConfig  # noqa: E402
 from dsv41_jax.train.data import DataLoader, Dataset, load_corpus  # noqa: E402
@@ -146,47 +163,167 @@ def train_loop(step_fn, state, loader, tc: TrainConfig, seconds: float, max_step
     return state, rec
 
 
+def zero_params(config, device) -> dict:
+    """Zeros with the inference parameters' dtypes (bf16; the float32-only ones float32), committed to ``device``:
+    the stand-ins the decoding and drafter-training programs are compiled with while the target trains — same
+    avals and placement as the trained parameters, so the programs compiled on them serve those."""
+    return jax.tree.map(lambda s: jax.device_put(jnp.zeros(s.shape, s.dtype), device),
+                        abstract_params(config, jnp.bfloat16, include_dspark=True))
+
+
+def same_signature(a, b) -> bool:
+    """Same pytree structure, shapes and dtypes (the programs compiled for ``a`` serve ``b``)."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return (jax.tree.structure(a) == jax.tree.structure(b)
+            and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(la, lb)))
+
+
+class Warmer(threading.Thread):
+    """Runs ``fn`` (compiling programs on zero parameters) beside the main thread; keeps its error, if any."""
+
+    def __init__(self, name: str, fn, say):
+        super().__init__(name=name, daemon=True)
+        self.fn, self.say, self.error, self.seconds = fn, say, None, None
+        self.stop = threading.Event()  # asks a stoppable warm-up (the prefix table's widths) to end early
+
+    def run(self):
+        t0 = time.perf_counter()
+        try:
+            self.fn(self)
+        except Exception as e:  # noqa: BLE001 - a failed warm-up only means the program compiles when first used
+            self.error = f"{type(e).__name__}: {e}"
+            self.say(f"  warm-up {self.name} FAILED: {self.error}")
+        self.seconds = time.perf_counter() - t0
+        self.say(f"  warm-up {self.name} done in {self.seconds:.1f} s")
+
+    def wait(self, say) -> None:
+        if self.is_alive():
+            t0 = time.perf_counter()
+            say(f"  waiting for warm-up {self.name}")
+            self.join()
+            say(f"  waited {time.perf_counter() - t0:.1f} s for warm-up {self.name}")
+
+
+def target_rows(engine: Engine, corpus, width: int, seq: int, seconds: float, seed: int, say) -> np.ndarray:
+    """Rows of ``seq`` tokens = a ``width``-token stretch of the training corpus (BOS first, like the prompts)
+    + the target's greedy continuation: what the drafter must predict at inference. Batches of the engine's size
+    until ``seconds`` have passed (at least one)."""
+    rng = np.random.default_rng(seed)
+    b, new = engine.max_batch, seq - width
+    rows, t0 = [], time.perf_counter()
+    toks = corpus.tokens
+    bos = engine.tokenizer.bos_id
+    while not rows or time.perf_counter() - t0 < seconds:
+        starts = rng.integers(0, len(toks) - width, b)
+        prompts = [[bos] + [int(t) for t in toks[s:s + width - 1]] for s in starts]
+        res = engine.generate(prompts, max_new_tokens=new, stop_tokens=())
+        for p, r in zip(prompts, res):
+            row = (p + list(r.tokens))[:seq]
+            rows.append(row + [0] * (seq - len(row)))
+        say(f"  {len(rows)} target rows ({time.perf_counter() - t0:.1f} s; "
+            f"{engine.last_stats.decode_s * 1e3 / new:.2f} "
+            f"ms / step at batch {b})")
+    return np.asarray(rows, np.int32)
+
+
+class MixedLoader:
+    """The corpus loader's batches with their first ``k`` rows replaced by target rows drawn at random (same keys
+    and dtypes, so the training program is the same)."""
+
+    def __init__(self, loader, rows: np.ndarray | None, k: int, seed: int):
+        self.loader, self.rows, self.k = loader, rows, k if rows is not None else 0
+        self.rng = np.random.default_rng(seed)
+
+    def __next__(self) -> dict:
+        batch = dict(next(self.loader))
+        if self.k:
+            pick = self.rows[self.rng.integers(0, len(self.rows), self.k)]
+            for key in ("tokens", "targets", "loss_mask", "valid"):
+                batch[key] = np.array(batch[key])
+            batch["tokens"][:self.k] = pick
+            batch["targets"][:self.k, :-1] = pick[:, 1:]
+            batch["loss_mask"][:self.k] = 1
+            batch["valid"][:self.k] = True
+        return batch
+
+    def close(self):
+        self.loader.close()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="toy sizes, for a CPU rehearsal")
     ap.add_argument("--target-s", type=float, default=None, help="seconds of target training after compiling")
-    ap.add_argument("--drafter-s", type=float, default=None, help="seconds of drafter training after compiling")
+    ap.add_argument("--gen-s", type=float, default=None, help="seconds of target generation (batch = the largest "
+                    "of --batches) for the drafter's training rows; 0: train on the corpus alone")
+    ap.add_argument("--gen-rows", type=float, default=0.5, help="fraction of each drafter batch's rows taken from "
+                    "the target's generations")
+    ap.add_argument("--drafter-s", type=float, default=None, help="seconds of drafter training after compiling "
+                    "(cut so that --decode-reserve-s stay for decoding)")
+    ap.add_argument("--decode-reserve-s", type=float, default=None, help="seconds kept for the decoding phase")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--prefix-batches", default="1", help="batches that also run the prefix scheduler (its "
-                    "step-time table compiles one program per chunk width)")
+                    "step-time table needs one program per chunk width)")
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--budget-s", type=float, default=None, help="skip what is left after this many seconds")
-    ap.add_argument("--watchdog-s", type=float, default=None, help="while decoding, dump every thread's stack to "
-                    "DIR/stacks.txt every this many seconds (where a slow compile sits); 0 = off (default: 60 on an "
-                    "accelerator, off on the CPU)")
-    ap.add_argument("--log-compiles", action="store_true", help="while decoding, log every compilation (jax_log_compiles)")
+    ap.add_argument("--no-train", action="store_true", help="random weights instead of training (the decoding "
+                    "programs' compile times and the steps' costs in a short run; acceptance means nothing)")
+    ap.add_argument("--no-warm", action="store_true", help="compile the decoding programs when first used instead "
+                    "of beside the target's training")
+    ap.add_argument("--watchdog-s", type=float, default=None, help="dump every thread's stack to DIR/stacks.txt "
+                    "every this many seconds (where a slow compile sits); 0 = off (default: 60 on an accelerator, "
+                    "off on the CPU)")
+    ap.add_argument("--log-compiles", action="store_true", help="log every compilation (jax_log_compiles)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     smoke = args.smoke
-    budget = args.budget_s or (1e9 if smoke else 540)
-    target_s = args.target_s if args.target_s is not None else (0.0 if smoke else 75.0)
-    drafter_s = args.drafter_s if args.drafter_s is not None else (0.0 if smoke else 60.0)
+    budget = args.budget_s or (1e9 if smoke else 420)
+    target_s = args.target_s if args.target_s is not None else (0.0 if smoke else 110.0)
+    gen_s = args.gen_s if args.gen_s is not None else (0.0 if smoke else 20.0)
+    drafter_s = args.drafter_s if args.drafter_s is not None else (0.0 if smoke else 80.0)
+    reserve = args.decode_reserve_s if args.decode_reserve_s is not None else (0.0 if smoke else 90.0)
     new = args.new_tokens or (12 if smoke else 128)
     reps = args.reps if args.reps is not None else (1 if smoke else 2)
     out = args.out or "."
     os.makedirs(out, exist_ok=True)
     cpu = jax.default_backend() == "cpu"
+    device = jax.devices()[0]
+    lock = threading.Lock()
 
     def say(msg):
-        print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+        with lock:
+            print(f"[{time.perf_counter() - t_start:6.1f}s] {msg} (compiling so far {compile_seconds():.0f} s)",
+                  file=sys.stderr, flush=True)
+
+    def left():
+        return budget - (time.perf_counter() - t_start)
+
+    if args.log_compiles:
+        jax.config.update("jax_log_compiles", True)
+    watchdog = args.watchdog_s if args.watchdog_s is not None else (0 if cpu else 60)
+    if watchdog:
+        import faulthandler
+
+        stacks = open(os.path.join(out, "stacks.txt"), "w")
+        faulthandler.dump_traceback_later(watchdog, repeat=True, file=stacks)
 
     config = target_config(smoke)
     counts = count_params(config)
     record = dict(config=config.name, device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=" ".join(sys.argv),
                   params=dict(backbone=counts.backbone, dspark=counts.dspark, active_decode=counts.active_decode),
-                  rows=[])
+                  stages={}, rows=[])
 
     def save():
-        with open(os.path.join(out, "bench_dspark_h200.json"), "w") as f:
-            json.dump(record, f, indent=1)
+        with lock:
+            with open(os.path.join(out, "bench_dspark_h200.json"), "w") as f:
+                json.dump(record, f, indent=1)
+
+    def stage(name, **kw):
+        record["stages"][name] = dict(at_s=time.perf_counter() - t_start, compile_s_total=compile_seconds(), **kw)
+        save()
 
     # ---- data -----------------------------------------------------------------------------------------------
     tok = ByteTokenizer(model_vocab_size=config.vocab_size)
@@ -195,40 +332,157 @@ def main(argv=None):
                          max_docs=40 if smoke else None)
     record["data"] = dict(stdlib=stdlib, tokens=int(len(corpus.tokens)), docs=int(corpus.n_docs), exclude=EXCLUDE)
     say(f"data: {corpus.n_docs} files of {stdlib}, {len(corpus.tokens):,} byte tokens")
-
-    # ---- 1. the target ----------------------------------------------------------------------------------------
     seq, bs = (128, 4) if smoke else (512, 8)
     tc = TrainConfig(seq_len=seq, batch_size=bs, steps=2000, lr=5e-4, warmup_steps=4 if smoke else 30,
                      min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0, compute_dtype="float32" if cpu else "bfloat16",
                      quant_sim=False)
-    say(f"target {config.name}: {counts.backbone / 1e9:.3f} B backbone parameters, {counts.active_decode / 1e9:.3f} B "
-        f"active per decoded token; training")
-    step_fn = make_train_step(config, tc)
-    state = step_fn.init_state()
-    loader = DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=0))
-    state, rec = train_loop(step_fn, state, loader, tc, target_s, 8 if smoke else 2000, 2 if smoke else 25,
-                            os.path.join(out, "train_target.jsonl"), say)
-    loader.close()
-    record["target_training"] = rec
-    target_params = state["params"]
-    del state, step_fn
-    save()
-
-    # ---- 2. the drafter against the frozen target -------------------------------------------------------------
     tcd = tc.replace(lr=1e-3, seed=1)
     opts_d = DSparkTrainOptions(anchors=8 if smoke else 32, labels="target")
-    say(f"drafter: {counts.dspark / 1e9:.3f} B parameters ({config.num_nextn_predict_layers} block); training")
-    dstep = DSparkTrainStep(config, tcd, target_params, opts_d)
-    del target_params  # the step holds its compute-dtype copy
-    dstate = dstep.init_state()
-    loader = DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=1))
-    dstate, rec = train_loop(dstep, dstate, loader, tcd, drafter_s, 6 if smoke else 2000, 2 if smoke else 25,
-                             os.path.join(out, "train_drafter.jsonl"), say)
-    loader.close()
-    record["drafter_training"] = dict(rec, options=opts_d.to_dict())
-    params = inference_params({**dstep.target, "dspark": dstate["params"]["dspark"]}, config)
-    del dstate, dstep
-    save()
+
+    # ---- decoding setup: engines on zero parameters, their programs compiled beside the target's training ----
+    # ced=False: the drafter's target layers include encoder layers (1, 2), which CED prefill runs before the
+    # replay segment is known; prefill is outside the timed decode loop
+    opts = InferenceOptions(ced=False, **(dict(compiler_options=FAST_COMPILE) if cpu else {}))
+    gamma = config.dspark_block_size
+    prompt_len = 96
+    batches = [int(x) for x in args.batches.split(",")]
+    prefix_batches = {int(x) for x in args.prefix_batches.split(",") if x}
+    gen_batch = max(batches)
+    max_len = max(2 * prompt_len + new + 16, seq)  # seq: the target's generations for the drafter's rows
+    zeros = zero_params(config, device)
+    prompts = {b: heldout_prompts(b, prompt_len, tok) for b in batches}
+    engines = {(b, role): Engine(config, zeros, max_batch=b, max_len=max_len, options=opts, tokenizer=tok)
+               for b in batches for role in ("plain", "spec")}
+    if not args.no_warm:  # an engine of its own for the prefix table's warm-up (programs are shared by shape)
+        engines.update({(b, "prefix"): Engine(config, zeros, max_batch=b, max_len=max_len, options=opts,
+                                              tokenizer=tok) for b in prefix_batches if b in batches})
+    warmers = {}
+
+    def warm_plain(b):
+        def fn(w):
+            engines[b, "plain"].generate(prompts[b], max_new_tokens=3, stop_tokens=())
+        return fn
+
+    def warm_spec(b):
+        def fn(w):
+            for kw in (dict(), dict(schedule="threshold", threshold=0.5)):  # device loop; host loop (schedules)
+                dec = SpeculativeDecoder(engines[b, "spec"], **kw)
+                for _ in range(2):  # a decoder's first run seeds fresh rings, its later runs rings a step returned
+                    dec.generate(prompts[b], max_new_tokens=2 * gamma + 2, stop_tokens=())
+        return fn
+
+    def warm_prefix(b):
+        def fn(w):  # the step-time table's narrower programs, after the full-width ones (one compile at a time)
+            for other in batches:
+                warmers[other, "spec"].join()
+            dec = SpeculativeDecoder(engines[b, "prefix"])
+            for width in range(1, gamma + 1):
+                if w.stop.is_set():
+                    break
+                dec.measure_step_times(widths=(width,), reps=1)  # fresh rings, then returned ones
+        return fn
+
+    zero_dstep = None
+    if not args.no_warm:
+        for b in batches:
+            warmers[b, "plain"] = Warmer(f"plain-b{b}", warm_plain(b), say)
+            warmers[b, "spec"] = Warmer(f"spec-b{b}", warm_spec(b), say)
+        for b in batches:
+            if b in prefix_batches:
+                warmers[b, "prefix"] = Warmer(f"prefix-b{b}", warm_prefix(b), say)
+    if not args.no_warm and not args.no_train:
+        zero_dstep = DSparkTrainStep(config, tcd, {k: v for k, v in zeros.items() if k != "dspark"}, opts_d)
+        probe = DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=7))
+        probe_batch = next(probe)
+        probe.close()
+
+        def warm_drafter(w):
+            st = zero_dstep.init_state()
+            for _ in range(2):  # the first step's state (fresh) and the later steps' (a step's output)
+                st, m = zero_dstep(st, probe_batch, 1e-3)
+            jax.block_until_ready(m)
+            del st, m
+            zero_dstep.target = zero_dstep._target_as_given = None  # keep the program, not the zeros
+        warmers["drafter"] = Warmer("drafter-train", warm_drafter, say)
+    if warmers:
+        for w in warmers.values():
+            w.start()
+        say(f"warm-ups started: {', '.join(w.name for w in warmers.values())}")
+
+    if args.no_train:  # random weights: the programs' compile times and the steps' costs, no acceptance to speak of
+        from dsv41_jax.model.params import init_from_specs, param_specs
+
+        say("random weights (--no-train): no target / drafter training, no generations")
+        params = jax.device_put(inference_params(init_from_specs(param_specs(config, include_dspark=True),
+                                                                 jax.random.PRNGKey(0)), config), device)
+        if not same_signature(params, zeros):
+            say("WARNING: the random parameters' signature differs from the warm-up's: programs compile again")
+        for e in engines.values():
+            e.params = params
+        record["weights"] = "random (std 0.02), untrained"
+        del zeros
+    else:
+        # ---- 1. the target ----------------------------------------------------------------------------------------
+        say(f"target {config.name}: {counts.backbone / 1e9:.3f} B backbone parameters, "
+            f"{counts.active_decode / 1e9:.3f} B "
+            f"active per decoded token; training")
+        step_fn = make_train_step(config, tc)
+        state = step_fn.init_state()
+        loader = DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=0))
+        state, rec = train_loop(step_fn, state, loader, tc, target_s, 8 if smoke else 2000, 2 if smoke else 25,
+                                os.path.join(out, "train_target.jsonl"), say)
+        loader.close()
+        record["target_training"] = rec
+        target_params = state["params"]
+        del state, step_fn
+        stage("target_trained")
+
+        # the trained target in the engines (the drafter still zeros: plain decoding does not read it)
+        params = jax.device_put(inference_params({**target_params, "dspark": zeros["dspark"]}, config), device)
+        if not same_signature(params, zeros):
+            say("WARNING: the trained parameters' signature differs from the warm-up's: programs compile again")
+        for e in engines.values():
+            e.params = params
+
+        # ---- 2. target generations, the drafter against the frozen target -------------------------------------------
+        rows = None
+        if gen_s > 0:
+            if (gen_batch, "plain") in warmers:
+                warmers[gen_batch, "plain"].wait(say)
+            width = max(len(p) for p in prompts[gen_batch])  # the prompts' width: the prefill program already built
+            say(f"target generations for the drafter: batch {gen_batch}, {width}-token corpus stretches + "
+                f"{seq - width} greedy tokens, {gen_s:.0f} s")
+            rows = target_rows(engines[gen_batch, "plain"], corpus, width, seq, gen_s, seed=3, say=say)
+            np.save(os.path.join(out, "target_rows.npy"), rows)
+            sample = tok.decode(rows[0, width:].tolist())
+            record["generations"] = dict(rows=int(len(rows)), prompt_width=width, seq=seq, sample=sample[:400])
+            say(f"  sample continuation: {sample[:200]!r}")
+            stage("generated")
+        say(f"drafter: {counts.dspark / 1e9:.3f} B parameters ({config.num_nextn_predict_layers} block); training")
+        dstep = DSparkTrainStep(config, tcd, target_params, opts_d)
+        del target_params
+        dstep.target = jax.device_put(dstep.target, device)  # committed, like the warm-up's zeros
+        if "drafter" in warmers:
+            warmers["drafter"].wait(say)
+            if warmers["drafter"].error is None:
+                dstep._jitted = zero_dstep._jitted  # the program compiled on zeros (the target is an argument)
+        dstate = dstep.init_state()
+        k = int(round(args.gen_rows * bs)) if rows is not None else 0
+        loader = MixedLoader(DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=1)), rows, k,
+                             seed=4)
+        d_seconds = max(5.0, min(drafter_s, left() - reserve)) if not smoke else drafter_s
+        say(f"  {k} of {bs} rows per batch from the target's generations; {d_seconds:.0f} s")
+        dstate, rec = train_loop(dstep, dstate, loader, tcd, d_seconds, 6 if smoke else 2000, 2 if smoke else 25,
+                                 os.path.join(out, "train_drafter.jsonl"), say)
+        loader.close()
+        record["drafter_training"] = dict(rec, options=opts_d.to_dict(), target_rows_per_batch=k)
+        params = jax.device_put(inference_params({**dstep.target, "dspark": dstate["params"]["dspark"]}, config),
+                                device)
+        del dstate, dstep
+        for e in engines.values():
+            e.params = params
+        del zeros
+        stage("drafter_trained")
 
     # ---- 3. decoding ----------------------------------------------------------------------------------------
     if cpu:
@@ -238,39 +492,21 @@ def main(argv=None):
 
         bw = read_bandwidth(2.0)
     record["read_bandwidth_bytes_per_s"] = bw
-    watchdog = args.watchdog_s if args.watchdog_s is not None else (0 if cpu else 60)
-    if watchdog:
-        import faulthandler
-
-        stacks = open(os.path.join(out, "stacks.txt"), "w")
-        faulthandler.dump_traceback_later(watchdog, repeat=True, file=stacks)
-    if args.log_compiles:
-        jax.config.update("jax_log_compiles", True)
-    # ced=False: the drafter's target layers include encoder layers (1, 2), which CED prefill runs before the
-    # replay segment is known; prefill is outside the timed decode loop
-    opts = InferenceOptions(ced=False, **(dict(compiler_options=FAST_COMPILE) if cpu else {}))
-    gamma = config.dspark_block_size
-    prompt_len = 96
-    max_len = 2 * prompt_len + new + 16
     print(f"# bench_dspark_h200: {config.name} ({counts.active_decode / 1e9:.3f} B active / token), "
-          f"{record['device']}, γ={gamma}, prompt {prompt_len} chars, {new} new tokens, greedy")
+          f"{record['device']}, γ={gamma}, prompt {prompt_len} chars, {new} new tokens, greedy", flush=True)
     print("| batch | decoding | tokens/s | × plain | accepted length | steps | rollbacks | step ms | "
-          "step / floor | same tokens |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    prefix_batches = {int(x) for x in args.prefix_batches.split(",") if x}
-    engines = {}
-
-    def left():
-        return budget - (time.perf_counter() - t_start)
+          "step / floor | same tokens |", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
 
     def timed(fn, steps_of):
         times, res, steps = [], None, None
-        for i in range(reps + 1):  # the first run compiles
-            t0 = time.perf_counter()
+        for i in range(reps + 1):  # the first run compiles what the warm-up did not
+            t0, c0 = time.perf_counter(), compile_seconds()
             res, dt = fn()
             times.append(dt)
             steps = steps_of()
-            say(f"  run {i}: {time.perf_counter() - t0:.1f} s wall, decode loop {dt * 1e3:.1f} ms")
+            say(f"  run {i}: {time.perf_counter() - t0:.2f} s wall ({compile_seconds() - c0:.1f} s compiling), "
+                f"decode loop {dt * 1e3:.1f} ms")
         return res, statistics.median(times[1:] if reps else times), steps
 
     def row(b, name, tps, plain_tps, acc, steps, rollbacks, dt, floor_s, same, **extra):
@@ -284,35 +520,38 @@ def main(argv=None):
         print(f"| {b} | {name} | {tps:,.1f} | {tps / plain_tps:.2f} | {acc:.2f} | {steps} | {rollbacks} | "
               f"{step_ms:.2f} | {sf} | {same} |", flush=True)
 
-    batches = [int(x) for x in args.batches.split(",")]
     # the rows that matter most first (a run cut short by its limit keeps them): plain and speculation at every
     # batch, then the schedulers
-    plan = [(b, v) for b in batches for v in ("plain", "none")] + [(b, "threshold") for b in batches]
+    plan = [(b, v) for b in batches for v in ("plain", "none")] + [(b, "host") for b in batches]
+    plan += [(b, "threshold") for b in batches]
     plan += [(b, "prefix") for b in batches if b in prefix_batches]
     plain_out, plain_tps = {}, {}
     for b, variant in plan:
-        if left() < (20 if smoke else 45):
+        if left() < (20 if smoke else 15):
             say(f"budget: skipping batch {b} {variant} ({left():.0f} s left)")
             record.setdefault("skipped", []).append(f"batch {b} {variant}")
             save()
             continue
         say(f"batch {b}: {variant}")
-        if b not in engines:
-            engines[b] = Engine(config, params, max_batch=b, max_len=max_len, options=opts, tokenizer=tok)
-            say(f"  engine for batch {b} built")
-        eng = engines[b]
-        prompts = heldout_prompts(b, prompt_len, tok)
+        role = "plain" if variant == "plain" else "spec"
+        if (b, role) in warmers:
+            warmers[b, role].wait(say)
+        if (b, "prefix") in warmers:  # the prefix row waits for its widths; the others stop them
+            if variant != "prefix":
+                warmers[b, "prefix"].stop.set()
+            warmers[b, "prefix"].wait(say)
+        eng = engines[b, role]
         sb = step_bytes(config, b)
         floor_s = None if bw is None else sb["total"] / bw
         if variant == "plain":
             def run_plain():
-                res = eng.generate(prompts, max_new_tokens=new, stop_tokens=())
+                res = eng.generate(prompts[b], max_new_tokens=new, stop_tokens=())
                 return res, eng.last_stats.decode_s
             res, dt, _ = timed(run_plain, lambda: new - 1)
             plain_out[b] = [r.tokens for r in res]
             plain_tps[b] = b * new / dt
             sample = tok.decode(res[0].tokens)
-            record.setdefault("samples", {})[str(b)] = dict(prompt=tok.decode(prompts[0]), plain=sample)
+            record.setdefault("samples", {})[str(b)] = dict(prompt=tok.decode(prompts[b][0]), plain=sample)
             row(b, "plain", plain_tps[b], plain_tps[b], 1.0, new - 1, 0, dt, floor_s, "—", floor_bytes=sb["total"],
                 floor_ms=None if floor_s is None else floor_s * 1e3)
             say(f"  sample: {sample[:160]!r}")
@@ -322,6 +561,8 @@ def main(argv=None):
         kw, extra = {}, {}
         if variant == "threshold":
             kw = dict(schedule="threshold", threshold=0.5)
+        elif variant == "host":  # the same speculation with one read-back per step
+            kw = dict(chain_every=0)
         elif variant == "prefix":
             table = SpeculativeDecoder(eng).measure_step_times(reps=5)
             extra["step_time_table_ms"] = {str(w): t * 1e3 for w, t in table.items()}
@@ -330,7 +571,7 @@ def main(argv=None):
         dec = SpeculativeDecoder(eng, **kw)
 
         def run_spec():
-            res = dec.generate(prompts, max_new_tokens=new, stop_tokens=())
+            res = dec.generate(prompts[b], max_new_tokens=new, stop_tokens=())
             return res, dec.stats.decode_s
         res, dt, _ = timed(run_spec, lambda: dec.stats.steps)
         st = dec.stats
@@ -340,13 +581,17 @@ def main(argv=None):
             say(f"  one speculative step program at width {gamma + 1}: {t_round * 1e3:.2f} ms")
         same = all(r.tokens == plain_out[b][s] for s, r in enumerate(res))
         tps = b * new / dt
-        name = {"none": "DSpark", "threshold": "DSpark + threshold 0.5", "prefix": "DSpark + prefix (measured)"}
+        # a full-width verification reads the weights (b (γ + 1) tokens') and the drafter's block
+        extra["floor_bytes_verify"] = step_bytes(config, b * (gamma + 1))["total"] + 2 * counts.dspark
+        name = {"none": "DSpark (device loop)", "host": "DSpark (host loop)", "threshold": "DSpark + threshold 0.5",
+                "prefix": "DSpark + prefix (measured)"}
         row(b, name[variant], tps, plain_tps[b], st.mean_accepted_length, st.steps, st.rollbacks, dt, floor_s,
-            "yes" if same else "NO", drafted=st.drafted, accepted=st.accepted, **extra)
+            "yes" if same else "NO", drafted=st.drafted, accepted=st.accepted, device_steps=st.device_steps, **extra)
     if watchdog:
         faulthandler.cancel_dump_traceback_later()
+    record["warm_ups"] = {w.name: dict(seconds=w.seconds, error=w.error) for w in warmers.values()}
     record["wall_s"] = time.perf_counter() - t_start
-    save()
+    stage("done")
     say(f"done in {record['wall_s']:.0f} s")
 
 

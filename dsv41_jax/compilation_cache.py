@@ -187,7 +187,9 @@ class ProgramStore:
         self.storable = getattr(fn, "__closure__", None) is None and "<locals>" not in qualname
         self.name = f"{getattr(fn, '__module__', '?')}.{qualname}"
         self._programs: dict = {}  # in-process: key -> jax.stages.Compiled
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the two dicts
+        self._building: dict = {}  # signature -> the lock its builder holds: one build per program, and programs
+        #                            of other signatures (other shapes) build at the same time in other threads
         self._last = None  # (directory, static arguments, program) of the last call: the hot path
         self.loaded = self.built = 0  # programs read from disk / traced and compiled here (for tests, reports)
         _stores.add(self)
@@ -195,6 +197,7 @@ class ProgramStore:
     def clear(self) -> None:
         with self._lock:
             self._programs.clear()
+            self._building.clear()
             self._last = None
 
     def __call__(self, *args, **kwargs):
@@ -228,10 +231,13 @@ class ProgramStore:
         compiled = self._programs.get(sig)
         if compiled is None:
             with self._lock:
+                building = self._building.setdefault(sig, threading.Lock())
+            with building:
                 compiled = self._programs.get(sig)
                 if compiled is None:
                     compiled = self._program(directory, sig, args, kwargs)
-                    self._programs[sig] = compiled
+                    with self._lock:
+                        self._programs[sig] = compiled
         self._last = (directory, static, compiled)
         return compiled(*args, **dynamic)
 

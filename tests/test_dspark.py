@@ -369,6 +369,17 @@ def test_scheduled_speculation_stays_lossless():
         assert spec.stats.drafted < 3 * 4 * spec.stats.steps  # fewer drafts verified than proposed
     with pytest.raises(EngineError, match="steps_per_s"):
         SpeculativeDecoder(eng, schedule="prefix")
+    # unscheduled greedy speculation runs on the device (speculative_chain, read back every 3 steps): the same
+    # tokens and the same verification steps as the host loop
+    runs = {}
+    for every in (0, 3):
+        spec = SpeculativeDecoder(eng, chain_every=every)
+        runs[every] = ([r.tokens for r in spec.generate(prompts, max_new_tokens=20, stop_tokens=())], spec.stats)
+    assert runs[0][0] == runs[3][0] == plain
+    h, d = runs[0][1], runs[3][1]
+    assert (h.steps, h.drafted, h.accepted, h.emitted, h.rollbacks) == (d.steps, d.drafted, d.accepted, d.emitted,
+                                                                        d.rollbacks)
+    assert h.device_steps == 0 and d.device_steps == d.steps > 0
 
 
 @pytest.mark.slow

@@ -54,7 +54,7 @@ from dsv41_jax.inference.sampling import filter_logits, sample_jit
 from dsv41_jax.inference.step import (InferenceOptions, embed, emit_entries, head, jit_for, ring_read, ring_write,
                                       run_layers)
 from dsv41_jax.model.dspark import Draft, check_dspark, context_kvs, draft
-from dsv41_jax.ops.engram_hash import EngramHistory
+from dsv41_jax.ops.engram_hash import EngramHistory, device_history, engram_row_ids_step_device
 from dsv41_jax.ops.rope import rope_tables
 
 
@@ -302,6 +302,59 @@ def speculative_round(params: dict, cache: dict, rings, tokens: jax.Array, n_val
     return n_acc, nxt, cache, rings, nxt_draft
 
 
+def speculative_chain(params: dict, cache: dict, rings, state: dict, engram_hash, *, config: ModelConfig,
+                      opts: InferenceOptions):
+    """One greedy DSpark speculative step that feeds itself (cf. ``decode_chain``): verify ``state["drafts"]``
+    after ``state["pending"]``, accept, roll back, draft the next block — :func:`speculative_round` — and update the
+    state on the device, so that any number of steps run back to back and their tokens are read back later.
+
+    state: ``pending`` int32 [B], ``drafts`` int32 [B, K], ``active`` bool [B], ``generated`` int32 [B] (tokens
+    emitted so far, the first one included), ``max_new`` / ``n_prompt`` int32 [B], ``stops`` int32 [B, S] (padded
+    with -2), ``max_len`` int32 [], ``step`` int32 [], (with Engram layers ``engram_history`` int32 [B, N-1],
+    ``ops.engram_hash.device_history``) and the read-back ring: ``out`` int32 [R, B, K + 1] (row step mod R: the
+    step's kept tokens), ``kept`` / ``valid`` int32 [R, B] (tokens kept / verified per row). A row ends as
+    ``Engine.generate``'s ``finish_reason`` ends it (a stop token, ``max_new`` tokens, the cache's length), so the
+    host, replaying the ring, agrees with the device on every row's end. Returns (state, cache, rings)."""
+    c = config
+    pending, drafts, active = state["pending"], state["drafts"], state["active"]
+    b, k = drafts.shape
+    tokens = jnp.concatenate([pending[:, None], jnp.where(active[:, None], drafts, 0)], axis=1)
+    room = jnp.maximum(state["max_len"] - cache["length"], 0)
+    n_valid = jnp.where(active, jnp.minimum(k + 1, room), 0).astype(jnp.int32)
+    eids, new = None, {}
+    if c.engram_layer_ids:  # the chunk's n-gram rows, position by position, and the look-back after each
+        hist = state["engram_history"]
+        rows, hists = [], [hist]
+        for j in range(k + 1):
+            r, hist = engram_row_ids_step_device(engram_hash, hist, tokens[:, j], active)
+            rows.append(r)
+            hists.append(hist)
+        eids = jnp.stack(rows, axis=1)
+    n_acc, nxt, cache, rings, nd = speculative_round(params, cache, rings, tokens, n_valid, eids, None, None,
+                                                     state["step"], config=c, opts=opts, greedy=True, rerun=False,
+                                                     draft_next=True)
+    n_acc = jnp.where(n_valid > 0, n_acc, 0)
+    n_keep = jnp.where(n_valid > 0, n_acc + 1, 0).astype(jnp.int32)
+    col = jnp.arange(k + 1)[None]
+    kept = jnp.where(col < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])  # drafts, then nxt
+    if c.engram_layer_ids:
+        new["engram_history"] = jnp.take_along_axis(jnp.stack(hists, axis=1), n_keep[:, None, None], axis=1)[:, 0]
+    live = col < n_keep[:, None]
+    # the host's finish_reason on each kept token in order: the first that ends the row ends it
+    n_before = state["generated"][:, None] + col  # tokens emitted before kept token j
+    ends = (jnp.any(kept[..., None] == state["stops"][:, None, :], axis=-1)
+            | (n_before + 1 >= state["max_new"][:, None])
+            | (state["n_prompt"][:, None] + n_before + 1 > state["max_len"]))
+    ended = jnp.any(ends & live, axis=1)
+    step = state["step"] + 1
+    r = state["out"].shape[0]
+    new.update(pending=jnp.where(n_keep > 0, nxt, pending), drafts=nd.tokens[:, :k].astype(jnp.int32),
+               active=active & ~ended, generated=state["generated"] + n_keep, step=step,
+               out=state["out"].at[(step - 1) % r].set(jnp.where(live, kept, -1).astype(jnp.int32)),
+               kept=state["kept"].at[(step - 1) % r].set(n_keep), valid=state["valid"].at[(step - 1) % r].set(n_valid))
+    return {**state, **new}, cache, rings
+
+
 def _draft_sampling(config: ModelConfig, sampling, step):
     """The drafter's sampling arguments of a step: (temperature, top_k, top_p, keys [B, block size])."""
     temperature, top_k, top_p, seeds = sampling
@@ -407,6 +460,7 @@ class SpeculativeStats:
     emitted: int = 0  # tokens produced by verification steps (accepted + one correction / bonus per row)
     rollbacks: int = 0  # steps that rolled back (some row rejected a draft)
     reruns: int = 0  # ... of which by a second target pass (rollback="rerun")
+    device_steps: int = 0  # steps run by the device loop (speculative_chain)
     decode_s: float = 0.0
 
     @property
@@ -438,12 +492,16 @@ class SpeculativeDecoder:
     hardware-aware scheduler), whose step rate is ``steps_per_s(n_tokens)`` (the chunk keeps its full width, rows
     masked) or the table ``step_times`` {chunk width: seconds} (:meth:`measure_step_times`; each step's chunk is
     then as wide as its widest row, the cost the table measured).
+
+    ``chain_every``: greedy DSpark speculation without a schedule runs on the device (:func:`speculative_chain`:
+    each step feeds the next, nothing read back between steps) and reads its tokens back every this many steps;
+    0 = the host loop (one read-back per step, as every other mode).
     """
 
     def __init__(self, engine: Engine, drafter: Drafter | None = None, *, num_draft: int | None = None,
                  schedule: str | None = None, threshold: float = 0.5,
                  steps_per_s: Callable[[int], float] | None = None, early_stop: bool = True,
-                 rollback: str = "restore", step_times: dict[int, float] | None = None):
+                 rollback: str = "restore", step_times: dict[int, float] | None = None, chain_every: int = 8):
         c = engine.config
         self.engine = engine
         self.config = c
@@ -463,6 +521,9 @@ class SpeculativeDecoder:
         if rollback not in ("restore", "rerun"):
             raise EngineError(f"rollback must be 'restore' or 'rerun', got {rollback!r}")
         self.rollback = rollback
+        if not isinstance(chain_every, int) or isinstance(chain_every, bool) or chain_every < 0:
+            raise EngineError(f"chain_every must be an integer >= 0, got {chain_every!r}")
+        self.chain_every = chain_every
         if schedule not in (None, "threshold", "prefix"):
             raise EngineError(f"schedule must be None, 'threshold' or 'prefix', got {schedule!r}")
         if schedule == "prefix" and steps_per_s is None and not step_times:
@@ -638,6 +699,64 @@ class SpeculativeDecoder:
         st.emitted += sum(len(x) for x in new)
         return new, n_acc, nd
 
+    def _chain(self, pending: np.ndarray, active: np.ndarray, info: dict, out: dict, account) -> None:
+        """The decode loop of ``generate`` on the device (:func:`speculative_chain`), read back in runs of up to
+        ``chain_every`` steps; ``account`` replays each step's kept tokens on the host, which must end the same rows
+        as the device (checked). A run is never longer than the fewest steps the longest-running row still needs
+        (every draft accepted), so no step runs with every row ended. Updates the stats and the host Engram
+        look-back."""
+        e, c, st = self.engine, self.config, self.stats
+        b, k, r = e.max_batch, self.num_draft, self.chain_every
+        stops = np.full((b, max(1, max(len(v[2]) for v in info.values()))), -2, np.int32)
+        max_new = np.zeros((b,), np.int32)
+        n_prompt = np.zeros((b,), np.int32)
+        generated = np.zeros((b,), np.int32)
+        for s, (i, ids, sp, mnt) in info.items():
+            stops[s, :len(sp)] = sp
+            max_new[s], n_prompt[s], generated[s] = mnt, len(ids), len(out[i])
+        state = {"pending": jnp.asarray(pending.astype(np.int32)), "drafts": jnp.asarray(
+                     np.asarray(self.last_draft.tokens)[:, :k].astype(np.int32)),
+                 "active": jnp.asarray(active), "generated": jnp.asarray(generated),
+                 "max_new": jnp.asarray(max_new), "n_prompt": jnp.asarray(n_prompt), "stops": jnp.asarray(stops),
+                 "max_len": jnp.asarray(e.max_len, jnp.int32), "step": jnp.zeros((), jnp.int32),
+                 "out": jnp.zeros((r, b, k + 1), jnp.int32), "kept": jnp.zeros((r, b), jnp.int32),
+                 "valid": jnp.zeros((r, b), jnp.int32)}
+        tables, hist0 = None, e._hist
+        if e.hasher is not None:
+            tables = e.hasher.device_tables()
+            state["engram_history"] = jnp.asarray(device_history(e._hist))
+        device = getattr(e.params["embed"], "sharding", None)
+        if isinstance(device, jax.sharding.SingleDeviceSharding):  # committed like the state the steps return
+            state = jax.device_put(state, device)
+        fn = jit_for(speculative_chain, self.opts, donate=("cache", "rings"))
+        steps = 0
+        while active.any():
+            left = max(min(int(max_new[s]), e.max_len - int(n_prompt[s]) + 1) - len(out[info[s][0]])
+                       for s in np.flatnonzero(active))  # tokens the longest-running row may still emit
+            n = max(1, min(r, -(-left // (k + 1))))
+            for _ in range(n):
+                state, e.cache, self.rings = fn(e.params, e.cache, self.rings, state, tables, config=c, opts=self.opts)
+            toks, kept, valid, dev_active = jax.device_get((state["out"], state["kept"], state["valid"],
+                                                            state["active"]))  # the run's one read-back
+            for j in range(n):
+                row = (steps + j) % r
+                kp, vl = kept[row], valid[row]
+                st.steps += 1
+                st.device_steps += 1
+                st.rows_verified += int((kp > 0).sum())
+                st.drafted += int(np.maximum(vl - 1, 0).sum())
+                st.accepted += int(np.maximum(kp - 1, 0).sum())
+                st.emitted += int(kp.sum())
+                st.rollbacks += int((kp != vl).any())
+                for s in np.flatnonzero(active):
+                    account(int(s), [int(t) for t in toks[row, s, :kp[s]]])
+            steps += n
+            if not np.array_equal(active, dev_active):
+                raise EngineError(f"internal: the device ended slots {np.flatnonzero(dev_active != active)} "
+                                  "differently from the host")
+        if e.hasher is not None:
+            e._hist = e._fed_history(hist0, info, out)
+
     # ------------------------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence, *, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] | None = None,
@@ -645,6 +764,7 @@ class SpeculativeDecoder:
         """``Engine.generate`` by speculation: greedy output is identical token for token; sampled output has
         the same distribution (not the same draws: the random streams differ)."""
         e = self.engine
+        c = self.config
         reqs = [p if isinstance(p, Request) else Request(prompt=p, max_new_tokens=max_new_tokens,
                                                          temperature=temperature, top_k=top_k, top_p=top_p,
                                                          seed=seed, stop_tokens=stop_tokens) for p in prompts]
@@ -701,6 +821,9 @@ class SpeculativeDecoder:
         length = e.lengths().astype(np.int64)
         if fused and active.any():
             self.drafter(self, pending, active.copy())
+        if fused and active.any() and self.sampling is None and self.schedule is None and self.chain_every > 0 \
+                and self.num_draft + 1 <= c.sliding_window:
+            self._chain(pending, active, info, out, account)
         while active.any():
             if fused:
                 drafts, draft_logits = np.asarray(self.last_draft.tokens), self.last_draft.logits
@@ -724,6 +847,7 @@ class SpeculativeDecoder:
 
 
 __all__ = ["init_dspark_rings", "seed_rings", "ring_context", "draft_from_rings", "verify_chunk", "save_touched",
-           "restore_rejected", "greedy_accept", "speculative_round", "greedy_acceptance", "speculative_accept",
+           "restore_rejected", "greedy_accept", "speculative_round", "speculative_chain", "greedy_acceptance",
+           "speculative_accept",
            "prefix_survival", "threshold_lengths", "prefix_schedule", "parse_step_times",
            "steps_per_s_from_table", "SpeculativeStats", "SpeculativeDecoder"]
