@@ -761,8 +761,10 @@ class SpeculativeDecoder:
     def generate(self, prompts: Sequence, *, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] | None = None,
                  on_token: Callable[[int, int], None] | None = None) -> list[Result]:
-        """``Engine.generate`` by speculation: greedy output is identical token for token; sampled output has
-        the same distribution (not the same draws: the random streams differ)."""
+        """``Engine.generate`` by speculation: greedy output is identical token for token in float32 (in 16-bit
+        the multi-token verification pass and the one-token step round differently, so near-tied top logits may
+        pick different tokens); sampled output has the same distribution (not the same draws: the random streams
+        differ)."""
         e = self.engine
         c = self.config
         reqs = [p if isinstance(p, Request) else Request(prompt=p, max_new_tokens=max_new_tokens,
