@@ -142,6 +142,19 @@ def compile_seconds() -> float:
     return _compile_seconds[0]
 
 
+def stop_token_table(batch: int, stop_lists: dict) -> np.ndarray:
+    """The stop tokens of the slots ({slot: tokens}) as int32 [batch, width] for a device loop, padded with -2
+    (never sampled). The width is bucketed (4, 8, 16, ...) so that calls with different numbers of stop tokens run
+    the same compiled step (its shapes are the program's: a new width would compile it again)."""
+    width = 4
+    while width < max((len(v) for v in stop_lists.values()), default=0):
+        width *= 2
+    stops = np.full((batch, width), -2, np.int32)
+    for s, toks in stop_lists.items():
+        stops[s, :len(toks)] = toks
+    return stops
+
+
 class Engine:
     """Batched generation for one model. See the module docstring."""
 
@@ -481,16 +494,10 @@ class Engine:
         host, with the same ends as the device's (checked). A run is never longer than the most steps any active
         slot can still take, so only slots ended early by a stop token waste steps. Returns the steps run."""
         b = self.max_batch
-        # -2: never sampled. The width is bucketed (4, 8, 16, ...) so that calls with different numbers of stop
-        # tokens run the same compiled step (its shapes are the program's: a new width would compile it again).
-        width = 4
-        while width < max(len(v[2]) for v in info.values()):
-            width *= 2
-        stops = np.full((b, width), -2, np.int32)
+        stops = stop_token_table(b, {s: v[2] for s, v in info.items()})
         max_new = np.zeros((b,), np.int32)
         room = np.zeros((b,), np.int32)
-        for s, (_i, ids, st, mnt) in info.items():
-            stops[s, :len(st)] = st
+        for s, (_i, ids, _st, mnt) in info.items():
             max_new[s], room[s] = mnt, self.max_len - len(ids)
         generated = np.asarray([len(out[info[s][0]]) if s in info else 0 for s in range(b)], np.int32)
         state = {"tokens": jnp.asarray(nxt.astype(np.int32)), "active": jnp.asarray(active),

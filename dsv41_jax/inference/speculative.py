@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.config import ModelConfig, ceil_div
-from dsv41_jax.inference.engine import Engine, EngineError, Request, Result, finish_reason
+from dsv41_jax.inference.engine import Engine, EngineError, Request, Result, finish_reason, stop_token_table
 from dsv41_jax.inference.sampling import filter_logits, sample_jit
 from dsv41_jax.inference.step import (InferenceOptions, embed, emit_entries, head, jit_for, ring_read, ring_write,
                                       run_layers)
@@ -707,12 +707,11 @@ class SpeculativeDecoder:
         look-back."""
         e, c, st = self.engine, self.config, self.stats
         b, k, r = e.max_batch, self.num_draft, self.chain_every
-        stops = np.full((b, max(1, max(len(v[2]) for v in info.values()))), -2, np.int32)
+        stops = stop_token_table(b, {s: v[2] for s, v in info.items()})
         max_new = np.zeros((b,), np.int32)
         n_prompt = np.zeros((b,), np.int32)
         generated = np.zeros((b,), np.int32)
-        for s, (i, ids, sp, mnt) in info.items():
-            stops[s, :len(sp)] = sp
+        for s, (i, ids, _sp, mnt) in info.items():
             max_new[s], n_prompt[s], generated[s] = mnt, len(ids), len(out[i])
         state = {"pending": jnp.asarray(pending.astype(np.int32)), "drafts": jnp.asarray(
                      np.asarray(self.last_draft.tokens)[:, :k].astype(np.int32)),
