@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(1, HERE)
 
 from dsv41_jax.inference import Engine, InferenceOptions, Request  # noqa: E402
-from dsv41_jax.inference.prefill import _bucket  # noqa: E402
+from dsv41_jax.inference.prefill import chunk_bucket  # noqa: E402
 from dsv41_jax.inference.step import FAST_COMPILE  # noqa: E402
 
 
@@ -77,7 +77,7 @@ def warm_up(engine, args, vocab: int, log) -> float:
     lo, hi = args.prompt_len
     # chunk lengths either mode can use: a batch's / lanes' longest prompt, or any tail of a prompt over one chunk
     widths = range(1 if hi > args.prefill_chunk else lo, hi + 1)
-    buckets = sorted({_bucket(n, args.prefill_chunk) for n in widths})
+    buckets = sorted({chunk_bucket(n, args.prefill_chunk) for n in widths})
     for size in buckets:
         p = [3 + (i % (vocab - 3)) for i in range(size)]
         engine.generate([Request(p, max_new_tokens=2, stop_tokens=())] * engine.max_batch)  # a full batch, as timed

@@ -43,7 +43,7 @@ import numpy as np
 
 from dsv41_jax.inference.decode import decode_and_sample
 from dsv41_jax.inference.engine import EngineError, Request, Result, finish_reason
-from dsv41_jax.inference.prefill import _bucket, lanes_chunk, lanes_finish, new_stash
+from dsv41_jax.inference.prefill import chunk_bucket, lanes_chunk, lanes_finish, new_stash
 from dsv41_jax.inference.sampling import sample, sample_jit
 from dsv41_jax.inference.step import jit_for
 
@@ -228,7 +228,7 @@ class ContinuousBatcher:
         b = eng.max_batch
         seqs = [None if s is None else self._slot[s] for s in self._lane]
         left = [0 if q is None else len(q.ids) - q.prefilled for q in seqs]
-        size = _bucket(max(left), self.chunk)
+        size = chunk_bucket(max(left), self.chunk)
         tokens = np.zeros((p, size), np.int32)
         n_valid = np.zeros((p,), np.int32)
         eids = None if eng.hasher is None else np.zeros((p, size, len(c.engram_layer_ids), c.n_hash_cols), np.int32)

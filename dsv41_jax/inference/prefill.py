@@ -38,7 +38,7 @@ class PrefillError(ValueError):
     pass
 
 
-def _bucket(n: int, cap: int | None) -> int:
+def chunk_bucket(n: int, cap: int | None) -> int:
     """Chunk length for n tokens: a power of two >= 16 (few compiles), at most ``cap``."""
     c = 16
     while c < n:
@@ -200,7 +200,7 @@ def prefill(params: dict, cache: dict, tokens, lengths=None, engram_ids=None, *,
     if chunk is not None and (not isinstance(chunk, int) or chunk <= 0):
         raise PrefillError(f"chunk must be a positive integer, got {chunk!r}")
     width = int(lengths.max())
-    size = _bucket(width, chunk)  # chunk columns: a power of two >= 16 covering the prompt, at most `chunk`
+    size = chunk_bucket(width, chunk)  # chunk columns: a power of two >= 16 covering the prompt, at most `chunk`
     tok = tokens.astype(np.int32)
     n_eid = None if eids is None else eids.astype(np.int32)
     done = 0
@@ -296,4 +296,5 @@ def lanes_finish(params, cache, stash, slots, n_new, engram_ids, *, config: Mode
     return last, scatter_rows(cache, sub, slots)
 
 
-__all__ = ["PrefillError", "prefill", "reset_slots", "lanes_chunk", "lanes_finish", "gather_rows", "scatter_rows"]
+__all__ = ["PrefillError", "prefill", "chunk_bucket", "reset_slots", "lanes_chunk", "lanes_finish", "gather_rows",
+           "scatter_rows"]

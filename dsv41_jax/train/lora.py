@@ -37,6 +37,7 @@ from dsv41_jax.config import ModelConfig
 from dsv41_jax.model.params import FP32, flat_specs, init_params
 from dsv41_jax.ops.linear import Fp8GemmInput, LoraWeight, weight_array
 from dsv41_jax.train.config import DEFAULT_LORA_TARGETS as DEFAULT_TARGETS
+from dsv41_jax.train.step import jit_step
 
 # Weights whose every use is ops.linear.linear (so the adapter is added wherever the weight is read).
 LORA_CAPABLE = re.compile(r"(/attn/(wq_a|wq_b|wkv|wo_b)|/attn/indexer/(wq_b|wk|weights_proj)"
@@ -390,21 +391,9 @@ class LoraTrainStep(_train_step_base()):
 
     def jitted(self, batch: dict):
         if self._jitted is None:
-            donate = (0,) if jax.default_backend() != "cpu" else ()
-            if self.mesh is None:
-                self._jitted = jax.jit(self.step_fn, donate_argnums=donate)
-            else:
-                from dsv41_jax.parallel.rules import sharding_context
-
-                sh = self.state_shardings()
-
-                def traced(state, base, batch, lr):
-                    with sharding_context(self.mesh, self.rules):
-                        return self.step_fn(state, base, batch, lr)
-
-                self._jitted = jax.jit(traced, in_shardings=(sh, self.base_shardings(self.base),
-                                                             self.batch_shardings(batch), None),
-                                       out_shardings=(sh, None), donate_argnums=donate)
+            sh = None if self.mesh is None else self.state_shardings()
+            self._jitted = jit_step(self.step_fn, self.mesh, self.rules, None if sh is None else
+                                    (sh, self.base_shardings(self.base), self.batch_shardings(batch), None), sh)
         return self._jitted
 
     def _need_base(self):

@@ -298,20 +298,9 @@ class TrainStep:
     def jitted(self, batch: dict):
         """The jitted step (built once; with a mesh, in/out shardings and the rules context)."""
         if self._jitted is None:
-            donate = (0,) if jax.default_backend() != "cpu" else ()
-            if self.mesh is None:
-                self._jitted = jax.jit(self.step_fn, donate_argnums=donate)
-            else:
-                from dsv41_jax.parallel.rules import sharding_context
-
-                sh = self.state_shardings()
-
-                def traced(state, batch, lr):
-                    with sharding_context(self.mesh, self.rules):
-                        return self.step_fn(state, batch, lr)
-
-                self._jitted = jax.jit(traced, in_shardings=(sh, self.batch_shardings(batch), None),
-                                       out_shardings=(sh, None), donate_argnums=donate)
+            sh = None if self.mesh is None else self.state_shardings()
+            self._jitted = jit_step(self.step_fn, self.mesh, self.rules,
+                                    None if sh is None else (sh, self.batch_shardings(batch), None), sh)
         return self._jitted
 
     def __call__(self, state: dict, batch: dict, lr: float):
@@ -320,6 +309,21 @@ class TrainStep:
     def lower(self, state, batch, lr=0.0):
         """AOT lowering (cost / memory analysis in benchmarks)."""
         return self.jitted(batch).lower(state, batch, np.float32(lr))
+
+
+def jit_step(step_fn, mesh, rules: str, in_shardings, state_shardings):
+    """``step_fn(state, ..., lr) -> (state, metrics)`` jitted: the state donated (not on CPU, where donation only
+    warns); on a mesh with ``in_shardings`` / the state's shardings and traced under the sharding rules' context."""
+    donate = (0,) if jax.default_backend() != "cpu" else ()
+    if mesh is None:
+        return jax.jit(step_fn, donate_argnums=donate)
+    from dsv41_jax.parallel.rules import sharding_context
+
+    def traced(*args):
+        with sharding_context(mesh, rules):
+            return step_fn(*args)
+
+    return jax.jit(traced, in_shardings=in_shardings, out_shardings=(state_shardings, None), donate_argnums=donate)
 
 
 @functools.lru_cache(maxsize=16)
