@@ -243,7 +243,7 @@ def _cmd_generate(args) -> int:
                             quantized_gemm=qgemm)
     engine = Engine(config, params, max_batch=n, max_len=max_len, tokenizer=tokenizer,
                     prefill_chunk=args.prefill_chunk, options=opts, compilation_cache=cache_setting,
-                    weights=args.weights, cache=args.cache)
+                    weights=args.weights, cache=args.cache, engram_tables=args.engram_tables)
     if qgemm != "reference" and engine.weights_format != "release":  # --weights left to the parameters' form
         raise ValueError(f"--quantized-gemm {qgemm}: these weights are served in bf16 (no FP8 / FP4 GEMMs); the "
                          "option applies to --weights release")
@@ -256,7 +256,8 @@ def _cmd_generate(args) -> int:
     print(f"# {engine.footprint().describe()}", file=err)
     gemms = (f" (FP8 / FP4 GEMMs: {qgemm}" + (f" -> {qgemm_resolved}" if qgemm_resolved != qgemm else "") + ")"
              if engine.weights_format == "release" else "")
-    print(f"# weights [{engine.weights_format}]: {engine.weight_bytes():,} B{gemms}; cache [{args.cache}]: "
+    tables = f"; Engram tables in {engine.engram_tables} memory" if config.engram_layer_ids else ""
+    print(f"# weights [{engine.weights_format}]: {engine.weight_bytes():,} B{gemms}{tables}; cache [{args.cache}]: "
           f"{engine.footprint().per_token:,.1f} B/token", file=err)
     release = cache_footprint(config, "release")
     print(f"# released FP4/FP8 storage would be {release.per_token:,.1f} B/token ({dtype} here: "
@@ -396,6 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--weights", choices=("bf16", "release"), default=None, help="release: FP8 / FP4 weights on "
                    "device, GEMM inputs rounded to FP8 [default: release for quantised parameters, else bf16]")
     s.add_argument("--cache", choices=("bf16", "release"), default="bf16", help="release: packed FP8 / FP4 KV cache")
+    s.add_argument("--engram-tables", choices=("auto", "device", "host"), default="auto",
+                   help="where the Engram tables live: host (pinned host memory; each step's rows are gathered there "
+                        "and only they move to the device), device, or auto (host only where the weights and cache "
+                        "cannot fit on the device)")
     s.add_argument("--quantized-gemm", default="reference", metavar="BACKEND",
                    help="with --weights release, how the FP8 / FP4 GEMMs run: reference (dequantise, then an XLA "
                         "GEMM), auto (the Pallas kernels reading the stored bytes on GPU / TPU, reference on CPU), "

@@ -238,6 +238,7 @@ def test_cli_generate(capsys):
     out, err = capsys.readouterr()
     assert out.startswith("Hello")
     assert "B/token" in err and "890" not in err and "tok/s" in err and "prefill" in err
+    assert "Engram tables in device memory" in err  # auto: the CPU reports no memory limit, so they stay
     assert main(["generate", "--config", "tiny", "--prompt", "Hi", "--max-new-tokens", "0"]) == 2
     assert "max-new-tokens" in capsys.readouterr().err
 
