@@ -34,7 +34,7 @@ def run_notebook(name: str) -> tuple[dict, str]:
 def test_there_are_notebooks():
     names = {os.path.basename(p) for p in NOTEBOOKS}
     assert {"quickstart.ipynb", "selection_atlas.ipynb", "layer_plan.ipynb", "engram.ipynb",
-            "finetune.ipynb"} <= names
+            "finetune.ipynb", "mhc.ipynb"} <= names
 
 
 def test_committed_notebooks_carry_their_outputs():
@@ -193,6 +193,30 @@ def test_finetune():
     assert ns["same"] and "restored == trained: True" in out
     assert len(ns["before"]) == len(ns["after"]) == len(ns["PROMPTS"]) and ns["before"] != ns["after"]
     assert not os.path.exists(ns["work"])  # it cleans up after itself
+
+
+def test_mhc():
+    """The coefficients the notebook plots are the forward's: a non-Engram layer's attention-site coefficients
+    recomputed from the streams entering it (ops.mhc on return_hidden's previous layer) equal return_mhc's; every
+    mixing matrix is column-stochastic and non-negative, pre in (0, 1 + hc_eps], post in [0, 2]; the streams,
+    copies of the embedding at the start, differ after the first layer."""
+    from dsv41_jax.ops.mhc import mhc_coefficients
+
+    ns, out = run_notebook("mhc.ipynb")
+    config, params, aux = ns["config"], ns["params"], ns["aux"]
+    layer = next(i for i in range(1, config.num_hidden_layers) if i not in config.engram_layer_ids)
+    want = mhc_coefficients(aux["hidden"][layer - 1], **params["layers"][layer]["hc_attn"], hc_eps=config.hc_eps,
+                            rms_eps=config.rms_norm_eps, sinkhorn_iters=config.hc_sinkhorn_iters)
+    for got, w in zip(aux["mhc"][layer]["attn"], want):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(w), rtol=1e-5, atol=1e-6)
+    assert len(aux["mhc"]) == config.num_hidden_layers
+    comb = np.stack([np.asarray(m[s][2]) for m in aux["mhc"] for s in ("attn", "ffn")])
+    assert comb.min() >= 0 and np.abs(comb.sum(axis=-2) - 1).max() < 1e-5  # ends on a column normalisation
+    pre = np.stack([np.asarray(m[s][0]) for m in aux["mhc"] for s in ("attn", "ffn")])
+    post = np.stack([np.asarray(m[s][1]) for m in aux["mhc"] for s in ("attn", "ffn")])
+    assert pre.min() > 0 and pre.max() <= 1 + config.hc_eps and post.min() >= 0 and post.max() <= 2
+    pair = ns["pair"]
+    assert pair[0] == pytest.approx(1.0, abs=1e-5) and pair[1] < 0.99 and "column sums within" in out
 
 
 def test_notebooks_match_their_generators():

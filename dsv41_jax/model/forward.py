@@ -200,17 +200,20 @@ def _run_indexer(ip: dict, x, q_res, spec: LayerSpec, positions, state: _GroupSt
 
 def decoder_layer(lp: dict, streams, pre_mix, state: _GroupState, positions, segments, engram_ids, rope: dict, *,
                   spec: LayerSpec, config: ModelConfig, options: ForwardOptions, quant_on: bool, floor,
-                  return_feature: bool = False):
+                  return_feature: bool = False, return_mhc: bool = False):
     """One decoder layer: Engram write (``engram_ids`` [B, T, cols] of this layer, or None), the attention site, the
     FFN site. Returns (streams, the FFN site's pre-mix, the group state, the attention site's normalised input,
-    the router's stats, and with ``return_feature`` the DSpark feature — the mean over the streams entering the
-    attention site, after the Engram write — else None). A pure function of arrays (the keyword arguments are
-    static), so the forward can wrap it in ``jax.checkpoint``."""
+    the router's stats, extras): ``extras`` holds, when asked, ``feature`` (``return_feature``: the DSpark feature,
+    the mean over the streams entering the attention site, after the Engram write) and ``mhc`` (``return_mhc``:
+    {"attn": (pre, post, comb), "ffn": (pre, post, comb)}, the two sites' mHC coefficients). A pure function of
+    arrays (the keyword arguments are static), so the forward can wrap it in ``jax.checkpoint``."""
     c = config
     mhc_kw = dict(hc_eps=c.hc_eps, rms_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters)
+    extras = {}
     if engram_ids is not None:
         streams = engram_write(streams, engram_ids, lp["engram"], eps=c.rms_norm_eps)
-    feature = jnp.mean(streams, axis=2) if return_feature else None
+    if return_feature:
+        extras["feature"] = jnp.mean(streams, axis=2)
     a_pre, a_post, a_comb = mhc_coefficients(streams, **lp["hc_attn"], **mhc_kw)
     h_attn = rms_norm(collapse(streams, pre_mix), lp["attn_norm"], c.rms_norm_eps)
     y, state = attention_layer(lp["attn"], h_attn, spec, positions, state, c, rope, options, quant_on, floor,
@@ -222,7 +225,9 @@ def decoder_layer(lp: dict, streams, pre_mix, state: _GroupState, positions, seg
                    limit=c.swiglu_limit, impl=options.moe_impl, normalize=c.norm_topk_prob,
                    capacity_factor=options.moe_capacity_factor)
     streams = constrain(expand(streams, y, f_post, f_comb), _STREAM_AXES)
-    return streams, f_pre, state, h_attn, stats, feature
+    if return_mhc:
+        extras["mhc"] = {"attn": (a_pre, a_post, a_comb), "ffn": (f_pre, f_post, f_comb)}
+    return streams, f_pre, state, h_attn, stats, extras
 
 
 def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids: jax.Array | None = None,
@@ -230,7 +235,7 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
             options: ForwardOptions = ForwardOptions(),
             return_hidden: bool = False, return_topk: bool = False, return_router: bool = False,
             return_attn_inputs: bool = False, return_site_inputs: bool = False,
-            return_dspark_features: bool = False):
+            return_dspark_features: bool = False, return_mhc: bool = False):
     """Logits [B, T, V] (float32) of a whole sequence, every token through every layer.
 
     ``engram_ids`` [B, T, n_engram_layers, n_hash_cols] int32 are the host-computed Engram row ids
@@ -244,7 +249,8 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
     the same for every layer (``return_site_inputs``: analyses of what a Reuse layer's own queries would pick);
     ``dspark_features`` ([B, T, len(dspark_target_layer_ids) * d]: the mean over the mHC streams of the residual
     entering each DSpark target layer, after its Engram write, concatenated in config order; the drafter's input,
-    ``dsv41_jax.model.dspark``).
+    ``dsv41_jax.model.dspark``) and ``mhc`` (per layer {"attn": (pre, post, comb), "ffn": (pre, post, comb)}: the
+    two sites' mHC coefficients, pre / post [B, T, hc], comb [B, T, hc, hc] in → out).
     """
     c = config
     check_tokens(tokens, c)
@@ -282,21 +288,23 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
     streams = constrain(jnp.broadcast_to(x[:, :, None, :], (b, t, c.hc_mult, c.hidden_size)), _STREAM_AXES)
     pre_mix = jax.nn.one_hot(jnp.zeros((b, t), jnp.int32), c.hc_mult, dtype=jnp.float32)
     state = _GroupState()
-    hidden, topks, router, attn_inputs, site_inputs, dspark_features = [], {}, [], {}, {}, {}
+    hidden, topks, router, attn_inputs, site_inputs, dspark_features, mhc = [], {}, [], {}, {}, {}, []
     if options.remat_layers != "none":
         policy = remat_policy(options.remat_layers)
     for spec, lp in zip(c.plan, params["layers"]):
         floor = decoder_floor if spec.stack == "decoder" else 0
         want_feature = return_dspark_features and spec.index in c.dspark_target_layer_ids
         layer = functools.partial(decoder_layer, spec=spec, config=c, options=options, quant_on=quant_on, floor=floor,
-                                  return_feature=want_feature)
+                                  return_feature=want_feature, return_mhc=return_mhc)
         if options.remat_layers != "none":
             layer = jax.checkpoint(layer, policy=policy)
         e_ids = engram_ids[:, :, spec.engram_slot] if spec.engram_slot is not None else None
-        streams, pre_mix, state, h_attn, stats, feature = layer(lp, streams, pre_mix, state, positions,
-                                                                segment_ids, e_ids, rope)
-        if feature is not None:
-            dspark_features[spec.index] = feature
+        streams, pre_mix, state, h_attn, stats, extras = layer(lp, streams, pre_mix, state, positions,
+                                                               segment_ids, e_ids, rope)
+        if "feature" in extras:
+            dspark_features[spec.index] = extras["feature"]
+        if return_mhc:
+            mhc.append(extras["mhc"])
         if return_hidden:
             hidden.append(streams)
         if return_topk and spec.runs_indexer:
@@ -310,7 +318,7 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
     h = rms_norm(collapse(streams, pre_mix), params["norm"], c.rms_norm_eps)
     logits = constrain(head_logits(h, params["lm_head"]), ("batch", "seq", "vocab"))  # official fp32 head
     if not (return_hidden or return_topk or return_router or return_attn_inputs or return_site_inputs
-            or return_dspark_features):
+            or return_dspark_features or return_mhc):
         return logits
     aux: dict[str, Any] = {}
     if return_hidden:
@@ -327,4 +335,6 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
         if not c.dspark_target_layer_ids:
             raise ForwardError("return_dspark_features: this config has no dspark_target_layer_ids")
         aux["dspark_features"] = jnp.concatenate([dspark_features[i] for i in c.dspark_target_layer_ids], axis=-1)
+    if return_mhc:
+        aux["mhc"] = mhc
     return logits, aux

@@ -23,7 +23,7 @@ from dsv41_jax.model.hasher import EngramHasher, default_hasher  # re-exported: 
 # CPU for the tiny preset, more for larger models).
 _forward_jit = jax.jit(forward, static_argnames=("config", "options", "return_hidden", "return_topk", "return_router",
                                                  "return_attn_inputs", "return_site_inputs",
-                                                 "return_dspark_features"))
+                                                 "return_dspark_features", "return_mhc"))
 
 class DeepseekV41(nnx.Module):
     """Parameters of the V4.1 backbone as NNX state, plus the Engram hasher of its tokenizer.
