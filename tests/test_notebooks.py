@@ -47,6 +47,7 @@ def test_committed_notebooks_carry_their_outputs():
         assert any("image/png" in o.get("data", {}) for c in code for o in c["outputs"]), path
 
 
+@pytest.mark.memory_heavy
 def test_quickstart():
     _, out = run_notebook("quickstart.ipynb")
     assert "nats/byte" in out and "layer 5:" in out
@@ -182,6 +183,7 @@ def test_engram():
     assert ns["nll"]["without Engram (all)"] > ns["nll"]["with Engram"]  # the memory helps on this prompt
 
 
+@pytest.mark.memory_heavy
 def test_finetune():
     ns, out = run_notebook("finetune.ipynb")
     curve = [loss for _, loss in ns["curve"]]

@@ -190,7 +190,8 @@ def _run(config, params, hasher, seqs, prompt_lens, n_steps, *, packed: bool):
 _forward_jit = jax.jit(forward, static_argnames=("config", "options"), compiler_options=dict(FAST_COMPILE))
 
 
-@pytest.mark.slow  # four compiles of a 6-layer model: ~100 s on two CPU cores
+@pytest.mark.slow  # four compiles of a 6-layer model: ~55 s on two CPU cores
+@pytest.mark.memory_heavy
 def test_release_engine_equals_fake_quantised_forward_and_packed_cache_is_exact():
     """QuantizedTensor weights + GEMM-input rounding + packed cache (prefill of a short and a replay-bounded prompt,
     then 3 decode steps) == the training forward with fake quantisation and GEMM-input rounding on the dequantised
