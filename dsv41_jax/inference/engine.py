@@ -142,6 +142,13 @@ def compile_seconds() -> float:
     return _compile_seconds[0]
 
 
+def check_device_ends(host_active: np.ndarray, device_active: np.ndarray) -> None:
+    """A device decode loop ends slots on the device and the host replays the tokens read back: both must agree."""
+    if not np.array_equal(host_active, device_active):
+        raise EngineError(f"internal: the device ended slots {np.flatnonzero(device_active != host_active)} "
+                          "differently from the host")
+
+
 def stop_token_table(batch: int, stop_lists: dict) -> np.ndarray:
     """The stop tokens of the slots ({slot: tokens}) as int32 [batch, width] for a device loop, padded with -2
     (never sampled). The width is bucketed (4, 8, 16, ...) so that calls with different numbers of stop tokens run
@@ -533,9 +540,7 @@ class Engine:
                 stats.first_step_s = time.perf_counter() - t0
                 stats.first_step_tokens = fed
             steps += n
-            if not np.array_equal(active, device_active):
-                raise EngineError(f"internal: the device ended slots {np.flatnonzero(device_active != active)} "
-                                  "differently from the host")
+            check_device_ends(active, device_active)
         if self.hasher is not None:
             self._hist = self._fed_history(hist0, info, out)
         return steps

@@ -49,7 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.config import ModelConfig, ceil_div
-from dsv41_jax.inference.engine import Engine, EngineError, Request, Result, finish_reason, stop_token_table
+from dsv41_jax.inference.engine import (Engine, EngineError, Request, Result, check_device_ends, finish_reason,
+                                        stop_token_table)
 from dsv41_jax.inference.sampling import filter_logits, sample_jit
 from dsv41_jax.inference.step import (InferenceOptions, embed, emit_entries, head, jit_for, ring_read, ring_write,
                                       run_layers)
@@ -750,9 +751,7 @@ class SpeculativeDecoder:
                 for s in np.flatnonzero(active):
                     account(int(s), [int(t) for t in toks[row, s, :kp[s]]])
             steps += n
-            if not np.array_equal(active, dev_active):
-                raise EngineError(f"internal: the device ended slots {np.flatnonzero(dev_active != active)} "
-                                  "differently from the host")
+            check_device_ends(active, dev_active)
         if e.hasher is not None:
             e._hist = e._fed_history(hist0, info, out)
 
