@@ -190,6 +190,7 @@ def test_prefill_and_decode_equal_the_training_forward(variant):
     assert last_pos + 1 > config.candidate_topk_blocks * config.candidate_block_size
 
 
+@pytest.mark.memory_heavy
 @pytest.mark.parametrize("backend", ["pallas_gpu_interpret", "pallas_tpu_interpret"])
 def test_engine_on_pallas_kernels_equals_the_training_forward(backend):
     """The engine's sparse attention and indexer top-k through the Pallas kernels (interpret mode on CPU): prefill +

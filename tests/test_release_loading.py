@@ -132,6 +132,7 @@ if __name__ == "__main__" and len(sys.argv) > 1:
 # tests
 # ------------------------------------------------------------------------------------------------------------------
 
+@pytest.mark.memory_heavy
 @pytest.mark.slow  # ≈15-20 s on 2 shared cores: a 0.3 GiB checkpoint written, then loaded in a fresh process
 def test_host_memory_of_a_streamed_load(tmp_path):
     from dsv41_jax.checkpoint.release_writer import write_synthetic_release
@@ -171,6 +172,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.memory_heavy
 @pytest.mark.slow  # two subprocesses that import jax and join a distributed runtime
 def test_two_processes_read_only_what_their_devices_hold(tmp_path):
     import jax

@@ -276,6 +276,7 @@ def test_sharded_prefill_decode_equals_unsharded(setup, shape):
 # the train step under a mesh
 # --------------------------------------------------------------------------------------------------------------
 
+@pytest.mark.memory_heavy
 def test_sharded_train_step_equals_unsharded():
     try:
         from dsv41_jax.train import TrainConfig, make_train_step

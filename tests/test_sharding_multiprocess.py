@@ -29,6 +29,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.memory_heavy
 @pytest.mark.slow  # a subprocess that imports jax and compiles
 def test_two_process_launch_equals_unsharded(tmp_path):
     out = tmp_path / "logits.npy"
