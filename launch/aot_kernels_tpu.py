@@ -26,7 +26,9 @@ DEFAULT_TOPOLOGIES = ("v5p:2x2x1", "v6e:2x2")
 
 
 def _cases(small: bool):
-    """(name, fn(*arrays), [ShapeDtypeStruct per device-local shard with batch leading]) at release widths."""
+    """(name, fn(*arrays), [ShapeDtypeStruct per device-local shard with batch leading]) at release widths. The
+    backward case (dQ and both dKV kernels; the forward's log-sum-exp comes in as an input) has the training shapes'
+    compressed table (ratio 4 of 4096 tokens: 1024 entries) and, ``small``, CI-sized widths."""
     from dsv41_jax.kernels import pallas_tpu as T
 
     h, d, k, w = 64, 512, 512, 128
@@ -48,9 +50,19 @@ def _cases(small: bool):
         return T.attention_fwd(q, pos, kv, pos, wstart, jnp.zeros((b,), i32), ckv, topk, sink, window=w,
                                scale=d ** -0.5, wspan=w)
 
+    def backward(q, pos, kv, ckv, topk, sink, out, lse, dout):  # the backward kernels at the training shapes
+        b, tt = pos.shape
+        wstart = jnp.broadcast_to(jnp.arange(tt, dtype=i32) - (w - 1), (b, tt))
+        dq, dkv, dckv, dsink = T.attention_bwd(q, pos, kv, pos, wstart, jnp.zeros((b,), i32), ckv, topk, sink, out,
+                                               lse, dout, window=w, scale=q.shape[-1] ** -0.5, wspan=w)
+        return dq, dkv, dckv, dsink[None]  # the sink's gradient per shard (their sum is the whole batch's)
+
     def score_pool(q, wt, keys, vis):
         return T.score_pool(q, wt, keys, vis, g1=8)
 
+    # backward: the training shapes (4096 tokens, ratio 4: 1024 compressed entries); CI-sized: 16 heads x 128,
+    # top-128 (same kernels and row blocks, a third of the compile time)
+    hb, db, kb = (16, 128, 128) if small else (h, d, k)
     b = 2
     return [
         ("sparse_attention_decode", decode,
@@ -59,6 +71,10 @@ def _cases(small: bool):
         ("sparse_attention_prefill", prefill,
          [sds((1, t, h, d), bf), sds((1, t), i32), sds((1, t, d), bf), sds((1, n, d), bf), sds((1, t, k), i32),
           sds((h,), jnp.float32)], (0, 0, 0, 0, 0, None)),
+        ("sparse_attention_backward", backward,
+         [sds((1, t, hb, db), bf), sds((1, t), i32), sds((1, t, db), bf), sds((1, 1024, db), bf), sds((1, t, kb), i32),
+          sds((hb,), jnp.float32), sds((1, t, hb, db), bf), sds((1, t, hb), jnp.float32), sds((1, t, hb, db), bf)],
+         (0, 0, 0, 0, 0, None, 0, 0, 0)),
         ("indexer_score_pool", score_pool,
          [sds((b, 4, hi, di), bf), sds((b, 4, hi), jnp.float32), sds((b, n, di), bf), sds((b, 4), i32)],
          (0, 0, 0, 0)),

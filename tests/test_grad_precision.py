@@ -68,12 +68,12 @@ def test_sparse_attention_bf16_gradients_match_float32():
 
 
 def test_reference_recompute_backward_bf16_matches_float32():
-    """The backward the kernel backends without a fused kernel use (TPU; any non-fused GPU config)."""
+    """The backward the kernel backends use with ``tuning={"fused_bwd": False}``."""
     from dsv41_jax.kernels import _AttnCfg, _attention_bwd, _attn_reference
 
     q, kv, ckv, topk, sink, pos = _attention_inputs(seed=1)
     b, t = pos.shape
-    cfg = _AttnCfg("pallas_tpu_interpret", "sequence", 16, 64 ** -0.5, 16, 256, ())
+    cfg = _AttnCfg("pallas_tpu_interpret", "sequence", 16, 64 ** -0.5, 16, 256, (("fused_bwd", False),))
     wstart = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) - 15, (b, t))
     floor = jnp.zeros((b,), jnp.int32)
 

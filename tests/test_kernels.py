@@ -36,7 +36,8 @@ def test_dispatch_resolution():
     assert KN.backward_kind("pallas_gpu") == "fused"
     assert KN.backward_kind("pallas_gpu", jnp.bfloat16) == "fused"  # accurate in bf16 too (fp32 atomics)
     assert KN.backward_kind("pallas_gpu_interpret", jnp.bfloat16) == "fused"
-    assert KN.backward_kind("pallas_tpu") == "reference-recompute"
+    assert KN.backward_kind("pallas_tpu") == "fused"  # the Mosaic backward kernels (float32 sums)
+    assert KN.backward_kind("pallas_tpu", jnp.bfloat16) == "fused"
 
 
 def _decode_case(seed, dtype=jnp.float32):

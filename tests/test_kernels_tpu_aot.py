@@ -2,7 +2,9 @@
 
 Needs the ``tpu`` extra (``pip install -e .[tpu]``: jax[tpu] = libtpu); skipped without it. The kernels are wrapped
 in ``shard_map`` over the topology (batch-sharded) and compiled by libtpu at release widths (64 heads x 512,
-top-512 + window 128; indexer 32 x 128) with CI-sized caches. ``launch/aot_kernels_tpu.py`` is the same at full size.
+top-512 + window 128; indexer 32 x 128) with CI-sized caches; the attention backward (dQ and both dKV kernels) at
+16 heads x 128, top-128, window 128 over 1024 compressed entries (the same kernels and row blocks; release widths in
+``launch/aot_kernels_tpu.py`` without ``--small``). ``launch/aot_kernels_tpu.py`` is the same at full size.
 """
 
 import os
@@ -15,7 +17,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 pytest.importorskip("libtpu", reason="AOT TPU compile needs the tpu extra (jax[tpu] / libtpu)")
 
 
-ALL = ("sparse_attention_decode", "sparse_attention_prefill", "indexer_score_pool")
+ALL = ("sparse_attention_decode", "sparse_attention_prefill", "sparse_attention_backward", "indexer_score_pool")
 
 # Compiled in a subprocess: the test workers share an on-disk XLA cache (tests/test_train.py), which TPU programs
 # compiled here must neither read nor fill.
@@ -27,7 +29,7 @@ print(json.dumps([[k, c.memory_analysis() is not None, "tpu_custom_call" in c.as
 """
 
 
-# every kernel on v5p; on v6e the decode attention and the indexer (the prefill variant is the same kernel body with
+# every kernel on v5p (the backward only there: training runs on v5p in launch/train_plan.py); on v6e the decode attention and the indexer (the prefill variant is the same kernel body with
 # the index list in a per-query SMEM block instead of scalar prefetch) — keeps the CI compile time down
 @pytest.mark.slow  # a subprocess that imports jax and compiles
 @pytest.mark.parametrize("topology,kernels", [("v5p:2x2x1", ALL),

@@ -15,10 +15,13 @@ earlier fp32 atomic scatter-add, which stays the default for selected rows when 
 a quarter of the entries: ``pallas_gpu.BY_KEY_MIN_FILL``).
 Its bf16 gradients are within bf16 rounding of float32 (the atomic form's on the H200, benchmarks/RESULTS.md: an
 earlier "0.30 error" compared it against a reference backward whose bf16 accumulation was the inaccurate side).
-``pallas_tpu`` uses a REFERENCE-RECOMPUTE backward (the VJP of the plain-JAX reference recomputed from the saved
-inputs, every sum in float32: the shared KV enters the query-chunk map in float32 and gathered rows scatter-add their
-gradient in float32, ``ops.gather``): accurate, not fast. The indexer returns integer indices (no gradient), as in
-the reference.
+``pallas_tpu`` has the same design in Mosaic (``pallas_tpu.attention_bwd``: dQ per query over the rows DMA'd as in
+the forward, dKV per block of 128 rows over the queries that read it, float32 sums, no atomics), the default for
+every dtype; checked in TPU interpret mode (bf16 against float32 on upcast inputs) and compiled ahead of time for v5p,
+not yet timed on TPU hardware. ``tuning={"fused_bwd": False}`` on either backend selects the REFERENCE-RECOMPUTE
+backward (the VJP of the plain-JAX reference recomputed from the saved inputs, every sum in float32: the shared KV
+enters the query-chunk map in float32 and gathered rows scatter-add their gradient in float32, ``ops.gather``):
+accurate, not fast. The indexer returns integer indices (no gradient), as in the reference.
 
 Sequence-variant note: ``sequence_sparse_attention`` takes query t's window keys from the index range
 [t - window + 1, t] and masks them by position (and document); that equals the reference whenever positions
@@ -130,14 +133,24 @@ def _gpu_tuning(cfg: _AttnCfg, q, topk, bwd=False):
 
 
 def _fused_bwd(cfg: _AttnCfg, q) -> bool:
-    """Fused GPU backward: the default for every dtype (fp32 atomics accumulate dKV; checked against float32 on the
-    H200, benchmarks/RESULTS.md); ``tuning={"fused_bwd": False}`` selects the reference-recompute backward."""
-    if not cfg.backend.startswith("pallas_gpu"):
+    """Kernel backward (``pallas_gpu.attention_bwd`` / ``pallas_tpu.attention_bwd``): the default for every dtype
+    on both kernel backends (float32 sums throughout; checked against float32 gradients on upcast inputs: the GPU's
+    on the H200, benchmarks/RESULTS.md, the TPU's in TPU interpret mode, tests/test_kernels_tpu_bwd.py);
+    ``tuning={"fused_bwd": False}`` selects the reference-recompute backward."""
+    if not cfg.backend.startswith(("pallas_gpu", "pallas_tpu")):
         return False
     return bool(dict(cfg.tuning).get("fused_bwd", True))
 
 
-def _attn_fwd_impl(cfg: _AttnCfg, q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg, wseg):
+def _tpu_blocks(cfg: _AttnCfg):
+    """Row blocks of the TPU kernels: ``block_k`` selected rows per DMA block (128 on hardware; 8 in interpret mode:
+    same result, a far smaller unrolled program) and ``key_block`` rows per dKV program (128; 16 in interpret)."""
+    t = dict(cfg.tuning)
+    interp = cfg.backend.endswith("interpret")
+    return t.get("block_k", 8 if interp else 128), t.get("key_block", 16 if interp else 128)
+
+
+def _attn_fwd_impl(cfg: _AttnCfg, q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg, wseg, with_lse=False):
     be = cfg.backend
     if ckv is not None and ckv.dtype != wkv.dtype:
         ckv = ckv.astype(wkv.dtype)
@@ -152,14 +165,12 @@ def _attn_fwd_impl(cfg: _AttnCfg, q, q_pos, wkv, wpos, wstart, floor, ckv, topk,
     if be.startswith("pallas_tpu"):
         from dsv41_jax.kernels import pallas_tpu as T
 
-        interp = be.endswith("interpret")
-        # rows per DMA block: 128 on hardware; 8 in interpret mode (same result, far smaller unrolled program)
-        block_k = dict(cfg.tuning).get("block_k", 8 if interp else 128)
-        out = T.attention_fwd(q, q_pos, wkv.astype(q.dtype), wpos, wstart, floor,
+        with_lse = with_lse and _fused_bwd(cfg, q)  # the kernel backward reads the log-sum-exp
+        res = T.attention_fwd(q, q_pos, wkv.astype(q.dtype), wpos, wstart, floor,
                               None if ckv is None else ckv.astype(q.dtype), topk, sink, qseg, wseg,
-                              window=cfg.window, scale=cfg.scale, wspan=cfg.wspan, block_k=block_k,
-                              interpret=interp)
-        return out, None
+                              window=cfg.window, scale=cfg.scale, wspan=cfg.wspan, block_k=_tpu_blocks(cfg)[0],
+                              return_lse=with_lse, interpret=be.endswith("interpret"))
+        return res if with_lse else (res, None)
     raise ValueError(be)
 
 
@@ -178,13 +189,24 @@ def _attention(cfg, q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg, w
 
 
 def _attention_fwd(cfg, q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg, wseg):
-    out, lse = _attn_fwd_impl(cfg, q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg, wseg)
+    out, lse = _attn_fwd_impl(cfg, q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg, wseg, with_lse=True)
     return out, (q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg, wseg, out, lse)
 
 
 def _attention_bwd(cfg, res, g):
     q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg, wseg, out, lse = res
-    if _fused_bwd(cfg, q):
+    if _fused_bwd(cfg, q) and cfg.backend.startswith("pallas_tpu"):
+        from dsv41_jax.kernels import pallas_tpu as T
+
+        block_k, key_block = _tpu_blocks(cfg)
+        dq, dw, dc, ds = T.attention_bwd(q, q_pos, wkv.astype(q.dtype), wpos, wstart, floor,
+                                         None if ckv is None else ckv.astype(q.dtype), topk, sink, out, lse, g,
+                                         qseg, wseg, window=cfg.window, scale=cfg.scale, wspan=cfg.wspan,
+                                         block_k=block_k, key_block=key_block,
+                                         interpret=cfg.backend.endswith("interpret"))
+        dw = dw.astype(wkv.dtype)
+        dc = None if ckv is None else dc.astype(ckv.dtype)
+    elif _fused_bwd(cfg, q):
         from dsv41_jax.kernels import pallas_gpu as G
 
         interp = cfg.backend.endswith("interpret")
@@ -195,7 +217,7 @@ def _attention_bwd(cfg, res, g):
                                          interpret=interp, **tuning)
         dw = dw.astype(wkv.dtype)
         dc = None if ckv is None else dc.astype(ckv.dtype)
-    else:  # reference-recompute backward (TPU; GPU with fused_bwd=False): VJP of the plain-JAX reference
+    else:  # reference-recompute backward (fused_bwd=False): VJP of the plain-JAX reference
         def f(q_, wkv_, ckv_, sink_):
             return _attn_reference(cfg, q_, q_pos, wkv_, wpos, floor, ckv_, topk, sink_, qseg, wseg)
 

@@ -1,0 +1,203 @@
+#!/usr/bin/env python
+"""The train step's recent changes timed apart, in one process on one accelerator: a 2 x 2 of the attention
+backward's tiles (the earlier defaults vs ``kernels.GPU_BWD_DEFAULTS``) and ``TrainConfig.compute_copy``, plus
+candidate variants, every row against the bf16 matmul rate measured first in the same process.
+
+    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python benchmarks/bench_train_ablation.py --out DIR --deadline-s 200
+    python benchmarks/bench_train_ablation.py --smoke --out DIR      # CPU: tiny preset, 2 variants
+
+Every variant is traced and lowered first, one after the other (the tiles are read at trace time, so
+``kernels.GPU_BWD_DEFAULTS`` is set around each trace), then all are compiled at once in threads (XLA compiles
+outside the GIL), then each is run in turn on a fresh state (``profile_train``'s step, ``none:forward`` with the
+blocked MoE: ``--warmup`` + ``--steps`` steps, median). A variant not started by ``--deadline-s`` is skipped. Rows go
+to DIR/bench_train_ablation.jsonl as they are measured; a table is printed last.
+
+Variants (``--variants``, comma-separated): ``before`` (the tiles before the sweep of 2026-12-02), ``tiles`` (the
+current defaults), each with an optional ``+copy`` (``compute_copy``) and ``+atomic`` (both dKV kinds by fp32
+atomics instead of by key block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import statistics
+import sys
+import time
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_train import model_flops_per_token, preset  # noqa: E402
+from profile_train import hlo_stats, matmul_rate  # noqa: E402
+
+from dsv41_jax import kernels as KN  # noqa: E402
+from dsv41_jax.model.model import default_hasher  # noqa: E402
+from dsv41_jax.train.config import TrainConfig  # noqa: E402
+from dsv41_jax.train.step import make_train_step  # noqa: E402
+
+# the 16-bit backward tiles before the sweep (benchmarks/RESULTS.md, 2026-12-02 05:25; key_warps: attention_bwd's 8)
+TILES_BEFORE = {"block_h": 32, "block_k": 16, "num_warps": 4}
+DEFAULT_VARIANTS = "before,tiles,before+copy,tiles+copy,tiles+copy+atomic"
+_T0 = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[ablation {time.time() - _T0:6.1f}s] {msg}", flush=True)
+
+
+def parse_variant(name: str) -> dict:
+    base, *flags = name.split("+")
+    if base not in ("before", "tiles") or set(flags) - {"copy", "atomic"}:
+        raise ValueError(f"variant {name!r}: want before|tiles, then optional +copy, +atomic")
+    tiles = dict(TILES_BEFORE if base == "before" else KN.GPU_BWD_DEFAULTS["16bit"])
+    if "atomic" in flags:
+        tiles.update(dkv="atomic", dkv_selected="atomic")
+    return {"name": name, "tiles": tiles, "copy": "copy" in flags}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--preset", default="fullwidth4")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--variants", default=DEFAULT_VARIANTS)
+    p.add_argument("--deadline-s", type=float, default=200.0, help="no variant starts running after this")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--out", default=".")
+    args = p.parse_args(argv)
+    smoke = SMOKE or args.smoke
+    if smoke:
+        args.preset, args.seq, args.steps, args.warmup = "tiny", 64, 1, 1
+        args.variants = "before,tiles+copy"
+    os.makedirs(args.out, exist_ok=True)
+    sink = os.path.join(args.out, "bench_train_ablation.jsonl")
+
+    def emit(rec):
+        with open(sink, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    dev = jax.devices()[0]
+    peak = matmul_rate(512 if smoke else 8192)
+    head = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__, "preset": args.preset,
+            "batch": args.batch, "seq": args.seq, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "matmul_bf16_flops_measured": peak,
+            "tiles_before": TILES_BEFORE, "tiles_now": dict(KN.GPU_BWD_DEFAULTS["16bit"])}
+    emit(head)
+    log(f"{head['device']}: bf16 matmul {peak / 1e12:.1f} TFLOP/s")
+
+    config = preset(args.preset)
+    variants = [parse_variant(v) for v in args.variants.split(",") if v]
+    saved = dict(KN.GPU_BWD_DEFAULTS["16bit"])
+    rng = np.random.default_rng(0)
+    toks = rng.integers(3, config.vocab_size, (args.batch, args.seq + 1)).astype(np.int32)
+    batch = {"tokens": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": np.ones((args.batch, args.seq), np.float32),
+             "valid": np.ones((args.batch, args.seq), bool)}
+    hasher = default_hasher(config)
+    if hasher is not None:
+        batch["engram_ids"] = hasher.row_ids(batch["tokens"])
+    batch = jax.device_put(batch)
+    lr = np.float32(1e-4)
+    donate = (0,) if jax.default_backend() != "cpu" else ()
+
+    # 1. trace + lower each variant with its tiles (abstract state: no device memory yet)
+    for v in variants:
+        KN.GPU_BWD_DEFAULTS["16bit"] = dict(v["tiles"])
+        jax.clear_caches()
+        try:
+            tc = TrainConfig(seq_len=args.seq, batch_size=args.batch, steps=1000, warmup_steps=10, lr=1e-4,
+                             compute_dtype="bfloat16", remat="none", remat_scope="forward", moe_impl="blocked",
+                             compute_copy=v["copy"])
+            v["step"] = make_train_step(config, tc)
+            state_shape = jax.eval_shape(lambda: v["step"].init_state(seed=0))
+            t0 = time.perf_counter()
+            v["lowered"] = jax.jit(v["step"].step_fn, donate_argnums=donate).lower(state_shape, batch, lr)
+            v["lower_s"] = time.perf_counter() - t0
+        except Exception as e:
+            v["error"] = f"lower: {type(e).__name__}: {str(e)[:1500]}"
+        finally:
+            KN.GPU_BWD_DEFAULTS["16bit"] = dict(saved)
+        log(f"lowered {v['name']}" + (f": {v['error']}" if "error" in v else f" in {v['lower_s']:.1f} s"))
+
+    # 2. compile them all at once
+    def compile_one(v):
+        t0 = time.perf_counter()
+        v["compiled"] = v["lowered"].compile()
+        v["compile_s"] = time.perf_counter() - t0
+        return v
+
+    todo = [v for v in variants if "error" not in v]
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(todo))) as pool:
+        futures = {pool.submit(compile_one, v): v for v in todo}
+        for f in concurrent.futures.as_completed(futures):
+            v = futures[f]
+            try:
+                f.result()
+                log(f"compiled {v['name']} in {v['compile_s']:.1f} s")
+            except Exception as e:
+                v["error"] = f"compile: {type(e).__name__}: {str(e)[:1500]}"
+                log(f"compile {v['name']} failed: {v['error'][:300]}")
+
+    # 3. run each on a fresh state
+    flops = model_flops_per_token(config, args.seq)["total"]
+    tokens = args.batch * args.seq
+    rows = []
+    for v in variants:
+        row = {"what": "train", "variant": v["name"], "tiles": v["tiles"], "compute_copy": v["copy"],
+               "batch": args.batch, "seq": args.seq}
+        if "error" in v:
+            row["error"] = v["error"]
+        elif time.time() - _T0 > args.deadline_s:
+            row["error"] = f"skipped: {time.time() - _T0:.0f} s past the start (deadline {args.deadline_s:.0f} s)"
+        else:
+            compiled = v["compiled"]
+            mem = compiled.memory_analysis()
+            row.update({"lower_s": round(v["lower_s"], 1), "compile_s": round(v["compile_s"], 1),
+                        **hlo_stats(compiled.as_text())})
+            for field in ("argument_size_in_bytes", "temp_size_in_bytes"):
+                row[field] = int(getattr(mem, field, 0) or 0) if mem is not None else None
+            state = v["step"].init_state(seed=0)
+            times = []
+            for i in range(args.warmup + args.steps):
+                t0 = time.perf_counter()
+                state, m = compiled(state, batch, lr)
+                jax.block_until_ready(state["step"])
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - t0)
+            med = statistics.median(times)
+            row.update({"step_ms": [round(t * 1e3, 2) for t in times], "step_ms_median": med * 1e3,
+                        "tokens_per_s": tokens / med, "model_flops_per_token": flops,
+                        "mfu_measured_matmul": flops * tokens / med / peak, "loss": float(m["ce"])})
+            del state, m
+        v.pop("compiled", None)
+        v.pop("lowered", None)
+        emit(row)
+        rows.append(row)
+        log(json.dumps(row))
+
+    print(f"\n{head['device']}, {args.preset}, batch {args.batch} x {args.seq}, bf16; matmul measured "
+          f"{peak / 1e12:.0f} TFLOP/s; tiles before {TILES_BEFORE}, now {head['tiles_now']}")
+    print("| variant | step ms (median) | tokens/s | MFU vs measured | temporaries GiB | arguments GiB | fusions |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['variant']} | {r['error'][:200]} |")
+            continue
+        print(f"| {r['variant']} | {r['step_ms_median']:.1f} | {r['tokens_per_s']:,.0f} | "
+              f"{r['mfu_measured_matmul']:.1%} | {r['temp_size_in_bytes'] / 2 ** 30:.2f} | "
+              f"{r['argument_size_in_bytes'] / 2 ** 30:.2f} | {r['hlo_fusions']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
