@@ -11,10 +11,11 @@ whether the autotuned tilings make the step faster.
 
 A case is ``BATCH:LEVEL[:FLAG...]``: LEVEL ``default`` (XLA's autotuning) or ``atN`` (``xla_gpu_autotune_level=N``;
 0 = no autotuning: each GEMM fusion gets XLA's default tiling); FLAGs: ``host`` (also the host loop's program,
-``decode_and_sample``), ``onepass`` (``InferenceOptions.mhc_one_pass`` + ``router_one_pass``), ``mhc``, ``router``
-(one of them). Per case: the device loop's program (``decode_chain``, the step ``Engine.generate`` runs) and the
-host loop's are lowered and compiled concurrently (their compile seconds and, for autotuned compiles, the number of
-fusions XLA autotuned are recorded), then timed exactly as ``profile_decode.py --loops`` times them (bf16
+``decode_and_sample``), ``cublas`` (``xla_gpu_enable_triton_gemm=false``: GEMMs by cuBLAS), ``onepass``
+(``InferenceOptions.mhc_one_pass`` + ``router_one_pass``), ``mhc``, ``router`` (one of them). Per case: the device
+loop's program (``decode_chain``, the step ``Engine.generate`` runs) and the host loop's are lowered and compiled
+concurrently (their compile seconds and, for autotuned compiles, the number of fusions XLA autotuned are recorded),
+then timed exactly as ``profile_decode.py --loops`` times them (bf16
 parameters and cache, ``--context`` tokens per slot; the host loop reads the tokens back, hashes them on the host
 and sends the rows every step; the device loop reads back every k steps) and one run of ``--profile-steps`` device
 loop steps is profiled (launches per layer, device->host copies). The floor is ``profile_decode.step_bytes`` over
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import json
 import os
 import statistics
@@ -80,11 +80,12 @@ class Case:
     level: int | None  # xla_gpu_autotune_level; None = XLA's default
     flags: tuple
     host: bool
+    cublas: bool = False  # xla_gpu_enable_triton_gemm=false
 
     @property
     def name(self) -> str:
         lvl = "default autotuning" if self.level is None else f"autotune level {self.level}"
-        return f"B{self.batch} {lvl}" + "".join(f" +{f}" for f in self.flags)
+        return f"B{self.batch} {lvl}" + " cuBLAS GEMMs" * self.cublas + "".join(f" +{f}" for f in self.flags)
 
 
 def parse_cases(spec: str) -> list:
@@ -92,17 +93,19 @@ def parse_cases(spec: str) -> list:
     for item in spec.split(","):
         parts = item.split(":")
         if len(parts) < 2 or not parts[0].isdigit() or not (parts[1] == "default" or parts[1].startswith("at")):
-            raise SystemExit(f"--cases: {item!r} is not BATCH:default|atN[:host|onepass|mhc|router...]")
+            raise SystemExit(f"--cases: {item!r} is not BATCH:default|atN[:host|cublas|onepass|mhc|router...]")
         level = None if parts[1] == "default" else int(parts[1][2:])
-        flags, host = [], False
+        flags, host, cublas = [], False, False
         for f in parts[2:]:
             if f == "host":
                 host = True
+            elif f == "cublas":
+                cublas = True
             elif f in FLAGS:
                 flags += FLAGS[f]
             else:
-                raise SystemExit(f"--cases: unknown flag {f!r} in {item!r} (host, {', '.join(FLAGS)})")
-        out.append(Case(int(parts[0]), level, tuple(dict.fromkeys(flags)), host))
+                raise SystemExit(f"--cases: unknown flag {f!r} in {item!r} (host, cublas, {', '.join(FLAGS)})")
+        out.append(Case(int(parts[0]), level, tuple(dict.fromkeys(flags)), host, cublas))
     return out
 
 
@@ -110,6 +113,8 @@ def compile_programs(config, params, opts, s, case: Case, dump_dir: str) -> tupl
     """({name: compiled}, {name: stats}): the case's programs lowered, then compiled concurrently in threads."""
     dopts = _decode_opts(opts)
     copts = {} if case.level is None else {"xla_gpu_autotune_level": case.level}
+    if case.cublas:
+        copts["xla_gpu_enable_triton_gemm"] = False
     b = s["batch"]
     lowered, stats = {}, {}
     t0 = time.perf_counter()
