@@ -15,10 +15,9 @@ A case is ``BATCH:LEVEL[:FLAG...]``: LEVEL ``default`` (XLA's autotuning) or ``a
 (``InferenceOptions.mhc_one_pass`` + ``router_one_pass``), ``mhc``, ``router`` (one of them). Per case: the device
 loop's program (``decode_chain``, the step ``Engine.generate`` runs) and the host loop's are lowered and compiled
 concurrently (their compile seconds and, for autotuned compiles, the number of fusions XLA autotuned are recorded),
-then timed exactly as ``profile_decode.py --loops`` times them (bf16
-parameters and cache, ``--context`` tokens per slot; the host loop reads the tokens back, hashes them on the host
-and sends the rows every step; the device loop reads back every k steps) and one run of ``--profile-steps`` device
-loop steps is profiled (launches per layer, device->host copies). The floor is ``profile_decode.step_bytes`` over
+then timed exactly as ``profile_decode.py --loops`` times them (bf16 parameters and cache, ``--context`` tokens per
+slot; the host loop reads the tokens back, hashes them on the host and sends the rows every step; the device loop
+reads back every k steps) and one run of ``--profile-steps`` device loop steps is profiled (launches per layer, device->host copies). The floor is ``profile_decode.step_bytes`` over
 a read-only kernel's bandwidth in the same process.
 
 Cases run in order; the programs are called as the compiled executables (``jax.stages.Compiled``), so each case's
