@@ -112,10 +112,12 @@ def audit_jaxpr(jaxpr, big_bytes: int) -> GraphAudit:
 
 
 def decode_program(config: ModelConfig, batch: int, max_len: int, *, dtype=jnp.bfloat16,
-                   opts: InferenceOptions = InferenceOptions(), chained: bool = False, readback: int = 8):
+                   opts: InferenceOptions = InferenceOptions(), chained: bool = False, readback: int = 8,
+                   hasher=None):
     """(function, abstract arguments) of a decode step, ready for ``jax.make_jaxpr`` / ``jax.jit(...).lower``:
     ``decode_and_sample`` (decode + sampling, the Engram rows given), or with ``chained`` the step ``Engine.generate``
-    runs, ``decode_chain`` (the Engram hash on the device, its tokens fed to the next step, a ``readback`` ring)."""
+    runs, ``decode_chain`` (the Engram hash on the device, its tokens fed to the next step, a ``readback`` ring;
+    its tables' shapes from ``hasher``, default ``model.hasher.default_hasher(config)``)."""
     from dsv41_jax.inference.decode import _decode_chain, _decode_opts, _decode_sample
 
     opts = _decode_opts(opts)
@@ -128,10 +130,11 @@ def decode_program(config: ModelConfig, batch: int, max_len: int, *, dtype=jnp.b
                  "readback": jax.ShapeDtypeStruct((readback + 1, batch), jnp.int32)}
         tables = None
         if config.engram_layer_ids:
-            from dsv41_jax.model.hasher import default_hasher
+            if hasher is None:
+                from dsv41_jax.model.hasher import default_hasher
 
-            tables = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                  default_hasher(config).device_tables())
+                hasher = default_hasher(config)
+            tables = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), hasher.device_tables())
             state["engram_history"] = jax.ShapeDtypeStruct((batch, config.engram_max_ngram_size - 1), jnp.int32)
         args = (params, cache, state, tables, vec(jnp.float32), vec(jnp.int32), vec(jnp.float32), vec(jnp.int32),
                 jax.ShapeDtypeStruct((batch, 1), jnp.int32), vec(jnp.int32), vec(jnp.int32))

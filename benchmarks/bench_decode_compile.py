@@ -1,0 +1,320 @@
+"""Compile time and step time of the Engine's decode programs per (batch, options, XLA GEMM autotuning level).
+
+    python benchmarks/bench_decode_compile.py --cases 32:at0:host,1:at0:host,32:at0:onepass,32:default \
+        --deadline-s 250 --out DIR
+
+On a GPU, XLA turns a dot with one token (M = 1: a vector times a matrix) whose matrix is small into a multiply and
+a reduction (``DotStrengthReduction``: below 10 M elements, or when Triton cannot take it), but every dot of a
+32-token step is a GEMM fusion, and each distinct GEMM fusion is autotuned: XLA compiles its candidate Triton
+tilings and times them on the device. This script measures how much of a decode program's compile that is, and
+whether the autotuned tilings make the step faster.
+
+A case is ``BATCH:LEVEL[:FLAG...]``: LEVEL ``default`` (XLA's autotuning) or ``atN`` (``xla_gpu_autotune_level=N``;
+0 = no autotuning: each GEMM fusion gets XLA's default tiling); FLAGs: ``host`` (also the host loop's program,
+``decode_and_sample``), ``cublas`` (``xla_gpu_enable_triton_gemm=false``: GEMMs by cuBLAS), ``onepass``
+(``InferenceOptions.mhc_one_pass`` + ``router_one_pass``), ``mhc``, ``router`` (one of them). Per case: the device
+loop's program (``decode_chain``, the step ``Engine.generate`` runs) and the host loop's are lowered and compiled
+concurrently (their compile seconds and, for autotuned compiles, the number of fusions XLA autotuned are recorded),
+then timed exactly as ``profile_decode.py --loops`` times them (bf16 parameters and cache, ``--context`` tokens per
+slot; the host loop reads the tokens back, hashes them on the host and sends the rows every step; the device loop
+reads back every k steps) and one run of ``--profile-steps`` device loop steps is profiled (launches per layer, device->host copies). The floor is ``profile_decode.step_bytes`` over
+a read-only kernel's bandwidth in the same process.
+
+Cases run in order; the programs are called as the compiled executables (``jax.stages.Compiled``), so each case's
+compiler options apply to exactly its programs. XLA keeps autotuning results for the process, so a later autotuned
+compile reuses the fusions an earlier one tuned (the order is part of the result). With ``--deadline-s`` a compile
+that would end past the deadline is abandoned (reported as "not finished after N s") and the process ends after
+writing what it has. Prints a Markdown table; writes ``DIR/bench_decode_compile.json`` after every case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import shutil
+import tempfile
+import threading
+import time
+
+T_START = time.perf_counter()
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(1, HERE)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import profile_decode as pd  # noqa: E402  (its argument parser reads nothing when imported)
+from ceilings import read_bandwidth  # noqa: E402
+from dsv41_jax.inference.decode import _decode_chain, _decode_opts, _decode_sample  # noqa: E402
+from dsv41_jax.inference.step import InferenceOptions, jit_for  # noqa: E402
+
+FLAGS = {"onepass": ("mhc_one_pass", "router_one_pass"), "mhc": ("mhc_one_pass",), "router": ("router_one_pass",)}
+
+
+def _args(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="12L", choices=sorted(pd.MODELS))
+    ap.add_argument("--cases", default="32:at0:host,1:at0:host,32:default")
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--readback", default="1,8,32")
+    ap.add_argument("--deadline-s", type=float, default=1e9, help="seconds from the start after which no compile "
+                    "is waited for")
+    ap.add_argument("--reserve-s", type=float, default=20.0, help="seconds kept after a compile for timing it")
+    ap.add_argument("--floor-gib", type=float, default=4.0)
+    ap.add_argument("--out", default=None)
+    return ap.parse_args(argv)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: int
+    level: int | None  # xla_gpu_autotune_level; None = XLA's default
+    flags: tuple
+    host: bool
+    cublas: bool = False  # xla_gpu_enable_triton_gemm=false
+
+    @property
+    def name(self) -> str:
+        lvl = "default autotuning" if self.level is None else f"autotune level {self.level}"
+        return f"B{self.batch} {lvl}" + " cuBLAS GEMMs" * self.cublas + "".join(f" +{f}" for f in self.flags)
+
+
+def parse_cases(spec: str) -> list:
+    out = []
+    for item in spec.split(","):
+        parts = item.split(":")
+        if len(parts) < 2 or not parts[0].isdigit() or not (parts[1] == "default" or parts[1].startswith("at")):
+            raise SystemExit(f"--cases: {item!r} is not BATCH:default|atN[:host|cublas|onepass|mhc|router...]")
+        level = None if parts[1] == "default" else int(parts[1][2:])
+        flags, host, cublas = [], False, False
+        for f in parts[2:]:
+            if f == "host":
+                host = True
+            elif f == "cublas":
+                cublas = True
+            elif f in FLAGS:
+                flags += FLAGS[f]
+            else:
+                raise SystemExit(f"--cases: unknown flag {f!r} in {item!r} (host, cublas, {', '.join(FLAGS)})")
+        out.append(Case(int(parts[0]), level, tuple(dict.fromkeys(flags)), host, cublas))
+    return out
+
+
+def compile_programs(config, params, opts, s, case: Case, dump_dir: str) -> tuple:
+    """({name: compiled}, {name: stats}): the case's programs lowered, then compiled concurrently in threads."""
+    dopts = _decode_opts(opts)
+    copts = {} if case.level is None else {"xla_gpu_autotune_level": case.level}
+    if case.cublas:
+        copts["xla_gpu_enable_triton_gemm"] = False
+    b = s["batch"]
+    lowered, stats = {}, {}
+    t0 = time.perf_counter()
+    key = (b, case.flags)  # a case that differs only in its compiler options reuses the lowering
+    if "device loop" not in LOWERED.get(key, {}):
+        chain = jit_for(_decode_chain, dopts).jitted
+        LOWERED.setdefault(key, {})["device loop"] = chain.lower(
+            params, s["cache"], s["state"], s["tables"], *s["samp"], *s["limits"], config=config, opts=dopts)
+    lowered["device loop"] = LOWERED[key]["device loop"]
+    if case.host:
+        if "host loop" not in LOWERED[key]:
+            host = jit_for(_decode_sample, dopts, static=("config", "opts", "return_logits")).jitted
+            LOWERED[key]["host loop"] = host.lower(
+                params, s["cache"], jnp.asarray(np.full((b,), 5, np.int32)), s["host_eids"], s["act"], *s["samp"],
+                jnp.full((b,), 1, jnp.int32), config=config, opts=dopts, return_logits=False)
+        lowered["host loop"] = LOWERED[key]["host loop"]
+    stats["lower_s"] = time.perf_counter() - t0
+    compiled = {}
+
+    def work(name):
+        o = dict(copts)
+        dump = None
+        if case.level is None or case.level > 0:  # which fusions XLA autotuned
+            dump = os.path.join(dump_dir, f"autotune_{case.batch}_{name.replace(' ', '_')}_{time.time_ns()}.txt")
+            o["xla_gpu_dump_autotune_results_to"] = dump
+        t = time.perf_counter()
+        try:
+            compiled[name] = lowered[name].compile(compiler_options=o or None)
+            stats[f"{name} compile_s"] = time.perf_counter() - t
+            if dump and os.path.exists(dump):
+                with open(dump) as f:
+                    stats[f"{name} autotuned_fusions"] = f.read().count("results {")
+                shutil.copy(dump, os.path.join(OUT_DIR, os.path.basename(dump)))  # which fusions, which tilings
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            stats[f"{name} error"] = repr(e)[:300]
+
+    threads = [threading.Thread(target=work, args=(n,), daemon=True) for n in lowered]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=max(1.0, DEADLINE - (time.perf_counter() - T_START)))
+    if any(t.is_alive() for t in threads):
+        stats["unfinished"] = [n for n in lowered if n not in compiled and f"{n} error" not in stats]
+        for n in stats["unfinished"]:
+            stats[f"{n} compile_s"] = f"not finished after {time.perf_counter() - t0:.0f} s"
+    return compiled, stats
+
+
+def time_case(config, params, compiled, s, steps, profile_steps, readback) -> dict:
+    """The loops of ``profile_decode.profile_loops``, on the compiled executables."""
+    b, samp, act, hasher, tables = s["batch"], s["samp"], s["act"], s["hasher"], s["tables"]
+    cache, state = s.pop("cache"), s.pop("state")
+    out = {}
+    if "host loop" in compiled:
+        fn = compiled["host loop"]
+        hist = hasher.empty_history(b) if hasher else None
+        tok = np.full((b,), 5, np.int32)
+        ts = []
+        for i in range(steps + 2):
+            t0 = time.perf_counter()
+            eids = None
+            if hasher is not None:
+                rows, hist = hasher.step(tok[:, None], hist)
+                eids = jnp.asarray(rows[:, 0])
+            nxt, cache = fn(params, cache, jnp.asarray(tok), eids, act, *samp,
+                            jnp.full((b,), i + 1, jnp.int32))
+            tok = np.asarray(nxt)
+            ts.append(time.perf_counter() - t0)
+        out["host_loop_step_ms"] = statistics.median(ts[2:]) * 1e3
+    fn = compiled["device loop"]
+
+    def run(n):
+        nonlocal cache, state
+        for _ in range(n):
+            _t, state, cache = fn(params, cache, state, tables, *samp, *s["limits"])
+        return np.asarray(state["readback"])
+
+    run(3)
+    for k in readback:
+        n = -(-max(2 * k, steps) // k) * k
+        t0 = time.perf_counter()
+        for _ in range(n // k):
+            run(k)
+        out[f"device_loop_k{k}_step_ms"] = (time.perf_counter() - t0) / n * 1e3
+    jax.block_until_ready(cache)
+    log_dir = tempfile.mkdtemp(prefix="decode_trace_")
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        t0 = time.perf_counter()
+        run(profile_steps)
+        wall = (time.perf_counter() - t0) / profile_steps
+    summary = pd.summarize_trace(log_dir, profile_steps, config.num_hidden_layers)
+    summary.pop("events", None)
+    out.update(profiled_wall_ms=wall * 1e3, **summary)
+    del cache, state
+    return out
+
+
+DEADLINE = 1e9
+OUT_DIR = "."
+LOWERED: dict = {}
+
+
+def main(argv=None):
+    global DEADLINE, OUT_DIR
+    args = _args(argv)
+    DEADLINE = args.deadline_s
+    out_dir = args.out or os.environ.get("OUT") or "."
+    os.makedirs(out_dir, exist_ok=True)
+    OUT_DIR = out_dir
+    dump_dir = tempfile.mkdtemp(prefix="autotune_")
+    cases = parse_cases(args.cases)
+    ks = [int(x) for x in args.readback.split(",")]
+    config = pd.MODELS[args.model]()
+    bw = read_bandwidth(args.floor_gib)
+    params = init_params_bf16(config)
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), jax=jax.__version__, device=jax.devices()[0].device_kind,
+                model=config.name, context=args.context, read_bandwidth_tb_s=bw / 1e12,
+                command="python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]))
+    print(json.dumps(meta), flush=True)
+    rows = []
+    path = os.path.join(out_dir, "bench_decode_compile.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+    for case in cases:
+        if time.perf_counter() - T_START > DEADLINE - args.reserve_s:
+            rows.append(dict(case=case.name, skipped="deadline"))
+            continue
+        opts = InferenceOptions(quant_sim=False, index_block_elems=1 << 28, **{f: True for f in case.flags})
+        s = pd.loop_setup(config, case.batch, args.context, opts, ks, args.profile_steps, case.host)
+        parts = pd.step_bytes(config, params, case.batch, args.context)
+        row = dict(case=case.name, batch=case.batch, autotune_level=case.level, flags=list(case.flags),
+                   floor_ms=sum(parts.values()) / bw * 1e3, step_gb=sum(parts.values()) / 1e9,
+                   started_s=time.perf_counter() - T_START)
+        compiled, stats = compile_programs(config, params, opts, s, case, dump_dir)
+        row["compile"] = stats
+        print(json.dumps(row), flush=True)
+        if stats.get("unfinished"):
+            rows.append(row)
+            save()
+            break  # a compile thread still runs: leave (its work would disturb any later timing)
+        if "device loop" in compiled:
+            try:
+                row.update(time_case(config, params, compiled, s, args.steps, args.profile_steps, ks))
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)[:400]
+        s.clear()
+        del compiled
+        rows.append(row)
+        save()
+        print(json.dumps(row), flush=True)
+    save()
+    print_table(meta, rows, ks)
+    sys.stdout.flush()
+    os._exit(0)  # an abandoned compile thread must not keep the process alive
+
+
+def init_params_bf16(config):
+    from dsv41_jax.model.params import init_params
+
+    params = init_params(config, jax.random.PRNGKey(0), jnp.bfloat16)
+    jax.block_until_ready(params)
+    return params
+
+
+def print_table(meta, rows, ks):
+    print(f"\n{meta['model']}, context {meta['context']}, bf16, {meta['device']}, JAX {meta['jax']}, read-only "
+          f"kernel {meta['read_bandwidth_tb_s']:.2f} TB/s")
+    head = ["case", "floor ms", "host loop ms (x floor)"] + [f"device loop k={k} ms (x floor)" for k in ks]
+    head += ["launches/layer", "D2H/step", "busy %", "device loop compile s", "host loop compile s",
+             "autotuned fusions"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+
+    def sec(v):
+        return f"{v:.1f}" if isinstance(v, float) else (v or "-")
+
+    for r in rows:
+        if "floor_ms" not in r:
+            print(f"| {r['case']} | {r.get('skipped', r.get('error'))} |")
+            continue
+        f = r["floor_ms"]
+        cells = [r["case"], f"{f:.2f}"]
+        h = r.get("host_loop_step_ms")
+        cells.append(f"{h:.2f} ({h / f:.2f}x)" if h else "-")
+        for k in ks:
+            v = r.get(f"device_loop_k{k}_step_ms")
+            cells.append(f"{v:.2f} ({v / f:.2f}x)" if v else "-")
+        if "launches_per_layer" in r:
+            cells += [f"{r['launches_per_layer']:.1f}", f"{r['d2h_per_step']:.3f}",
+                      f"{100 * r['busy_ms_per_step'] / r['profiled_wall_ms']:.0f}"]
+        else:
+            cells += ["-"] * 3
+        c = r["compile"]
+        cells += [sec(c.get("device loop compile_s")), sec(c.get("host loop compile_s")),
+                  str(c.get("device loop autotuned_fusions", "-"))]
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
