@@ -6,8 +6,10 @@ target, then plain vs speculative decoding — all in one process (one device ca
 
 Compiling is most of a short run's time (one program per shape: prefill, decode step, drafting, verification,
 each at batch 1 and 16, and the training steps). GEMMs run through cuBLAS (``--xla_gpu_enable_triton_gemm=false``,
-set here unless ``--triton-gemm``): with XLA's Triton GEMMs the autotuner made single programs whose GEMMs have
-16-128 rows (prefill chunks, batch-16 steps) compile for minutes on an H200. Only the programs of the rows asked
+set here unless ``--triton-gemm``: without the Triton GEMMs' autotuning the train steps and the batch-16 prefill
+compile 2-4x faster);
+on an H200 the batch-1 prefill and the batch-16 decode step still compile for minutes, in XLA:GPU's priority
+fusion (benchmarks/RESULTS.md, DSpark calls 3-4). Only the programs of the rows asked
 for (``--variants``, default plain + DSpark on the device loop) are built; ``benchmarks/dspark_programs.py`` lists
 them with their sizes. So right after loading the data the
 script builds its decoding engines on zero parameters (the trained ones' dtypes and placement) and runs each
@@ -65,10 +67,11 @@ import time
 # for both on the device
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 # GEMMs through cuBLAS unless --triton-gemm: XLA's Triton GEMM autotuner compiles and times dozens of candidate
-# kernels for every GEMM of a new shape with more than one row (the prefill's 128-token chunk, batch-16 steps, the
-# 6-token verification chunk), which on an H200 made single programs of this 4-layer target compile for minutes
-# (calls 1-2 in benchmarks/RESULTS.md; benchmarks/dspark_programs.py shows the programs themselves are small: ~4-6k
-# HLO ops, 15-33 distinct GEMM shapes each). The flag must be set before the backend starts.
+# kernels for every GEMM of a new shape; cuBLAS cut this script's train steps and batch-16 prefill 2-4x on an H200
+# (benchmarks/RESULTS.md, DSpark calls 3-4). It did not cut the batch-1 prefill and the batch-16 decode step, which
+# still compile for minutes in XLA:GPU's priority-fusion pass (benchmarks/probe_fusion_compile.sh tests flags
+# against it); benchmarks/dspark_programs.py shows the programs themselves are small (~4-6k HLO ops, 15-33
+# distinct GEMM shapes each). The flag must be set before the backend starts.
 if "--triton-gemm" not in sys.argv and "xla_gpu_enable_triton_gemm" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false").strip()
 
