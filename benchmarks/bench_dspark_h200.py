@@ -72,7 +72,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 # still compile for minutes in XLA:GPU's priority-fusion pass (benchmarks/probe_fusion_compile.sh tests flags
 # against it); benchmarks/dspark_programs.py shows the programs themselves are small (~4-6k HLO ops, 15-33
 # distinct GEMM shapes each). The flag must be set before the backend starts.
-if "--triton-gemm" not in sys.argv and "xla_gpu_enable_triton_gemm" not in os.environ.get("XLA_FLAGS", ""):
+# (only when run as a script: the modules importing this one keep their own flags)
+if __name__ == "__main__" and "--triton-gemm" not in sys.argv \
+        and "xla_gpu_enable_triton_gemm" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false").strip()
 
 import jax
