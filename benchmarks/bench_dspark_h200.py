@@ -1,11 +1,17 @@
 """DSpark on a target whose decode step reads GiBs of weights: train a target, train its drafter against the frozen
 target, then plain vs speculative decoding — all in one process (one device call).
 
-    python benchmarks/bench_dspark_h200.py --out DIR            # an NVIDIA H200: 7 minutes (--budget-s 420)
+    python benchmarks/bench_dspark_h200.py --out DIR            # an NVIDIA H200: ~6 minutes (--budget-s 400)
     python benchmarks/bench_dspark_h200.py --smoke --out DIR    # the same pipeline at toy size, CPU (~2-5 minutes)
 
 Compiling is most of a short run's time (one program per shape: prefill, decode step, drafting, verification,
-each at batch 1 and 16, and the training steps, ~30-60 s each on an H200). So right after loading the data the
+each at batch 1 and 16, and the training steps). GEMMs run through cuBLAS (``--xla_gpu_enable_triton_gemm=false``,
+set here unless ``--triton-gemm``: without the Triton GEMMs' autotuning the train steps and the batch-16 prefill
+compile 2-4x faster);
+on an H200 the batch-1 prefill and the batch-16 decode step still compile for minutes, in XLA:GPU's priority
+fusion (benchmarks/RESULTS.md, DSpark calls 3-4). Only the programs of the rows asked
+for (``--variants``, default plain + DSpark on the device loop) are built; ``benchmarks/dspark_programs.py`` lists
+them with their sizes. So right after loading the data the
 script builds its decoding engines on zero parameters (the trained ones' dtypes and placement) and runs each
 decoding path once in threads beside the target's training, and one drafter-training step on a zero target: the
 programs then serve the trained parameters without compiling again (``warm_ups`` in the JSON, and every log line
@@ -29,19 +35,21 @@ Recipe (``--smoke`` shrinks every size; the numbers below are the defaults):
    rows.
 3. Decoding (bf16 weights, float32-only parameters in float32): held-out ``asyncio`` prompts of 96 characters,
    ``--new-tokens`` greedy tokens, batch 1 and 16; plain decoding (the device loop, read back every 8 steps),
-   then speculation with the schedule off — on the device (``speculative_chain``, read back every 8 steps) and in
-   the host loop (one read-back per step) — the confidence threshold 0.5 and the hardware-aware prefix scheduler
-   over a step-time table measured in the same process (every chunk width 1 .. γ + 1; ``--prefix-batches``), and
-   the speculative step program alone at full width (``round_ms_full_width``, against the plain step). Rows run in
-   that order of importance; ``--budget-s`` skips what would start too late. Prefill runs without CED
-   (the drafter's target layers 1-2 are encoder layers); it is outside the timed decode loop. Every speculative
-   row checks that its tokens equal plain decoding's.
-   Floor: the bytes a plain step must read (active bf16 weights: batch 1 = attention / shared / top-6 of 16 routed
-   experts per layer + head; batch b = the routed experts b tokens are expected to touch under uniform routing)
-   over a read-only kernel's bandwidth measured in the same process.
+   then speculation with the schedule off on the device (``speculative_chain``, read back every 8 steps); with
+   ``--variants``, also in the host loop (one read-back per step), the confidence threshold 0.5 and the
+   hardware-aware prefix scheduler over a step-time table measured in the same process (every chunk width 1 ..
+   γ + 1; ``--prefix-batches``). Rows run in that order of importance; ``--budget-s`` skips what would start too
+   late. Prefill runs without CED (the drafter's target layers 1-2 are encoder layers); it is outside the timed
+   decode loop. Every speculative row checks that its tokens equal plain decoding's (bf16: near-tied logits may
+   round differently in the one-token step and the verification chunk).
+   Floor: the bytes a step must read (active bf16 weights: batch 1 = attention / shared / top-6 of 16 routed
+   experts per layer + head; batch b = the routed experts b tokens are expected to touch under uniform routing; a
+   speculative step = a full-width verification of b (γ + 1) tokens + the drafter's block), as a fraction of a
+   read-only kernel's bandwidth measured in the same process over the measured step time.
 
 Output: a table on stdout, ``DIR/bench_dspark_h200.json`` (rewritten after every row, so a run cut short by its
-time limit keeps what it measured) and the two training curves in ``DIR/train_*.jsonl``.
+time limit keeps what it measured; ``compiles``: every XLA compile of the process with its program, thread and
+seconds) and the two training curves in ``DIR/train_*.jsonl``.
 """
 
 from __future__ import annotations
@@ -58,6 +66,16 @@ import time
 # the programs of the decoding phase are compiled (and run once, on zero parameters) beside the training: room
 # for both on the device
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+# GEMMs through cuBLAS unless --triton-gemm: XLA's Triton GEMM autotuner compiles and times dozens of candidate
+# kernels for every GEMM of a new shape; cuBLAS cut this script's train steps and batch-16 prefill 2-4x on an H200
+# (benchmarks/RESULTS.md, DSpark calls 3-4). It did not cut the batch-1 prefill and the batch-16 decode step, which
+# still compile for minutes in XLA:GPU's priority-fusion pass (benchmarks/probe_fusion_compile.sh tests flags
+# against it); benchmarks/dspark_programs.py shows the programs themselves are small (~4-6k HLO ops, 15-33
+# distinct GEMM shapes each). The flag must be set before the backend starts.
+# (only when run as a script: the modules importing this one keep their own flags)
+if __name__ == "__main__" and "--triton-gemm" not in sys.argv \
+        and "xla_gpu_enable_triton_gemm" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false").strip()
 
 import jax
 import jax.numpy as jnp
@@ -264,6 +282,13 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--prefix-batches", default="1", help="batches that also run the prefix scheduler (its "
                     "step-time table needs one program per chunk width)")
+    ap.add_argument("--variants", default="plain,none", help="decode rows, in this order per batch: plain (always), "
+                    "none (DSpark, device loop), host (DSpark, host loop), threshold (confidence threshold 0.5), "
+                    "prefix (prefix scheduler over a measured step-time table, --prefix-batches). Each kind of row "
+                    "compiles its own programs: host / threshold the host loop's step (also timed alone at full "
+                    "width), prefix one step program per chunk width")
+    ap.add_argument("--triton-gemm", action="store_true", help="keep XLA's Triton GEMMs (and their autotuning; the "
+                    "default turns them off: cuBLAS GEMMs, see the top of this file)")
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--budget-s", type=float, default=None, help="skip what is left after this many seconds")
@@ -277,13 +302,20 @@ def main(argv=None):
     ap.add_argument("--log-compiles", action="store_true", help="log every compilation (jax_log_compiles)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    bad = sorted(set(variants) - {"plain", "none", "host", "threshold", "prefix"})
+    if bad:
+        ap.error(f"--variants: unknown row kinds {bad}")
+    if "plain" not in variants:
+        variants.insert(0, "plain")  # every speculative row is a ratio against it
+    host_step = bool({"host", "threshold"} & set(variants))  # the host loop's step program is needed
     t_start = time.perf_counter()
     smoke = args.smoke
-    budget = args.budget_s or (1e9 if smoke else 420)
-    target_s = args.target_s if args.target_s is not None else (0.0 if smoke else 110.0)
-    gen_s = args.gen_s if args.gen_s is not None else (0.0 if smoke else 20.0)
-    drafter_s = args.drafter_s if args.drafter_s is not None else (0.0 if smoke else 80.0)
-    reserve = args.decode_reserve_s if args.decode_reserve_s is not None else (0.0 if smoke else 90.0)
+    budget = args.budget_s or (1e9 if smoke else 400)
+    target_s = args.target_s if args.target_s is not None else (0.0 if smoke else 90.0)
+    gen_s = args.gen_s if args.gen_s is not None else (0.0 if smoke else 15.0)
+    drafter_s = args.drafter_s if args.drafter_s is not None else (0.0 if smoke else 100.0)
+    reserve = args.decode_reserve_s if args.decode_reserve_s is not None else (0.0 if smoke else 50.0)
     new = args.new_tokens or (12 if smoke else 128)
     reps = args.reps if args.reps is not None else (1 if smoke else 2)
     out = args.out or "."
@@ -302,6 +334,16 @@ def main(argv=None):
 
     if args.log_compiles:
         jax.config.update("jax_log_compiles", True)
+    compiles = []  # (program, seconds, thread, ended at s): every XLA compile of the process
+
+    def on_compile(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            with lock:
+                compiles.append(dict(program=str(kw.get("fun_name", "?")), seconds=round(duration, 2),
+                                     thread=threading.current_thread().name,
+                                     ended_at_s=round(time.perf_counter() - t_start, 1)))
+
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
     watchdog = args.watchdog_s if args.watchdog_s is not None else (0 if cpu else 60)
     if watchdog:
         import faulthandler
@@ -314,7 +356,8 @@ def main(argv=None):
     record = dict(config=config.name, device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=" ".join(sys.argv),
                   params=dict(backbone=counts.backbone, dspark=counts.dspark, active_decode=counts.active_decode),
-                  stages={}, rows=[])
+                  xla_flags=os.environ.get("XLA_FLAGS", ""), variants=variants, stages={}, rows=[],
+                  compiles=compiles)
 
     def save():
         with lock:
@@ -346,7 +389,7 @@ def main(argv=None):
     gamma = config.dspark_block_size
     prompt_len = 96
     batches = [int(x) for x in args.batches.split(",")]
-    prefix_batches = {int(x) for x in args.prefix_batches.split(",") if x}
+    prefix_batches = {int(x) for x in args.prefix_batches.split(",") if x} if "prefix" in variants else set()
     gen_batch = max(batches)
     max_len = max(2 * prompt_len + new + 16, seq)  # seq: the target's generations for the drafter's rows
     zeros = zero_params(config, device)
@@ -365,10 +408,11 @@ def main(argv=None):
 
     def warm_spec(b):
         def fn(w):
-            for kw in (dict(), dict(schedule="threshold", threshold=0.5)):  # device loop; host loop (schedules)
+            kinds = [dict()] + ([dict(schedule="threshold", threshold=0.5)] if host_step else [])
+            for kw in kinds:  # device loop; host loop (schedules)
                 dec = SpeculativeDecoder(engines[b, "spec"], **kw)
-                for _ in range(2):  # a decoder's first run seeds fresh rings, its later runs rings a step returned
-                    dec.generate(prompts[b], max_new_tokens=2 * gamma + 2, stop_tokens=())
+                # one run builds every program of the row (fresh rings are committed like those a step returns)
+                dec.generate(prompts[b], max_new_tokens=2 * gamma + 2, stop_tokens=())
         return fn
 
     def warm_prefix(b):
@@ -494,9 +538,10 @@ def main(argv=None):
     record["read_bandwidth_bytes_per_s"] = bw
     print(f"# bench_dspark_h200: {config.name} ({counts.active_decode / 1e9:.3f} B active / token), "
           f"{record['device']}, γ={gamma}, prompt {prompt_len} chars, {new} new tokens, greedy", flush=True)
-    print("| batch | decoding | tokens/s | × plain | accepted length | steps | rollbacks | step ms | "
-          "step / floor | same tokens |", flush=True)
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| batch | decoding | tokens/s | × plain tokens/s | steps/s | × plain steps/s | tokens per step "
+          "(accepted + 1) | steps | rollbacks | step ms | floor GB / step | % of read BW | same tokens |", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    plain_step_ms = {}
 
     def timed(fn, steps_of):
         times, res, steps = [], None, None
@@ -509,21 +554,29 @@ def main(argv=None):
                 f"decode loop {dt * 1e3:.1f} ms")
         return res, statistics.median(times[1:] if reps else times), steps
 
-    def row(b, name, tps, plain_tps, acc, steps, rollbacks, dt, floor_s, same, **extra):
+    def row(b, name, tps, plain_tps, acc, steps, rollbacks, dt, floor_bytes, same, **extra):
+        """One table row. floor_bytes: what one step of this row must read (plain: the weights one step's tokens
+        touch; speculative: a full-width verification's + the drafter's block), as a fraction of the read
+        bandwidth measured in this process (and of the 4.8 TB/s datasheet) over the measured step time."""
         step_ms = dt / steps * 1e3
+        plain_step_ms.setdefault(b, step_ms)
+        bw_frac = None if bw is None else floor_bytes / (step_ms / 1e3) / bw
         r = dict(batch=b, decoding=name, tokens_per_s=tps, speedup=tps / plain_tps, accepted_length=acc,
-                 steps=steps, rollbacks=rollbacks, step_ms=step_ms,
-                 step_over_floor=None if floor_s is None else step_ms / 1e3 / floor_s, same_tokens=same, **extra)
+                 steps=steps, steps_per_s=1e3 / step_ms, steps_per_s_vs_plain=plain_step_ms[b] / step_ms,
+                 rollbacks=rollbacks, step_ms=step_ms, floor_bytes=floor_bytes,
+                 floor_ms=None if bw is None else floor_bytes / bw * 1e3, read_bw_fraction=bw_frac,
+                 datasheet_bw_fraction=floor_bytes / (step_ms / 1e3) / 4.8e12, same_tokens=same, **extra)
         record["rows"].append(r)
         save()
-        sf = "—" if floor_s is None else f"{step_ms / 1e3 / floor_s:.2f}"
-        print(f"| {b} | {name} | {tps:,.1f} | {tps / plain_tps:.2f} | {acc:.2f} | {steps} | {rollbacks} | "
-              f"{step_ms:.2f} | {sf} | {same} |", flush=True)
+        sf = "—" if bw_frac is None else f"{100 * bw_frac:.0f} %"
+        print(f"| {b} | {name} | {tps:,.1f} | {tps / plain_tps:.2f} | {1e3 / step_ms:,.1f} | "
+              f"{plain_step_ms[b] / step_ms:.2f} | {acc:.2f} | {steps} | {rollbacks} | {step_ms:.2f} | "
+              f"{floor_bytes / 1e9:.2f} | {sf} | {same} |", flush=True)
 
     # the rows that matter most first (a run cut short by its limit keeps them): plain and speculation at every
     # batch, then the schedulers
-    plan = [(b, v) for b in batches for v in ("plain", "none")] + [(b, "host") for b in batches]
-    plan += [(b, "threshold") for b in batches]
+    plan = [(b, v) for b in batches for v in ("plain", "none") if v in variants]
+    plan += [(b, v) for v in ("host", "threshold") if v in variants for b in batches]
     plan += [(b, "prefix") for b in batches if b in prefix_batches]
     plain_out, plain_tps = {}, {}
     for b, variant in plan:
@@ -542,7 +595,6 @@ def main(argv=None):
             warmers[b, "prefix"].wait(say)
         eng = engines[b, role]
         sb = step_bytes(config, b)
-        floor_s = None if bw is None else sb["total"] / bw
         if variant == "plain":
             def run_plain():
                 res = eng.generate(prompts[b], max_new_tokens=new, stop_tokens=())
@@ -552,8 +604,7 @@ def main(argv=None):
             plain_tps[b] = b * new / dt
             sample = tok.decode(res[0].tokens)
             record.setdefault("samples", {})[str(b)] = dict(prompt=tok.decode(prompts[b][0]), plain=sample)
-            row(b, "plain", plain_tps[b], plain_tps[b], 1.0, new - 1, 0, dt, floor_s, "—", floor_bytes=sb["total"],
-                floor_ms=None if floor_s is None else floor_s * 1e3)
+            row(b, "plain", plain_tps[b], plain_tps[b], 1.0, new - 1, 0, dt, sb["total"], "—")
             say(f"  sample: {sample[:160]!r}")
             continue
         if b not in plain_tps:
@@ -575,22 +626,30 @@ def main(argv=None):
             return res, dec.stats.decode_s
         res, dt, _ = timed(run_spec, lambda: dec.stats.steps)
         st = dec.stats
-        if variant == "none":  # the step program alone at full width (the program the runs used: no compile)
+        if variant == "none" and host_step:  # the host loop's step program alone at full width (its own program:
+            # the device loop's step is speculative_chain, a compile of its own; rows host / threshold build it)
             t_round = dec.measure_step_times(widths=(gamma + 1,), reps=5)[gamma + 1]
             extra["round_ms_full_width"] = t_round * 1e3
             say(f"  one speculative step program at width {gamma + 1}: {t_round * 1e3:.2f} ms")
         same = all(r.tokens == plain_out[b][s] for s, r in enumerate(res))
         tps = b * new / dt
         # a full-width verification reads the weights (b (γ + 1) tokens') and the drafter's block
-        extra["floor_bytes_verify"] = step_bytes(config, b * (gamma + 1))["total"] + 2 * counts.dspark
+        floor_verify = step_bytes(config, b * (gamma + 1))["total"] + 2 * counts.dspark
         name = {"none": "DSpark (device loop)", "host": "DSpark (host loop)", "threshold": "DSpark + threshold 0.5",
                 "prefix": "DSpark + prefix (measured)"}
-        row(b, name[variant], tps, plain_tps[b], st.mean_accepted_length, st.steps, st.rollbacks, dt, floor_s,
+        row(b, name[variant], tps, plain_tps[b], st.mean_accepted_length, st.steps, st.rollbacks, dt, floor_verify,
             "yes" if same else "NO", drafted=st.drafted, accepted=st.accepted, device_steps=st.device_steps, **extra)
     if watchdog:
         faulthandler.cancel_dump_traceback_later()
     record["warm_ups"] = {w.name: dict(seconds=w.seconds, error=w.error) for w in warmers.values()}
     record["wall_s"] = time.perf_counter() - t_start
+    # every compile of the process, longest first (wall seconds: compiles in other threads and the training ran
+    # at the same time)
+    print(f"# XLA compiles: {len(compiles)}, {sum(c['seconds'] for c in compiles):.0f} s in all (summed over "
+          f"threads); the longest:", flush=True)
+    print("| program | thread | compile s | ended at s |\n|---|---|---|---|", flush=True)
+    for c in sorted(compiles, key=lambda c: -c["seconds"])[:16]:
+        print(f"| {c['program']} | {c['thread']} | {c['seconds']:.1f} | {c['ended_at_s']:.0f} |", flush=True)
     stage("done")
     say(f"done in {record['wall_s']:.0f} s")
 

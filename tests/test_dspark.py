@@ -9,7 +9,7 @@ import pytest
 
 from dsv41_jax import load_config
 from dsv41_jax.inference import FAST_COMPILE, Engine, EngineError, InferenceOptions, Request
-from dsv41_jax.inference.speculative import SpeculativeDecoder, greedy_acceptance, ring_context
+from dsv41_jax.inference.speculative import SpeculativeDecoder, _seed_jit, greedy_acceptance, ring_context
 from dsv41_jax.inference.weights import host_random_params
 from dsv41_jax.train.testing import every_role_config
 from dsv41_jax.model import dspark
@@ -375,6 +375,11 @@ def test_scheduled_speculation_stays_lossless():
     for every in (0, 3):
         spec = SpeculativeDecoder(eng, chain_every=every)
         runs[every] = ([r.tokens for r in spec.generate(prompts, max_new_tokens=20, stop_tokens=())], spec.stats)
+    # a decoder's second run seeds the rings its steps returned with the program its first run compiled (fresh
+    # rings are committed like the returned ones)
+    seeded = _seed_jit._cache_size()
+    spec.generate(prompts[:1], max_new_tokens=2, stop_tokens=())
+    assert _seed_jit._cache_size() == seeded
     assert runs[0][0] == runs[3][0] == plain
     h, d = runs[0][1], runs[3][1]
     assert (h.steps, h.drafted, h.accepted, h.emitted, h.rollbacks) == (d.steps, d.drafted, d.accepted, d.emitted,

@@ -515,6 +515,11 @@ class SpeculativeDecoder:
             drafter = SpeculativeDecoder.dspark_drafter
         if isinstance(engine.params, dict) and "dspark" in engine.params and c.num_nextn_predict_layers > 0:
             self.rings = init_dspark_rings(c, engine.max_batch, engine.cache_dtype)
+            # committed like the engine's cache and the rings every step returns: fresh uncommitted rings would
+            # compile the ring-seeding program a second time on the decoder's second prefill
+            device = getattr(engine.params["embed"], "sharding", None)
+            if isinstance(device, jax.sharding.SingleDeviceSharding):
+                self.rings = jax.device_put(self.rings, device)
         self.drafter = drafter
         self.num_draft = c.dspark_block_size if num_draft is None else int(num_draft)
         if self.num_draft < 1:

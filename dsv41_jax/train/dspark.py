@@ -158,8 +158,13 @@ class DSparkTrainStep:
         pkey, rkey = jax.random.split(key)
         dp = init_from_specs(self._specs, pkey) if params is None else params["dspark"]
         params = {"dspark": jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), dp)}
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": jax.jit(self.optimizer.init)(params),
-                "rng": jax.random.key_data(rkey) if jnp.issubdtype(rkey.dtype, jax.dtypes.prng_key) else rkey}
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": jax.jit(self.optimizer.init)(params),
+                 "rng": jax.random.key_data(rkey) if jnp.issubdtype(rkey.dtype, jax.dtypes.prng_key) else rkey}
+        # committed to the default device like every later step's output state (TrainStep.init_state): a fresh,
+        # uncommitted state would compile the step a second time at step 2
+        device = jax.config.jax_default_device
+        device = device if isinstance(device, jax.Device) else jax.devices()[0]
+        return jax.device_put(state, jax.sharding.SingleDeviceSharding(device))
 
     def abstract_state(self):
         params = {"dspark": abstract_params(self.config, jnp.float32, include_dspark=True)["dspark"]}
