@@ -139,7 +139,7 @@ def one_token_tuned(x, wts, picks, w1, w2, w3, up, down, tag):
                             tuning=dict(down, name=f"fp4dn_{tag}"))[None]
 
 
-def experts_part(bw):
+def experts_part(bw, n_tilings=len(TILINGS)):
     from dsv41_jax.inference.moe import routed_fp4_one_token, routed_slots
     from dsv41_jax.ops.moe import routed_ragged
 
@@ -175,7 +175,7 @@ def experts_part(bw):
     log(f"check: float32 vs oracle rel err {e32:.2e}; bf16 vs grouped path {eb:.2e}")
 
     variants = []
-    for i, (up, down) in enumerate(TILINGS):
+    for i, (up, down) in enumerate(TILINGS[:n_tilings]):
         variants.append((f"one-token kernels {'default' if i == 0 else f'up {up} / down {down}'}",
                          many(lambda x, w, p, a, b, c, up=up, down=down, i=i: one_token_tuned(x, w, p, a, b, c, up,
                                                                                               down, f"c{i}")),
@@ -372,6 +372,8 @@ def main():
                     help="no further decode batch once this long has passed")
     ap.add_argument("--skip-experts", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--tilings", type=int, default=len(TILINGS), help="experts: the first N of TILINGS")
+    ap.add_argument("--decode-first", action="store_true", help="the decode part before the experts part")
     args = ap.parse_args()
     OUT["meta"] = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), jax=jax.__version__,
                        devices=[d.device_kind for d in jax.devices()],
@@ -393,23 +395,29 @@ def main():
     except Exception as e:  # noqa: BLE001
         OUT["errors"].append(f"ceilings: {type(e).__name__}: {e}")
     save()
-    if not args.skip_experts:
-        log("\n| one token's routed experts (top-6 of 2304 x 5120) | dev µs | wall µs | % of 4.8 TB/s | "
-            "% of read-only | rel err vs grouped | families (dev µs) |\n|---|---:|---:|---:|---:|---:|---|")
-        try:
-            experts_part(OUT["ceilings"])
-        except Exception as e:  # noqa: BLE001
-            OUT["errors"].append(f"experts: {type(e).__name__}: {str(e)[:400]}")
-            log(f"experts FAILED: {type(e).__name__}: {str(e)[:300]}")
-        save()
-    if not args.skip_decode:
-        try:
-            decode_part("smoke" if SMOKE else args.model, [int(b) for b in args.batches.split(",")], args.context,
-                        args.budget_s, args.out, save)
-        except Exception as e:  # noqa: BLE001
-            OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
-            log(f"decode FAILED: {type(e).__name__}: {str(e)[:300]}")
-        save()
+    def experts():
+        if not args.skip_experts:
+            log("\n| one token's routed experts (top-6 of 2304 x 5120) | dev µs | wall µs | % of 4.8 TB/s | "
+                "% of read-only | rel err vs grouped | families (dev µs) |\n|---|---:|---:|---:|---:|---:|---|")
+            try:
+                experts_part(OUT["ceilings"], args.tilings)
+            except Exception as e:  # noqa: BLE001
+                OUT["errors"].append(f"experts: {type(e).__name__}: {str(e)[:400]}")
+                log(f"experts FAILED: {type(e).__name__}: {str(e)[:300]}")
+            save()
+
+    def decode():
+        if not args.skip_decode:
+            try:
+                decode_part("smoke" if SMOKE else args.model, [int(b) for b in args.batches.split(",")], args.context,
+                            args.budget_s, args.out, save)
+            except Exception as e:  # noqa: BLE001
+                OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
+                log(f"decode FAILED: {type(e).__name__}: {str(e)[:300]}")
+            save()
+
+    for part in ((decode, experts) if args.decode_first else (experts, decode)):
+        part()
     log("\n| batch | weights | first call s | synced ms | queued ms | busy ms | kernel ms | launches | families "
         "(ms / launches per step) |\n|---:|---|---:|---:|---:|---:|---:|---:|---|")
     for r in OUT["decode"]:
