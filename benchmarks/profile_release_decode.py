@@ -18,8 +18,9 @@ Parts (in this order; each guarded, results saved after each):
             float32 oracle (``backend="reference"``), bf16 against the grouped path.
   decode    the Engine's decode step (``decode_and_sample``, bf16 cache at ``--context``) with bf16 weights, the
             release's weights (FP8 / FP4 / Engram-row bytes on device, GEMM inputs rounded to FP8,
-            ``quantized_gemm=pallas_gpu``) on the one-token FP4 kernels, and the same on the grouped FP4 kernel (``fp4_one_token=False``); the forms' first calls (trace + compile) run concurrently,
-            then each is timed alone: synced step (median of 10, tokens read back),
+            ``quantized_gemm=pallas_gpu``) on the one-token FP4 kernels (``fp4_one_token=True``), and the same on
+            the grouped FP4 kernel (``fp4_one_token=False``); the forms' first calls (trace + compile) run
+            concurrently, then each is timed alone: synced step (median of 10, tokens read back),
             queued step (10 dispatched back to back), then 3 steps under ``jax.profiler.trace(...,
             create_perfetto_trace=True)``: device events summed by kernel family (time and launches per step), busy
             (union of device intervals) vs the profiled wall time. XLA runs the step's command buffers as separate
@@ -328,7 +329,7 @@ def decode_part(model, batches, context, budget_s, out_dir, save):
     prel = jax.block_until_ready(random_release_params(config, p16, jax.random.PRNGKey(5)))
     rel = dict(base, gemm_input_fp8=True, quantized_gemm=BE)
     forms = [("bf16", p16, InferenceOptions(**base)),
-             ("release, one-token FP4 kernels", prel, InferenceOptions(**rel)),
+             ("release, one-token FP4 kernels", prel, InferenceOptions(**rel, fp4_one_token=True)),
              ("release, grouped FP4 kernel (before)", prel, InferenceOptions(**rel, fp4_one_token=False))]
     log(f"decode: params ready ({time.time() - T0:.0f} s)")
     for b in batches:

@@ -1,8 +1,8 @@
 """One token's release FP4 routed experts on the GPU gemv kernels (``kernels.quant_gemm.fp4_slot_swiglu`` /
 ``fp4_slot_down``, Pallas interpret mode on CPU): equal to float64 on the dequantised picked experts and the
-FP8-rounded input within float32 accumulation-order noise; ``moe_inference`` takes them for one token and they
-equal the grouped-kernel path it replaces; the Triton lowering works at the release's widths; bad operands fail
-clearly."""
+FP8-rounded input within float32 accumulation-order noise; ``moe_inference(..., fp4_one_token=True)`` takes them
+for one token and they equal the grouped-kernel path; the Triton lowering works at the release's widths; bad
+operands fail clearly."""
 
 import jax
 import jax.numpy as jnp
@@ -58,8 +58,8 @@ def test_fp4_slot_kernels_equal_float64_on_the_picked_experts():
 
 
 def test_moe_inference_takes_the_one_token_kernels_and_equals_the_grouped_path():
-    """bf16 activations: one token through ``moe_inference`` on marked FP4 experts takes the slot kernels (their
-    names are in the lowered program, the grouped kernel's is not) and equals the grouped-kernel path
+    """bf16 activations: one token through ``moe_inference(fp4_one_token=True)`` on marked FP4 experts takes the slot
+    kernels (their names are in the lowered program, the grouped kernel's is not) and equals the grouped-kernel path
     (``fp4_one_token=False``; itself tested against the plain-JAX reference in test_quant_gemm.py) up to one bf16
     rounding step."""
     from dsv41_jax.inference.moe import moe_inference

@@ -492,15 +492,21 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
 # that sort the picks and build the tile metadata (measured on an H200 at 2304 x 5120: 17-19 % of 4.8 TB/s). Here a
 # token's top-k picks are the slots: ``fp4_slot_swiglu`` streams each picked expert's w1 and w3 rows once (grid:
 # slot x column block) and applies the clamped SwiGLU and the routing weight in its epilogue; ``fp4_slot_down``
-# streams the picked experts' w2 rows (grid: column blocks; each program runs over every slot) and sums the slots'
-# outputs, so the routed experts of one token are two launches and no XLA sort / scatter. No tensor cores: each
-# weight byte's two e2m1 codes are decoded in registers (the grouped kernel's float16 bit trick: ``value * 2^-14``,
-# exact), widened to float32 and multiplied with the matching even / odd activations; the products of a K step
-# accumulate elementwise in a [block_n, block_k / 32, 16] float32 tile, each scaled by its e8m0 scale x 2^14 (a
-# power of two: exact), reduced once at the end. Weights are read as [E, N, K/32, 16] views of the packed bytes (16
-# bytes = one scale group) and the K steps are unrolled with the loads of step i + ``prefetch`` issued before step
-# i is computed (the FP8 gemv's form). Outputs are rounded as the grouped path rounds them (gate / up and each
-# slot's down projection to the activations' dtype), so the two paths agree to float32 accumulation order.
+# streams the picked experts' w2 rows (grid: slot x column block) and one small XLA reduction sums the [S, D] slot
+# outputs, so the routed experts of one token are two kernels and no XLA sort / tile metadata / scatter. No tensor
+# cores: each weight byte's two e2m1 codes are decoded in registers (the grouped kernel's float16 bit trick:
+# ``value * 2^-14``, exact), widened to float32 and multiplied with the matching even / odd activations; the
+# products of a K step accumulate elementwise in a [block_n, block_k / 32, 16] float32 tile, each scaled by its e8m0
+# scale x 2^14 (a power of two: exact), reduced once at the end. Weights are read as [E, N, K/32, 16] views of the
+# packed bytes (16 bytes = one scale group) and the K steps are unrolled with the loads of step i + ``prefetch``
+# issued before step i is computed (the FP8 gemv's form). Outputs are rounded as the grouped path rounds them
+# (gate / up and each slot's down projection to the activations' dtype), so the two paths agree to float32
+# accumulation order.
+# Measured on an H200 in the bench model's batch-1 decode step (benchmarks/RESULTS.md, 2026-12-02): the gate / up
+# kernel 59 µs per layer for six 2304 x 5120 pairs (75 MB: 1.27 TB/s, 26 % of 4.8 TB/s; the grouped kernel 87 µs);
+# the first form of the down kernel (one program per column block over every slot) 92 µs for 38 MB — the form
+# below replaces it, not yet measured. About 12 integer / float operations per weight byte (nibble decode, two
+# widenings, products, scaling) are likely what limits these kernels on the CUDA cores (not profiled per kernel).
 
 FP4_HALF = SCALE_BLOCK // 2  # packed bytes per scale group
 
@@ -521,7 +527,10 @@ def fp4_slot_tiling(n: int, k: int, *, block_n: int | None = None, block_k: int 
     for block_k) up to the defaults that divide n / k — the kernels have no tail masking."""
     if k % SCALE_BLOCK:
         raise ValueError(f"K = {k} is not a multiple of the FP4 scale block {SCALE_BLOCK}")
-    bn = _largest_pow2_divisor(n, block_n or 8)
+    # the gate / up defaults as measured in the bench model's decode step on an H200 (59 µs per layer for six
+    # 2304 x 5120 pairs, 26 % of 4.8 TB/s: benchmarks/RESULTS.md, 2026-12-02); the down projection's are the same
+    # 2 KB per weight tile and K step with 128 threads (16 bytes each), not yet measured
+    bn = _largest_pow2_divisor(n, block_n or (16 if down else 8))
     bk = _largest_pow2_divisor(k, block_k or (256 if down else 512), SCALE_BLOCK)
     steps = k // bk
     pf = min(steps, 8 if down else 4) if prefetch is None else max(0, min(prefetch, steps))
@@ -638,7 +647,12 @@ def fp4_slot_down(act, slot_expert, w2_values, w2_scales, *, block_n: int | None
                   name: str = "fp4_slot_down", interpret: bool = False):
     """act [S, F] (bf16 / float32; slot s's activations), slot_expert int32 [S], stacked FP4 experts w2 (values
     uint8 [E, D, F/2], scales uint8 [E, D, F/32]) -> y [D] float32 = sum over the slots of act[s]·w2[e_s]ᵀ, each
-    slot's product rounded to act.dtype first (as the grouped path's per-row outputs)."""
+    slot's product rounded to act.dtype first (as the grouped path's per-row outputs).
+
+    Grid (slot, column block), as ``fp4_slot_swiglu``: each program streams one picked expert's ``block_n`` rows;
+    the [S, D] float32 slot outputs are summed by one small XLA reduction. (A first version ran every slot in one
+    program per column block — 640 programs each streaming 54 K steps of 1 KB one after another — and took 92 µs
+    per call in the bench model's decode step on an H200, 0.41 TB/s, 2.4x the grouped kernel's w2.)"""
     s_n, f = act.shape
     e, d, _ = w2_values.shape
     _check_slot_operands("fp4_slot_down w2", w2_values, w2_scales, f)
@@ -650,27 +664,24 @@ def fp4_slot_down(act, slot_expert, w2_values, w2_scales, *, block_n: int | None
     ae, ao = _even_odd_groups(act)
 
     def kernel(se_ref, ae_ref, ao_ref, v_ref, s_ref, o_ref):
-        n0 = pl.program_id(0) * bn
-        exs = [se_ref[s] for s in range(s_n)]
+        si, ni = pl.program_id(0), pl.program_id(1)
+        ex = se_ref[si]
+        n0 = ni * bn
 
-        def load(i):  # item i: slot i // steps, K step i % steps
-            s, g0 = i // steps, (i % steps) * sg
-            return (v_ref[exs[s], pl.ds(n0, bn), pl.ds(g0, sg), :], s_ref[exs[s], pl.ds(n0, bn), pl.ds(g0, sg)],
-                    ae_ref[s, pl.ds(g0, sg), :], ao_ref[s, pl.ds(g0, sg), :])
+        def load(i):
+            g0 = i * sg
+            return (v_ref[ex, pl.ds(n0, bn), pl.ds(g0, sg), :], s_ref[ex, pl.ds(n0, bn), pl.ds(g0, sg)],
+                    ae_ref[si, pl.ds(g0, sg), :], ao_ref[si, pl.ds(g0, sg), :])
 
-        def compute(state, ld, i):
-            y, acc = state
-            acc = acc + _fp4_products(*ld)
-            if i % steps == steps - 1:  # the slot's last K step: its output, rounded, into the sum
-                part = jnp.sum(jnp.sum(acc, axis=2), axis=1).astype(round_dtype).astype(jnp.float32)
-                return y + part, jnp.zeros_like(acc)
-            return y, acc
+        def compute(acc, ld, i):
+            return acc + _fp4_products(*ld)
 
-        state = (jnp.zeros((bn,), jnp.float32), jnp.zeros((bn, sg, FP4_HALF), jnp.float32))
-        y, _ = _streamed(s_n * steps, load, compute, state, t["prefetch"])
-        o_ref[pl.ds(n0, bn)] = y
+        acc = _streamed(steps, load, compute, jnp.zeros((bn, sg, FP4_HALF), jnp.float32), t["prefetch"])
+        part = jnp.sum(jnp.sum(acc, axis=2), axis=1).astype(round_dtype).astype(jnp.float32)
+        o_ref[si, pl.ds(n0, bn)] = part
 
-    return pl.pallas_call(
-        kernel, grid=(d // bn,), out_shape=jax.ShapeDtypeStruct((d,), jnp.float32),
+    parts = pl.pallas_call(
+        kernel, grid=(s_n, d // bn), out_shape=jax.ShapeDtypeStruct((s_n, d), jnp.float32),
         compiler_params=_params(t["num_warps"], t["num_stages"]), interpret=interpret, name=name,
     )(slot_expert.astype(jnp.int32), ae, ao, w2_values.reshape(e, d, f // SCALE_BLOCK, FP4_HALF), w2_scales)
+    return jnp.sum(parts, axis=0)
