@@ -19,9 +19,11 @@ Parts (in this order; each guarded, results saved after each):
   decode    the Engine's decode step (``decode_and_sample``, bf16 cache at ``--context``) with bf16 weights, the
             release's weights (FP8 / FP4 / Engram-row bytes on device, GEMM inputs rounded to FP8,
             ``quantized_gemm=pallas_gpu``) on the one-token FP4 kernels (``fp4_one_token=True``), and the same on
-            the grouped FP4 kernel (``fp4_one_token=False``); the forms' first calls (trace + compile) run
-            concurrently, then each is timed alone (``--wo-a-bf16``: also the release weights with the attention's
-            wo_a dequantised to bf16 once, at load, as the official serving code does): synced step (median of 10, tokens read back),
+            the grouped FP4 kernel (``fp4_one_token=False``) — both with the attention's wo_a dequantised to bf16
+            once, at load, as the Engine and the official serving code serve it (``release_weights.dequantize_wo_a``;
+            ``--wo-a-fp8``: also the grouped form with wo_a kept FP8 and dequantised inside every step, the form
+            measured before); the forms' first calls (trace + compile) run
+            concurrently, then each is timed alone: synced step (median of 10, tokens read back),
             queued step (10 dispatched back to back), then 3 steps under ``jax.profiler.trace(...,
             create_perfetto_trace=True)``: device events summed by kernel family (time and launches per step), busy
             (union of device intervals) vs the profiled wall time. XLA runs the step's command buffers as separate
@@ -311,18 +313,7 @@ def time_and_profile(s, batch, form, out_dir, steps=10, profile_steps=3):
     return row
 
 
-def wo_a_dequantized(params):
-    """``params`` with every attention ``wo_a`` QuantizedTensor dequantised to bf16 (exact: e4m3 x 2^k fits bf16);
-    the release stores wo_a FP8, but its GEMM is no FP8 GEMM (bf16 einsum, input not rounded): the serving code
-    dequantises it at load, where this engine dequantises it inside every step (``ops.attention.attention_output``)."""
-    from dsv41_jax.checkpoint.quantized import QuantizedTensor
-    from dsv41_jax.model import release_weights as RW
-
-    return RW._map_with_path(lambda path, w: w.dequantize(jnp.bfloat16)
-                             if path.endswith("/wo_a") and isinstance(w, QuantizedTensor) else w, params)
-
-
-def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_bf16=False):
+def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False):
     """Per batch: every form's first call (trace + compile + one step) concurrently in threads (XLA compiles
     release the GIL; the forms' first-call times overlap, so each is an upper bound of its compile), then each
     form timed and profiled alone."""
@@ -332,19 +323,23 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_bf16=Fals
     from profile_decode import MODELS
     from dsv41_jax.inference.step import InferenceOptions
     from dsv41_jax.model.params import init_params
-    from dsv41_jax.model.release_weights import weight_bytes
+    from dsv41_jax.model.release_weights import dequantize_wo_a, weight_bytes
 
     config = MODELS[model]()
     base = dict(quant_sim=False, index_block_elems=1 << 28)
     log(f"decode: {config.name}: init bf16 params ({time.time() - T0:.0f} s)")
     p16 = jax.block_until_ready(init_params(config, jax.random.PRNGKey(0), jnp.bfloat16))
-    prel = jax.block_until_ready(random_release_params(config, p16, jax.random.PRNGKey(5)))
+    stored = jax.block_until_ready(random_release_params(config, p16, jax.random.PRNGKey(5)))
+    # the Engine's serving form (Engine(weights="release")): wo_a dequantised to bf16 once, at load, as the official
+    # code serves it; the stored form keeps wo_a FP8 and dequantises it inside every step (--wo-a-fp8)
+    prel = jax.block_until_ready(dequantize_wo_a(stored, jnp.bfloat16))
     rel = dict(base, gemm_input_fp8=True, quantized_gemm=BE)
     forms = [("bf16", p16, InferenceOptions(**base)),
              ("release, one-token FP4 kernels", prel, InferenceOptions(**rel, fp4_one_token=True)),
-             ("release, grouped FP4 kernel (before)", prel, InferenceOptions(**rel, fp4_one_token=False))]
-    if wo_a_bf16:  # the official code's serving form of wo_a: its FP8 bytes dequantised to bf16 once, at load
-        forms.append(("release, wo_a bf16 at load", wo_a_dequantized(prel), InferenceOptions(**rel)))
+             ("release, grouped FP4 kernel", prel, InferenceOptions(**rel, fp4_one_token=False))]
+    if wo_a_fp8:  # the form measured before wo_a was served from load
+        forms.append(("release, grouped FP4 kernel, wo_a FP8 per step (before)", stored,
+                      InferenceOptions(**rel, fp4_one_token=False)))
     log(f"decode: params ready ({time.time() - T0:.0f} s)")
     for b in batches:
         if time.time() - T0 > budget_s:
@@ -389,8 +384,10 @@ def main():
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--tilings", type=int, default=len(TILINGS), help="experts: the first N of TILINGS")
     ap.add_argument("--decode-first", action="store_true", help="the decode part before the experts part")
-    ap.add_argument("--wo-a-bf16", action="store_true",
-                    help="decode: also the release weights with wo_a dequantised to bf16 at load")
+    ap.add_argument("--wo-a-fp8", action="store_true",
+                    help="decode: also the release weights with wo_a kept FP8 and dequantised inside every step (the "
+                         "form before wo_a was served in bf16 from load, now the release forms' default)")
+    ap.add_argument("--wo-a-bf16", action="store_true", help="no effect: wo_a in bf16 from load is now the default")
     args = ap.parse_args()
     OUT["meta"] = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), jax=jax.__version__,
                        devices=[d.device_kind for d in jax.devices()],
@@ -427,7 +424,7 @@ def main():
         if not args.skip_decode:
             try:
                 decode_part("smoke" if SMOKE else args.model, [int(b) for b in args.batches.split(",")], args.context,
-                            args.budget_s, args.out, save, args.wo_a_bf16)
+                            args.budget_s, args.out, save, args.wo_a_fp8)
             except Exception as e:  # noqa: BLE001
                 OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
                 log(f"decode FAILED: {type(e).__name__}: {str(e)[:300]}")
