@@ -14,7 +14,7 @@ the official inference code rounds the input of every FP8 / FP4 GEMM to FP8 per 
 * :func:`dequantize_wo_a` is that load-time step, the one home of the release's *serving* form of ``wo_a``:
   ``Engine(weights="release")`` serves it (the official inference code declares ``wo_a`` a bf16
   ``ColumnParallelLinear`` in ``inference/model.py`` and its ``convert.py`` writes it as the FP8 values times their
-  block scales in float32, cast once to bf16; see also /work/shared/reference/v4_reference.md §10-§11). The
+  block scales in float32, cast once to bf16; its GEMM has no FP8 input rounding). The
   per-step dequantisation of a QuantizedTensor ``wo_a`` (``ops.attention.attention_output``) computes the same
   values, but inside every step: one XLA reduce fusion per layer at 9 % of the H200's bandwidth (RESULTS.md).
 * :func:`release_shardings` places QuantizedTensor leaves by the parameters' logical-axis rules; the spec is
