@@ -257,7 +257,7 @@ def decode_compare(model, batches, context, save=lambda: None, engram_host=False
     from dsv41_jax.inference.host_tables import engram_table_bytes
     from dsv41_jax.inference.step import InferenceOptions
     from dsv41_jax.model.params import init_params
-    from dsv41_jax.model.release_weights import weight_bytes
+    from dsv41_jax.model.release_weights import dequantize_wo_a, weight_bytes
 
     config = MODELS[model]()
     base = dict(quant_sim=False, index_block_elems=1 << 28)
@@ -265,7 +265,9 @@ def decode_compare(model, batches, context, save=lambda: None, engram_host=False
     params_bf16 = jax.block_until_ready(init_params(config, jax.random.PRNGKey(0), jnp.bfloat16))
     log(f"decode: random release params ({time.time() - T0:.0f} s)")
     forms = {"bf16": (params_bf16, InferenceOptions(**base)),
-             "release": (random_release_params(config, params_bf16, jax.random.PRNGKey(5)),
+             # the Engine's serving form: wo_a dequantised to bf16 once, at load (release_weights.dequantize_wo_a)
+             "release": (dequantize_wo_a(random_release_params(config, params_bf16, jax.random.PRNGKey(5)),
+                                         jnp.bfloat16),
                          InferenceOptions(**base, gemm_input_fp8=True, quantized_gemm=BE))}
     jax.block_until_ready(forms["release"][0])
     if engram_host:  # the same release weights with the Engram tables in host memory (inference.host_tables)

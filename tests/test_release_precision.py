@@ -117,9 +117,63 @@ def test_weight_forms_dequantise_at_use_and_round_gemm_inputs():
     assert not any(p.endswith(("compressor/wkv", "indexer/wk", "weights_proj", "gate/weight")) or p == "lm_head"
                    for p in marked)
     assert RW.weight_bytes(qparams) < RW.weight_bytes(dparams) / 2.5
-    # the shape-only accounting (used for the full model) equals the bytes really held
-    assert sum(RW.weight_footprint(config, "release", jnp.float32).values()) == RW.weight_bytes(qparams)
+    # the shape-only accounting (used for the full model) equals the bytes really held by the serving form, which
+    # holds wo_a dequantised (as the official code serves it, RW.dequantize_wo_a): the storage form's FP8 wo_a bytes
+    # are no longer what the device holds
+    served = RW.dequantize_wo_a(qparams, jnp.float32)
+    assert sum(RW.weight_footprint(config, "release", jnp.float32).values()) == RW.weight_bytes(served)
+    wo_a = [layer["attn"]["wo_a"] for layer in qparams["layers"]]
+    assert RW.weight_bytes(served) - RW.weight_bytes(qparams) == sum(4 * np.prod(w.shape) - w.nbytes for w in wo_a)
     assert sum(RW.weight_footprint(config, "bf16", jnp.float32).values()) == RW.weight_bytes(dparams)
+
+
+def test_wo_a_served_from_load_is_exact_and_changes_no_bit():
+    """wo_a dequantised once, at load (RW.dequantize_wo_a, as the official code serves it in bf16): with e8m0 scales
+    (powers of two) every e4m3 value times its scale is exact in bf16 — checked bit for bit against the float64
+    product over all 254 finite codes and the exact exponent range's ends; the attention output from the served
+    array equals the per-step dequantising path bit for bit (bf16 and float32); outside the range, and with float
+    scales, the product is rounded once to nearest even (the official ``.float() * scale`` then ``.bfloat16()``)."""
+    import ml_dtypes
+
+    from dsv41_jax.checkpoint import quantized as QZ
+    from dsv41_jax.ops.attention import attention_output
+
+    lo, hi = RW.exact_scale_exponents(jnp.bfloat16)
+    assert (lo, hi) == (-117, 119) == RW.exact_scale_exponents(jnp.float32)
+    codes = np.array([c for c in range(256) if c & 127 != 127], np.uint8)  # every finite e4m3 code, +-0 included
+    rows, cols = np.arange(64)[:, None], np.arange(256)[None, :]
+    values = codes[(cols + 37 * rows) % codes.size]  # [64, 256], 2 x 8 blocks of 32 x 32: each block sees every code
+    k = np.array([[lo, hi, 0, -8, -20, 3, lo + 1, hi - 1], [-1, 1, -117, 119, -30, 30, -2, 2]], np.int32)
+    qt = QuantizedTensor(jnp.asarray(values), jnp.asarray((k + QZ.E8M0_BIAS).astype(np.uint8)), N.FP8_BLOCK,
+                         values.shape, QZ.FP8_BLOCK_SHAPE)
+    exact = QZ.e4m3_to_f32(values).astype(np.float64) * np.exp2(np.repeat(np.repeat(k, 32, 0), 32, 1))
+    got = RW.dequantize_served(qt, jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float64), exact)  # exact: no bit rounded
+    assert (np.signbit(np.asarray(got, np.float32)) == np.signbit(exact)).all()  # -0.0 kept
+    # out of the exact range (products subnormal in bf16) and float scales: one rounding, as the official code
+    e4m3 = QZ.e4m3_to_f32(values)
+    for scales, mult in (((k - 10 + QZ.E8M0_BIAS).astype(np.uint8), np.exp2(k - 10).astype(np.float32)),
+                         (np.float32(0.3) * np.exp2(k).astype(np.float32),) * 2):
+        q2 = QuantizedTensor(jnp.asarray(values), jnp.asarray(scales), N.FP8_BLOCK, values.shape, QZ.FP8_BLOCK_SHAPE)
+        want = (e4m3 * np.repeat(np.repeat(mult, 32, 0), 32, 1)).astype(ml_dtypes.bfloat16)  # float32, RNE once
+        np.testing.assert_array_equal(np.asarray(RW.dequantize_served(q2, jnp.bfloat16)).view(np.uint16),
+                                      want.view(np.uint16))
+    with pytest.raises(ValueError, match="layers/3/ffn/experts/w1: expected a 2-D FP8"):
+        RW.dequantize_served(_model()[1]["layers"][3]["ffn"]["experts"]["w1"], what="layers/3/ffn/experts/w1")
+
+    # the attention output: served wo_a (from load) == QuantizedTensor wo_a (dequantised per step), bit for bit
+    config, qparams, _, _ = _model()
+    p = qparams["layers"][0]["attn"]
+    b, t = 2, 3
+    out = jax.random.normal(jax.random.PRNGKey(1), (b, t, config.num_attention_heads, config.head_dim))
+    ang = jax.random.uniform(jax.random.PRNGKey(2), (b, t, config.qk_rope_head_dim // 2)) * 6.0
+    run = jax.jit(lambda p, out: attention_output(p, out, jnp.cos(ang), jnp.sin(ang), config))
+    for dtype in (jnp.bfloat16, jnp.float32):
+        served = dict(p, wo_a=RW.dequantize_wo_a({"layers": [{"attn": p}]}, dtype)["layers"][0]["attn"]["wo_a"])
+        assert served["wo_a"].dtype == dtype
+        a, b_ = run(p, out.astype(dtype)), run(served, out.astype(dtype))
+        np.testing.assert_array_equal(_bits(a), _bits(b_))
 
 
 def test_quantised_weights_shard_by_the_logical_axis_rules():
@@ -202,7 +256,8 @@ def test_release_engine_equals_fake_quantised_forward_and_packed_cache_is_exact(
     lens = [r - 3, r + 5]
     rng = np.random.default_rng(3)
     seqs = [rng.integers(3, config.vocab_size, t + n_steps).astype(np.int32) for t in lens]
-    got, packed_cache = _run(config, qparams, hasher, seqs, lens, n_steps, packed=True)
+    served = RW.dequantize_wo_a(qparams, jnp.float32)  # what Engine(weights="release") serves: wo_a from load
+    got, packed_cache = _run(config, served, hasher, seqs, lens, n_steps, packed=True)
     for seq, t, (logits, first) in zip(seqs, lens, got):
         opts = ForwardOptions(quant_sim=True, gemm_input_fp8=True)
         if t > r:
@@ -212,7 +267,7 @@ def test_release_engine_equals_fake_quantised_forward_and_packed_cache_is_exact(
         # measured: 6e-7 (logits up to 3.2)
         np.testing.assert_allclose(logits, np.asarray(ref)[0, first:], rtol=0, atol=1e-5)
 
-    unpacked_got, dense_cache = _run(config, qparams, hasher, seqs, lens, n_steps, packed=False)
+    unpacked_got, dense_cache = _run(config, served, hasher, seqs, lens, n_steps, packed=False)
     for (a, _), (b, _) in zip(got, unpacked_got):
         np.testing.assert_array_equal(a, b)
     flat_p = jax.tree.leaves(jax.tree.map(PC.read, packed_cache, is_leaf=lambda x: isinstance(x, PC.PackedRows)))
@@ -227,7 +282,12 @@ def test_engine_options_report_release_bytes():
     eng = Engine(config, dparams, max_batch=2, max_len=MAX_LEN, weights="release", cache="release")
     assert eng.weights_format == "release" and eng.options.gemm_input_fp8
     assert isinstance(eng.params["layers"][0]["attn"]["wq_a"], QuantizedTensor)
-    assert eng.weight_bytes() == RW.weight_bytes(qparams)
+    # wo_a is served in the model's float dtype from load (as the official code serves it in bf16): exactly the
+    # dequantised weight, and counted at its float bytes
+    wo_a = eng.params["layers"][0]["attn"]["wo_a"]
+    assert not isinstance(wo_a, QuantizedTensor) and wo_a.dtype == dparams["embed"].dtype
+    np.testing.assert_array_equal(_bits(wo_a), _bits(dparams["layers"][0]["attn"]["wo_a"]))
+    assert eng.weight_bytes() == RW.weight_bytes(RW.dequantize_wo_a(qparams, dparams["embed"].dtype))
     assert eng.footprint().storage == "release" and eng.footprint().allocated == eng.allocated_bytes() + \
         2 * (config.engram_max_ngram_size - 1) * 4
     plain = Engine(config, qparams, max_batch=2, max_len=MAX_LEN, weights="bf16")

@@ -257,7 +257,8 @@ class Engine:
         return "release" if self.options.gemm_input_fp8 else "bf16"
 
     def weight_bytes(self) -> int:
-        """Bytes the parameters hold on device (values + scales of release-format weights)."""
+        """Bytes the parameters hold on device (values + scales of release-format weights; the release's ``wo_a``
+        in the model's float dtype, as it is served)."""
         return tree_bytes(self.params)
 
     def lengths(self) -> np.ndarray:
@@ -607,7 +608,9 @@ def _precision(config: ModelConfig, params: dict, options: InferenceOptions, wei
     """(params, options) for the requested serving precision.
 
     ``weights``: ``"release"`` serves the release's FP8 / FP4 weights (QuantizedTensor leaves; float ones are
-    quantised here, once, on the host) with the release's FP8 rounding of every FP8 / FP4 GEMM's input;
+    quantised here, once, on the host) with the release's FP8 rounding of every FP8 / FP4 GEMM's input, and
+    ``wo_a`` as the official code serves it: its FP8 values dequantised once, here, to the model's float dtype
+    (``release_weights.dequantize_wo_a``; exact, so the forward is unchanged, and no dequantisation per step);
     ``"bf16"`` serves float weights (QuantizedTensor leaves are dequantised to the embedding's dtype); ``None``:
     ``"release"`` when the parameters hold QuantizedTensor leaves, else ``"bf16"``. ``cache``: ``"bf16"`` (the
     cache dtype) or ``"release"`` (packed FP8 / FP4, see ``inference.packed_cache``)."""
@@ -620,7 +623,8 @@ def _precision(config: ModelConfig, params: dict, options: InferenceOptions, wei
                         jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedTensor)))
     weights = weights or ("release" if has_quantized else "bf16")
     if weights == "release":
-        return RW.quantize_params(params, config), dataclasses.replace(options, gemm_input_fp8=True)
+        served = RW.dequantize_wo_a(RW.quantize_params(params, config), params["embed"].dtype)
+        return served, dataclasses.replace(options, gemm_input_fp8=True)
     if weights == "bf16":
         return (RW.dequantize_params(params, params["embed"].dtype) if has_quantized else params), options
     raise EngineError(f"weights must be 'bf16' or 'release', got {weights!r}")

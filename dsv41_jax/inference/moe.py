@@ -22,7 +22,10 @@ experts (the release's 384) and a large batch, fewer distinct experts than slots
 and the spare slots' weight reads are wasted. With release FP4 experts marked for a quantised-GEMM kernel
 (``InferenceOptions.quantized_gemm``), :func:`moe_inference` runs the grouped Pallas GEMM instead
 (``kernels.quant_gemm.fp4_grouped`` through ``ops.moe.routed_ragged``): only experts with rows are read, from their
-packed bytes, with no slot padding.
+packed bytes, with no slot padding. One token on the GPU kernels (decode at batch 1) can take
+:func:`routed_fp4_one_token` instead (``fp4_one_token=True``; off by default until measured faster in the step):
+its top-k picks are the slots of two gemv kernels over the picked experts' packed bytes
+(``kernels.quant_gemm.fp4_slot_swiglu`` / ``fp4_slot_down``), with no sort, tile metadata or scatter.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import jax.numpy as jnp
 
 from dsv41_jax import kernels
 from dsv41_jax.kernels.expert_gemm_gpu import MIN_ROWS
-from dsv41_jax.ops.linear import is_plain_weight, linear, matmul_precision, select_expert
+from dsv41_jax.ops.linear import gemm_input, is_plain_weight, linear, matmul_precision, select_expert
 from dsv41_jax.ops.moe import expert_mlp, grouped_kernel_backend, route, routed_ragged
 
 STATIC_MAX_TOKENS = 64
@@ -204,18 +207,49 @@ def routed_tiled(x, weights, idx, w1, w2, w3, limit, tile: int | None = None):
     return jnp.zeros((m, d), jnp.float32).at[token].add(out[:a])
 
 
+def fp4_one_token_backend(n_tokens: int, w1, w2, w3) -> str | None:
+    """The GPU kernel backend that runs :func:`routed_fp4_one_token` for these routed experts, or None: one token,
+    release FP4 experts marked for a ``pallas_gpu`` quantised-GEMM backend (the grouped kernel's condition), K of
+    both projections a multiple of the 32-value scale block."""
+    kernel = grouped_kernel_backend(w1, w2, w3)
+    if n_tokens != 1 or kernel is None or not kernel.startswith("pallas_gpu"):
+        return None
+    return kernel if w1.shape[2] % 32 == 0 and w2.shape[2] % 32 == 0 else None
+
+
+def routed_fp4_one_token(x, weights, idx, w1, w2, w3, limit, backend: str):
+    """x [1, d]; weights / idx [1, k]; marked stacked FP4 experts -> [1, d] float32: the routed experts of one token
+    as two kernels over its k picks (``kernels.quant_gemm.fp4_slot_swiglu`` / ``fp4_slot_down``). The same maths
+    and roundings as :func:`ops.moe.routed_ragged` on the grouped kernel: the input rounded to FP8 (w1's marker),
+    gate / up rounded to x.dtype, the activation times the routing weight rounded to x.dtype and then to FP8 (w2's
+    marker), each pick's output rounded to x.dtype and the picks summed in float32."""
+    from dsv41_jax.kernels import quant_gemm
+
+    picks = idx[0].astype(jnp.int32)  # a token's top-k experts are distinct: one slot each, no sort
+    xs = gemm_input(x, w1)[0]
+    act = quant_gemm.fp4_slot_swiglu(xs, picks, weights[0].astype(jnp.float32), w1.weight, w3.weight,
+                                     limit=float(limit), backend=backend)
+    y = quant_gemm.fp4_slot_down(gemm_input(act, w2), picks, w2.weight, backend=backend)
+    return y[None]
+
+
 def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scaling: float, limit: float,
                   normalize: bool = True, tile: int | None = None, backend: str = "auto",
-                  router_one_pass: bool = False) -> jax.Array:
+                  router_one_pass: bool = False, fp4_one_token: bool = False) -> jax.Array:
     """x [..., d] -> y [..., d] in x.dtype (router + tiled routed experts + the shared expert). ``backend`` (a
     ``dsv41_jax.kernels`` backend) picks the decode path's slot kernels on a GPU (:func:`routed_slots`);
-    ``router_one_pass``: the router logits as one reduction (``ops.moe.route``)."""
+    ``router_one_pass``: the router logits as one reduction (``ops.moe.route``); ``fp4_one_token``: one token's
+    release FP4 experts on the GPU kernels by :func:`routed_fp4_one_token` (default False: the grouped kernel, measured
+    faster in the step so far — ``InferenceOptions.fp4_one_token``)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, idx, _ = route(flat, params["gate"]["weight"], params["gate"]["bias"], top_k=top_k, temp=temp,
                             scaling=scaling, normalize=normalize, one_pass=router_one_pass)
     e = params["experts"]
-    if grouped_kernel_backend(e["w1"], e["w2"], e["w3"]) is not None:
+    one_token = fp4_one_token_backend(flat.shape[0], e["w1"], e["w2"], e["w3"]) if fp4_one_token else None
+    if one_token is not None:
+        y = routed_fp4_one_token(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, one_token)
+    elif grouped_kernel_backend(e["w1"], e["w2"], e["w3"]) is not None:
         # release FP4 experts with a quantised-GEMM kernel: one grouped Pallas GEMM per projection reads only the
         # experts that received rows, straight from their packed bytes (no slot padding, no per-expert loop)
         y = routed_ragged(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit)
@@ -228,4 +262,5 @@ def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scalin
     return y.astype(x.dtype).reshape(shape)
 
 
-__all__ = ["moe_inference", "routed_tiled", "routed_slots", "STATIC_MAX_TOKENS"]
+__all__ = ["moe_inference", "routed_tiled", "routed_slots", "routed_fp4_one_token", "fp4_one_token_backend",
+           "STATIC_MAX_TOKENS"]

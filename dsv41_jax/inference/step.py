@@ -77,6 +77,10 @@ class InferenceOptions:
     gemm_input_fp8: bool = False  # the release's FP8 rounding of every FP8 / FP4 GEMM's input (ForwardOptions)
     quantized_gemm: str = "reference"  # with gemm_input_fp8: how QuantizedTensor GEMMs run — "reference" (dequantise
     #                                    in XLA) or a kernels.quant_gemm backend ("auto", "pallas_gpu", "pallas_tpu")
+    fp4_one_token: bool = False  # one token's release FP4 routed experts on the GPU kernels as two gemv kernels over
+    #                              its picks (inference.moe.routed_fp4_one_token) instead of the grouped FP4 kernel; off
+    #                              until measured faster in the step (H200, 2026-12-02: 1.82 vs 1.50 ms per step with
+    #                              the first form of its down kernel, benchmarks/RESULTS.md)
 
     def resolved_quant(self, config: ModelConfig) -> bool:
         return config.quant_sim if self.quant_sim is None else self.quant_sim
@@ -519,7 +523,8 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
         if opts.moe_impl == "tiled":
             y = moe_inference(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp,
                               scaling=c.routed_scaling_factor, limit=c.swiglu_limit, normalize=c.norm_topk_prob,
-                              backend=opts.kernel_backend, router_one_pass=opts.router_one_pass and small)
+                              backend=opts.kernel_backend, router_one_pass=opts.router_one_pass and small,
+                              fp4_one_token=opts.fp4_one_token)
         else:
             y, _ = moe(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp, scaling=c.routed_scaling_factor,
                        limit=c.swiglu_limit, impl=opts.moe_impl, normalize=c.norm_topk_prob)

@@ -14,6 +14,9 @@ Operations
   ``fp8_linear_fused(x, (w_0, w_1, ...))``: several such projections of one input, one kernel launch on GPUs.
   ``fp4_grouped(x, group_sizes, w)``: rows of x [A, K] sorted by expert, ``group_sizes`` [E] int, stacked FP4
   experts w [E, N, K] -> [A, N] in x.dtype; rows past ``sum(group_sizes)`` are 0.
+  ``fp4_slot_swiglu(x, slot_expert, slot_wts, w1, w3)`` / ``fp4_slot_down(act, slot_expert, w2)``: ONE token's
+  routed experts (its top-k picks as slots; decode at batch 1): the clamped SwiGLU of every pick [S, F] in x.dtype,
+  then the picks' down projections summed [D] float32 — only the picked experts' packed bytes are read.
 
 The activations are taken as given: the release's FP8 rounding of a GEMM's input (``ops.linear.Fp8GemmInput``)
 happens before, in XLA (a few KB at decode), so the kernels see FP8-grid values in bf16 / float32 — products are
@@ -21,6 +24,8 @@ exact and only the float32 accumulation order differs from the reference.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -192,5 +197,87 @@ def fp4_grouped(x: jax.Array, group_sizes: jax.Array, w, *, backend: str = "auto
     return T.fp4_grouped_gemm(x, gs, w.values, w.scales, interpret=be.endswith("interpret"), **(tuning or {}))
 
 
-__all__ = ["BACKENDS", "resolve_backend", "fp8_linear", "fp8_linear_fused", "fp4_grouped", "takes_fp8",
-           "takes_fp4_grouped", "QuantGemmError"]
+def _check_slots(what: str, slot_expert, slot_wts=None):
+    if slot_expert.ndim != 1 or not jnp.issubdtype(slot_expert.dtype, jnp.integer):
+        raise QuantGemmError(f"{what}: slot_expert must be an integer vector (one expert id per slot), got "
+                             f"{slot_expert.dtype} {tuple(slot_expert.shape)}")
+    if slot_wts is not None and tuple(slot_wts.shape) != tuple(slot_expert.shape):
+        raise QuantGemmError(f"{what}: slot_wts {tuple(slot_wts.shape)} must match slot_expert "
+                             f"{tuple(slot_expert.shape)} (one routing weight per slot)")
+
+
+def _slot_backend(what: str, backend: str) -> str:
+    be = resolve_backend(backend)
+    if be.startswith("pallas_tpu"):
+        raise QuantGemmError(f"{what}: no TPU kernel for one token's FP4 experts yet; use fp4_grouped (the grouped "
+                             f"Mosaic kernel) or backend='reference'")
+    return be
+
+
+def _picked(w, slot_expert, dtype):
+    """The picked experts of stacked FP4 experts, dequantised exactly: [S, N, K] in ``dtype``."""
+    sub = dataclasses.replace(w, values=w.values[slot_expert], scales=w.scales[slot_expert],
+                              shape=(int(slot_expert.shape[0]),) + tuple(w.shape[1:]))
+    return sub.dequantize(dtype)
+
+
+def fp4_slot_swiglu(x: jax.Array, slot_expert: jax.Array, slot_wts: jax.Array, w1, w3, *, limit: float,
+                    backend: str = "auto", tuning: dict | None = None) -> jax.Array:
+    """One token x [K] through its picked experts' gate / up projections: -> act [S, F] in x.dtype,
+    ``silu(min(g, limit)) * clip(u, ±limit) * slot_wts[s]`` with g = x·w1[e_s]ᵀ, u = x·w3[e_s]ᵀ rounded to x.dtype
+    (as ``fp4_grouped`` returns them). w1 / w3: stacked FP4 experts [E, F, K]."""
+    for nm, w in (("w1", w1), ("w3", w3)):
+        try:
+            _check_fp4(w)
+        except QuantGemmError as e:
+            raise QuantGemmError(f"fp4_slot_swiglu {nm}: {e}") from None
+    if tuple(w1.shape) != tuple(w3.shape):
+        raise QuantGemmError(f"fp4_slot_swiglu: w1 {w1.shape} and w3 {w3.shape} must have one shape")
+    if x.ndim != 1:
+        raise QuantGemmError(f"fp4_slot_swiglu: x must be one token's features [K], got shape {x.shape}")
+    _check_x(x, w1.shape[2], "fp4_slot_swiglu")
+    _check_slots("fp4_slot_swiglu", slot_expert, slot_wts)
+    be = _slot_backend("fp4_slot_swiglu", backend)
+    if be == "reference":
+        def proj(w):
+            wd = _picked(w, slot_expert, x.dtype)
+            y = jnp.einsum("i,soi->so", x, wd, precision=matmul_precision(x, wd))
+            return y.astype(x.dtype).astype(jnp.float32)
+
+        g, u = proj(w1), proj(w3)
+        if limit > 0:
+            u = jnp.clip(u, -limit, limit)
+            g = jnp.minimum(g, limit)
+        return (jax.nn.silu(g) * u * slot_wts.astype(jnp.float32)[:, None]).astype(x.dtype)
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    _check_gpu_addressing("fp4_slot_swiglu", w1.values, w1.scales, w3.values, w3.scales)
+    return G.fp4_slot_swiglu(x, slot_expert, slot_wts, w1.values, w1.scales, w3.values, w3.scales,
+                             limit=float(limit), interpret=be.endswith("interpret"), **(tuning or {}))
+
+
+def fp4_slot_down(act: jax.Array, slot_expert: jax.Array, w2, *, backend: str = "auto",
+                  tuning: dict | None = None) -> jax.Array:
+    """The picked experts' down projections of one token, summed: act [S, F] (row s for expert slot_expert[s]),
+    stacked FP4 experts w2 [E, D, F] -> [D] float32; each slot's product is rounded to act.dtype before the sum (as
+    ``fp4_grouped`` returns its rows)."""
+    _check_fp4(w2)
+    if act.ndim != 2 or act.shape[0] != slot_expert.shape[0]:
+        raise QuantGemmError(f"fp4_slot_down: act must be [slots, F] with one row per slot "
+                             f"({tuple(slot_expert.shape)}), got shape {act.shape}")
+    _check_x(act, w2.shape[2], "fp4_slot_down")
+    _check_slots("fp4_slot_down", slot_expert)
+    be = _slot_backend("fp4_slot_down", backend)
+    if be == "reference":
+        wd = _picked(w2, slot_expert, act.dtype)
+        y = jnp.einsum("si,soi->so", act, wd, precision=matmul_precision(act, wd))
+        return jnp.sum(y.astype(act.dtype).astype(jnp.float32), axis=0)
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    _check_gpu_addressing("fp4_slot_down", w2.values, w2.scales)
+    return G.fp4_slot_down(act, slot_expert, w2.values, w2.scales, interpret=be.endswith("interpret"),
+                           **(tuning or {}))
+
+
+__all__ = ["BACKENDS", "resolve_backend", "fp8_linear", "fp8_linear_fused", "fp4_grouped", "fp4_slot_swiglu",
+           "fp4_slot_down", "takes_fp8", "takes_fp4_grouped", "QuantGemmError"]

@@ -483,3 +483,205 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
         out_shape=jax.ShapeDtypeStruct((a, n), x.dtype),
         compiler_params=_params(num_warps, num_stages), interpret=interpret, name=name,
     )(grp, r0s, nrs, xd, values, scales)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One token's routed experts (decode at batch 1): gemv kernels over the selected FP4 experts only
+# ----------------------------------------------------------------------------------------------------------------
+# At one token the grouped kernel above runs a 16-row tensor-core tile for one real row per expert, behind XLA ops
+# that sort the picks and build the tile metadata (measured on an H200 at 2304 x 5120: 17-19 % of 4.8 TB/s). Here a
+# token's top-k picks are the slots: ``fp4_slot_swiglu`` streams each picked expert's w1 and w3 rows once (grid:
+# slot x column block) and applies the clamped SwiGLU and the routing weight in its epilogue; ``fp4_slot_down``
+# streams the picked experts' w2 rows (grid: slot x column block) and one small XLA reduction sums the [S, D] slot
+# outputs, so the routed experts of one token are two kernels and no XLA sort / tile metadata / scatter. No tensor
+# cores: each weight byte's two e2m1 codes are decoded in registers (the grouped kernel's float16 bit trick:
+# ``value * 2^-14``, exact), widened to float32 and multiplied with the matching even / odd activations; the
+# products of a K step accumulate elementwise in a [block_n, block_k / 32, 16] float32 tile, each scaled by its e8m0
+# scale x 2^14 (a power of two: exact), reduced once at the end. Weights are read as [E, N, K/32, 16] views of the
+# packed bytes (16 bytes = one scale group) and the K steps are unrolled with the loads of step i + ``prefetch``
+# issued before step i is computed (the FP8 gemv's form). Outputs are rounded as the grouped path rounds them
+# (gate / up and each slot's down projection to the activations' dtype), so the two paths agree to float32
+# accumulation order.
+# Measured on an H200 in the bench model's batch-1 decode step (benchmarks/RESULTS.md, 2026-12-02): the gate / up
+# kernel 59 µs per layer for six 2304 x 5120 pairs (75 MB: 1.27 TB/s, 26 % of 4.8 TB/s; the grouped kernel 87 µs);
+# the first form of the down kernel (one program per column block over every slot) 92 µs for 38 MB — the form
+# below replaces it, not yet measured. About 12 integer / float operations per weight byte (nibble decode, two
+# widenings, products, scaling) are likely what limits these kernels on the CUDA cores (not profiled per kernel).
+
+FP4_HALF = SCALE_BLOCK // 2  # packed bytes per scale group
+
+
+def _largest_pow2_divisor(n: int, cap: int, unit: int = 1) -> int:
+    """The largest ``unit * 2^j <= cap`` dividing ``n`` (``unit`` must divide ``n``)."""
+    b = unit
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def fp4_slot_tiling(n: int, k: int, *, block_n: int | None = None, block_k: int | None = None,
+                    prefetch: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                    down: bool = False) -> dict:
+    """Tiling of the one-token FP4 slot kernels for [n, k] expert matrices (any argument given overrides its
+    default): block_n output rows per program and block_k values per K step, the largest powers of two (times 32
+    for block_k) up to the defaults that divide n / k — the kernels have no tail masking."""
+    if k % SCALE_BLOCK:
+        raise ValueError(f"K = {k} is not a multiple of the FP4 scale block {SCALE_BLOCK}")
+    # the gate / up defaults as measured in the bench model's decode step on an H200 (59 µs per layer for six
+    # 2304 x 5120 pairs, 26 % of 4.8 TB/s: benchmarks/RESULTS.md, 2026-12-02); the down projection's are the same
+    # 2 KB per weight tile and K step with 128 threads (16 bytes each), not yet measured
+    bn = _largest_pow2_divisor(n, block_n or (16 if down else 8))
+    bk = _largest_pow2_divisor(k, block_k or (256 if down else 512), SCALE_BLOCK)
+    steps = k // bk
+    pf = min(steps, 8 if down else 4) if prefetch is None else max(0, min(prefetch, steps))
+    return dict(block_n=bn, block_k=bk, prefetch=pf, num_warps=num_warps or (4 if down else 8),
+                num_stages=num_stages or 1)
+
+
+def _fp4_scale_mult(s):
+    """e8m0 bytes -> float32 2^(s - 127 + 14) (the decoded codes carry 2^-14); bytes > 240 and 0xFF -> NaN."""
+    si = s.astype(jnp.int32)
+    m = jax.lax.bitcast_convert_type((si + 14) << 23, jnp.float32)
+    return jnp.where(si > 240, jnp.float32(jnp.nan), m)
+
+
+def _fp4_products(v, s, xe, xo):
+    """[bn, g, 16] packed bytes, [bn, g] scale bytes, [g, 16] even / odd float32 activations -> the scaled products
+    [bn, g, 16] float32 (element 2j of a group meets the low nibble of byte j, 2j+1 the high one)."""
+    vi = v.astype(jnp.int32)
+    lo = decode_e2m1_scaled(vi & 15).astype(jnp.float32)
+    hi = decode_e2m1_scaled(vi >> 4).astype(jnp.float32)
+    return (lo * xe[None] + hi * xo[None]) * _fp4_scale_mult(s)[:, :, None]
+
+
+def _even_odd_groups(a):
+    """a [..., K] -> float32 (even, odd) elements as [..., K/32, 16] each."""
+    a = a.astype(jnp.float32)
+    lead, k = a.shape[:-1], a.shape[-1]
+    pairs = a.reshape(lead + (k // 2, 2))
+    return (pairs[..., 0].reshape(lead + (k // SCALE_BLOCK, FP4_HALF)),
+            pairs[..., 1].reshape(lead + (k // SCALE_BLOCK, FP4_HALF)))
+
+
+def _streamed(n_items, load, compute, state, pf):
+    """``state = compute(state, load(i), i)`` for i < n_items, unrolled, the loads of item i + pf issued before
+    item i is computed."""
+    pending = [load(i) for i in range(min(pf, n_items))]
+    for i in range(n_items):
+        if i + pf < n_items:
+            pending.append(load(i + pf))
+        state = compute(state, pending[i], i)
+        pending[i] = None
+    return state
+
+
+def _check_slot_operands(what, values, scales, k):
+    e, n, kh = values.shape
+    if values.dtype != jnp.uint8 or kh * 2 != k or scales.dtype != jnp.uint8 or \
+            tuple(scales.shape) != (e, n, k // SCALE_BLOCK):
+        raise ValueError(f"{what}: values must be uint8 [E, N, {k // 2}] and scales uint8 [E, N, {k // SCALE_BLOCK}] "
+                         f"for K = {k}, got {values.dtype} {tuple(values.shape)} / {scales.dtype} "
+                         f"{tuple(scales.shape)}")
+
+
+@functools.partial(jax.jit, static_argnames=("limit", "block_n", "block_k", "prefetch", "num_warps", "num_stages",
+                                             "name", "interpret"))
+def fp4_slot_swiglu(x, slot_expert, slot_wts, w1_values, w1_scales, w3_values, w3_scales, *, limit: float,
+                    block_n: int | None = None, block_k: int | None = None, prefetch: int | None = None,
+                    num_warps: int | None = None, num_stages: int | None = None, name: str = "fp4_slot_swiglu",
+                    interpret: bool = False):
+    """One token x [K] (bf16 / float32), its picks slot_expert int32 [S] and routing weights slot_wts float32 [S],
+    stacked FP4 experts w1 / w3 (values uint8 [E, F, K/2], scales uint8 [E, F, K/32]) -> act [S, F] in x.dtype:
+    ``silu(min(g, limit)) * clip(u, ±limit) * weight`` with g = x·w1[e]ᵀ, u = x·w3[e]ᵀ rounded to x.dtype."""
+    (k,) = x.shape
+    e, f, _ = w1_values.shape
+    for nm, v, s in (("w1", w1_values, w1_scales), ("w3", w3_values, w3_scales)):
+        _check_slot_operands(f"fp4_slot_swiglu {nm}", v, s, k)
+    if tuple(w3_values.shape) != (e, f, k // 2):
+        raise ValueError(f"fp4_slot_swiglu: w1 {tuple(w1_values.shape)} and w3 {tuple(w3_values.shape)} differ")
+    s_n = slot_expert.shape[0]
+    t = fp4_slot_tiling(f, k, block_n=block_n, block_k=block_k, prefetch=prefetch, num_warps=num_warps,
+                        num_stages=num_stages)
+    bn, sg = t["block_n"], t["block_k"] // SCALE_BLOCK
+    steps = k // t["block_k"]
+    out_dtype = x.dtype
+    xe, xo = _even_odd_groups(x)
+    view = (e, f, k // SCALE_BLOCK, FP4_HALF)
+
+    def kernel(se_ref, wt_ref, xe_ref, xo_ref, v1_ref, s1_ref, v3_ref, s3_ref, o_ref):
+        si, ni = pl.program_id(0), pl.program_id(1)
+        ex = se_ref[si]
+        n0 = ni * bn
+
+        def load(i):
+            g0 = i * sg
+            return (v1_ref[ex, pl.ds(n0, bn), pl.ds(g0, sg), :], s1_ref[ex, pl.ds(n0, bn), pl.ds(g0, sg)],
+                    v3_ref[ex, pl.ds(n0, bn), pl.ds(g0, sg), :], s3_ref[ex, pl.ds(n0, bn), pl.ds(g0, sg)],
+                    xe_ref[pl.ds(g0, sg), :], xo_ref[pl.ds(g0, sg), :])
+
+        def compute(accs, ld, i):
+            v1, s1, v3, s3, xe_, xo_ = ld
+            return accs[0] + _fp4_products(v1, s1, xe_, xo_), accs[1] + _fp4_products(v3, s3, xe_, xo_)
+
+        zero = jnp.zeros((bn, sg, FP4_HALF), jnp.float32)
+        a1, a3 = _streamed(steps, load, compute, (zero, zero), t["prefetch"])
+        g = jnp.sum(jnp.sum(a1, axis=2), axis=1).astype(out_dtype).astype(jnp.float32)
+        u = jnp.sum(jnp.sum(a3, axis=2), axis=1).astype(out_dtype).astype(jnp.float32)
+        if limit > 0:
+            u = jnp.clip(u, -limit, limit)
+            g = jnp.minimum(g, limit)
+        act = g / (1.0 + jnp.exp(-g)) * u * wt_ref[si]
+        o_ref[si, pl.ds(n0, bn)] = act.astype(o_ref.dtype)
+
+    return pl.pallas_call(
+        kernel, grid=(s_n, f // bn), out_shape=jax.ShapeDtypeStruct((s_n, f), out_dtype),
+        compiler_params=_params(t["num_warps"], t["num_stages"]), interpret=interpret, name=name,
+    )(slot_expert.astype(jnp.int32), slot_wts.astype(jnp.float32), xe, xo, w1_values.reshape(view), w1_scales,
+      w3_values.reshape(view), w3_scales)
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "prefetch", "num_warps", "num_stages", "name",
+                                             "interpret"))
+def fp4_slot_down(act, slot_expert, w2_values, w2_scales, *, block_n: int | None = None, block_k: int | None = None,
+                  prefetch: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                  name: str = "fp4_slot_down", interpret: bool = False):
+    """act [S, F] (bf16 / float32; slot s's activations), slot_expert int32 [S], stacked FP4 experts w2 (values
+    uint8 [E, D, F/2], scales uint8 [E, D, F/32]) -> y [D] float32 = sum over the slots of act[s]·w2[e_s]ᵀ, each
+    slot's product rounded to act.dtype first (as the grouped path's per-row outputs).
+
+    Grid (slot, column block), as ``fp4_slot_swiglu``: each program streams one picked expert's ``block_n`` rows;
+    the [S, D] float32 slot outputs are summed by one small XLA reduction. (A first version ran every slot in one
+    program per column block — 640 programs each streaming 54 K steps of 1 KB one after another — and took 92 µs
+    per call in the bench model's decode step on an H200, 0.41 TB/s, 2.4x the grouped kernel's w2.)"""
+    s_n, f = act.shape
+    e, d, _ = w2_values.shape
+    _check_slot_operands("fp4_slot_down w2", w2_values, w2_scales, f)
+    t = fp4_slot_tiling(d, f, block_n=block_n, block_k=block_k, prefetch=prefetch, num_warps=num_warps,
+                        num_stages=num_stages, down=True)
+    bn, sg = t["block_n"], t["block_k"] // SCALE_BLOCK
+    steps = f // t["block_k"]
+    round_dtype = act.dtype
+    ae, ao = _even_odd_groups(act)
+
+    def kernel(se_ref, ae_ref, ao_ref, v_ref, s_ref, o_ref):
+        si, ni = pl.program_id(0), pl.program_id(1)
+        ex = se_ref[si]
+        n0 = ni * bn
+
+        def load(i):
+            g0 = i * sg
+            return (v_ref[ex, pl.ds(n0, bn), pl.ds(g0, sg), :], s_ref[ex, pl.ds(n0, bn), pl.ds(g0, sg)],
+                    ae_ref[si, pl.ds(g0, sg), :], ao_ref[si, pl.ds(g0, sg), :])
+
+        def compute(acc, ld, i):
+            return acc + _fp4_products(*ld)
+
+        acc = _streamed(steps, load, compute, jnp.zeros((bn, sg, FP4_HALF), jnp.float32), t["prefetch"])
+        part = jnp.sum(jnp.sum(acc, axis=2), axis=1).astype(round_dtype).astype(jnp.float32)
+        o_ref[si, pl.ds(n0, bn)] = part
+
+    parts = pl.pallas_call(
+        kernel, grid=(s_n, d // bn), out_shape=jax.ShapeDtypeStruct((s_n, d), jnp.float32),
+        compiler_params=_params(t["num_warps"], t["num_stages"]), interpret=interpret, name=name,
+    )(slot_expert.astype(jnp.int32), ae, ao, w2_values.reshape(e, d, f // SCALE_BLOCK, FP4_HALF), w2_scales)
+    return jnp.sum(parts, axis=0)

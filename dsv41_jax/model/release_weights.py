@@ -11,6 +11,12 @@ the official inference code rounds the input of every FP8 / FP4 GEMM to FP8 per 
   :class:`~dsv41_jax.ops.linear.Fp8GemmInput`, so :func:`~dsv41_jax.ops.linear.linear` rounds their inputs —
   whether the weight is a float array (the fake-quantised reference) or a QuantizedTensor (release serving).
   ``wo_a`` is stored FP8 but the official code dequantises it to bf16 at load: its GEMM is not an FP8 GEMM.
+* :func:`dequantize_wo_a` is that load-time step, the one home of the release's *serving* form of ``wo_a``:
+  ``Engine(weights="release")`` serves it (the official inference code declares ``wo_a`` a bf16
+  ``ColumnParallelLinear`` in ``inference/model.py`` and its ``convert.py`` writes it as the FP8 values times their
+  block scales in float32, cast once to bf16; its GEMM has no FP8 input rounding). The
+  per-step dequantisation of a QuantizedTensor ``wo_a`` (``ops.attention.attention_output``) computes the same
+  values, but inside every step: one XLA reduce fusion per layer at 9 % of the H200's bandwidth (RESULTS.md).
 * :func:`release_shardings` places QuantizedTensor leaves by the parameters' logical-axis rules; the spec is
   derived from the scale grid and used for values and scales alike, so a shard always holds whole scale blocks
   (and whole bytes of packed FP4 pairs) — packing along K is never split.
@@ -49,10 +55,16 @@ def storage_formats(config: ModelConfig, *, include_dspark: bool = True) -> dict
     return out
 
 
+def served_in_float(path: str) -> bool:
+    """A tensor the release stores quantised but serves in float (dequantised once, at load): the attention's grouped
+    output projection ``wo_a`` (main layers, MTP and DSpark blocks alike)."""
+    return path.endswith("/attn/wo_a")
+
+
 def fp8_gemm_paths(config: ModelConfig) -> frozenset[str]:
     """Paths of the weights whose GEMM the release runs in FP8 / FP4 (its input rounded to FP8 per 32)."""
     return frozenset(p for p, f in storage_formats(config).items()
-                     if f in (N.FP8_BLOCK, N.FP4_ROWS) and not p.endswith("/wo_a"))
+                     if f in (N.FP8_BLOCK, N.FP4_ROWS) and not served_in_float(p))
 
 
 def _map_with_path(fn, params):
@@ -123,6 +135,49 @@ def dequantize_params(params: dict, dtype=jnp.float32) -> dict:
     return _map_with_path(one, params)
 
 
+def exact_scale_exponents(dtype) -> tuple[int, int]:
+    """The e8m0 scale exponents ``k`` for which every product ``e4m3 * 2^k`` is a normal ``dtype`` number or zero,
+    i.e. exact: an e4m3 value has at most 4 significant bits (normals 1.xxx * 2^-6..2^8, subnormals m * 2^-9 with
+    m < 8), ``dtype`` keeps >= 4 (bf16 8, float32 24), so the product is exact unless its smallest bit 2^(k-9) falls
+    below ``dtype``'s smallest normal or 448 * 2^k overflows. bf16 and float32: k in [-117, 119]."""
+    f = jnp.finfo(dtype)
+    if f.nmant < 3:
+        raise ValueError(f"{jnp.dtype(dtype)} has {f.nmant} mantissa bits: e4m3 values are not exact in it")
+    return f.minexp + 9, f.maxexp - 1 - 8
+
+
+def dequantize_served(qt: QZ.QuantizedTensor, dtype=jnp.bfloat16, *, what: str = "wo_a") -> jax.Array:
+    """An FP8 block-scaled weight as the official code serves it: values times block scales in float32, one cast to
+    ``dtype`` (round to nearest even). With e8m0 scales (powers of two) inside :func:`exact_scale_exponents` — every
+    released ``wo_a`` — the result is exact, and computed on device by the same jittable ``QuantizedTensor.dequantize``
+    the per-step path runs (so serving from load changes no bit of the forward). Otherwise (float scales of
+    V4-Flash-Base style, or exponents whose products are subnormal / overflow in ``dtype``) the product is rounded
+    once, on the host (numpy keeps subnormals; ml_dtypes rounds as torch's ``.bfloat16()``), where XLA may flush
+    subnormals; the result keeps the values' placement."""
+    if not isinstance(qt, QZ.QuantizedTensor) or qt.fmt != N.FP8_BLOCK or len(qt.shape) != 2:
+        got = f"{qt.fmt} {qt.shape}" if isinstance(qt, QZ.QuantizedTensor) else type(qt).__name__
+        raise ValueError(f"{what}: expected a 2-D FP8 block-scaled QuantizedTensor, got {got}")
+    dtype = jnp.dtype(dtype)
+    if qt.scales.dtype == jnp.uint8:
+        lo, hi = exact_scale_exponents(dtype)
+        k = np.asarray(jax.device_get(qt.scales)).astype(np.int32) - QZ.E8M0_BIAS  # 1/1024 of the values' bytes
+        if k.size == 0 or (k.min() >= lo and k.max() <= hi):
+            return QZ.dequantize(qt, dtype)
+    host = QZ.cast(QZ.dequant_fp8_block(np.asarray(jax.device_get(qt.values)), np.asarray(jax.device_get(qt.scales)),
+                                        qt.block), dtype)
+    sharding = getattr(qt.values, "sharding", None)
+    return jax.device_put(host, sharding) if isinstance(sharding, NamedSharding) else jnp.asarray(host)
+
+
+def dequantize_wo_a(params: dict, dtype=jnp.bfloat16) -> dict:
+    """The release's serving form: every ``wo_a`` QuantizedTensor (:func:`served_in_float`) replaced, once, by its
+    dequantised ``dtype`` array (:func:`dequantize_served`); every other leaf unchanged. ``dtype``: bf16 as the
+    official code (a float32 model keeps float32: the same values, exact in both). Device bytes of ``wo_a`` go from
+    1 + 1/1024 per weight (FP8 + e8m0 scales) to 2 (bf16): +33.5 MB per layer of the full release."""
+    return _map_with_path(lambda p, w: dequantize_served(w, dtype, what=p)
+                          if served_in_float(p) and isinstance(w, QZ.QuantizedTensor) else w, params)
+
+
 def weight_bytes(params) -> int:
     """Bytes the parameters hold (values + scales of QuantizedTensor leaves)."""
     return int(sum(np.prod(x.shape, dtype=np.int64) * jnp.dtype(x.dtype).itemsize
@@ -145,7 +200,9 @@ def stored_bytes(shape: tuple[int, ...], fmt: str, float_itemsize: int = 2) -> i
 
 def weight_footprint(config: ModelConfig, weights: str = "release", dtype=jnp.bfloat16) -> dict[str, int]:
     """Bytes of the parameters by component (``names.COMPONENTS``) from shapes alone: ``weights="release"`` — the
-    release's FP8 / FP4 forms, other tensors in ``dtype`` (float32 ones stay float32); ``"bf16"`` — all ``dtype``."""
+    release's serving forms (what ``Engine(weights="release")`` holds): FP8 / FP4, but ``wo_a`` in ``dtype`` as it is
+    dequantised at load (:func:`dequantize_wo_a`), other tensors in ``dtype`` (float32 ones stay float32);
+    ``"bf16"`` — all ``dtype``."""
     if weights not in WEIGHT_FORMS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMS}, got {weights!r}")
     from dsv41_jax.model.params import FP32
@@ -153,7 +210,7 @@ def weight_footprint(config: ModelConfig, weights: str = "release", dtype=jnp.bf
     formats = storage_formats(config)
     out: dict[str, int] = {}
     for path, spec in flat_specs(config):
-        fmt = formats[path] if weights == "release" else N.FLOAT
+        fmt = formats[path] if weights == "release" and not served_in_float(path) else N.FLOAT
         item = 4 if spec.dtype == FP32 else jnp.dtype(dtype).itemsize
         comp = N.component(N.to_release(spec.hf_name.replace("{e}", "0")))
         out[comp] = out.get(comp, 0) + stored_bytes(spec.shape, fmt, item)
@@ -190,5 +247,6 @@ def _flat(tree):
     return [("/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), leaf) for path, leaf in leaves]
 
 
-__all__ = ["WEIGHT_FORMS", "storage_formats", "fp8_gemm_paths", "mark_fp8_gemm_inputs", "quantize_params",
-           "dequantize_params", "weight_bytes", "stored_bytes", "weight_footprint", "quantized_partition_spec", "release_shardings"]
+__all__ = ["WEIGHT_FORMS", "storage_formats", "served_in_float", "fp8_gemm_paths", "mark_fp8_gemm_inputs",
+           "quantize_params", "dequantize_params", "exact_scale_exponents", "dequantize_served", "dequantize_wo_a",
+           "weight_bytes", "stored_bytes", "weight_footprint", "quantized_partition_spec", "release_shardings"]

@@ -43,7 +43,9 @@ def attention_output(p: dict, out: jax.Array, cos: jax.Array, sin: jax.Array, co
     b, t = out.shape[:2]
     out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True)
     grouped = out.reshape(b, t, c.o_groups, -1)
-    wo_a = p["wo_a"] if is_plain_weight(p["wo_a"]) else weight_array(p["wo_a"], out.dtype)  # release: FP8 stored
+    # a QuantizedTensor (the release's stored FP8 form) is dequantised here, in every step; the engine serves wo_a
+    # dequantised once, at load, as the official code does (release_weights.dequantize_wo_a): the same values
+    wo_a = p["wo_a"] if is_plain_weight(p["wo_a"]) else weight_array(p["wo_a"], out.dtype)
     wo_a = wo_a.reshape(c.o_groups, c.o_lora_rank, -1)
     y = jnp.einsum("btgi,goi->btgo", grouped, wo_a, precision=matmul_precision(grouped, wo_a)).reshape(b, t, -1)
     return linear(y, p["wo_b"])

@@ -1,0 +1,450 @@
+"""Where the release-precision decode step's time goes, against bf16, in one process on the GPU; and the routed
+experts of one token on the FP4 one-token kernels vs the grouped FP4 kernel they replace.
+
+    PYTHONUNBUFFERED=1 python benchmarks/profile_release_decode.py --out DIR [--model 12L] [--batches 1]
+        [--context 4096] [--budget-s 200]
+    python benchmarks/profile_release_decode.py --smoke      # CPU: tiny sizes, interpret mode, no timing
+
+Parts (in this order; each guarded, results saved after each):
+  ceilings  copy (read + write) and read-only bandwidth of a 4 GiB buffer, device time.
+  experts   one token's routed experts at the bench model's widths (top-6 of 2304 x 5120 experts; each call runs
+            R = 8 tokens with distinct picks out of 48 experts, > the 50 MB L2): ``routed_fp4_one_token``'s two
+            kernels (``fp4_slot_swiglu`` / ``fp4_slot_down``, FP8 rounding of their inputs included) at several
+            tilings; the grouped FP4 kernel path it replaces (``ops.moe.routed_ragged``: sort, tile metadata, three
+            grouped GEMMs, scatter); the bf16 experts' slot kernels (``inference.moe.routed_slots``). Device µs
+            (every kernel of a traced call summed, / R; with each kernel family's share) and wall µs (host clock,
+            median of 10 calls / R). Bytes = the picked experts' packed bytes + scales (bf16: the bf16 weights);
+            % of 4.8 TB/s and of the read-only bandwidth. Checked: float32 activations against the plain-JAX
+            float32 oracle (``backend="reference"``), bf16 against the grouped path.
+  decode    the Engine's decode step (``decode_and_sample``, bf16 cache at ``--context``) with bf16 weights, the
+            release's weights (FP8 / FP4 / Engram-row bytes on device, GEMM inputs rounded to FP8,
+            ``quantized_gemm=pallas_gpu``) on the one-token FP4 kernels (``fp4_one_token=True``), and the same on
+            the grouped FP4 kernel (``fp4_one_token=False``) — both with the attention's wo_a dequantised to bf16
+            once, at load, as the Engine and the official serving code serve it (``release_weights.dequantize_wo_a``;
+            ``--wo-a-fp8``: also the grouped form with wo_a kept FP8 and dequantised inside every step, the form
+            measured before); the forms' first calls (trace + compile) run
+            concurrently, then each is timed alone: synced step (median of 10, tokens read back),
+            queued step (10 dispatched back to back), then 3 steps under ``jax.profiler.trace(...,
+            create_perfetto_trace=True)``: device events summed by kernel family (time and launches per step), busy
+            (union of device intervals) vs the profiled wall time. XLA runs the step's command buffers as separate
+            launches while profiling, so busy and launch counts are those of the ungraphed step.
+Output: DIR/profile_release_decode.json, DIR/log.txt is the caller's tee; the perfetto traces as
+DIR/perfetto_<form>_b<batch>.json.gz when under 15 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import glob
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import bench_quant_gemm as B  # noqa: E402  (random_fp4, device_time, rel_err)
+from ceilings import copy_and_read_bandwidth  # noqa: E402
+from trace_events import load_trace, newest_trace, union_length  # noqa: E402
+from dsv41_jax.kernels import quant_gemm as QG  # noqa: E402
+from dsv41_jax.ops.linear import Fp8GemmInput, gemm_input  # noqa: E402
+
+DATASHEET_BW = 4.8e12
+BE = "pallas_gpu_interpret" if SMOKE else "pallas_gpu"
+E_STACK, TOPK, R = (8, 2, 2) if SMOKE else (48, 6, 8)
+F_, D_ = (64, 96) if SMOKE else (2304, 5120)
+LIMIT = 10.0
+# (swiglu tiling, down tiling): the first is the committed default (the same-run baseline of the others)
+TILINGS = [({}, {}),
+           (dict(block_n=16, num_warps=8), dict(block_n=16, prefetch=4, num_warps=8)),
+           (dict(block_k=256, prefetch=8, num_warps=4), dict(prefetch=4)),
+           (dict(block_n=4, num_warps=4), dict(block_n=4)),
+           (dict(block_k=1024, prefetch=2), dict(block_k=128, prefetch=8)),
+           (dict(prefetch=8), dict(prefetch=16, num_warps=8))]
+if SMOKE:
+    TILINGS = [({}, {}), (dict(block_n=4, block_k=32, prefetch=1), dict(block_n=4, block_k=32))]
+OUT: dict = {"meta": {}, "ceilings": {}, "experts": [], "checks": [], "decode": [], "errors": []}
+T0 = time.time()
+
+FAMILIES = [  # (family, pattern on the device event's name), first match wins
+    ("FP4 experts: one-token gemv kernels", r"fp4_slot_|fp4up_|fp4dn_"),
+    ("FP4 experts: grouped GEMM", r"fp4_grouped_gemm"),
+    ("bf16 experts: slot kernels", r"^slot_swiglu|^slot_down"),
+    ("FP8 fused gemv (Pallas)", r"fp8_block_gemm_fused"),
+    ("FP8 gemv / GEMM (Pallas)", r"fp8_block_gemm"),
+    ("sparse attention (Pallas)", r"csa2_"),
+    ("indexer + top-k (Pallas)", r"indexer_|topk_select|hier_topk"),
+    ("mHC (Pallas)", r"mhc_"),
+    ("XLA GEMMs (cuBLAS / Triton gemm fusions)", r"gemm|nvjet|cublas|xmma|cutlass|sm90_"),
+    ("sort (cub)", r"cub::|radix_sort|DeviceRadix|DeviceSegmented"),
+    ("copies / memset", r"memcpy|memset|Memcpy|Memset"),
+    ("XLA fusions (elementwise / reductions)", r"fusion|^loop_|^input_|^wrapped_|^copy|^transpose|^convert|"
+                                                r"^reduce|^select|^concatenate|^slice|^dynamic"),
+]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def family(name: str) -> str:
+    for fam, pat in FAMILIES:
+        if re.search(pat, name):
+            return fam
+    return "other"
+
+
+def device_us(fn, args, r):
+    """(device µs / r, {family: µs / r}) of one call, or NaNs on CPU."""
+    jax.block_until_ready(fn(*args))
+    if SMOKE:
+        return float("nan"), {}
+    tot, by_name = B.device_time(fn, *args)
+    fams = collections.Counter()
+    for nm, t in by_name.items():
+        fams[family(nm)] += t / r * 1e6
+    return tot / r * 1e6, dict(fams)
+
+
+def wall_us(fn, args, r, n=10):
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) / r * 1e6
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# experts: one token's routed experts
+# ----------------------------------------------------------------------------------------------------------------
+
+def one_token_tuned(x, wts, picks, w1, w2, w3, up, down, tag):
+    """``inference.moe.routed_fp4_one_token`` with explicit tilings and tagged kernel names (same ops)."""
+    xs, picks = gemm_input(x, w1)[0], picks[0]
+    act = QG.fp4_slot_swiglu(xs, picks, wts[0], w1.weight, w3.weight, limit=LIMIT, backend=BE,
+                             tuning=dict(up, name=f"fp4up_{tag}"))
+    return QG.fp4_slot_down(gemm_input(act, w2), picks, w2.weight, backend=BE,
+                            tuning=dict(down, name=f"fp4dn_{tag}"))[None]
+
+
+def experts_part(bw, n_tilings=len(TILINGS)):
+    from dsv41_jax.inference.moe import routed_fp4_one_token, routed_slots
+    from dsv41_jax.ops.moe import routed_ragged
+
+    key = jax.random.PRNGKey(7)
+    ks = jax.random.split(key, 8)
+    w1q, w3q = B.random_fp4(ks[0], E_STACK, F_, D_), B.random_fp4(ks[1], E_STACK, F_, D_)
+    w2q = B.random_fp4(ks[2], E_STACK, D_, F_)
+    marked = tuple(Fp8GemmInput(w, BE) for w in (w1q, w2q, w3q))
+    # R tokens, each with TOPK distinct picks; all R * TOPK picks distinct (no L2 reuse between the tokens)
+    perm = np.random.default_rng(3).permutation(E_STACK)[:R * TOPK].reshape(R, TOPK)
+    picks = [jnp.asarray(p[None], jnp.int32) for p in perm]
+    wts = [jax.random.uniform(jax.random.fold_in(ks[3], i), (1, TOPK), jnp.float32, 0.1, 0.5) for i in range(R)]
+    xs = [jax.random.normal(jax.random.fold_in(ks[4], i), (1, D_), jnp.float32).astype(jnp.bfloat16)
+          for i in range(R)]
+    per_expert = 2 * (F_ * D_ // 2 + F_ * D_ // 32) + D_ * F_ // 2 + D_ * F_ // 32
+    nbytes = TOPK * per_expert + D_ * 2 + TOPK * F_ * 4 + D_ * 4  # weights + scales, x, act (write + read), y
+    nbytes_bf16 = TOPK * 3 * F_ * D_ * 2 + D_ * 2 + TOPK * F_ * 4 + D_ * 4
+
+    def many(one):
+        return jax.jit(lambda xs, wts, picks, ws: [one(x, w, p, *ws) for x, w, p in zip(xs, wts, picks)])
+
+    # checks: float32 activations against the float32 oracle; bf16 against the grouped path
+    x32 = xs[0].astype(jnp.float32)
+    got32 = routed_fp4_one_token(x32, wts[0], picks[0], *marked, LIMIT, BE)
+    ref32 = routed_fp4_one_token(x32, wts[0], picks[0], *(Fp8GemmInput(w, "reference") for w in (w1q, w2q, w3q)),
+                                 LIMIT, "reference")
+    e32 = B.rel_err(got32, ref32)
+    gotb = routed_fp4_one_token(xs[0], wts[0], picks[0], *marked, LIMIT, BE)
+    grp = routed_ragged(xs[0], wts[0], picks[0], *marked, LIMIT)
+    eb = B.rel_err(gotb, grp)
+    OUT["checks"].append(dict(what="one-token kernels, float32 x, vs the float32 oracle", rel_err=e32))
+    OUT["checks"].append(dict(what="one-token kernels, bf16 x, vs the grouped-kernel path", rel_err=eb))
+    log(f"check: float32 vs oracle rel err {e32:.2e}; bf16 vs grouped path {eb:.2e}")
+
+    variants = []
+    for i, (up, down) in enumerate(TILINGS[:n_tilings]):
+        variants.append((f"one-token kernels {'default' if i == 0 else f'up {up} / down {down}'}",
+                         many(lambda x, w, p, a, b, c, up=up, down=down, i=i: one_token_tuned(x, w, p, a, b, c, up,
+                                                                                              down, f"c{i}")),
+                         marked, nbytes, dict(up=up, down=down)))
+    variants.append(("grouped FP4 kernel path (before)", many(lambda x, w, p, a, b, c: routed_ragged(x, w, p, a, b, c,
+                                                                                                    LIMIT)),
+                     marked, nbytes, {}))
+    bf = [(jax.random.normal(jax.random.fold_in(ks[5], j), (E_STACK,) + s, jnp.float32) * 0.02).astype(jnp.bfloat16)
+          for j, s in enumerate(((F_, D_), (D_, F_), (F_, D_)))]
+    variants.append(("bf16 experts, slot kernels", many(lambda x, w, p, a, b, c: routed_slots(x, w, p, a, b, c, LIMIT,
+                                                                                             BE)),
+                     tuple(bf), nbytes_bf16, {}))
+    base = None
+    for name, fn, ws, nb, tiling in variants:
+        args = (xs, wts, picks, ws)
+        try:
+            out = jax.block_until_ready(fn(*args))
+            dev, fams = device_us(fn, args, R)
+            wall = float("nan") if SMOKE else wall_us(fn, args, R)
+            err = B.rel_err(out[0], grp) if "bf16 experts" not in name else float("nan")
+        except Exception as e:  # noqa: BLE001 - a variant that fails is reported, the rest still run
+            OUT["errors"].append(f"experts {name}: {type(e).__name__}: {str(e)[:400]}")
+            log(f"experts {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            continue
+        row = dict(variant=name, tiling=tiling, bytes=nb, dev_us=dev, wall_us=wall, families_us=fams,
+                   rel_err_vs_grouped=err, pct_datasheet=100 * nb / (dev * 1e-6) / DATASHEET_BW,
+                   pct_read=100 * nb / (dev * 1e-6) / bw.get("read_bw", DATASHEET_BW))
+        if "before" in name:
+            base = row
+        OUT["experts"].append(row)
+        log(f"| {name} | {dev:.1f} | {wall:.1f} | {row['pct_datasheet']:.0f}% | {row['pct_read']:.0f}% | "
+            f"{err:.1e} | " + ", ".join(f"{k}: {v:.1f}" for k, v in sorted(fams.items(), key=lambda kv: -kv[1])))
+    if base:
+        for row in OUT["experts"]:
+            row["speedup_vs_grouped"] = base["dev_us"] / row["dev_us"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# decode: the step's profile by kernel family
+# ----------------------------------------------------------------------------------------------------------------
+
+def families_of_trace(log_dir: str, steps: int) -> dict:
+    """Every device event of the newest trace under ``log_dir`` summed by family: ms and launches per step; busy
+    (union of the device intervals) and span per step."""
+    path = newest_trace(log_dir)
+    if path is None:
+        return {"error": f"no trace under {log_dir}"}
+    events, pname, tname = load_trace(path)
+    dev_pids = {p for p, n in pname.items() if re.search(r"/device:(GPU|gpu)|GPU", n) and "host" not in n.lower()}
+    fams = collections.defaultdict(lambda: [0, 0.0])
+    names = collections.defaultdict(lambda: [0, 0.0])
+    intervals = []
+    for e in events:
+        if e.get("ph") != "X" or e["pid"] not in dev_pids:
+            continue
+        if not re.search(r"stream", tname.get((e["pid"], e.get("tid")), ""), re.I):
+            continue
+        dur = float(e.get("dur", 0))
+        fam = family(e.get("name", ""))
+        fams[fam][0] += 1
+        fams[fam][1] += dur
+        names[e.get("name", "")][0] += 1
+        names[e.get("name", "")][1] += dur
+        intervals.append((float(e["ts"]), float(e["ts"]) + dur))
+    if not intervals:
+        return {"error": "no device events", "processes": sorted(set(pname.values()))[:20]}
+    total = sum(v[1] for v in fams.values())
+    return dict(busy_ms_per_step=union_length(intervals) / 1e3 / steps,
+                span_ms_per_step=(max(e for _, e in intervals) - min(s for s, _ in intervals)) / 1e3 / steps,
+                kernel_ms_per_step=total / 1e3 / steps,
+                launches_per_step=sum(v[0] for v in fams.values()) / steps,
+                families={f: dict(ms_per_step=v[1] / 1e3 / steps, launches_per_step=v[0] / steps)
+                          for f, v in sorted(fams.items(), key=lambda kv: -kv[1][1])},
+                top=[[n[:90], c / steps, round(t / 1e3 / steps, 4)]
+                     for n, (c, t) in sorted(names.items(), key=lambda kv: -kv[1][1])[:40]])
+
+
+def decode_setup(config, params, opts, batch, context):
+    """A filled cache and the step function of one form; the first call (trace + compile + one step) timed."""
+    from bench_inference import decode_inputs, fill_cache
+    from dsv41_jax.inference.cache import init_cache
+    from dsv41_jax.inference.decode import decode_and_sample
+
+    cache = init_cache(config, batch, context + 64, jnp.bfloat16)
+    cache = jax.jit(fill_cache, static_argnums=(1,), donate_argnums=(0,))(cache, context, jax.random.PRNGKey(1))
+    samp, eids, tok, act = decode_inputs(config, batch)
+
+    def step(cache, i, read_back=True):
+        nxt, cache = decode_and_sample(params, cache, tok, eids, act, *samp, jnp.full((batch,), i, jnp.int32),
+                                       config=config, opts=opts)
+        if read_back:
+            np.asarray(nxt)
+        return cache
+
+    t0 = time.perf_counter()
+    cache = step(cache, 0)
+    return dict(step=step, cache=cache, first_call_s=time.perf_counter() - t0)
+
+
+def time_and_profile(s, batch, form, out_dir, steps=10, profile_steps=3):
+    step, cache = s.pop("step"), s.pop("cache")
+    row = dict(first_call_s=s["first_call_s"])
+    cache = step(cache, 1)
+    ts = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        cache = step(cache, 2 + i)
+        ts.append(time.perf_counter() - t0)
+    jax.block_until_ready(cache)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        cache = step(cache, 50 + i, read_back=False)
+    jax.block_until_ready(cache)
+    row.update(step_ms=statistics.median(ts) * 1e3, queued_ms=(time.perf_counter() - t0) / steps * 1e3)
+    if SMOKE:
+        return row
+    log_dir = tempfile.mkdtemp(prefix="release_trace_")
+    try:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            t0 = time.perf_counter()
+            for i in range(profile_steps):
+                cache = step(cache, 100 + i)
+            row["profiled_wall_ms"] = (time.perf_counter() - t0) / profile_steps * 1e3
+        row.update(families_of_trace(log_dir, profile_steps))
+        perf = glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+        if out_dir and perf and os.path.getsize(perf[0]) < 15e6:
+            slug = re.sub(r"[^A-Za-z0-9]+", "_", form).strip("_")
+            shutil.copy(perf[0], os.path.join(out_dir, f"perfetto_{slug}_b{batch}.json.gz"))
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return row
+
+
+def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False):
+    """Per batch: every form's first call (trace + compile + one step) concurrently in threads (XLA compiles
+    release the GIL; the forms' first-call times overlap, so each is an upper bound of its compile), then each
+    form timed and profiled alone."""
+    import concurrent.futures
+
+    from bench_fused_fp8 import random_release_params
+    from profile_decode import MODELS
+    from dsv41_jax.inference.step import InferenceOptions
+    from dsv41_jax.model.params import init_params
+    from dsv41_jax.model.release_weights import dequantize_wo_a, weight_bytes
+
+    config = MODELS[model]()
+    base = dict(quant_sim=False, index_block_elems=1 << 28)
+    log(f"decode: {config.name}: init bf16 params ({time.time() - T0:.0f} s)")
+    p16 = jax.block_until_ready(init_params(config, jax.random.PRNGKey(0), jnp.bfloat16))
+    stored = jax.block_until_ready(random_release_params(config, p16, jax.random.PRNGKey(5)))
+    # the Engine's serving form (Engine(weights="release")): wo_a dequantised to bf16 once, at load, as the official
+    # code serves it; the stored form keeps wo_a FP8 and dequantises it inside every step (--wo-a-fp8)
+    prel = jax.block_until_ready(dequantize_wo_a(stored, jnp.bfloat16))
+    rel = dict(base, gemm_input_fp8=True, quantized_gemm=BE)
+    forms = [("bf16", p16, InferenceOptions(**base)),
+             ("release, one-token FP4 kernels", prel, InferenceOptions(**rel, fp4_one_token=True)),
+             ("release, grouped FP4 kernel", prel, InferenceOptions(**rel, fp4_one_token=False))]
+    if wo_a_fp8:  # the form measured before wo_a was served from load
+        forms.append(("release, grouped FP4 kernel, wo_a FP8 per step (before)", stored,
+                      InferenceOptions(**rel, fp4_one_token=False)))
+    log(f"decode: params ready ({time.time() - T0:.0f} s)")
+    for b in batches:
+        if time.time() - T0 > budget_s:
+            OUT["errors"].append(f"decode batch {b}: skipped (budget)")
+            log(f"decode batch {b}: skipped ({time.time() - T0:.0f} s > budget {budget_s:.0f} s)")
+            continue
+        log(f"decode: batch {b}: first calls of {len(forms)} forms, concurrently ({time.time() - T0:.0f} s)")
+
+        def first(form):
+            try:
+                return decode_setup(config, form[1], form[2], b, context)
+            except Exception as e:  # noqa: BLE001
+                return dict(error=f"{type(e).__name__}: {str(e)[:400]}")
+
+        with concurrent.futures.ThreadPoolExecutor(len(forms)) as ex:
+            setups = list(ex.map(first, forms))
+        log(f"decode: batch {b}: compiled ({time.time() - T0:.0f} s)")
+        for (form, params, _), s in zip(forms, setups):
+            row = dict(model=config.name, batch=b, context=context, weights=form, weight_gb=weight_bytes(params) / 1e9)
+            try:
+                if "error" in s:
+                    raise RuntimeError(s["error"])
+                row.update(time_and_profile(s, b, form, out_dir))
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            OUT["decode"].append(row)
+            log(json.dumps({k: v for k, v in row.items() if k != "top"}, default=str))
+            save()
+        del setups
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--model", default="12L")
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--budget-s", type=float, default=200.0,
+                    help="no further decode batch once this long has passed")
+    ap.add_argument("--skip-experts", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--tilings", type=int, default=len(TILINGS), help="experts: the first N of TILINGS")
+    ap.add_argument("--decode-first", action="store_true", help="the decode part before the experts part")
+    ap.add_argument("--wo-a-fp8", action="store_true",
+                    help="decode: also the release weights with wo_a kept FP8 and dequantised inside every step (the "
+                         "form before wo_a was served in bf16 from load, now the release forms' default)")
+    ap.add_argument("--wo-a-bf16", action="store_true", help="no effect: wo_a in bf16 from load is now the default")
+    args = ap.parse_args()
+    OUT["meta"] = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), jax=jax.__version__,
+                       devices=[d.device_kind for d in jax.devices()],
+                       command="python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]))
+    log(json.dumps(OUT["meta"]))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+
+    def save():
+        if args.out:
+            with open(os.path.join(args.out, "profile_release_decode.json"), "w") as f:
+                json.dump(OUT, f, indent=1, default=str)
+
+    try:
+        OUT["ceilings"] = copy_and_read_bandwidth(lambda fn, a: device_us(fn, a, 1)[0],
+                                                  (1 << 16) if SMOKE else (1 << 30))
+        log(f"copy {OUT['ceilings']['copy_bw'] / 1e12:.2f} TB/s, read-only {OUT['ceilings']['read_bw'] / 1e12:.2f} "
+            f"TB/s (4 GiB), datasheet 4.8 TB/s")
+    except Exception as e:  # noqa: BLE001
+        OUT["errors"].append(f"ceilings: {type(e).__name__}: {e}")
+    save()
+    def experts():
+        if not args.skip_experts:
+            log("\n| one token's routed experts (top-6 of 2304 x 5120) | dev µs | wall µs | % of 4.8 TB/s | "
+                "% of read-only | rel err vs grouped | families (dev µs) |\n|---|---:|---:|---:|---:|---:|---|")
+            try:
+                experts_part(OUT["ceilings"], args.tilings)
+            except Exception as e:  # noqa: BLE001
+                OUT["errors"].append(f"experts: {type(e).__name__}: {str(e)[:400]}")
+                log(f"experts FAILED: {type(e).__name__}: {str(e)[:300]}")
+            save()
+
+    def decode():
+        if not args.skip_decode:
+            try:
+                decode_part("smoke" if SMOKE else args.model, [int(b) for b in args.batches.split(",")], args.context,
+                            args.budget_s, args.out, save, args.wo_a_fp8)
+            except Exception as e:  # noqa: BLE001
+                OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
+                log(f"decode FAILED: {type(e).__name__}: {str(e)[:300]}")
+            save()
+
+    for part in ((decode, experts) if args.decode_first else (experts, decode)):
+        part()
+    log("\n| batch | weights | first call s | synced ms | queued ms | busy ms | kernel ms | launches | families "
+        "(ms / launches per step) |\n|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    for r in OUT["decode"]:
+        fams = "; ".join(f"{k}: {v['ms_per_step']:.3f} / {v['launches_per_step']:.0f}"
+                         for k, v in r.get("families", {}).items())
+        log(f"| {r['batch']} | {r['weights']} | {r.get('first_call_s', float('nan')):.1f} | "
+            f"{r.get('step_ms', float('nan')):.2f} | {r.get('queued_ms', float('nan')):.2f} | "
+            f"{r.get('busy_ms_per_step', float('nan')):.2f} | {r.get('kernel_ms_per_step', float('nan')):.2f} | "
+            f"{r.get('launches_per_step', float('nan')):.0f} | {fams} | {r.get('error', '')}")
+    bad = [c for c in OUT["checks"] if not c["rel_err"] < 8e-3]
+    log(f"\nerrors: {OUT['errors'] or 'none'}; checks over 8e-3: {len(bad)}; elapsed {time.time() - T0:.0f} s")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
