@@ -23,7 +23,8 @@ and the spare slots' weight reads are wasted. With release FP4 experts marked fo
 (``InferenceOptions.quantized_gemm``), :func:`moe_inference` runs the grouped Pallas GEMM instead
 (``kernels.quant_gemm.fp4_grouped`` through ``ops.moe.routed_ragged``): only experts with rows are read, from their
 packed bytes, with no slot padding. One token on the GPU kernels (decode at batch 1) can take
-:func:`routed_fp4_one_token` instead (``fp4_one_token=True``; off by default until measured faster in the step):
+:func:`routed_fp4_one_token` instead (``fp4_one_token=True``, the default: 1.10 vs 1.50 ms of expert kernels per step
+on an H200, benchmarks/RESULTS.md):
 its top-k picks are the slots of two gemv kernels over the picked experts' packed bytes
 (``kernels.quant_gemm.fp4_slot_swiglu`` / ``fp4_slot_down``), with no sort, tile metadata or scatter.
 """
@@ -235,12 +236,12 @@ def routed_fp4_one_token(x, weights, idx, w1, w2, w3, limit, backend: str):
 
 def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scaling: float, limit: float,
                   normalize: bool = True, tile: int | None = None, backend: str = "auto",
-                  router_one_pass: bool = False, fp4_one_token: bool = False) -> jax.Array:
+                  router_one_pass: bool = False, fp4_one_token: bool = True) -> jax.Array:
     """x [..., d] -> y [..., d] in x.dtype (router + tiled routed experts + the shared expert). ``backend`` (a
     ``dsv41_jax.kernels`` backend) picks the decode path's slot kernels on a GPU (:func:`routed_slots`);
     ``router_one_pass``: the router logits as one reduction (``ops.moe.route``); ``fp4_one_token``: one token's
-    release FP4 experts on the GPU kernels by :func:`routed_fp4_one_token` (default False: the grouped kernel, measured
-    faster in the step so far — ``InferenceOptions.fp4_one_token``)."""
+    release FP4 experts on the GPU kernels by :func:`routed_fp4_one_token` (default True, measured faster in the step;
+    False: the grouped kernel — ``InferenceOptions.fp4_one_token``)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, idx, _ = route(flat, params["gate"]["weight"], params["gate"]["bias"], top_k=top_k, temp=temp,

@@ -77,10 +77,11 @@ class InferenceOptions:
     gemm_input_fp8: bool = False  # the release's FP8 rounding of every FP8 / FP4 GEMM's input (ForwardOptions)
     quantized_gemm: str = "reference"  # with gemm_input_fp8: how QuantizedTensor GEMMs run — "reference" (dequantise
     #                                    in XLA) or a kernels.quant_gemm backend ("auto", "pallas_gpu", "pallas_tpu")
-    fp4_one_token: bool = False  # one token's release FP4 routed experts on the GPU kernels as two gemv kernels over
-    #                              its picks (inference.moe.routed_fp4_one_token) instead of the grouped FP4 kernel; off
-    #                              until measured faster in the step (H200, 2026-12-02: 1.82 vs 1.50 ms per step with
-    #                              the first form of its down kernel, benchmarks/RESULTS.md)
+    fp4_one_token: bool = True  # one token's release FP4 routed experts on the GPU kernels as two gemv kernels over
+    #                             its picks (inference.moe.routed_fp4_one_token) instead of the grouped FP4 kernel:
+    #                             measured faster in the step (H200, 2026-12-02, 12-layer bench model at batch 1:
+    #                             1.10 vs 1.50 ms of expert kernels, 3.76 vs 4.30 ms per queued step; the first
+    #                             form of its down kernel had been slower; benchmarks/RESULTS.md)
 
     def resolved_quant(self, config: ModelConfig) -> bool:
         return config.quant_sim if self.quant_sim is None else self.quant_sim
