@@ -35,6 +35,7 @@ def _one(args) -> dict:
     from bench_train import PEAK_MEASURED, model_flops_per_token, preset
 
     from dsv41_jax.model.model import default_hasher
+    from dsv41_jax.train.testing import random_batch
     from dsv41_jax.train.config import TrainConfig
     from dsv41_jax.train.step import make_train_step
 
@@ -47,14 +48,7 @@ def _one(args) -> dict:
     state = step.init_state(seed=0)
     jax.block_until_ready(state)
     t_init = time.perf_counter() - t0
-    rng = np.random.default_rng(0)
-    toks = rng.integers(3, config.vocab_size, (args.batch, args.seq + 1)).astype(np.int32)
-    batch = {"tokens": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": np.ones((args.batch, args.seq), np.float32),
-             "valid": np.ones((args.batch, args.seq), bool)}
-    hasher = default_hasher(config)
-    if hasher is not None:
-        batch["engram_ids"] = hasher.row_ids(batch["tokens"])
-    batch = jax.device_put(batch)
+    batch = jax.device_put(random_batch(config, args.batch, args.seq, seed=0, hasher=default_hasher(config)))
     t0 = time.perf_counter()
     compiled = step.lower(state, batch, 1e-4).compile()
     t_compile = time.perf_counter() - t0

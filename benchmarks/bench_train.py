@@ -31,6 +31,7 @@ import numpy as np
 from dsv41_jax.config import load_config
 from dsv41_jax.model.counting import count_params
 from dsv41_jax.model.model import default_hasher
+from dsv41_jax.train.testing import random_batch
 from dsv41_jax.train.config import TrainConfig
 from dsv41_jax.train.step import make_train_step
 
@@ -74,14 +75,7 @@ def run(args) -> dict:
     state = step.init_state(seed=0)
     jax.block_until_ready(state)
     t_init = time.perf_counter() - t0
-    rng = np.random.default_rng(0)
-    toks = rng.integers(3, config.vocab_size, (args.batch, args.seq + 1)).astype(np.int32)
-    batch = {"tokens": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": np.ones((args.batch, args.seq), np.float32),
-             "valid": np.ones((args.batch, args.seq), bool)}
-    hasher = default_hasher(config)
-    if hasher is not None:
-        batch["engram_ids"] = hasher.row_ids(batch["tokens"])
-    batch = jax.device_put(batch)
+    batch = jax.device_put(random_batch(config, args.batch, args.seq, seed=0, hasher=default_hasher(config)))
     t0 = time.perf_counter()
     donate = (0,) if jax.default_backend() != "cpu" else ()
     compiled = jax.jit(step.step_fn, donate_argnums=donate).lower(state, batch, np.float32(1e-4)).compile()

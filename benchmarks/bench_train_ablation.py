@@ -41,6 +41,7 @@ from profile_train import hlo_stats, matmul_rate  # noqa: E402
 
 from dsv41_jax import kernels as KN  # noqa: E402
 from dsv41_jax.model.model import default_hasher  # noqa: E402
+from dsv41_jax.train.testing import random_batch  # noqa: E402
 from dsv41_jax.train.config import TrainConfig  # noqa: E402
 from dsv41_jax.train.step import make_train_step  # noqa: E402
 
@@ -99,14 +100,7 @@ def main(argv=None) -> int:
     config = preset(args.preset)
     variants = [parse_variant(v) for v in args.variants.split(",") if v]
     saved = dict(KN.GPU_BWD_DEFAULTS["16bit"])
-    rng = np.random.default_rng(0)
-    toks = rng.integers(3, config.vocab_size, (args.batch, args.seq + 1)).astype(np.int32)
-    batch = {"tokens": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": np.ones((args.batch, args.seq), np.float32),
-             "valid": np.ones((args.batch, args.seq), bool)}
-    hasher = default_hasher(config)
-    if hasher is not None:
-        batch["engram_ids"] = hasher.row_ids(batch["tokens"])
-    batch = jax.device_put(batch)
+    batch = jax.device_put(random_batch(config, args.batch, args.seq, seed=0, hasher=default_hasher(config)))
     lr = np.float32(1e-4)
     donate = (0,) if jax.default_backend() != "cpu" else ()
 

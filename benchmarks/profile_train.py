@@ -43,6 +43,7 @@ from bench_train import model_flops_per_token, preset  # noqa: E402
 from trace_events import load_trace, newest_trace, union_length  # noqa: E402
 
 from dsv41_jax.model.model import default_hasher  # noqa: E402
+from dsv41_jax.train.testing import random_batch  # noqa: E402
 from dsv41_jax.train.config import TrainConfig  # noqa: E402
 from dsv41_jax.train.step import make_train_step  # noqa: E402
 
@@ -177,14 +178,7 @@ def run_variant(args, variant: str, peak: float, out_dir: str, profile: bool) ->
                      moe_impl="blocked" if "blocked" in flags else "ragged", compute_copy="copy" in flags)
     step = make_train_step(config, tc)
     state = step.init_state(seed=0)
-    rng = np.random.default_rng(0)
-    toks = rng.integers(3, config.vocab_size, (args.batch, args.seq + 1)).astype(np.int32)
-    batch = {"tokens": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": np.ones((args.batch, args.seq), np.float32),
-             "valid": np.ones((args.batch, args.seq), bool)}
-    hasher = default_hasher(config)
-    if hasher is not None:
-        batch["engram_ids"] = hasher.row_ids(batch["tokens"])
-    batch = jax.device_put(batch)
+    batch = jax.device_put(random_batch(config, args.batch, args.seq, seed=0, hasher=default_hasher(config)))
     lr = np.float32(1e-4)
     t0 = time.perf_counter()
     lowered = jax.jit(step.step_fn, donate_argnums=(0,) if jax.default_backend() != "cpu" else ()).lower(
