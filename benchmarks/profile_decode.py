@@ -233,6 +233,25 @@ def summarize_trace(log_dir: str, steps: int, layers: int) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------------
 
+def time_steps(step, cache, steps):
+    """``step(cache, i, read_back=True) -> cache`` after its first call: one warm call, then ``steps`` synced calls
+    (tokens read back, each timed), then ``steps`` queued back to back without read-back — the host runs ahead while
+    the device works, so that is max(host time, device time) per step, close to the device time when the synced step
+    is host-bound. Returns (cache, synced seconds per step, queued ms per step)."""
+    cache = step(cache, 1)
+    ts = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        cache = step(cache, 2 + i)
+        ts.append(time.perf_counter() - t0)
+    jax.block_until_ready(cache)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        cache = step(cache, 50 + i, read_back=False)
+    jax.block_until_ready(cache)
+    return cache, ts, (time.perf_counter() - t0) / steps * 1e3
+
+
 def profile_one(config, params, batch, context, opts, steps, profile_steps, out_dir):
     cache = init_cache(config, batch, context + 64, jnp.bfloat16)
     cache = jax.jit(fill_cache, static_argnums=(1,), donate_argnums=(0,))(cache, context, jax.random.PRNGKey(1))
@@ -248,20 +267,7 @@ def profile_one(config, params, batch, context, opts, steps, profile_steps, out_
     t0 = time.perf_counter()
     cache = step(cache, 0)
     compile_s = time.perf_counter() - t0
-    cache = step(cache, 1)
-    ts = []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        cache = step(cache, 2 + i)
-        ts.append(time.perf_counter() - t0)
-    # the same steps queued back to back, tokens not read back: the host runs ahead while the device works, so
-    # this is max(host time, device time) per step — close to the device time when the synced step is host-bound
-    jax.block_until_ready(cache)
-    t0 = time.perf_counter()
-    for i in range(steps):
-        cache = step(cache, 50 + i, read_back=False)
-    jax.block_until_ready(cache)
-    queued_ms = (time.perf_counter() - t0) / steps * 1e3
+    cache, ts, queued_ms = time_steps(step, cache, steps)
     log_dir = tempfile.mkdtemp(prefix="decode_trace_")  # traces stay on the machine; the summary is returned
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
         t0 = time.perf_counter()

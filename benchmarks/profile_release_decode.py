@@ -281,19 +281,11 @@ def decode_setup(config, params, opts, batch, context):
 
 def time_and_profile(s, batch, form, out_dir, steps=10, profile_steps=3):
     step, cache = s.pop("step"), s.pop("cache")
+    from profile_decode import time_steps
+
     row = dict(first_call_s=s["first_call_s"])
-    cache = step(cache, 1)
-    ts = []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        cache = step(cache, 2 + i)
-        ts.append(time.perf_counter() - t0)
-    jax.block_until_ready(cache)
-    t0 = time.perf_counter()
-    for i in range(steps):
-        cache = step(cache, 50 + i, read_back=False)
-    jax.block_until_ready(cache)
-    row.update(step_ms=statistics.median(ts) * 1e3, queued_ms=(time.perf_counter() - t0) / steps * 1e3)
+    cache, ts, queued_ms = time_steps(step, cache, steps)
+    row.update(step_ms=statistics.median(ts) * 1e3, queued_ms=queued_ms)
     if SMOKE:
         return row
     log_dir = tempfile.mkdtemp(prefix="release_trace_")
