@@ -71,13 +71,16 @@ F_, D_ = (64, 96) if SMOKE else (2304, 5120)
 LIMIT = 10.0
 # (swiglu tiling, down tiling): the first is the committed default (the same-run baseline of the others)
 TILINGS = [({}, {}),
-           (dict(block_n=16, num_warps=8), dict(block_n=16, prefetch=4, num_warps=8)),
-           (dict(block_k=256, prefetch=8, num_warps=4), dict(prefetch=4)),
-           (dict(block_n=4, num_warps=4), dict(block_n=4)),
-           (dict(block_k=1024, prefetch=2), dict(block_k=128, prefetch=8)),
-           (dict(prefetch=8), dict(prefetch=16, num_warps=8))]
+           (dict(decode="f16"), dict(decode="f16")),  # the kernels' form before the pair decode
+           (dict(decode="pair"), dict(decode="pair")),
+           (dict(block_k=256, prefetch=8), dict(num_warps=8)),
+           (dict(prefetch=2), dict(block_n=8)),
+           (dict(block_k=1024, prefetch=2), dict(prefetch=4)),
+           (dict(block_k=256, prefetch=4, num_warps=4), dict(block_n=32, num_warps=8)),
+           (dict(block_n=16, num_warps=8), dict(block_n=8, num_warps=2))]
 if SMOKE:
-    TILINGS = [({}, {}), (dict(block_n=4, block_k=32, prefetch=1), dict(block_n=4, block_k=32))]
+    TILINGS = [({}, {}), (dict(decode="f16"), dict(decode="f16")),
+               (dict(block_n=4, block_k=32, prefetch=1), dict(block_n=4, block_k=32))]
 OUT: dict = {"meta": {}, "ceilings": {}, "experts": [], "checks": [], "decode": [], "errors": []}
 T0 = time.time()
 
@@ -192,6 +195,15 @@ def experts_part(bw, n_tilings=len(TILINGS)):
     variants.append(("bf16 experts, slot kernels", many(lambda x, w, p, a, b, c: routed_slots(x, w, p, a, b, c, LIMIT,
                                                                                              BE)),
                      tuple(bf), nbytes_bf16, {}))
+    for i, (up, down) in enumerate(TILINGS[:n_tilings]):  # every tiling / decode form against the float32 oracle
+        try:
+            e = B.rel_err(one_token_tuned(x32, wts[0], picks[0], *marked, up, down, f"chk{i}"), ref32)
+        except Exception as ex:  # noqa: BLE001
+            e = float("nan")
+            OUT["errors"].append(f"check tiling {i}: {type(ex).__name__}: {str(ex)[:300]}")
+        OUT["checks"].append(dict(what=f"one-token kernels up {up} / down {down}, float32 x, vs the float32 oracle",
+                                  rel_err=e))
+        log(f"check tiling {i} ({up} / {down}): float32 vs oracle rel err {e:.2e}")
     base = None
     for name, fn, ws, nb, tiling in variants:
         args = (xs, wts, picks, ws)
@@ -305,7 +317,7 @@ def time_and_profile(s, batch, form, out_dir, steps=10, profile_steps=3):
     return row
 
 
-def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False):
+def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False, no_grouped=False):
     """Per batch: every form's first call (trace + compile + one step) concurrently in threads (XLA compiles
     release the GIL; the forms' first-call times overlap, so each is an upper bound of its compile), then each
     form timed and profiled alone."""
@@ -327,8 +339,12 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
     prel = jax.block_until_ready(dequantize_wo_a(stored, jnp.bfloat16))
     rel = dict(base, gemm_input_fp8=True, quantized_gemm=BE)
     forms = [("bf16", p16, InferenceOptions(**base)),
-             ("release, one-token FP4 kernels", prel, InferenceOptions(**rel, fp4_one_token=True)),
-             ("release, grouped FP4 kernel", prel, InferenceOptions(**rel, fp4_one_token=False))]
+             ("release, one-token FP4 kernels", prel, InferenceOptions(**rel, fp4_one_token=True))]
+    if not no_grouped:
+        forms.append(("release, grouped FP4 kernel", prel, InferenceOptions(**rel, fp4_one_token=False)))
+    # the one-token kernels' form before the pair decode, as its own option (a distinct compiled program)
+    forms.append(("release, one-token FP4 kernels, f16 decode (before)", prel,
+                  InferenceOptions(**rel, fp4_one_token=True, fp4_slot_decode="f16")))
     if wo_a_fp8:  # the form measured before wo_a was served from load
         forms.append(("release, grouped FP4 kernel, wo_a FP8 per step (before)", stored,
                       InferenceOptions(**rel, fp4_one_token=False)))
@@ -380,6 +396,7 @@ def main():
                     help="decode: also the release weights with wo_a kept FP8 and dequantised inside every step (the "
                          "form before wo_a was served in bf16 from load, now the release forms' default)")
     ap.add_argument("--wo-a-bf16", action="store_true", help="no effect: wo_a in bf16 from load is now the default")
+    ap.add_argument("--no-grouped", action="store_true", help="decode: leave out the grouped FP4 kernel form")
     args = ap.parse_args()
     OUT["meta"] = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), jax=jax.__version__,
                        devices=[d.device_kind for d in jax.devices()],
@@ -416,7 +433,7 @@ def main():
         if not args.skip_decode:
             try:
                 decode_part("smoke" if SMOKE else args.model, [int(b) for b in args.batches.split(",")], args.context,
-                            args.budget_s, args.out, save, args.wo_a_fp8)
+                            args.budget_s, args.out, save, args.wo_a_fp8, args.no_grouped)
             except Exception as e:  # noqa: BLE001
                 OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
                 log(f"decode FAILED: {type(e).__name__}: {str(e)[:300]}")

@@ -30,7 +30,7 @@ def _silu(g):
 
 def test_fp4_slot_kernels_equal_float64_on_the_picked_experts():
     """float32 activations (no output rounding), 3 picks of 5 experts, K = 96 / F = 64 (several K steps; the
-    tiling's prefetch and block sizes varied), against float64 on the dequantised experts."""
+    tiling's prefetch, block sizes and decode forms varied), against float64 on the dequantised experts."""
     rng = np.random.default_rng(11)
     e, f, d, limit = 5, 64, 96, 0.7
     w1, w3 = _weights(rng, (e, f, d)), _weights(rng, (e, f, d))
@@ -42,13 +42,15 @@ def test_fp4_slot_kernels_equal_float64_on_the_picked_experts():
     g = np.einsum("i,soi->so", np.asarray(x, np.float64), w1d)
     u = np.einsum("i,soi->so", np.asarray(x, np.float64), w3d)
     want_act = _silu(np.minimum(g, limit)) * np.clip(u, -limit, limit) * np.asarray(wts, np.float64)[:, None]
-    for tuning in (None, dict(block_n=4, block_k=32, prefetch=1)):
+    for tuning in (None, dict(block_n=4, block_k=32, prefetch=1), dict(decode="pair"),
+                   dict(decode="pair_group", block_n=2, block_k=64, prefetch=1)):
         act = QG.fp4_slot_swiglu(x, picks, wts, w1, w3, limit=limit, backend=BE, tuning=tuning)
         assert act.shape == (3, f) and act.dtype == jnp.float32
         np.testing.assert_allclose(act, want_act, rtol=1e-5, atol=1e-6 * np.abs(want_act).max(), err_msg=str(tuning))
     a = Q.fake_quant_gemm_input_fp8(act, 32)
     want = np.einsum("si,soi->o", np.asarray(a, np.float64), w2d)
-    for tuning in (None, dict(block_n=2, block_k=32, prefetch=2)):
+    for tuning in (None, dict(block_n=2, block_k=32, prefetch=2), dict(decode="pair"),
+                   dict(decode="pair_group", block_n=4, block_k=32, prefetch=0)):
         y = QG.fp4_slot_down(a, picks, w2, backend=BE, tuning=tuning)
         assert y.shape == (d,) and y.dtype == jnp.float32
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(tuning))
@@ -123,3 +125,16 @@ def test_fp4_slot_kernels_refuse_bad_operands_clearly():
         QG.fp4_slot_down(jnp.ones((3, 64), jnp.float32), picks, w, backend=BE)
     with pytest.raises(QG.QuantGemmError, match="no TPU kernel"):
         QG.fp4_slot_down(jnp.ones((2, 64), jnp.float32), picks, w, backend="pallas_tpu_interpret")
+
+
+def test_pair_decode_equals_the_nibble_decode_on_every_byte():
+    """``_e2m1_pair_f16`` (both nibbles' float16 patterns built in one 32-bit lane) equals the one-nibble decode
+    bit for bit on all 256 packed bytes (signed zeros included)."""
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    b = jnp.arange(256, dtype=jnp.int32).astype(jnp.uint8)
+    lo, hi = G._e2m1_pair_f16(b)
+    want_lo = G.decode_e2m1_scaled(b.astype(jnp.int32) & 15).astype(jnp.float32)
+    want_hi = G.decode_e2m1_scaled(b.astype(jnp.int32) >> 4).astype(jnp.float32)
+    for got, want in ((lo, want_lo), (hi, want_hi)):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))

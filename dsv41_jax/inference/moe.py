@@ -218,30 +218,34 @@ def fp4_one_token_backend(n_tokens: int, w1, w2, w3) -> str | None:
     return kernel if w1.shape[2] % 32 == 0 and w2.shape[2] % 32 == 0 else None
 
 
-def routed_fp4_one_token(x, weights, idx, w1, w2, w3, limit, backend: str):
+def routed_fp4_one_token(x, weights, idx, w1, w2, w3, limit, backend: str, decode: str | None = None):
     """x [1, d]; weights / idx [1, k]; marked stacked FP4 experts -> [1, d] float32: the routed experts of one token
     as two kernels over its k picks (``kernels.quant_gemm.fp4_slot_swiglu`` / ``fp4_slot_down``). The same maths
     and roundings as :func:`ops.moe.routed_ragged` on the grouped kernel: the input rounded to FP8 (w1's marker),
     gate / up rounded to x.dtype, the activation times the routing weight rounded to x.dtype and then to FP8 (w2's
-    marker), each pick's output rounded to x.dtype and the picks summed in float32."""
+    marker), each pick's output rounded to x.dtype and the picks summed in float32. ``decode``: the kernels' decode
+    form (``kernels.quant_gemm_gpu.FP4_SLOT_DECODES``; None: their default)."""
     from dsv41_jax.kernels import quant_gemm
 
+    tuning = {"decode": decode} if decode else None
     picks = idx[0].astype(jnp.int32)  # a token's top-k experts are distinct: one slot each, no sort
     xs = gemm_input(x, w1)[0]
     act = quant_gemm.fp4_slot_swiglu(xs, picks, weights[0].astype(jnp.float32), w1.weight, w3.weight,
-                                     limit=float(limit), backend=backend)
-    y = quant_gemm.fp4_slot_down(gemm_input(act, w2), picks, w2.weight, backend=backend)
+                                     limit=float(limit), backend=backend, tuning=tuning)
+    y = quant_gemm.fp4_slot_down(gemm_input(act, w2), picks, w2.weight, backend=backend, tuning=tuning)
     return y[None]
 
 
 def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scaling: float, limit: float,
                   normalize: bool = True, tile: int | None = None, backend: str = "auto",
-                  router_one_pass: bool = False, fp4_one_token: bool = True) -> jax.Array:
+                  router_one_pass: bool = False, fp4_one_token: bool = True,
+                  fp4_slot_decode: str | None = None) -> jax.Array:
     """x [..., d] -> y [..., d] in x.dtype (router + tiled routed experts + the shared expert). ``backend`` (a
     ``dsv41_jax.kernels`` backend) picks the decode path's slot kernels on a GPU (:func:`routed_slots`);
     ``router_one_pass``: the router logits as one reduction (``ops.moe.route``); ``fp4_one_token``: one token's
     release FP4 experts on the GPU kernels by :func:`routed_fp4_one_token` (default True, measured faster in the step;
-    False: the grouped kernel — ``InferenceOptions.fp4_one_token``)."""
+    False: the grouped kernel — ``InferenceOptions.fp4_one_token``); ``fp4_slot_decode``: those kernels' decode form
+    (None: their default)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, idx, _ = route(flat, params["gate"]["weight"], params["gate"]["bias"], top_k=top_k, temp=temp,
@@ -249,7 +253,7 @@ def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scalin
     e = params["experts"]
     one_token = fp4_one_token_backend(flat.shape[0], e["w1"], e["w2"], e["w3"]) if fp4_one_token else None
     if one_token is not None:
-        y = routed_fp4_one_token(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, one_token)
+        y = routed_fp4_one_token(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, one_token, fp4_slot_decode)
     elif grouped_kernel_backend(e["w1"], e["w2"], e["w3"]) is not None:
         # release FP4 experts with a quantised-GEMM kernel: one grouped Pallas GEMM per projection reads only the
         # experts that received rows, straight from their packed bytes (no slot padding, no per-expert loop)

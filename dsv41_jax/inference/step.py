@@ -82,6 +82,8 @@ class InferenceOptions:
     #                             measured faster in the step (H200, 2026-12-02, 12-layer bench model at batch 1:
     #                             1.10 vs 1.50 ms of expert kernels, 3.76 vs 4.30 ms per queued step; the first
     #                             form of its down kernel had been slower; benchmarks/RESULTS.md)
+    fp4_slot_decode: str | None = None  # those kernels' decode form (kernels.quant_gemm_gpu.FP4_SLOT_DECODES; None:
+    #                                     the kernels' default) — to measure one form against another in one run
 
     def resolved_quant(self, config: ModelConfig) -> bool:
         return config.quant_sim if self.quant_sim is None else self.quant_sim
@@ -525,7 +527,7 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
             y = moe_inference(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp,
                               scaling=c.routed_scaling_factor, limit=c.swiglu_limit, normalize=c.norm_topk_prob,
                               backend=opts.kernel_backend, router_one_pass=opts.router_one_pass and small,
-                              fp4_one_token=opts.fp4_one_token)
+                              fp4_one_token=opts.fp4_one_token, fp4_slot_decode=opts.fp4_slot_decode)
         else:
             y, _ = moe(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp, scaling=c.routed_scaling_factor,
                        limit=c.swiglu_limit, impl=opts.moe_impl, normalize=c.norm_topk_prob)

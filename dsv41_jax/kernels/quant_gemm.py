@@ -214,6 +214,16 @@ def _slot_backend(what: str, backend: str) -> str:
     return be
 
 
+def _slot_tuning(tuning: dict | None) -> dict:
+    """The slot kernels' tiling overrides with the decode form named (the module default when not given), so that
+    programs traced under different defaults never share a cached kernel trace."""
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    t = dict(tuning or {})
+    t.setdefault("decode", G.FP4_SLOT_DEFAULT_DECODE)
+    return t
+
+
 def _picked(w, slot_expert, dtype):
     """The picked experts of stacked FP4 experts, dequantised exactly: [S, N, K] in ``dtype``."""
     sub = dataclasses.replace(w, values=w.values[slot_expert], scales=w.scales[slot_expert],
@@ -253,7 +263,7 @@ def fp4_slot_swiglu(x: jax.Array, slot_expert: jax.Array, slot_wts: jax.Array, w
 
     _check_gpu_addressing("fp4_slot_swiglu", w1.values, w1.scales, w3.values, w3.scales)
     return G.fp4_slot_swiglu(x, slot_expert, slot_wts, w1.values, w1.scales, w3.values, w3.scales,
-                             limit=float(limit), interpret=be.endswith("interpret"), **(tuning or {}))
+                             limit=float(limit), interpret=be.endswith("interpret"), **_slot_tuning(tuning))
 
 
 def fp4_slot_down(act: jax.Array, slot_expert: jax.Array, w2, *, backend: str = "auto",
@@ -276,7 +286,7 @@ def fp4_slot_down(act: jax.Array, slot_expert: jax.Array, w2, *, backend: str = 
 
     _check_gpu_addressing("fp4_slot_down", w2.values, w2.scales)
     return G.fp4_slot_down(act, slot_expert, w2.values, w2.scales, interpret=be.endswith("interpret"),
-                           **(tuning or {}))
+                           **_slot_tuning(tuning))
 
 
 __all__ = ["BACKENDS", "resolve_backend", "fp8_linear", "fp8_linear_fused", "fp4_grouped", "fp4_slot_swiglu",
