@@ -24,7 +24,7 @@ and the spare slots' weight reads are wasted. With release FP4 experts marked fo
 (``kernels.quant_gemm.fp4_grouped`` through ``ops.moe.routed_ragged``): only experts with rows are read, from their
 packed bytes, with no slot padding. One token on the GPU kernels (decode at batch 1) can take
 :func:`routed_fp4_one_token` instead (``fp4_one_token=True``, the default: 1.10 vs 1.50 ms of expert kernels per step
-on an H200, benchmarks/RESULTS.md):
+on an H200, 0.80 ms since the kernels' pair decode, benchmarks/RESULTS.md):
 its top-k picks are the slots of two gemv kernels over the picked experts' packed bytes
 (``kernels.quant_gemm.fp4_slot_swiglu`` / ``fp4_slot_down``), with no sort, tile metadata or scatter.
 """

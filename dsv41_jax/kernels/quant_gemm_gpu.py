@@ -502,11 +502,13 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
 # issued before step i is computed (the FP8 gemv's form). Outputs are rounded as the grouped path rounds them
 # (gate / up and each slot's down projection to the activations' dtype), so the two paths agree to float32
 # accumulation order.
-# Measured on an H200 in the bench model's batch-1 decode step (benchmarks/RESULTS.md, 2026-12-02): the gate / up
-# kernel 59 µs per layer for six 2304 x 5120 pairs (75 MB: 1.27 TB/s, 26 % of 4.8 TB/s; the grouped kernel 87 µs);
-# the first form of the down kernel (one program per column block over every slot) 92 µs for 38 MB — the form
-# below replaces it, not yet measured. About 12 integer / float operations per weight byte (nibble decode, two
-# widenings, products, scaling) are likely what limits these kernels on the CUDA cores (not profiled per kernel).
+# Measured on an H200 in the bench model's batch-1 decode step (benchmarks/RESULTS.md, 2026-12-02 11:44 UTC), per
+# layer for six 2304 x 5120 experts: gate / up 44.5 µs for 75 MB, down 22.2 µs for 38 MB (both 1.69 TB/s, 35 % of
+# 4.8 TB/s) with the pair decode and per-group scaling (``decode="pair_group"``, the default), against 59.5 / 32.1 µs
+# (26 / 24 %) for the one-nibble float16 decode scaled per byte (``"f16"``) in the same run. The limit is the CUDA
+# cores, not the bytes: the SASS (compiled for sm_90 off the device) holds about 13 instructions per weight byte
+# (byte extraction, the pair's two shifts and masks, two float16 -> float32 widenings, three float ops), 18 for "f16",
+# whose 255 registers and spills also left one 8-warp program per multiprocessor (101 registers now).
 
 FP4_HALF = SCALE_BLOCK // 2  # packed bytes per scale group
 
@@ -527,9 +529,9 @@ def fp4_slot_tiling(n: int, k: int, *, block_n: int | None = None, block_k: int 
     for block_k) up to the defaults that divide n / k — the kernels have no tail masking."""
     if k % SCALE_BLOCK:
         raise ValueError(f"K = {k} is not a multiple of the FP4 scale block {SCALE_BLOCK}")
-    # the gate / up defaults as measured in the bench model's decode step on an H200 (59 µs per layer for six
-    # 2304 x 5120 pairs, 26 % of 4.8 TB/s: benchmarks/RESULTS.md, 2026-12-02); the down projection's are the same
-    # 2 KB per weight tile and K step with 128 threads (16 bytes each), not yet measured
+    # the defaults as measured in the bench model's decode step on an H200 (benchmarks/RESULTS.md, 2026-12-02: gate /
+    # up 8-row blocks, 512-wide K steps, 4 ahead, 8 warps; down 16-row blocks, 256-wide steps, 8 ahead, 4 warps —
+    # the other tilings of that run and of the one before were slower)
     bn = _largest_pow2_divisor(n, block_n or (16 if down else 8))
     bk = _largest_pow2_divisor(k, block_k or (256 if down else 512), SCALE_BLOCK)
     steps = k // bk
