@@ -1,0 +1,171 @@
+"""Instruction counts of the quantised-GEMM Pallas GPU kernels, on a CPU host, with no GPU: the kernel is lowered to
+Triton IR by JAX (as for a CUDA device), compiled for sm_90 by Triton's own compiler and disassembled; the table is
+the SASS opcode histogram, registers, stack (spills) and instructions per weight byte per thread.
+
+    pip install triton            # the ``sass`` extra: Triton's compiler, ptxas and cuobjdump (x86-64 Linux wheels)
+    python benchmarks/kernel_sass.py fp4_up                         # the committed default
+    python benchmarks/kernel_sass.py fp4_up --tuning '{"decode": "f16"}'
+    python benchmarks/kernel_sass.py fp4_down --tuning '{"block_n": 8}' --keep DIR   # also keeps .ttir/.ptx/.sass
+
+Kernels: ``fp4_up`` / ``fp4_down`` (``fp4_slot_swiglu`` / ``fp4_slot_down`` at the bench model's expert shape,
+16 experts of 2304 x 5120, 6 picks, bf16), ``fp8_fused`` (``fp8_gemm_fused`` at M = 1: the shared expert's
+w1 + w3, 2 x 2304 x 5120).
+
+Why: the one-token FP4 kernels turned out bound by the CUDA cores, not HBM — 17.9 instructions per weight byte and
+255 registers with spills before the pair decode, 13.3 and 101 registers after (measured on an H200 1.35x faster,
+benchmarks/RESULTS.md, 2026-12-02). At 128 lane-instructions per clock per multiprocessor, N instructions per byte
+cap a kernel near 128 / N bytes per clock per SM (x 132 SMs x clock), whatever the memory system does: a bound read
+here in seconds, before any device time is spent.
+
+Caveats: the device compiles the same IR with the Triton bundled in its jaxlib, whose passes may differ a little
+from the installed Triton's; "per byte" divides the static instruction count by the bytes one thread streams, which
+is the executed count only for kernels whose K loop is unrolled (the default slot and FP8 gemv tilings; a warning is
+printed when the SASS has a backward branch). The IR is captured by wrapping JAX's private Pallas Triton lowering
+entry point (``jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module``), which may move between JAX versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, named to keep its warning quiet
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dsv41_jax.kernels import quant_gemm_gpu as G  # noqa: E402
+
+E, F, D, PICKS = 16, 2304, 5120, 6
+
+
+def capture_triton_ir(trace_and_lower) -> list[str]:
+    """The Triton IR (MLIR text) of every Pallas GPU kernel lowered while ``trace_and_lower()`` runs."""
+    from jax._src.pallas.triton import lowering as L
+    from jax._src.pallas.triton import pallas_call_registration as R
+
+    got, orig = [], L.lower_jaxpr_to_triton_module
+
+    def wrapped(*a, **k):
+        res = orig(*a, **k)
+        got.append(res.module.operation.get_asm(enable_debug_info=False))
+        return res
+
+    R.lowering.lower_jaxpr_to_triton_module = wrapped
+    try:
+        trace_and_lower()
+    finally:
+        R.lowering.lower_jaxpr_to_triton_module = orig
+    return got
+
+
+def compile_to_sass(ttir: str, num_warps: int, num_stages: int, work: str) -> tuple[str, str]:
+    """Triton IR text -> (SASS text, resource usage text), compiled for sm_90."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+    except ImportError:
+        sys.exit("kernel_sass.py needs Triton's compiler: pip install triton")
+    path = os.path.join(work, "kernel.ttir")
+    with open(path, "w") as f:
+        f.write(ttir)
+    k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
+                                                                              num_stages=num_stages))
+    cubin = os.path.join(work, "kernel.cubin")
+    with open(cubin, "wb") as f:
+        f.write(k.asm["cubin"])
+    with open(os.path.join(work, "kernel.ptx"), "w") as f:
+        f.write(k.asm["ptx"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    res = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+    with open(os.path.join(work, "kernel.sass"), "w") as f:
+        f.write(sass)
+    return sass, res
+
+
+def opcode_histogram(sass: str) -> collections.Counter:
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+        if m and m.group(1) != "NOP":
+            ops[m.group(1)] += 1
+    return ops
+
+
+def has_backward_branch(sass: str) -> bool:
+    """Whether any branch jumps to an earlier address (a loop the static count does not unroll)."""
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]+)\*/.*\bBRA\s+0x([0-9a-f]+)", line)
+        if m and int(m.group(2), 16) < int(m.group(1), 16):
+            return True
+    return False
+
+
+def kernel_case(name: str, tuning: dict):
+    """(trace-and-lower thunk, num_warps, num_stages, weight bytes one thread streams) of a named kernel."""
+    sds, u8 = jax.ShapeDtypeStruct, jnp.uint8
+    lower = dict(lowering_platforms=("cuda",))
+    if name == "fp4_up":
+        w = (sds((E, F, D // 2), u8), sds((E, F, D // 32), u8))
+        t = G.fp4_slot_tiling(F, D, **tuning)
+        fn = jax.jit(lambda x, p, wt, a, b, c, d: G.fp4_slot_swiglu(x, p, wt, a, b, c, d, limit=10.0, **tuning))
+        args = (sds((D,), jnp.bfloat16), sds((PICKS,), jnp.int32), sds((PICKS,), jnp.float32), *w, *w)
+        per_thread = 2 * t["block_n"] * D / 2 / (32 * t["num_warps"])
+        return (lambda: fn.trace(*args).lower(**lower)), t["num_warps"], t["num_stages"], per_thread
+    if name == "fp4_down":
+        w = (sds((E, D, F // 2), u8), sds((E, D, F // 32), u8))
+        t = G.fp4_slot_tiling(D, F, down=True, **tuning)
+        fn = jax.jit(lambda a, p, v, s: G.fp4_slot_down(a, p, v, s, **tuning))
+        args = (sds((PICKS, F), jnp.bfloat16), sds((PICKS,), jnp.int32), *w)
+        per_thread = t["block_n"] * F / 2 / (32 * t["num_warps"])
+        return (lambda: fn.trace(*args).lower(**lower)), t["num_warps"], t["num_stages"], per_thread
+    if name == "fp8_fused":
+        ws = [(sds((F, D), u8), sds((F // 32, D // 32), u8))] * 2
+        fn = jax.jit(lambda x, a, b, c, d: G.fp8_gemm_fused(x, ((a, b), (c, d)), **tuning))
+        args = (sds((1, D), jnp.bfloat16), *ws[0], *ws[1])
+        num_warps = tuning.get("num_warps", 8)  # fp8_gemm_fused's fused gemv default
+        t = G.fp8_default_tiling(1, 2 * F, D, **{k: v for k, v in tuning.items() if k != "num_warps"})
+        # the fused kernel holds one copy of the program per projection: count one of them
+        per_thread = 2 * t["block_n"] * D / (32 * num_warps)
+        return (lambda: fn.trace(*args).lower(**lower)), num_warps, tuning.get("num_stages", t["num_stages"]), \
+            per_thread
+    raise SystemExit(f"unknown kernel {name!r}: fp4_up, fp4_down or fp8_fused")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("kernel", choices=("fp4_up", "fp4_down", "fp8_fused"))
+    ap.add_argument("--tuning", default="{}", help="JSON: the kernel's tiling / decode overrides")
+    ap.add_argument("--keep", default=None, help="a folder to keep kernel.{ttir,ptx,cubin,sass} in")
+    args = ap.parse_args()
+    tuning = json.loads(args.tuning)
+    thunk, num_warps, num_stages, per_thread = kernel_case(args.kernel, tuning)
+    irs = capture_triton_ir(thunk)
+    if len(irs) != 1:
+        raise SystemExit(f"expected one Pallas kernel, lowered {len(irs)}")
+    work = args.keep or tempfile.mkdtemp(prefix="kernel_sass_")
+    os.makedirs(work, exist_ok=True)
+    sass, res = compile_to_sass(irs[0], num_warps, num_stages, work)
+    ops = opcode_histogram(sass)
+    total = sum(ops.values())
+    usage = " ".join(re.findall(r"(REG:\d+|STACK:\d+|SHARED:\d+)", res))
+    loop = has_backward_branch(sass)
+    print(f"{args.kernel} {tuning or '(default)'}: {usage}; {total} SASS instructions, "
+          f"{per_thread:.0f} weight bytes per thread -> {total / per_thread:.1f} per byte"
+          + ("  [backward branch: a loop, the per-byte figure is not the executed count]" if loop else ""))
+    print("   " + ", ".join(f"{o} {n}" for o, n in ops.most_common(20)))
+    if args.keep:
+        print(f"   kept in {work}")
+
+
+if __name__ == "__main__":
+    main()
