@@ -35,6 +35,7 @@ import time
 
 SMOKE = "--smoke" in sys.argv
 CONFIRM_PLAN = "--plan=confirm" in sys.argv or "confirm" in sys.argv  # read before argparse: module constants
+ATTENTION_PLAN = "--plan=attention" in sys.argv or "attention" in sys.argv
 if SMOKE:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -51,6 +52,9 @@ from dsv41_jax.kernels import quant_gemm_gpu as G  # noqa: E402
 DATASHEET_BW = 4.8e12
 SHAPES = [(96, 256), (64, 640)] if SMOKE else [(2304, 5120), (1280, 5120)]
 MS = (1, 5) if SMOKE else (1, 8, 64)
+if ATTENTION_PLAN:  # the attention's two large single FP8 gemvs at decode: wq_b [32768, 1280] and wo_b [5120, 8192]
+    SHAPES = [(256, 160), (64, 1024)] if SMOKE else [(32768, 1280), (5120, 8192)]
+    MS = (1,)
 
 
 def _c(**kw):
@@ -114,9 +118,25 @@ CONFIRM = {
     8: [(1, _c())],
     64: [(1, _c())],
 }
+# --plan attention: the gemv default against taller column blocks and longer K steps. Measured in the release decode
+# step on an H200 (benchmarks/RESULTS.md, 2026-12-02 11:44 UTC) the default took 16.9-17.4 µs for each of these
+# 41.9 MB weights (50-52 % of 4.8 TB/s): wq_b's K = 1280 gives each 8-row program only 10 KB to stream (4096
+# programs), so fewer, taller programs may pay; wo_b's K = 8192 gives 640 programs of 64 KB.
+ATTENTION = {
+    1: [(1, _c()),
+        (1, _c(gemv=True, block_n=16, block_k=256, split_k=1, prefetch=5)),
+        (1, _c(gemv=True, block_n=32, block_k=256, split_k=1, prefetch=5, num_warps=8)),
+        (1, _c(gemv=True, block_n=16, block_k=256, split_k=1, prefetch=5, num_warps=8)),
+        (1, _c(gemv=True, block_n=8, block_k=512, split_k=1, prefetch=4, num_warps=8)),
+        (1, _c(gemv=True, block_n=8, block_k=256, split_k=1, prefetch=8, num_warps=2)),
+        (1, _c(gemv=True, block_n=8, block_k=256, split_k=1, prefetch=8, group_view=True)),
+        (1, _c(gemv=True, block_n=4, block_k=512, split_k=1, prefetch=4))],
+}
 if CONFIRM_PLAN:
     CONFIGS = CONFIRM
-if SMOKE:
+if ATTENTION_PLAN:
+    CONFIGS = ATTENTION
+if SMOKE and 8 in CONFIGS:
     CONFIGS[5] = CONFIGS.pop(8)
     for m in CONFIGS:
         CONFIGS[m] = [(r, dict(c, **({"block_k": 128} if "block_k" in c else {}))) for r, c in CONFIGS[m][:4]]
@@ -282,9 +302,10 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--budget-s", type=float, default=270.0, help="stop adding configurations after this long")
     ap.add_argument("--baseline-module", default=None)
-    ap.add_argument("--plan", default="wide", choices=("wide", "confirm"),
+    ap.add_argument("--plan", default="wide", choices=("wide", "confirm", "attention"),
                     help="wide: CONFIGS, R GEMMs on 256 MB of weights, then the FP4 rows; confirm: CONFIRM, 96 MB, "
-                         "baselines at M = 1 only, no FP4 rows")
+                         "baselines at M = 1 only, no FP4 rows; attention: ATTENTION at wq_b / wo_b's shapes, M = 1, "
+                         "no FP4 rows")
     args = ap.parse_args()
     baseline = None
     if args.baseline_module:
