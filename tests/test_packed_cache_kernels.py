@@ -1,0 +1,99 @@
+"""The GPU (Triton-lowered) decode kernels reading the packed, release-format KV cache directly (Pallas interpret
+mode on CPU): the sparse attention over packed FP4 compressed KV and the indexer over packed FP4 keys equal the same
+kernels run on ``packed_cache.read`` of the buffer, bit for bit (the in-register dequantisation gives exactly the
+unpacked values, and everything after it is the same kernel)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax import kernels as KN
+from dsv41_jax.inference import packed_cache as PC
+from dsv41_jax.kernels import pallas_gpu as G
+
+GPU = "pallas_gpu_interpret"
+
+
+def _bits(x):
+    return np.asarray(jnp.asarray(x, jnp.float32)).view(np.uint32)
+
+
+def test_in_register_decoders_equal_the_unpacker():
+    byte = jnp.arange(256, dtype=jnp.int32)
+    want = jax.lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
+    finite = ~np.isnan(np.asarray(want))  # 0x7f / 0xff: NaN, never packed
+    assert finite.sum() == 254
+    np.testing.assert_array_equal(_bits(G.e4m3_from_bits(byte))[finite], _bits(want)[finite])  # -0.0 included
+    code = jnp.arange(16, dtype=jnp.int32)
+    np.testing.assert_array_equal(_bits(G.e2m1_from_code(code)), _bits(PC._fp4_values(code.astype(jnp.uint8))))
+    s = np.arange(1, 255, dtype=np.int32)
+    np.testing.assert_array_equal(_bits(G.ue8m0_from_bits(jnp.asarray(s))), _bits(np.ldexp(np.float32(1), s - 127)))
+    for fmt in G.PACKED_FORMATS:
+        assert fmt in PC.FORMATS and PC.FORMATS[fmt] == G.PACKED_FORMATS[fmt][:2]
+
+
+def _packed(rng, shape, fmt, dtype):
+    """Random vectors with a wide spread of block magnitudes, packed (lossy for off-grid values: the point here is
+    the kernel reading whatever the buffer holds)."""
+    x = rng.normal(size=shape) * np.exp2(rng.integers(-12, 6, size=shape[:-1] + (1,)))
+    v, s = jax.jit(PC.pack, static_argnums=1)(jnp.asarray(x, jnp.float32), fmt)
+    return PC.PackedRows(v, s, fmt, shape[-1], str(jnp.dtype(dtype)))
+
+
+@pytest.mark.parametrize("dtype,d,tuning", [(jnp.float32, 64, {"block_d": 32, "num_splits": 2}),  # value-dim blocks
+                                            (jnp.bfloat16, 48, {})])  # head dim padded to 64
+def test_sparse_attention_on_packed_compressed_kv_equals_unpacked(dtype, d, tuning):
+    rng = np.random.default_rng(d)
+    b, c, h, n, k, w = 2, 1, 4, 37, 24, 8
+    q = jnp.asarray(rng.normal(size=(b, c, h, d)), dtype)
+    win = jnp.asarray(rng.normal(size=(b, w, d)), dtype)
+    wpos = jnp.asarray(rng.integers(-1, 30, size=(b, w)), jnp.int32)
+    qpos = jnp.full((b, c), 29, jnp.int32)
+    ckv = _packed(rng, (b, n, d), PC.FP4_E4M3_16, dtype)
+    topk = rng.integers(-1, n, size=(b, c, k))
+    topk[..., 1::4] = topk[..., 0::4][..., : topk[..., 1::4].shape[-1]]  # duplicates
+    topk = jnp.asarray(topk, jnp.int32)
+    sink = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
+    kw = dict(window=w, floor=jnp.asarray([0, 3], jnp.int32), backend=GPU, tuning=tuning)
+    got = KN.sparse_attention(q, qpos, win, wpos, ckv, topk, sink, **kw)
+    want = KN.sparse_attention(q, qpos, win, wpos, PC.read(ckv), topk, sink, **kw)
+    assert got.dtype == want.dtype == dtype
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+
+
+def test_indexer_on_packed_keys_equals_unpacked():
+    """Both score kernels (the streamed block maxima and the gathered leaves) and the Reindex pool path."""
+    rng = np.random.default_rng(3)
+    b, t, hi, di, n, ratio, bs = 2, 3, 4, 64, 300, 2, 4
+    q = jnp.asarray(rng.normal(size=(b, t, hi, di)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(b, t, hi)), jnp.float32) * hi ** -0.5
+    keys = _packed(rng, (b, n, di), PC.FP4_UE8M0_32, jnp.float32)
+    qpos = jnp.asarray([[599, 301, 40], [17, 599, 450]], jnp.int32)
+    kw = dict(ratio=ratio, topk=12, block_size=bs, backend=GPU)
+    got_sel, got_pool = KN.indexer_topk(q, w, keys, qpos, candidate_topk_blocks=9, **kw)
+    want_sel, want_pool = KN.indexer_topk(q, w, PC.read(keys), qpos, candidate_topk_blocks=9, **kw)
+    np.testing.assert_array_equal(got_sel, want_sel)
+    np.testing.assert_array_equal(got_pool, want_pool)
+    assert (np.asarray(got_sel) >= 0).sum() > 0
+    got2, _ = KN.indexer_topk(q, w, keys, qpos, pool=got_pool, **kw)  # Reindex: gathered pool only
+    want2, _ = KN.indexer_topk(q, w, PC.read(keys), qpos, pool=want_pool, **kw)
+    np.testing.assert_array_equal(got2, want2)
+    # the score values themselves, bit for bit
+    vis = (qpos + 1) // ratio
+    got_b, got_s = G.score_pool(q, w, (keys.values, keys.scales), vis, g1=bs, keys_fmt=keys.fmt,
+                                keys_dtype=keys.dtype, interpret=True)
+    want_b, want_s = G.score_pool(q, w, PC.read(keys), vis, g1=bs, interpret=True)
+    np.testing.assert_array_equal(_bits(got_b), _bits(want_b))
+    np.testing.assert_array_equal(_bits(got_s), _bits(want_s))
+
+
+def test_packed_buffer_shape_errors_name_the_tensor():
+    ckv = PC.zeros((1, 5, 32), PC.FP4_E4M3_16)
+    q = jnp.zeros((1, 1, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="compressed KV: packed fp4_e2m1_e4m3_16 rows of 64 values"):
+        G.attention_fwd(q, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 4, 64)), jnp.zeros((1, 4), jnp.int32),
+                        jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32), (ckv.values, ckv.scales),
+                        jnp.zeros((1, 1, 2), jnp.int32), jnp.zeros((2,)), window=4, scale=1.0, wspan=4,
+                        ckv_fmt=ckv.fmt, interpret=True)
