@@ -97,3 +97,56 @@ def test_packed_buffer_shape_errors_name_the_tensor():
                         jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32), (ckv.values, ckv.scales),
                         jnp.zeros((1, 1, 2), jnp.int32), jnp.zeros((2,)), window=4, scale=1.0, wspan=4,
                         ckv_fmt=ckv.fmt, interpret=True)
+
+
+@pytest.mark.slow  # two interpret-mode compiles of a Full layer's attention (indexer + sparse attention): ~14 s
+def test_decode_attention_step_reads_the_packed_cache_like_the_unpacked_one(monkeypatch):
+    """A decode step's attention site of the HSI candidate source (emits its compressed entry, scores the packed
+    keys, attends over the packed compressed KV) with the GPU kernels reading the packed cache directly == the same
+    step unpacking the cache first (the path the reference / TPU backends take): output, top-k, HSI pool and the
+    updated cache, bit for bit."""
+    import functools
+
+    from dsv41_jax.inference import step as S
+    from dsv41_jax.inference.cache import init_cache
+    from dsv41_jax.inference.weights import host_random_params
+    from dsv41_jax.train.testing import every_role_config
+
+    config = every_role_config()
+    layer = config.plan[config.candidate_source_layer_id]
+    assert layer.mode == "full" and layer.candidate_source
+    params = host_random_params(config, 0, std=0.1)["layers"][layer.index]["attn"]
+    b, rng = 2, np.random.default_rng(0)
+    pack = jax.jit(PC.pack, static_argnums=1)
+
+    def fill(buf):  # random contents in every packed buffer (the rows past each slot's length stay invisible)
+        if not isinstance(buf, PC.PackedRows):
+            return buf
+        v, s = pack(jnp.asarray(rng.normal(size=buf.shape) * 0.5, jnp.float32), buf.fmt)
+        return PC.PackedRows(v, s, buf.fmt, buf.dim, buf.dtype)
+
+    cache = jax.tree.map(fill, init_cache(config, b, 64, packed=True), is_leaf=lambda x: isinstance(x, PC.PackedRows))
+    cache["length"] = jnp.asarray([40, 57], jnp.int32)
+    x = jnp.asarray(rng.normal(size=(b, 1, config.hidden_size)), jnp.float32)
+    opts = S.InferenceOptions(kernel_backend=GPU, compiler_options=S.FAST_COMPILE)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def site(_direct, p, x, cache):  # the flag keys the compile: the patched dispatch is read while tracing
+        pos0 = cache["length"]
+        y, cache, shared = S.attention_step(p, x, layer, pos0[:, None], pos0, jnp.ones((b,), jnp.int32), cache,
+                                            S._Shared(), config, S._rope(config), opts, True, emit=True)
+        return y, shared.topk, shared.pool, cache
+
+    unpacked_while_tracing = []
+    unpack = PC.unpack
+    monkeypatch.setattr(PC, "unpack", lambda v, s, fmt, dtype: unpacked_while_tracing.append(fmt) or
+                        unpack(v, s, fmt, dtype))
+    assert KN.reads_packed_cache(GPU)
+    direct = site(True, params, x, cache)
+    assert unpacked_while_tracing == [PC.FP8_UE8M0_32]  # only the window ring; KV and keys go packed to the kernels
+    monkeypatch.setattr(KN, "reads_packed_cache", lambda backend="auto": False)
+    unpacked = site(False, params, x, cache)
+    assert sorted(unpacked_while_tracing[1:]) == sorted([PC.FP8_UE8M0_32, PC.FP4_E4M3_16, PC.FP4_UE8M0_32])
+    assert (np.asarray(direct[1]) >= 0).any()
+    for a, b_ in zip(jax.tree.leaves(direct), jax.tree.leaves(unpacked)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))

@@ -432,8 +432,11 @@ def attention_step(p: dict, x: jax.Array, spec: LayerSpec, pos: jax.Array, pos0:
             if emit:
                 cache["sources"][key] = emit_entries(cache["sources"][key], x, p["compressor"], p["indexer"],
                                                      spec.ratio, pos0, n_valid, c, rope, quant_on)
-            shared = dataclasses.replace(shared, kv=PC.read(cache["sources"][key]["kv"]),
-                                         keys=PC.read(cache["sources"][key]["keys"]))
+            src = cache["sources"][key]
+            if kernels.reads_packed_cache(opts.kernel_backend):  # GPU kernels: packed rows read and dequantised
+                shared = dataclasses.replace(shared, kv=src["kv"], keys=src["keys"])  # in registers (either layout)
+            else:  # unpack-then-compute (reference / TPU): the whole buffer unpacked to its dtype
+                shared = dataclasses.replace(shared, kv=PC.read(src["kv"]), keys=PC.read(src["keys"]))
         if spec.mode in (FULL, REINDEX):
             new_topk, new_pool = run_indexer(p["indexer"], x, q_res, spec, pos, shared.keys, shared.pool, c, rope,
                                              opts, quant_on)
