@@ -63,6 +63,33 @@ def test_sparse_attention_on_packed_compressed_kv_equals_unpacked(dtype, d, tuni
     assert np.isfinite(np.asarray(got, np.float32)).all()
 
 
+@pytest.mark.parametrize("dtype,tuning", [(jnp.bfloat16, {}), (jnp.float32, {"block_d": 32, "block_k": 16})])
+def test_sparse_attention_on_a_packed_window_ring_equals_unpacked(dtype, tuning):
+    """The window's ring read from its packed FP8 slots in window order (wrapping around the ring), followed by the
+    chunk's own rows, with packed compressed KV too; rows of the ring before the window / floor masked as usual."""
+    rng = np.random.default_rng(7)
+    b, c, h, d, r, n, k = 2, 2, 4, 64, 24, 20, 12
+    ring = _packed(rng, (b, r, d), PC.FP8_UE8M0_32, dtype)
+    base = jnp.asarray([5, 40], jnp.int32)  # pos0 per row: 5 (a partly empty ring), 40 (wrapped)
+    new = jnp.asarray(rng.normal(size=(b, c, d)), dtype)
+    pos = base[:, None] + jnp.arange(c)[None, :]
+    ring_pos = base[:, None] - r + jnp.arange(r)[None, :]
+    wpos = jnp.concatenate([jnp.where(ring_pos >= 0, ring_pos, -1), pos], axis=1)
+    q = jnp.asarray(rng.normal(size=(b, c, h, d)), dtype)
+    ckv = _packed(rng, (b, n, d), PC.FP4_E4M3_16, dtype)
+    topk = jnp.asarray(rng.integers(-1, n, size=(b, c, k)), jnp.int32)
+    sink = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
+    kw = dict(window=16, floor=jnp.asarray([0, 30], jnp.int32), backend=GPU, tuning=tuning)
+    got = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base), **kw)
+    win = jnp.concatenate([KN.ring_rows(PC.read(ring), base).astype(dtype), new], axis=1)
+    want = KN.sparse_attention(q, pos, win, wpos, PC.read(ckv), topk, sink, **kw)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    # the materialising fallback (reference backend) reads the same window
+    ref = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base), **dict(kw, backend="reference"))
+    np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(want, np.float32),
+                               rtol=0, atol=1e-5 if dtype == jnp.float32 else 2e-2)
+
+
 def test_indexer_on_packed_keys_equals_unpacked():
     """Both score kernels (the streamed block maxima and the gathered leaves) and the Reindex pool path."""
     rng = np.random.default_rng(3)
@@ -102,7 +129,7 @@ def test_packed_buffer_shape_errors_name_the_tensor():
 @pytest.mark.slow  # two interpret-mode compiles of a Full layer's attention (indexer + sparse attention): ~14 s
 def test_decode_attention_step_reads_the_packed_cache_like_the_unpacked_one(monkeypatch):
     """A decode step's attention site of the HSI candidate source (emits its compressed entry, scores the packed
-    keys, attends over the packed compressed KV) with the GPU kernels reading the packed cache directly == the same
+    keys, attends over the packed window ring and compressed KV) with the GPU kernels reading the packed cache directly == the same
     step unpacking the cache first (the path the reference / TPU backends take): output, top-k, HSI pool and the
     updated cache, bit for bit."""
     import functools
@@ -143,10 +170,10 @@ def test_decode_attention_step_reads_the_packed_cache_like_the_unpacked_one(monk
                         unpack(v, s, fmt, dtype))
     assert KN.reads_packed_cache(GPU)
     direct = site(True, params, x, cache)
-    assert unpacked_while_tracing == [PC.FP8_UE8M0_32]  # only the window ring; KV and keys go packed to the kernels
+    assert unpacked_while_tracing == []  # window ring, KV and keys all go packed to the kernels
     monkeypatch.setattr(KN, "reads_packed_cache", lambda backend="auto": False)
     unpacked = site(False, params, x, cache)
-    assert sorted(unpacked_while_tracing[1:]) == sorted([PC.FP8_UE8M0_32, PC.FP4_E4M3_16, PC.FP4_UE8M0_32])
+    assert sorted(unpacked_while_tracing) == sorted([PC.FP8_UE8M0_32, PC.FP4_E4M3_16, PC.FP4_UE8M0_32])
     assert (np.asarray(direct[1]) >= 0).any()
     for a, b_ in zip(jax.tree.leaves(direct), jax.tree.leaves(unpacked)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))

@@ -42,7 +42,7 @@ from dsv41_jax.ops import attention as _ref_attn
 
 BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret")
 
-__all__ = ["BACKENDS", "resolve_backend", "reads_packed_cache", "sparse_attention", "sequence_sparse_attention", "indexer_topk",
+__all__ = ["BACKENDS", "resolve_backend", "reads_packed_cache", "ring_rows", "sparse_attention", "sequence_sparse_attention", "indexer_topk",
            "pool_ids_to_mask", "pool_mask_to_ids", "backward_kind"]
 
 
@@ -243,6 +243,15 @@ def _unpacked(x):
     return read(x)
 
 
+def ring_rows(ring, base):
+    """A ring buffer's rows in window order (row j = slot (base + j) mod R, i.e. positions base - R .. base - 1 of
+    ``inference.step.ring_read``), unpacked if packed: what the window ring of :func:`sparse_attention` stands for."""
+    vals = _unpacked(ring)
+    r = vals.shape[1]
+    slot = jnp.mod(jnp.asarray(base, jnp.int32)[:, None] + jnp.arange(r, dtype=jnp.int32)[None, :], r)
+    return jnp.take_along_axis(vals, slot.reshape(slot.shape + (1,) * (vals.ndim - 2)), axis=1)
+
+
 def reads_packed_cache(backend: str = "auto") -> bool:
     """Whether this backend's decode kernels read a packed (release-format) cache directly: the GPU (Triton) sparse
     attention and indexer kernels dequantise the rows they load in registers; the reference and TPU backends unpack
@@ -256,7 +265,7 @@ def _floor_vec(floor, b):
 
 def sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, *, window: int, floor=0,
                      scale: float | None = None, q_seg=None, k_seg=None, backend: str = "auto",
-                     tuning: dict | None = None):
+                     tuning: dict | None = None, win_ring=None):
     """Decode / explicit-window form; same contract as ``ops.attention.sparse_attention``.
 
     q [B, C, H, D]; q_pos [B, C]; win_kv [B, L, D] with positions win_pos [B, L] (< 0 = empty);
@@ -265,17 +274,26 @@ def sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, *, wi
 
     ``compressed_kv`` may be a packed cache buffer (``packed_cache.PackedRows``): the GPU kernel then reads the
     selected rows' packed bytes and scales and dequantises them in registers (forward only: the decode path),
-    equal to running it on ``packed_cache.read(compressed_kv)``; the other backends unpack it first."""
+    equal to running it on ``packed_cache.read(compressed_kv)``; the other backends unpack it first.
+
+    ``win_ring`` = (ring [B, R, D] array or packed buffer, base [B] int32): the window's first R rows are the ring's
+    slots in window order (:func:`ring_rows`) and ``win_kv`` holds only the rows after them; ``win_pos`` /
+    ``k_seg`` cover all R + L rows. The GPU kernel reads a packed ring's slots directly (FP8 + ue8m0 scales,
+    dequantised in registers); otherwise the rows are materialised and concatenated first."""
     be = resolve_backend(backend)
     if _is_packed(compressed_kv) and not (be.startswith("pallas_gpu") and topk is not None and topk.shape[-1] > 0):
         compressed_kv = _unpacked(compressed_kv)
+    if win_ring is not None and not (be.startswith("pallas_gpu") and _is_packed(win_ring[0]) and win_kv.shape[1]):
+        win_kv = jnp.concatenate([ring_rows(*win_ring).astype(win_kv.dtype), win_kv], axis=1)
+        win_ring = None
     if be == "reference":
         seg = {} if q_seg is None else {"q_seg": q_seg, "k_seg": k_seg}
         return reference.sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, window=window,
                                           floor=floor, scale=scale, **seg)
     b, c, _, d = q.shape
-    cfg = _AttnCfg(be, "explicit", int(window), float(d ** -0.5 if scale is None else scale), int(win_kv.shape[1]),
-                   0, tuple(sorted((tuning or {}).items())))
+    n_ring = 0 if win_ring is None else int(win_ring[0].shape[1])
+    cfg = _AttnCfg(be, "explicit", int(window), float(d ** -0.5 if scale is None else scale),
+                   n_ring + int(win_kv.shape[1]), 0, tuple(sorted((tuning or {}).items())))
     if topk is not None and topk.shape[-1] == 0:
         compressed_kv, topk = None, None
     if compressed_kv is None or topk is None:
@@ -283,14 +301,23 @@ def sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, *, wi
     wstart = jnp.zeros((b, c), jnp.int32)
     qseg = None if q_seg is None else q_seg.astype(jnp.int32)
     wseg = None if q_seg is None else k_seg.astype(jnp.int32)
-    if _is_packed(compressed_kv):  # forward-only kernel over the packed rows (no VJP: a cache is not trained)
+    if _is_packed(compressed_kv) or win_ring is not None:
+        # forward-only kernel over packed rows (no VJP: a cache is not trained)
         from dsv41_jax.kernels import pallas_gpu as G
 
         q, win_kv = jax.lax.stop_gradient(q), jax.lax.stop_gradient(win_kv)
+        if _is_packed(compressed_kv):
+            ckv, ckv_fmt = (compressed_kv.values, compressed_kv.scales), compressed_kv.fmt
+        else:
+            ckv, ckv_fmt = None if compressed_kv is None else compressed_kv.astype(q.dtype), None
+        ring, ring_fmt = None, None
+        if win_ring is not None:
+            ring = (win_ring[0].values, win_ring[0].scales, jnp.asarray(win_ring[1], jnp.int32))
+            ring_fmt = win_ring[0].fmt
         out, _ = G.attention_fwd(q, q_pos.astype(jnp.int32), win_kv.astype(q.dtype), win_pos.astype(jnp.int32),
-                                 wstart, _floor_vec(floor, b), (compressed_kv.values, compressed_kv.scales),
-                                 topk.astype(jnp.int32), sink, qseg, wseg, window=cfg.window, scale=cfg.scale,
-                                 wspan=cfg.wspan, ckv_fmt=compressed_kv.fmt, interpret=be.endswith("interpret"),
+                                 wstart, _floor_vec(floor, b), ckv, None if topk is None else topk.astype(jnp.int32),
+                                 sink, qseg, wseg, window=cfg.window, scale=cfg.scale, wspan=cfg.wspan,
+                                 ckv_fmt=ckv_fmt, ring=ring, ring_fmt=ring_fmt, interpret=be.endswith("interpret"),
                                  **_gpu_tuning(cfg, q, topk))
         return out
     return _attention(cfg, q, q_pos.astype(jnp.int32), win_kv, win_pos.astype(jnp.int32), wstart,

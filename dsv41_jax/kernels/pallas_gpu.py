@@ -159,21 +159,31 @@ def _check_packed(arr, fmt, dim, what):
 
 @functools.partial(jax.jit, static_argnames=("window", "scale", "wspan", "block_h", "block_d", "block_k",
                                              "num_splits", "num_warps", "num_stages", "prefetch", "ckv_fmt",
-                                             "interpret"))
+                                             "ring_fmt", "interpret"))
 def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None, wseg=None, *, window: int,
                   scale: float, wspan: int, block_h: int = 64, block_d: int = 512, block_k: int = 64,
                   num_splits: int = 1, num_warps: int = 8, num_stages: int = 2, prefetch: bool = False,
-                  ckv_fmt: str | None = None, interpret: bool = False):
+                  ckv_fmt: str | None = None, ring=None, ring_fmt: str | None = None, interpret: bool = False):
     """Core forward. q [B, C, H, D]; q_pos [B, C]; window rows of query (b, c) are wkv[b, wstart[b,c] + j] for
     j < wspan (positions wpos, masked like the reference; with document ids qseg [B, C] / wseg [B, S] also
     masked to the query's document); ckv [B, N, D] / topk [B, C, K] (or None); sink [H]; floor [B].
     ``ckv_fmt``: ckv is a packed cache buffer (values uint8, scales uint8) in that ``PACKED_FORMATS`` format, its
     selected rows dequantised to q.dtype in registers (only their packed bytes are read).
+    ``ring`` = (values, scales, base) with ``ring_fmt``: the window's first R rows come from a packed ring buffer of
+    R slots [B, R, ...] (window row j < R is slot (base[b] + j) mod R, i.e. ``step.ring_read``'s position order)
+    and rows R + i from wkv [B, S - R, D] (the chunk's new rows); wpos / wseg / wspan then cover all S rows.
     Returns (out [B, C, H, D] q.dtype, lse [B, C, H] fp32)."""
     b, c, h, d = q.shape
+    n_ring = 0
+    if ring_fmt is not None:
+        _check_packed(ring[:2], ring_fmt, d, "attention_fwd window ring")
+        rvals, rscales, rbase = ring
+        n_ring = rvals.shape[1]
+        if wkv.shape[1] == 0:
+            raise ValueError("attention_fwd: a packed window ring needs at least one new row in wkv")
+    s_len = n_ring + wkv.shape[1]
     if qseg is None:
-        qseg, wseg = jnp.zeros((b, c), jnp.int32), jnp.zeros((b, wkv.shape[1]), jnp.int32)
-    s_len = wkv.shape[1]
+        qseg, wseg = jnp.zeros((b, c), jnp.int32), jnp.zeros((b, s_len), jnp.int32)
     has_cmp = ckv is not None and topk is not None and topk.shape[-1] > 0
     if not has_cmp:  # a dummy one-row cache keeps one kernel signature
         ckv = jnp.zeros((b, 1, d), wkv.dtype)
@@ -207,7 +217,11 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
     prec = _prec(q.dtype)
     vdt = wkv.dtype
 
+    n_new = wkv.shape[1]
+
     def kernel(q_ref, qpos_ref, wkv_ref, wpos_ref, wstart_ref, floor_ref, *refs):
+        if ring_fmt is not None:
+            rval_ref, rscale_ref, rbase_ref, *refs = refs
         if ckv_fmt is None:
             ckv_ref, topk_ref, sink_ref, qseg_ref, wseg_ref, *outs = refs
         else:
@@ -242,6 +256,18 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
         def load_win(i):
             jj, valid = _window_rows(wpos_ref, wseg_ref, bi, ws + i * bk + jnp.arange(bk), s_len, qp, qs, window, fl,
                                       ws + wspan)
+            if ring_fmt is not None:  # ring rows dequantised from the packed ring, the chunk's rows from wkv
+                in_ring = jj < n_ring
+                slot = jax.lax.rem(rbase_ref[bi] + jnp.minimum(jj, n_ring - 1), n_ring)
+                new = jnp.clip(jj - n_ring, 0, n_new - 1)
+
+                def rows(cc):
+                    packed = load_packed_rows(rval_ref, rscale_ref, bi, slot, cc, valid & in_ring,
+                                              fmt=ring_fmt, dim=d).astype(vdt)
+                    plain = pltr.load(wkv_ref.at[bi, new[:, None], cc], mask=(valid & ~in_ring)[:, None], other=0)
+                    return jnp.where(in_ring[:, None], packed, plain)
+
+                return (rows(cols), valid) if bd == dp else (rows(cols), rows(vcols), valid)
             kmat = pltr.load(wkv_ref.at[bi, jj[:, None], cols], mask=valid[:, None], other=0)
             if bd == dp:
                 return kmat, valid
@@ -310,7 +336,8 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
                           compiler_params=_params(num_warps, num_stages), interpret=interpret,
                           name="csa2_sparse_attention_fwd")(
         q, q_pos.astype(jnp.int32), wkv, wpos.astype(jnp.int32), wstart.astype(jnp.int32),
-        floor.astype(jnp.int32), *(ckv if ckv_fmt is not None else (ckv,)), topk.astype(jnp.int32), sink,
+        floor.astype(jnp.int32), *(() if ring_fmt is None else (rvals, rscales, rbase.astype(jnp.int32))),
+        *(ckv if ckv_fmt is not None else (ckv,)), topk.astype(jnp.int32), sink,
         qseg.astype(jnp.int32), wseg.astype(jnp.int32))
     if splits == 1:
         out, lse = outs
