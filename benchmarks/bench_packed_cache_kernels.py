@@ -7,18 +7,20 @@ bf16 cache.
         [--context 16384]                                                                # GPU: kernel timings
     python benchmarks/bench_packed_cache_kernels.py --smoke   # CPU: tiny sizes, interpret mode, no timing
 
-Bytes (per decode step and sequence, compressed KV + indexer keys over the model's layers; the window ring is the
-same in every form and left out): each KV source (Full layer) lets its indexer stream the visible keys, each
-Full / Reindex layer's indexer re-score its HSI pool (Reindex: min(candidate blocks x block size, visible) keys),
-each attention layer (Full, Reuse, Reindex) gather min(index_topk, visible) compressed rows.
+Bytes (per decode step and sequence, window ring + compressed KV + indexer keys over the model's layers): every
+layer's attention reads its window ring (sliding_window rows), each KV source (Full layer) lets its indexer stream
+the visible keys, each Reindex layer's indexer re-score its HSI pool (min(candidate blocks x block size, visible)
+keys), each compressed attention layer (Full, Reuse, Reindex) gather min(index_topk, visible) compressed rows.
   bf16        bf16 cache: the kernels read 2 bytes a value.
-  unpack      packed cache unpacked at every step (``packed_cache.read`` of the whole allocated buffer: packed
-              bytes read + bf16 written, once per KV source) and then the bf16 reads above.
+  unpack      packed cache unpacked at every step (``packed_cache.read`` of the whole allocated compressed-KV and
+              key buffers, once per KV source, and of every ring: packed bytes read + bf16 written), then the bf16
+              reads above (counted as if XLA fused the ring's unpack, reorder and concatenation into one write).
   direct      the kernels read the packed bytes + scales of the rows they use and dequantise in registers.
 The hierarchical top-k's leaf re-scoring (O(k x block) keys) is left out of all three.
 
 Timing (``--time``, a GPU): one Full ratio-1 layer's indexer top-k (``kernels.indexer_topk`` with an HSI pool
-emitted) and one sparse attention over its top-k (``kernels.sparse_attention``), each in three forms as above
+emitted) and one sparse attention over its window ring + this step's row and its top-k (``kernels.sparse_attention``;
+direct: ``win_ring`` = the packed ring), each in three forms as above
 (unpack: ``packed_cache.read`` + the kernel in one jitted program); median of 20 synced calls after 3 warm-ups.
 Output: DIR/bench_packed_cache_kernels.json and the printed tables.
 """
@@ -62,6 +64,8 @@ def step_bytes(config, context: int, max_len: int) -> dict:
     hd, di = c.head_dim, c.index_head_dim
     kv_p, key_p = _row_bytes(hd, PC.FP4_E4M3_16), _row_bytes(di, PC.FP4_UE8M0_32)
     kv_b, key_b = _row_bytes(hd, None), _row_bytes(di, None)
+    win_p = _row_bytes(hd, PC.FP8_UE8M0_32)
+    rows_win = float(c.num_hidden_layers * min(c.sliding_window, context))
     rows_kv = rows_key = 0.0  # rows the kernels read
     for s in c.plan.layers:
         if s.mode == SWA or s.ratio == 0:
@@ -73,22 +77,23 @@ def step_bytes(config, context: int, max_len: int) -> dict:
         elif s.mode == REINDEX:
             rows_key += min(c.candidate_topk_blocks * c.candidate_block_size, vis)
     unpack = sum(source_entries(c, max_len, m) * (kv_p + kv_b + key_p + key_b) for _, m in kv_sources(c))
-    bf16 = rows_kv * kv_b + rows_key * key_b
-    return dict(context=context, max_len=max_len, kv_rows=rows_kv, key_rows=rows_key, bf16=bf16,
-                unpack=unpack + bf16, direct=rows_kv * kv_p + rows_key * key_p)
+    unpack += c.num_hidden_layers * c.sliding_window * (win_p + kv_b)
+    bf16 = rows_win * kv_b + rows_kv * kv_b + rows_key * key_b
+    return dict(context=context, max_len=max_len, window_rows=rows_win, kv_rows=rows_kv, key_rows=rows_key,
+                bf16=bf16, unpack=unpack + bf16, direct=rows_win * win_p + rows_kv * kv_p + rows_key * key_p)
 
 
 def print_bytes(config, contexts):
-    print(f"## cache bytes per decode step and sequence, {config.name} (computed; window ring excluded)\n")
-    print("| context (= allocation) | KV rows | key rows | bf16 cache | release, unpack-then-compute | "
+    print(f"## cache bytes per decode step and sequence, {config.name} (computed)\n")
+    print("| context (= allocation) | window rows | KV rows | key rows | bf16 cache | release, unpack-then-compute | "
           "release, kernels read packed | direct / unpack | direct / bf16 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for t in contexts:
         r = step_bytes(config, t, t)
         rows.append(r)
         mb = lambda x: f"{x / 2**20:,.2f} MiB"  # noqa: E731
-        print(f"| {t:,} | {r['kv_rows']:,.0f} | {r['key_rows']:,.0f} | {mb(r['bf16'])} | {mb(r['unpack'])} | "
+        print(f"| {t:,} | {r['window_rows']:,.0f} | {r['kv_rows']:,.0f} | {r['key_rows']:,.0f} | {mb(r['bf16'])} | {mb(r['unpack'])} | "
               f"{mb(r['direct'])} | {r['direct'] / r['unpack']:.3f} | {r['direct'] / r['bf16']:.3f} |")
     return rows
 
@@ -116,22 +121,32 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
         return PC.PackedRows(v, s, fmt, dim, str(jnp.dtype(dtype)))
 
     ckv, keys = packed(hd, PC.FP4_E4M3_16), packed(di, PC.FP4_UE8M0_32)
+    v, s = pack(jnp.asarray(rng.normal(size=(batch, w, hd)), jnp.float32), PC.FP8_UE8M0_32)
+    ring = PC.PackedRows(v, s, PC.FP8_UE8M0_32, hd, str(jnp.dtype(dtype)))  # the window's ring (W slots)
+    new = jnp.asarray(rng.normal(size=(batch, 1, hd)), dtype)  # this step's own window row
     q = jnp.asarray(rng.normal(size=(batch, 1, h, hd)), dtype)
-    win = jnp.asarray(rng.normal(size=(batch, w, hd)), dtype)
     pos = jnp.full((batch, 1), context - 1, jnp.int32)
-    wpos = context - w + jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (batch, w))
+    base = pos[:, 0]
+    wpos = context - 1 - w + jnp.broadcast_to(jnp.arange(w + 1, dtype=jnp.int32), (batch, w + 1))
     topk = jnp.asarray(np.sort(rng.choice(n, size=(batch, 1, k), replace=True), axis=-1), jnp.int32)
     sink = jnp.zeros((h,), jnp.float32)
     iq = jnp.asarray(rng.normal(size=(batch, 1, hi, di)), dtype)
     iw = jnp.asarray(rng.normal(size=(batch, 1, hi)), jnp.float32) * hi ** -0.5
 
     @jax.jit
-    def attention(kv):
-        return KN.sparse_attention(q, pos, win, wpos, kv, topk, sink, window=w, backend=backend)
+    def attention(ring, kv):  # packed ring + packed KV read by the kernel
+        return KN.sparse_attention(q, pos, new, wpos, kv, topk, sink, window=w, backend=backend,
+                                   win_ring=(ring, base))
 
     @jax.jit
-    def attention_unpack(kv):
+    def attention_unpack(ring, kv):
+        win = jnp.concatenate([KN.ring_rows(PC.read(ring), base).astype(dtype), new], axis=1)
         return KN.sparse_attention(q, pos, win, wpos, PC.read(kv), topk, sink, window=w, backend=backend)
+
+    @jax.jit
+    def attention_bf16(ring, kv):  # a bf16 cache: ring and KV in bf16
+        win = jnp.concatenate([KN.ring_rows(ring, base), new], axis=1)
+        return KN.sparse_attention(q, pos, win, wpos, kv, topk, sink, window=w, backend=backend)
 
     def indexer(ks):
         return KN.indexer_topk(iq, iw, ks, pos, ratio=1, topk=k, block_size=bs,
@@ -139,9 +154,9 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
 
     indexer_direct = jax.jit(indexer)
     indexer_unpack = jax.jit(lambda ks: indexer(PC.read(ks)))
-    bf16_kv, bf16_keys = PC.read(ckv).astype(dtype), PC.read(keys).astype(dtype)
+    bf16_ring, bf16_kv, bf16_keys = (PC.read(x).astype(dtype) for x in (ring, ckv, keys))
     # equality first: the packed forms must give the unpacking forms' results bit for bit
-    a, b_ = attention(ckv), attention_unpack(ckv)
+    a, b_ = attention(ring, ckv), attention_unpack(ring, ckv)
     same_attn = bool(np.array_equal(np.asarray(a, np.float32), np.asarray(b_, np.float32)))
     i1, i2 = indexer_direct(keys), indexer_unpack(keys)
     same_idx = all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(i1),
@@ -150,9 +165,9 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
                indexer_equal=same_idx)
     if smoke:
         return res
-    res["attention_us"] = {name: 1e6 * _median_s(f, x) for name, f, x in
-                           (("bf16", attention, bf16_kv), ("unpack", attention_unpack, ckv),
-                            ("direct", attention, ckv))}
+    res["attention_us"] = {name: 1e6 * _median_s(f, *x) for name, f, x in
+                           (("bf16", attention_bf16, (bf16_ring, bf16_kv)), ("unpack", attention_unpack, (ring, ckv)),
+                            ("direct", attention, (ring, ckv)))}
     res["indexer_us"] = {name: 1e6 * _median_s(f, x) for name, f, x in
                          (("bf16", indexer_direct, bf16_keys), ("unpack", indexer_unpack, keys),
                           ("direct", indexer_direct, keys))}

@@ -85,7 +85,8 @@ def test_sparse_attention_on_a_packed_window_ring_equals_unpacked(dtype, tuning)
     want = KN.sparse_attention(q, pos, win, wpos, PC.read(ckv), topk, sink, **kw)
     np.testing.assert_array_equal(_bits(got), _bits(want))
     # the materialising fallback (reference backend) reads the same window
-    ref = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base), **dict(kw, backend="reference"))
+    ref = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base),
+                              **dict(kw, backend="reference"))
     np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(want, np.float32),
                                rtol=0, atol=1e-5 if dtype == jnp.float32 else 2e-2)
 
@@ -126,12 +127,12 @@ def test_packed_buffer_shape_errors_name_the_tensor():
                         ckv_fmt=ckv.fmt, interpret=True)
 
 
-@pytest.mark.slow  # two interpret-mode compiles of a Full layer's attention (indexer + sparse attention): ~14 s
+@pytest.mark.slow  # two interpret-mode compiles of a Full layer's attention (indexer + sparse attention): ~10 s
 def test_decode_attention_step_reads_the_packed_cache_like_the_unpacked_one(monkeypatch):
     """A decode step's attention site of the HSI candidate source (emits its compressed entry, scores the packed
-    keys, attends over the packed window ring and compressed KV) with the GPU kernels reading the packed cache directly == the same
-    step unpacking the cache first (the path the reference / TPU backends take): output, top-k, HSI pool and the
-    updated cache, bit for bit."""
+    keys, attends over the packed window ring and compressed KV) with the GPU kernels reading the packed cache
+    directly == the same step unpacking the cache first (the path the reference / TPU backends take): output,
+    top-k, HSI pool and the updated cache, bit for bit."""
     import functools
 
     from dsv41_jax.inference import step as S

@@ -42,7 +42,8 @@ from dsv41_jax.ops import attention as _ref_attn
 
 BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret")
 
-__all__ = ["BACKENDS", "resolve_backend", "reads_packed_cache", "ring_rows", "sparse_attention", "sequence_sparse_attention", "indexer_topk",
+__all__ = ["BACKENDS", "resolve_backend", "reads_packed_cache", "ring_rows", "sparse_attention",
+           "sequence_sparse_attention", "indexer_topk",
            "pool_ids_to_mask", "pool_mask_to_ids", "backward_kind"]
 
 
