@@ -178,3 +178,35 @@ def test_decode_attention_step_reads_the_packed_cache_like_the_unpacked_one(monk
     assert (np.asarray(direct[1]) >= 0).any()
     for a, b_ in zip(jax.tree.leaves(direct), jax.tree.leaves(unpacked)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
+
+
+def test_packed_kernels_lower_to_triton_for_cuda():
+    """The in-register unpack (byte loads, shifts, bit casts) is accepted by Pallas' Triton lowering: the decode
+    attention over a packed ring + packed compressed KV and the indexer over packed keys lower for CUDA from this
+    CPU-only process (cross-platform export; nothing is compiled to PTX or run here)."""
+    from jax import export
+
+    sds = jax.ShapeDtypeStruct
+    b, h, d, n, w = 1, 16, 64, 64, 16
+    ring = PC.PackedRows(sds((b, w, d), jnp.uint8), sds((b, w, d // 32), jnp.uint8), PC.FP8_UE8M0_32, d, "bfloat16")
+    ckv = PC.PackedRows(sds((b, n, d // 2), jnp.uint8), sds((b, n, d // 16), jnp.uint8), PC.FP4_E4M3_16, d,
+                        "bfloat16")
+    keys = PC.PackedRows(sds((b, n, d // 2), jnp.uint8), sds((b, n, d // 32), jnp.uint8), PC.FP4_UE8M0_32, d,
+                         "bfloat16")
+
+    def decode(q, pos, new, wpos, ring, ckv, topk, sink, qi, wi, keys):
+        out = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, window=w, backend="pallas_gpu",
+                                  win_ring=(ring, pos[:, 0]))
+        sel, pool = KN.indexer_topk(qi, wi, keys, pos, ratio=1, topk=16, block_size=8, candidate_topk_blocks=4,
+                                    backend="pallas_gpu")
+        return out, sel, pool
+
+    args = (sds((b, 1, h, d), jnp.bfloat16), sds((b, 1), jnp.int32), sds((b, 1, d), jnp.bfloat16),
+            sds((b, w + 1), jnp.int32), ring, ckv, sds((b, 1, 16), jnp.int32), sds((h,), jnp.float32),
+            sds((b, 1, 4, d), jnp.bfloat16), sds((b, 1, 4), jnp.float32), keys)
+    triton = "__gpu$xla.gpu.triton"
+    ex = export.export(jax.jit(decode), platforms=["cuda"],
+                       disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)])(*args)
+    text = ex.mlir_module()
+    assert "csa2_sparse_attention_fwd" in text and "indexer_score_pool" in text and "indexer_gather_score" in text
+    assert "tensor<1x16x64xui8>" in text and "tensor<1x64x32xui8>" in text  # the packed buffers go in as bytes
