@@ -19,7 +19,8 @@ occupant, are therefore invisible without any clearing, so restarting a slot is 
 
 ``packed=True`` keeps ``swa``, ``kv`` and ``keys`` in the release's packed formats (:mod:`packed_cache`: FP8 window,
 FP4 compressed KV and indexer keys, each with its block scales) — the bytes ``cache_footprint(config, "release")``
-counts; the cached forward reads and writes them through ``packed_cache.read`` / ``set_rows``.
+counts; the cached forward writes them through ``packed_cache.set_rows`` and reads them through ``packed_cache.read``
+(reference / TPU) or hands them packed to the GPU kernels, which dequantise the rows they use in registers.
 
 Engram's look-back state (the last n-1 compressed ids per slot) depends only on tokens and lives on the host next
 to the hasher (``EngramHistory``), with a copy in the decode loop's device state while ``Engine.generate`` decodes

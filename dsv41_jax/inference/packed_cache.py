@@ -24,7 +24,9 @@ rounds exactly these three tensors onto these grids before they are cached):
   checked): the true scale of a fake-quantised block is one of them. Blocks off the grid (a forward without the
   fake quantisation) fall back to the release's own quantiser rule, i.e. they are quantised.
 
-The reference path unpacks at read (plain JAX); kernels reading the packed cache directly are future work.
+The reference and TPU paths unpack at read (plain JAX, :func:`read`). The GPU kernels read the packed buffers
+directly (``kernels.pallas_gpu.load_packed_rows``: the rows they use, dequantised in registers to exactly the values
+:func:`unpack` gives; ``kernels.reads_packed_cache``).
 """
 
 from __future__ import annotations

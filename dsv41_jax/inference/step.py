@@ -127,7 +127,13 @@ def ring_read(ring: jax.Array, pos0: jax.Array) -> tuple[jax.Array, jax.Array]:
     b, w = ring.shape[:2]
     p = pos0[:, None] - w + jnp.arange(w)[None, :]
     vals = jnp.take_along_axis(ring, jnp.mod(p, w).reshape(b, w, *([1] * (ring.ndim - 2))), axis=1)
-    return vals, jnp.where(p >= 0, p, -1)
+    return vals, ring_positions(pos0, w)
+
+
+def ring_positions(pos0: jax.Array, w: int) -> jax.Array:
+    """Positions of a W-slot ring's contents in :func:`ring_read`'s order (pos0 - W .. pos0 - 1; -1 = none)."""
+    p = pos0[:, None] - w + jnp.arange(w)[None, :]
+    return jnp.where(p >= 0, p, -1)
 
 
 def ring_write(ring: jax.Array, vals: jax.Array, pos0: jax.Array, n_valid: jax.Array) -> jax.Array:
@@ -376,12 +382,17 @@ def streaming_select(q, weights, keys, q_pos, *, ratio: int, topk: int, block_si
 # ----------------------------------------------------------------------------------------------------------
 
 def chunk_attention(q, pos, win_kv, win_pos, compressed, topk, sink, *, window: int, floor, q_block: int,
-                    backend: str = "auto"):
-    """q [B, C, H, D] at pos [B, C]; window keys [B, W + C, D] where index k holds position pos0 - W + k."""
+                    backend: str = "auto", win_ring=None):
+    """q [B, C, H, D] at pos [B, C]; window keys [B, W + C, D] where index k holds position pos0 - W + k.
+    ``win_ring`` (one query block only): (ring, pos0), the first W window keys read from the ring itself and
+    ``win_kv`` [B, C, D] the chunk's (``kernels.sparse_attention``)."""
     b, t = q.shape[:2]
     sparse_attention = functools.partial(kernels.sparse_attention, backend=backend)
     if t <= q_block:
-        return sparse_attention(q, pos, win_kv, win_pos, compressed, topk, sink, window=window, floor=floor)
+        return sparse_attention(q, pos, win_kv, win_pos, compressed, topk, sink, window=window, floor=floor,
+                                win_ring=win_ring)
+    if win_ring is not None:
+        raise ValueError("chunk_attention: win_ring serves a single query block; materialise the ring first")
     nb = ceil_div(t, q_block)
     pad = nb * q_block - t
     q_p = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
@@ -421,9 +432,14 @@ def attention_step(p: dict, x: jax.Array, spec: LayerSpec, pos: jax.Array, pos0:
     q_res, q, kv = attention_inputs(p, x, cos, sin, c, quant_on)
 
     ring = cache["swa"][spec.index]
-    ring_vals, ring_pos = ring_read(ring, pos0)
     valid = jnp.arange(t)[None, :] < n_valid[:, None]
-    win_kv = jnp.concatenate([ring_vals.astype(kv.dtype), kv], axis=1)
+    win_ring = None
+    if isinstance(ring, PC.PackedRows) and t <= opts.query_chunk and kernels.reads_packed_cache(opts.kernel_backend):
+        # the GPU kernel reads the ring's FP8 slots (the state before this chunk's write) where they lie
+        ring_pos, win_kv, win_ring = ring_positions(pos0, ring.shape[1]), kv, (ring, pos0)
+    else:
+        ring_vals, ring_pos = ring_read(ring, pos0)
+        win_kv = jnp.concatenate([ring_vals.astype(kv.dtype), kv], axis=1)
     win_pos = jnp.concatenate([ring_pos, jnp.where(valid, pos, -1)], axis=1)
     cache["swa"][spec.index] = ring_write(ring, kv, pos0, n_valid)
 
@@ -434,8 +450,11 @@ def attention_step(p: dict, x: jax.Array, spec: LayerSpec, pos: jax.Array, pos0:
             if emit:
                 cache["sources"][key] = emit_entries(cache["sources"][key], x, p["compressor"], p["indexer"],
                                                      spec.ratio, pos0, n_valid, c, rope, quant_on)
-            shared = dataclasses.replace(shared, kv=PC.read(cache["sources"][key]["kv"]),
-                                         keys=PC.read(cache["sources"][key]["keys"]))
+            src = cache["sources"][key]
+            if kernels.reads_packed_cache(opts.kernel_backend):  # GPU kernels: packed rows read and dequantised
+                shared = dataclasses.replace(shared, kv=src["kv"], keys=src["keys"])  # in registers (either layout)
+            else:  # unpack-then-compute (reference / TPU): the whole buffer unpacked to its dtype
+                shared = dataclasses.replace(shared, kv=PC.read(src["kv"]), keys=PC.read(src["keys"]))
         if spec.mode in (FULL, REINDEX):
             new_topk, new_pool = run_indexer(p["indexer"], x, q_res, spec, pos, shared.keys, shared.pool, c, rope,
                                              opts, quant_on)
@@ -445,7 +464,7 @@ def attention_step(p: dict, x: jax.Array, spec: LayerSpec, pos: jax.Array, pos0:
 
     floor = cache["floor"] if spec.stack == "decoder" else 0
     out = chunk_attention(q, pos, win_kv, win_pos, compressed, topk, p["attn_sink"], window=c.sliding_window,
-                          floor=floor, q_block=opts.query_chunk, backend=opts.kernel_backend)
+                          floor=floor, q_block=opts.query_chunk, backend=opts.kernel_backend, win_ring=win_ring)
     return attention_output(p, out, cos, sin, c), cache, shared
 
 

@@ -42,7 +42,8 @@ from dsv41_jax.ops import attention as _ref_attn
 
 BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret")
 
-__all__ = ["BACKENDS", "resolve_backend", "sparse_attention", "sequence_sparse_attention", "indexer_topk",
+__all__ = ["BACKENDS", "resolve_backend", "reads_packed_cache", "ring_rows", "sparse_attention",
+           "sequence_sparse_attention", "indexer_topk",
            "pool_ids_to_mask", "pool_mask_to_ids", "backward_kind"]
 
 
@@ -229,26 +230,71 @@ def _attention_bwd(cfg, res, g):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def _is_packed(x) -> bool:
+    """A packed cache buffer (``inference.packed_cache.PackedRows``; duck-typed: kernels do not import inference)."""
+    return x is not None and hasattr(x, "fmt") and hasattr(x, "scales") and hasattr(x, "values")
+
+
+def _unpacked(x):
+    """A packed cache buffer unpacked to its dtype (the unpack-then-compute path), anything else as is."""
+    if not _is_packed(x):
+        return x
+    from dsv41_jax.inference.packed_cache import read
+
+    return read(x)
+
+
+def ring_rows(ring, base):
+    """A ring buffer's rows in window order (row j = slot (base + j) mod R, i.e. positions base - R .. base - 1 of
+    ``inference.step.ring_read``), unpacked if packed: what the window ring of :func:`sparse_attention` stands for."""
+    vals = _unpacked(ring)
+    r = vals.shape[1]
+    slot = jnp.mod(jnp.asarray(base, jnp.int32)[:, None] + jnp.arange(r, dtype=jnp.int32)[None, :], r)
+    return jnp.take_along_axis(vals, slot.reshape(slot.shape + (1,) * (vals.ndim - 2)), axis=1)
+
+
+def reads_packed_cache(backend: str = "auto") -> bool:
+    """Whether this backend's decode kernels read a packed (release-format) cache directly: the GPU (Triton) sparse
+    attention and indexer kernels dequantise the rows they load in registers; the reference and TPU backends unpack
+    the buffer first (``packed_cache.read``)."""
+    return resolve_backend(backend).startswith("pallas_gpu")
+
+
 def _floor_vec(floor, b):
     return jnp.broadcast_to(jnp.asarray(floor, jnp.int32).reshape(-1), (b,)) if jnp.ndim(floor) <= 1 else floor
 
 
 def sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, *, window: int, floor=0,
                      scale: float | None = None, q_seg=None, k_seg=None, backend: str = "auto",
-                     tuning: dict | None = None):
+                     tuning: dict | None = None, win_ring=None):
     """Decode / explicit-window form; same contract as ``ops.attention.sparse_attention``.
 
     q [B, C, H, D]; q_pos [B, C]; win_kv [B, L, D] with positions win_pos [B, L] (< 0 = empty);
     compressed_kv [B, N, D] or None; topk [B, C, K] (-1 = empty) or None; sink [H]; q_seg / k_seg optional
-    document ids [B, C] / [B, L]. ``tuning``: GPU block sizes (see ``_gpu_tuning``)."""
+    document ids [B, C] / [B, L]. ``tuning``: GPU block sizes (see ``_gpu_tuning``).
+
+    ``compressed_kv`` may be a packed cache buffer (``packed_cache.PackedRows``): the GPU kernel then reads the
+    selected rows' packed bytes and scales and dequantises them in registers (forward only: the decode path),
+    equal to running it on ``packed_cache.read(compressed_kv)``; the other backends unpack it first.
+
+    ``win_ring`` = (ring [B, R, D] array or packed buffer, base [B] int32): the window's first R rows are the ring's
+    slots in window order (:func:`ring_rows`) and ``win_kv`` holds only the rows after them; ``win_pos`` /
+    ``k_seg`` cover all R + L rows. The GPU kernel reads a packed ring's slots directly (FP8 + ue8m0 scales,
+    dequantised in registers); otherwise the rows are materialised and concatenated first."""
     be = resolve_backend(backend)
+    if _is_packed(compressed_kv) and not (be.startswith("pallas_gpu") and topk is not None and topk.shape[-1] > 0):
+        compressed_kv = _unpacked(compressed_kv)
+    if win_ring is not None and not (be.startswith("pallas_gpu") and _is_packed(win_ring[0]) and win_kv.shape[1]):
+        win_kv = jnp.concatenate([ring_rows(*win_ring).astype(win_kv.dtype), win_kv], axis=1)
+        win_ring = None
     if be == "reference":
         seg = {} if q_seg is None else {"q_seg": q_seg, "k_seg": k_seg}
         return reference.sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, window=window,
                                           floor=floor, scale=scale, **seg)
     b, c, _, d = q.shape
-    cfg = _AttnCfg(be, "explicit", int(window), float(d ** -0.5 if scale is None else scale), int(win_kv.shape[1]),
-                   0, tuple(sorted((tuning or {}).items())))
+    n_ring = 0 if win_ring is None else int(win_ring[0].shape[1])
+    cfg = _AttnCfg(be, "explicit", int(window), float(d ** -0.5 if scale is None else scale),
+                   n_ring + int(win_kv.shape[1]), 0, tuple(sorted((tuning or {}).items())))
     if topk is not None and topk.shape[-1] == 0:
         compressed_kv, topk = None, None
     if compressed_kv is None or topk is None:
@@ -256,6 +302,25 @@ def sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, *, wi
     wstart = jnp.zeros((b, c), jnp.int32)
     qseg = None if q_seg is None else q_seg.astype(jnp.int32)
     wseg = None if q_seg is None else k_seg.astype(jnp.int32)
+    if _is_packed(compressed_kv) or win_ring is not None:
+        # forward-only kernel over packed rows (no VJP: a cache is not trained)
+        from dsv41_jax.kernels import pallas_gpu as G
+
+        q, win_kv = jax.lax.stop_gradient(q), jax.lax.stop_gradient(win_kv)
+        if _is_packed(compressed_kv):
+            ckv, ckv_fmt = (compressed_kv.values, compressed_kv.scales), compressed_kv.fmt
+        else:
+            ckv, ckv_fmt = None if compressed_kv is None else compressed_kv.astype(q.dtype), None
+        ring, ring_fmt = None, None
+        if win_ring is not None:
+            ring = (win_ring[0].values, win_ring[0].scales, jnp.asarray(win_ring[1], jnp.int32))
+            ring_fmt = win_ring[0].fmt
+        out, _ = G.attention_fwd(q, q_pos.astype(jnp.int32), win_kv.astype(q.dtype), win_pos.astype(jnp.int32),
+                                 wstart, _floor_vec(floor, b), ckv, None if topk is None else topk.astype(jnp.int32),
+                                 sink, qseg, wseg, window=cfg.window, scale=cfg.scale, wspan=cfg.wspan,
+                                 ckv_fmt=ckv_fmt, ring=ring, ring_fmt=ring_fmt, interpret=be.endswith("interpret"),
+                                 **_gpu_tuning(cfg, q, topk))
+        return out
     return _attention(cfg, q, q_pos.astype(jnp.int32), win_kv, win_pos.astype(jnp.int32), wstart,
                       _floor_vec(floor, b), compressed_kv, None if topk is None else topk.astype(jnp.int32), sink,
                       qseg, wseg)
@@ -268,6 +333,7 @@ def sequence_sparse_attention(q, kv, positions, compressed_kv, topk, sink, *, wi
     q [B, T, H, D]; kv [B, T, D] (the sequence's own window latents, key t at positions[:, t]); ``segments``
     [B, T] packed-document ids (positions restart per document)."""
     be = resolve_backend(backend)
+    compressed_kv = _unpacked(compressed_kv)
     if be == "reference":
         seg = {} if segments is None else {"segments": segments}
         return reference.sequence_sparse_attention(q, kv, positions, compressed_kv, topk, sink, window=window,
@@ -290,8 +356,9 @@ def sequence_sparse_attention(q, kv, positions, compressed_kv, topk, sink, *, wi
 # Indexer
 # ----------------------------------------------------------------------------------------------------------------
 
-def _indexer_ops(be: str):
-    """(score_pool, gather_score, select) for a kernel backend."""
+def _indexer_ops(be: str, packed=None):
+    """(score_pool, gather_score, select) for a kernel backend; ``packed`` (GPU only): the keys' packed buffer, whose
+    format the score kernels are told (they then take its (values, scales) as the keys)."""
     interp = be.endswith("interpret")
     if be.startswith("pallas_gpu"):
         from dsv41_jax.kernels import pallas_gpu as G
@@ -301,8 +368,9 @@ def _indexer_ops(be: str):
                 return hier_topk.select_xla(v, i, k)
             return G.select(v, i, k, interpret=interp)
 
-        return (functools.partial(G.score_pool, interpret=interp),
-                functools.partial(G.gather_score, interpret=interp), select)
+        kfmt = {} if packed is None else dict(keys_fmt=packed.fmt, keys_dtype=str(jnp.dtype(packed.dtype)))
+        return (functools.partial(G.score_pool, interpret=interp, **kfmt),
+                functools.partial(G.gather_score, interpret=interp, **kfmt), select)
     from dsv41_jax.kernels import pallas_tpu as T
 
     return functools.partial(T.score_pool, interpret=interp), T.gather_score, hier_topk.select_xla
@@ -315,21 +383,29 @@ def indexer_topk(q, weights, keys, q_pos, *, ratio: int, topk: int, pool=None, b
     ``pool`` may be a block mask [B, C, n_blocks] (bool) or kept block ids [B, C, P] (int); the new pool (candidate
     source only) is returned as ``pool_format``: "mask", "ids", or "auto" (= mask for the reference backend, ids for
     kernel backends, which then never touch O(N) data in Reindex layers).
+
+    ``keys`` may be a packed cache buffer (``packed_cache.PackedRows``): the GPU score kernels read its FP4 bytes and
+    scales and dequantise in registers (same index sets as on ``packed_cache.read(keys)``); other backends unpack it.
     """
     be = resolve_backend(backend)
     if pool_format == "auto":
         pool_format = "mask" if be == "reference" else "ids"
     g1 = block_size
+    packed = keys if _is_packed(keys) and be.startswith("pallas_gpu") and not g1 & (g1 - 1) else None
+    if packed is None:
+        keys = _unpacked(keys)
     if be == "reference" or g1 & (g1 - 1):
         return reference.indexer_topk(q, weights, keys, q_pos, ratio=ratio, topk=topk, pool=pool,
                                       block_size=block_size, candidate_topk_blocks=candidate_topk_blocks,
                                       pool_format=pool_format)
-    q, weights, keys = (jax.lax.stop_gradient(x) for x in (q, weights, keys))
     b, c = q.shape[:2]
     n = keys.shape[1]
+    if packed is not None:
+        keys = (packed.values, packed.scales)
+    q, weights, keys = (jax.lax.stop_gradient(x) for x in (q, weights, keys))
     n_blocks = -(-n // g1)
     vis = (q_pos.astype(jnp.int32) + 1) // ratio  # visible count (unclipped, like the reference)
-    score_pool, gather_score, select = _indexer_ops(be)
+    score_pool, gather_score, select = _indexer_ops(be, packed)
     leaf = functools.partial(gather_score, q, weights, keys, vis)
     if n == 0:
         sel = jnp.full((b, c, 0), -1, jnp.int32)

@@ -91,28 +91,111 @@ def _window_valid(inb, kp, ksg, qp, qs, window, fl):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Packed cache rows (the release's formats, ``inference.packed_cache``), dequantised in registers
+# ----------------------------------------------------------------------------------------------------------------
+
+# format name -> (values per scale, values per byte, scale format); the names are ``packed_cache``'s (kept as
+# strings here: kernels do not import the inference package)
+PACKED_FORMATS = {"fp8_e4m3_ue8m0_32": (32, 1, "ue8m0"),  # window KV
+                  "fp4_e2m1_e4m3_16": (16, 2, "e4m3"),  # compressed KV
+                  "fp4_e2m1_ue8m0_32": (32, 2, "ue8m0")}  # indexer keys
+
+
+def e4m3_from_bits(bits):
+    """FP8 e4m3 bytes (int32 0..255) -> float32 by integer arithmetic (no fp8 type in the kernel): a normal
+    (exponent e >= 1) is (8 + m) * 2^(e - 10), a subnormal 2m * 2^-10; both integers times 2^-10 are exact. The
+    sign of zero is kept. (The NaN codes 0x7f / 0xff never occur in a packed cache: the packer clips to 448.)"""
+    e = (bits >> 3) & 15
+    m = bits & 7
+    mag = jnp.where(e == 0, m << 1, (m + 8) << e).astype(jnp.float32) * (2.0 ** -10)
+    return jnp.where(bits >= 128, -mag, mag)
+
+
+def e2m1_from_code(code):
+    """FP4 e2m1 codes (int32 0..15, sign in bit 3) -> float32: magnitudes 0, .5, 1, 1.5 (= c / 2), 2, 3 (= c - 2),
+    4, 6 (= 2c - 8); code 8 is -0.0, as ``packed_cache.unpack`` gives."""
+    c = code & 7
+    cf = c.astype(jnp.float32)
+    mag = jnp.where(c < 4, cf * 0.5, jnp.where(c < 6, cf - 2.0, cf * 2.0 - 8.0))
+    return jnp.where(code >= 8, -mag, mag)
+
+
+def ue8m0_from_bits(bits):
+    """ue8m0 scale bytes (int32 1..254) -> 2^(bits - 127) exactly, as a float32 built from its exponent field
+    (byte 0 gives 0.0: it only occurs in never-written rows, whose values are all zero)."""
+    return jax.lax.bitcast_convert_type(bits << 23, jnp.float32)
+
+
+def load_packed_rows(vals_ref, scales_ref, bi, rows, cols, valid, *, fmt: str, dim: int):
+    """Rows ``rows`` [R] (in range) of batch row ``bi`` of a packed buffer, columns ``cols`` [1, D'] -> float32
+    [R, D'] (0 where ``valid`` [R] is False or a column is >= ``dim``). Inside a kernel: each column's byte and
+    scale are loaded by a pointer tensor of the column's own address (two columns share an FP4 byte, a block its
+    scale: the repeated addresses are served by the same cache lines), then decoded in registers. Exactly
+    ``packed_cache.unpack``'s values: the products code x scale are exact in float32."""
+    block, per_byte, scale_fmt = PACKED_FORMATS[fmt]
+    cc = jnp.minimum(cols, dim - 1)
+    m = valid[:, None] & (cols < dim)
+    byte = pltr.load(vals_ref.at[bi, rows[:, None], cc // per_byte], mask=m, other=0).astype(jnp.int32)
+    sb = pltr.load(scales_ref.at[bi, rows[:, None], cc // block], mask=m, other=0).astype(jnp.int32)
+    x = e4m3_from_bits(byte) if per_byte == 1 else e2m1_from_code((byte >> ((cc & 1) * 4)) & 15)
+    return x * (e4m3_from_bits(sb) if scale_fmt == "e4m3" else ue8m0_from_bits(sb))
+
+
+def _check_packed(arr, fmt, dim, what):
+    if fmt not in PACKED_FORMATS:
+        raise ValueError(f"{what}: unknown packed format {fmt!r}; one of {sorted(PACKED_FORMATS)}")
+    block, per_byte, _ = PACKED_FORMATS[fmt]
+    vals, scales = arr
+    if vals.dtype != jnp.uint8 or scales.dtype != jnp.uint8 or vals.shape[-1] * per_byte != dim or \
+            scales.shape[-1] * block != dim or vals.shape[:-1] != scales.shape[:-1]:
+        raise ValueError(f"{what}: packed {fmt} rows of {dim} values need uint8 values [..., {dim // per_byte}] and "
+                         f"scales [..., {dim // block}], got {vals.dtype}{list(vals.shape)} and "
+                         f"{scales.dtype}{list(scales.shape)}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Sparse attention, forward
 # ----------------------------------------------------------------------------------------------------------------
 
 @functools.partial(jax.jit, static_argnames=("window", "scale", "wspan", "block_h", "block_d", "block_k",
-                                             "num_splits", "num_warps", "num_stages", "prefetch", "interpret"))
+                                             "num_splits", "num_warps", "num_stages", "prefetch", "ckv_fmt",
+                                             "ring_fmt", "interpret"))
 def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None, wseg=None, *, window: int,
                   scale: float, wspan: int, block_h: int = 64, block_d: int = 512, block_k: int = 64,
                   num_splits: int = 1, num_warps: int = 8, num_stages: int = 2, prefetch: bool = False,
-                  interpret: bool = False):
+                  ckv_fmt: str | None = None, ring=None, ring_fmt: str | None = None, interpret: bool = False):
     """Core forward. q [B, C, H, D]; q_pos [B, C]; window rows of query (b, c) are wkv[b, wstart[b,c] + j] for
     j < wspan (positions wpos, masked like the reference; with document ids qseg [B, C] / wseg [B, S] also
     masked to the query's document); ckv [B, N, D] / topk [B, C, K] (or None); sink [H]; floor [B].
+    ``ckv_fmt``: ckv is a packed cache buffer (values uint8, scales uint8) in that ``PACKED_FORMATS`` format, its
+    selected rows dequantised to q.dtype in registers (only their packed bytes are read).
+    ``ring`` = (values, scales, base) with ``ring_fmt``: the window's first R rows come from a packed ring buffer of
+    R slots [B, R, ...] (window row j < R is slot (base[b] + j) mod R, i.e. ``step.ring_read``'s position order)
+    and rows R + i from wkv [B, S - R, D] (the chunk's new rows); wpos / wseg / wspan then cover all S rows.
     Returns (out [B, C, H, D] q.dtype, lse [B, C, H] fp32)."""
     b, c, h, d = q.shape
+    n_ring = 0
+    if ring_fmt is not None:
+        _check_packed(ring[:2], ring_fmt, d, "attention_fwd window ring")
+        rvals, rscales, rbase = ring
+        n_ring = rvals.shape[1]
+        if wkv.shape[1] == 0:
+            raise ValueError("attention_fwd: a packed window ring needs at least one new row in wkv")
+    s_len = n_ring + wkv.shape[1]
     if qseg is None:
-        qseg, wseg = jnp.zeros((b, c), jnp.int32), jnp.zeros((b, wkv.shape[1]), jnp.int32)
-    s_len = wkv.shape[1]
+        qseg, wseg = jnp.zeros((b, c), jnp.int32), jnp.zeros((b, s_len), jnp.int32)
     has_cmp = ckv is not None and topk is not None and topk.shape[-1] > 0
     if not has_cmp:  # a dummy one-row cache keeps one kernel signature
         ckv = jnp.zeros((b, 1, d), wkv.dtype)
         topk = jnp.full((b, c, 1), -1, jnp.int32)
-    n, kk = ckv.shape[1], topk.shape[-1]
+        ckv_fmt = None
+    if ckv_fmt is not None:
+        _check_packed(ckv, ckv_fmt, d, "attention_fwd compressed KV")
+        cvals, cscales = ckv
+        n = cvals.shape[1]
+    else:
+        n = ckv.shape[1]
+    kk = topk.shape[-1]
     bh = max(16, min(_pow2(block_h), _pow2(h)))
     hp = -(-h // bh) * bh
     dp = _pow2(d)
@@ -123,7 +206,8 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
         sink = jnp.pad(sink, (0, hp - h))
     if dp != d:
         wkv = jnp.pad(wkv, ((0, 0), (0, 0), (0, dp - d)))
-        ckv = jnp.pad(ckv, ((0, 0), (0, 0), (0, dp - d)))
+        if ckv_fmt is None:
+            ckv = jnp.pad(ckv, ((0, 0), (0, 0), (0, dp - d)))
     n_w = -(-wspan // bk)
     n_c = -(-kk // bk) if has_cmp else 0
     nblk = n_w + n_c
@@ -133,8 +217,15 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
     prec = _prec(q.dtype)
     vdt = wkv.dtype
 
-    def kernel(q_ref, qpos_ref, wkv_ref, wpos_ref, wstart_ref, floor_ref, ckv_ref, topk_ref, sink_ref, qseg_ref,
-               wseg_ref, *outs):
+    n_new = wkv.shape[1]
+
+    def kernel(q_ref, qpos_ref, wkv_ref, wpos_ref, wstart_ref, floor_ref, *refs):
+        if ring_fmt is not None:
+            rval_ref, rscale_ref, rbase_ref, *refs = refs
+        if ckv_fmt is None:
+            ckv_ref, topk_ref, sink_ref, qseg_ref, wseg_ref, *outs = refs
+        else:
+            cval_ref, cscale_ref, topk_ref, sink_ref, qseg_ref, wseg_ref, *outs = refs
         r = pl.program_id(0)
         hd = pl.program_id(1)
         sp = pl.program_id(2)
@@ -165,6 +256,18 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
         def load_win(i):
             jj, valid = _window_rows(wpos_ref, wseg_ref, bi, ws + i * bk + jnp.arange(bk), s_len, qp, qs, window, fl,
                                       ws + wspan)
+            if ring_fmt is not None:  # ring rows dequantised from the packed ring, the chunk's rows from wkv
+                in_ring = jj < n_ring
+                slot = jax.lax.rem(rbase_ref[bi] + jnp.minimum(jj, n_ring - 1), n_ring)
+                new = jnp.clip(jj - n_ring, 0, n_new - 1)
+
+                def rows(cc):
+                    packed = load_packed_rows(rval_ref, rscale_ref, bi, slot, cc, valid & in_ring,
+                                              fmt=ring_fmt, dim=d).astype(vdt)
+                    plain = pltr.load(wkv_ref.at[bi, new[:, None], cc], mask=(valid & ~in_ring)[:, None], other=0)
+                    return jnp.where(in_ring[:, None], packed, plain)
+
+                return (rows(cols), valid) if bd == dp else (rows(cols), rows(vcols), valid)
             kmat = pltr.load(wkv_ref.at[bi, jj[:, None], cols], mask=valid[:, None], other=0)
             if bd == dp:
                 return kmat, valid
@@ -175,6 +278,11 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
             idx = pltr.load(topk_ref.at[bi, ci, jnp.minimum(t, kk - 1)], mask=t < kk, other=-1)
             valid = idx >= 0
             safe = jnp.clip(idx, 0, n - 1)
+            if ckv_fmt is not None:  # packed rows: dequantised here, the same values packed_cache.read gives
+                rows = functools.partial(load_packed_rows, cval_ref, cscale_ref, bi, safe, valid=valid, fmt=ckv_fmt,
+                                         dim=d)
+                kmat = rows(cols=cols).astype(vdt)
+                return (kmat, valid) if bd == dp else (kmat, rows(cols=vcols).astype(vdt), valid)
             kmat = pltr.load(ckv_ref.at[bi, safe[:, None], cols], mask=valid[:, None], other=0)
             if bd == dp:
                 return kmat, valid
@@ -228,7 +336,9 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
                           compiler_params=_params(num_warps, num_stages), interpret=interpret,
                           name="csa2_sparse_attention_fwd")(
         q, q_pos.astype(jnp.int32), wkv, wpos.astype(jnp.int32), wstart.astype(jnp.int32),
-        floor.astype(jnp.int32), ckv, topk.astype(jnp.int32), sink, qseg.astype(jnp.int32), wseg.astype(jnp.int32))
+        floor.astype(jnp.int32), *(() if ring_fmt is None else (rvals, rscales, rbase.astype(jnp.int32))),
+        *(ckv if ckv_fmt is not None else (ckv,)), topk.astype(jnp.int32), sink,
+        qseg.astype(jnp.int32), wseg.astype(jnp.int32))
     if splits == 1:
         out, lse = outs
     else:  # merge the partial softmaxes; the sink enters once
@@ -584,15 +694,33 @@ def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse,
 # Indexer: streamed scoring -> block / superblock maxima
 # ----------------------------------------------------------------------------------------------------------------
 
+def _packed_keys(keys, keys_fmt, keys_dtype, di, what):
+    """(n, keys operands, row loader) of an indexer kernel's key table: plain [B, N, di], or packed (values,
+    scales) in ``keys_fmt`` dequantised in registers to ``keys_dtype`` (the packed buffer's read dtype)."""
+    if keys_fmt is None:
+        def load(k_refs, bi, rows, cols, valid):
+            return pltr.load(k_refs[0].at[bi, rows[:, None], cols], mask=valid[:, None], other=0)
+
+        return keys.shape[1], (keys,), load
+    _check_packed(keys, keys_fmt, di, what)
+    dt = jnp.dtype(keys_dtype or jnp.float32)
+
+    def load_packed(k_refs, bi, rows, cols, valid):
+        return load_packed_rows(*k_refs, bi, rows, cols, valid, fmt=keys_fmt, dim=di).astype(dt)
+
+    return keys[0].shape[1], tuple(keys), load_packed
+
+
 @functools.partial(jax.jit, static_argnames=("g1", "g2", "block_q", "tile", "tiles_per_program", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "keys_fmt", "keys_dtype", "interpret"))
 def score_pool(q, w, keys, vis, *, g1: int, g2: int = 8, block_q: int | None = None, tile: int = 256,
                tiles_per_program: int | None = None, num_warps: int = 4, num_stages: int = 3,
-               interpret: bool = False):
+               keys_fmt: str | None = None, keys_dtype: str | None = None, interpret: bool = False):
     """q [B, C, Hi, di], w [B, C, Hi] (already × Hi^-½), keys [B, N, di], vis [B, C] visible counts ->
-    (bmax [B, C, ceil(N/g1)], smax [B, C, ceil(N/(g1·g2))]) fp32, -inf where nothing visible."""
+    (bmax [B, C, ceil(N/g1)], smax [B, C, ceil(N/(g1·g2))]) fp32, -inf where nothing visible.
+    ``keys_fmt``: keys is a packed buffer (values, scales) in that format, read as ``keys_dtype``."""
     b, c, hi, di = q.shape
-    n = keys.shape[1]
+    n, key_ops, load_keys = _packed_keys(keys, keys_fmt, keys_dtype, di, "score_pool keys")
     assert g1 & (g1 - 1) == 0 and g2 & (g2 - 1) == 0, "block sizes must be powers of two"
     sup = g1 * g2
     nb, ns = -(-n // g1), -(-n // sup)
@@ -604,8 +732,9 @@ def score_pool(q, w, keys, vis, *, g1: int, g2: int = 8, block_q: int | None = N
         q = jnp.pad(q, ((0, 0), (0, cp - c), (0, hip - hi), (0, dip - di)))
         w = jnp.pad(w, ((0, 0), (0, cp - c), (0, hip - hi)))
         vis = jnp.pad(vis, ((0, 0), (0, cp - c)))
-    if dip != di:
-        keys = jnp.pad(keys, ((0, 0), (0, 0), (0, dip - di)))
+    if dip != di and keys_fmt is None:
+        key_ops = (jnp.pad(keys, ((0, 0), (0, 0), (0, dip - di))),)
+    nk = len(key_ops)
     n_tiles = -(-n // bn)
     if tiles_per_program is None:  # enough programs to fill the GPU twice, long enough to stream well
         tiles_per_program = max(1, min(16, (n_tiles * b * (cp // bq)) // 1024))
@@ -615,7 +744,8 @@ def score_pool(q, w, keys, vis, *, g1: int, g2: int = 8, block_q: int | None = N
     prec = _prec(q.dtype)
     tb, ts = bn // g1, bn // sup
 
-    def kernel(q_ref, w_ref, k_ref, vis_ref, bmax_ref, smax_ref):
+    def kernel(q_ref, w_ref, *refs):
+        k_refs, (vis_ref, bmax_ref, smax_ref) = refs[:nk], refs[nk:]
         bi = pl.program_id(0)
         q0 = pl.program_id(1) * bq
         sg = pl.program_id(2)
@@ -628,7 +758,7 @@ def score_pool(q, w, keys, vis, *, g1: int, g2: int = 8, block_q: int | None = N
             base = (sg * tpp + t) * bn
             rows = base + jnp.arange(bn)
             inb = rows < n
-            kmat = pltr.load(k_ref.at[bi, jnp.minimum(rows, n - 1)[:, None], cols], mask=inb[:, None], other=0)
+            kmat = load_keys(k_refs, bi, jnp.minimum(rows, n - 1), cols, inb)
             dots = jnp.maximum(_dot_nt(qm, kmat, prec), 0.0) * scale * wv[:, None]  # [bq·hi, bn]
             s = jnp.sum(dots.reshape(bq, hip, bn), axis=1)
             s = jnp.where(rows[None, :] < vv[:, None], s, NEG_INF)
@@ -658,23 +788,26 @@ def score_pool(q, w, keys, vis, *, g1: int, g2: int = 8, block_q: int | None = N
         out_shape=(jax.ShapeDtypeStruct((b, cp, n_prog * tpp * tb), jnp.float32),
                    jax.ShapeDtypeStruct((b, cp, n_prog * tpp * ts), jnp.float32)),
         compiler_params=_params(num_warps, num_stages), interpret=interpret, name="indexer_score_pool",
-    )(q, w, keys, vis.astype(jnp.int32))
+    )(q, w, *key_ops, vis.astype(jnp.int32))
     return bmax[:, :c, :nb], smax[:, :c, :ns]
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tile", "num_warps", "num_stages", "keys_fmt", "keys_dtype",
+                                             "interpret"))
 def gather_score(q, w, keys, vis, cand, *, tile: int = 128, num_warps: int = 4, num_stages: int = 3,
-                 interpret: bool = False):
-    """Scores of explicit entries: cand [B, C, M] entry ids (-1 = none) -> [B, C, M] fp32 (-inf: none/invisible)."""
+                 keys_fmt: str | None = None, keys_dtype: str | None = None, interpret: bool = False):
+    """Scores of explicit entries: cand [B, C, M] entry ids (-1 = none) -> [B, C, M] fp32 (-inf: none/invisible).
+    ``keys_fmt`` / ``keys_dtype``: packed keys, as in :func:`score_pool`."""
     b, c, hi, di = q.shape
-    n = keys.shape[1]
+    n, key_ops, load_keys = _packed_keys(keys, keys_fmt, keys_dtype, di, "gather_score keys")
     m = cand.shape[-1]
     hip, dip = max(16, _pow2(hi)), max(16, _pow2(di))
     if (hip, dip) != (hi, di):
         q = jnp.pad(q, ((0, 0), (0, 0), (0, hip - hi), (0, dip - di)))
         w = jnp.pad(w, ((0, 0), (0, 0), (0, hip - hi)))
-    if dip != di:
-        keys = jnp.pad(keys, ((0, 0), (0, 0), (0, dip - di)))
+    if dip != di and keys_fmt is None:
+        key_ops = (jnp.pad(keys, ((0, 0), (0, 0), (0, dip - di))),)
+    nk = len(key_ops)
     bn = min(_pow2(tile), _pow2(m))
     mp = -(-m // bn) * bn
     if mp != m:
@@ -682,7 +815,8 @@ def gather_score(q, w, keys, vis, cand, *, tile: int = 128, num_warps: int = 4, 
     scale = di ** -0.5
     prec = _prec(q.dtype)
 
-    def kernel(q_ref, w_ref, k_ref, vis_ref, cand_ref, out_ref):
+    def kernel(q_ref, w_ref, *refs):
+        k_refs, (vis_ref, cand_ref, out_ref) = refs[:nk], refs[nk:]
         r = pl.program_id(0)
         bi = r // c
         ci = r % c
@@ -692,15 +826,14 @@ def gather_score(q, w, keys, vis, cand, *, tile: int = 128, num_warps: int = 4, 
         vv = vis_ref[bi, ci]
         ids = cand_ref[bi, ci, pl.ds(t * bn, bn)]
         valid = (ids >= 0) & (ids < vv)
-        kmat = pltr.load(k_ref.at[bi, jnp.clip(ids, 0, n - 1)[:, None], jnp.arange(dip)[None, :]],
-                         mask=valid[:, None], other=0)
+        kmat = load_keys(k_refs, bi, jnp.clip(ids, 0, n - 1), jnp.arange(dip)[None, :], valid)
         dots = jnp.maximum(_dot_nt(qm, kmat, prec), 0.0) * scale * wv[:, None]  # [hi, bn]
         s = jnp.sum(dots, axis=0)
         out_ref[bi, ci, pl.ds(t * bn, bn)] = jnp.where(valid, s, NEG_INF)
 
     out = pl.pallas_call(kernel, grid=(b * c, mp // bn), out_shape=jax.ShapeDtypeStruct((b, c, mp), jnp.float32),
                          compiler_params=_params(num_warps, num_stages), interpret=interpret,
-                         name="indexer_gather_score")(q, w, keys, vis.astype(jnp.int32), cand.astype(jnp.int32))
+                         name="indexer_gather_score")(q, w, *key_ops, vis.astype(jnp.int32), cand.astype(jnp.int32))
     return out[..., :m]
 
 

@@ -1,0 +1,215 @@
+"""Decode kernels on the packed (release-format) KV cache: cache bytes a decode step moves per sequence, and (on a
+GPU) the sparse-attention and indexer kernels timed on the packed cache read directly vs unpack-then-compute vs a
+bf16 cache.
+
+    python benchmarks/bench_packed_cache_kernels.py [--model bench40] [--contexts 4096,65536]   # bytes (computed)
+    PYTHONUNBUFFERED=1 python benchmarks/bench_packed_cache_kernels.py --time --out DIR [--batches 1,32]
+        [--context 16384]                                                                # GPU: kernel timings
+    python benchmarks/bench_packed_cache_kernels.py --smoke   # CPU: tiny sizes, interpret mode, no timing
+
+Bytes (per decode step and sequence, window ring + compressed KV + indexer keys over the model's layers): every
+layer's attention reads its window ring (sliding_window rows), each KV source (Full layer) lets its indexer stream
+the visible keys, each Reindex layer's indexer re-score its HSI pool (min(candidate blocks x block size, visible)
+keys), each compressed attention layer (Full, Reuse, Reindex) gather min(index_topk, visible) compressed rows.
+  bf16        bf16 cache: the kernels read 2 bytes a value.
+  unpack      packed cache unpacked at every step (``packed_cache.read`` of the whole allocated compressed-KV and
+              key buffers, once per KV source, and of every ring: packed bytes read + bf16 written), then the bf16
+              reads above (counted as if XLA fused the ring's unpack, reorder and concatenation into one write).
+  direct      the kernels read the packed bytes + scales of the rows they use and dequantise in registers.
+The hierarchical top-k's leaf re-scoring (O(k x block) keys) is left out of all three.
+
+Timing (``--time``, a GPU): one Full ratio-1 layer's indexer top-k (``kernels.indexer_topk`` with an HSI pool
+emitted) and one sparse attention over its window ring + this step's row and its top-k (``kernels.sparse_attention``;
+direct: ``win_ring`` = the packed ring), each in three forms as above
+(unpack: ``packed_cache.read`` + the kernel in one jitted program); median of 20 synced calls after 3 warm-ups.
+Output: DIR/bench_packed_cache_kernels.json and the printed tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dsv41_jax import kernels as KN  # noqa: E402
+from dsv41_jax.config import load_config  # noqa: E402
+from dsv41_jax.inference import packed_cache as PC  # noqa: E402
+from dsv41_jax.inference.cache import kv_sources, source_entries  # noqa: E402
+from dsv41_jax.plan import FULL, REINDEX, SWA  # noqa: E402
+
+
+def _row_bytes(dim: int, fmt: str | None) -> float:
+    if fmt is None:
+        return 2.0 * dim  # bf16
+    block, per_byte = PC.FORMATS[fmt]
+    return dim / per_byte + dim / block
+
+
+def step_bytes(config, context: int, max_len: int) -> dict:
+    """Cache bytes one decode step moves per sequence at ``context`` tokens in a ``max_len`` allocation."""
+    c = config
+    hd, di = c.head_dim, c.index_head_dim
+    kv_p, key_p = _row_bytes(hd, PC.FP4_E4M3_16), _row_bytes(di, PC.FP4_UE8M0_32)
+    kv_b, key_b = _row_bytes(hd, None), _row_bytes(di, None)
+    win_p = _row_bytes(hd, PC.FP8_UE8M0_32)
+    rows_win = float(c.num_hidden_layers * min(c.sliding_window, context))
+    rows_kv = rows_key = 0.0  # rows the kernels read
+    for s in c.plan.layers:
+        if s.mode == SWA or s.ratio == 0:
+            continue
+        vis = context // s.ratio
+        rows_kv += min(c.index_topk, vis)
+        if s.mode == FULL:
+            rows_key += vis
+        elif s.mode == REINDEX:
+            rows_key += min(c.candidate_topk_blocks * c.candidate_block_size, vis)
+    unpack = sum(source_entries(c, max_len, m) * (kv_p + kv_b + key_p + key_b) for _, m in kv_sources(c))
+    unpack += c.num_hidden_layers * c.sliding_window * (win_p + kv_b)
+    bf16 = rows_win * kv_b + rows_kv * kv_b + rows_key * key_b
+    return dict(context=context, max_len=max_len, window_rows=rows_win, kv_rows=rows_kv, key_rows=rows_key,
+                bf16=bf16, unpack=unpack + bf16, direct=rows_win * win_p + rows_kv * kv_p + rows_key * key_p)
+
+
+def print_bytes(config, contexts):
+    print(f"## cache bytes per decode step and sequence, {config.name} (computed)\n")
+    print("| context (= allocation) | window rows | KV rows | key rows | bf16 cache | release, unpack-then-compute | "
+          "release, kernels read packed | direct / unpack | direct / bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for t in contexts:
+        r = step_bytes(config, t, t)
+        rows.append(r)
+        mb = lambda x: f"{x / 2**20:,.2f} MiB"  # noqa: E731
+        print(f"| {t:,} | {r['window_rows']:,.0f} | {r['kv_rows']:,.0f} | {r['key_rows']:,.0f} | {mb(r['bf16'])} | {mb(r['unpack'])} | "
+              f"{mb(r['direct'])} | {r['direct'] / r['unpack']:.3f} | {r['direct'] / r['bf16']:.3f} |")
+    return rows
+
+
+def _median_s(fn, *args, n=20):
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: bool) -> dict:
+    c = config
+    rng = np.random.default_rng(batch)
+    hd, di, h, hi, w = c.head_dim, c.index_head_dim, c.num_attention_heads, c.index_n_heads, c.sliding_window
+    n, k, bs = context, min(c.index_topk, context), c.candidate_block_size
+    pack = jax.jit(PC.pack, static_argnums=1)
+
+    def packed(dim, fmt):
+        v, s = pack(jnp.asarray(rng.normal(size=(batch, n, dim)), jnp.float32), fmt)
+        return PC.PackedRows(v, s, fmt, dim, str(jnp.dtype(dtype)))
+
+    ckv, keys = packed(hd, PC.FP4_E4M3_16), packed(di, PC.FP4_UE8M0_32)
+    v, s = pack(jnp.asarray(rng.normal(size=(batch, w, hd)), jnp.float32), PC.FP8_UE8M0_32)
+    ring = PC.PackedRows(v, s, PC.FP8_UE8M0_32, hd, str(jnp.dtype(dtype)))  # the window's ring (W slots)
+    new = jnp.asarray(rng.normal(size=(batch, 1, hd)), dtype)  # this step's own window row
+    q = jnp.asarray(rng.normal(size=(batch, 1, h, hd)), dtype)
+    pos = jnp.full((batch, 1), context - 1, jnp.int32)
+    base = pos[:, 0]
+    wpos = context - 1 - w + jnp.broadcast_to(jnp.arange(w + 1, dtype=jnp.int32), (batch, w + 1))
+    topk = jnp.asarray(np.sort(rng.choice(n, size=(batch, 1, k), replace=True), axis=-1), jnp.int32)
+    sink = jnp.zeros((h,), jnp.float32)
+    iq = jnp.asarray(rng.normal(size=(batch, 1, hi, di)), dtype)
+    iw = jnp.asarray(rng.normal(size=(batch, 1, hi)), jnp.float32) * hi ** -0.5
+
+    @jax.jit
+    def attention(ring, kv):  # packed ring + packed KV read by the kernel
+        return KN.sparse_attention(q, pos, new, wpos, kv, topk, sink, window=w, backend=backend,
+                                   win_ring=(ring, base))
+
+    @jax.jit
+    def attention_unpack(ring, kv):
+        win = jnp.concatenate([KN.ring_rows(PC.read(ring), base).astype(dtype), new], axis=1)
+        return KN.sparse_attention(q, pos, win, wpos, PC.read(kv), topk, sink, window=w, backend=backend)
+
+    @jax.jit
+    def attention_bf16(ring, kv):  # a bf16 cache: ring and KV in bf16
+        win = jnp.concatenate([KN.ring_rows(ring, base), new], axis=1)
+        return KN.sparse_attention(q, pos, win, wpos, kv, topk, sink, window=w, backend=backend)
+
+    def indexer(ks):
+        return KN.indexer_topk(iq, iw, ks, pos, ratio=1, topk=k, block_size=bs,
+                               candidate_topk_blocks=c.candidate_topk_blocks, backend=backend)
+
+    indexer_direct = jax.jit(indexer)
+    indexer_unpack = jax.jit(lambda ks: indexer(PC.read(ks)))
+    bf16_ring, bf16_kv, bf16_keys = (PC.read(x).astype(dtype) for x in (ring, ckv, keys))
+    # equality first: the packed forms must give the unpacking forms' results bit for bit
+    a, b_ = attention(ring, ckv), attention_unpack(ring, ckv)
+    same_attn = bool(np.array_equal(np.asarray(a, np.float32), np.asarray(b_, np.float32)))
+    i1, i2 = indexer_direct(keys), indexer_unpack(keys)
+    same_idx = all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(i1),
+                                                                                jax.tree.leaves(i2)))
+    res = dict(batch=batch, context=context, topk=k, dtype=str(jnp.dtype(dtype)), attention_equal=same_attn,
+               indexer_equal=same_idx)
+    if smoke:
+        return res
+    res["attention_us"] = {name: 1e6 * _median_s(f, *x) for name, f, x in
+                           (("bf16", attention_bf16, (bf16_ring, bf16_kv)), ("unpack", attention_unpack, (ring, ckv)),
+                            ("direct", attention, (ring, ckv)))}
+    res["indexer_us"] = {name: 1e6 * _median_s(f, x) for name, f, x in
+                         (("bf16", indexer_direct, bf16_keys), ("unpack", indexer_unpack, keys),
+                          ("direct", indexer_direct, keys))}
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="bench40")
+    ap.add_argument("--contexts", default="4096,16384,65536")
+    ap.add_argument("--time", action="store_true")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    config = load_config("tiny" if args.smoke else args.model)
+    out = dict(date=time.strftime("%Y-%m-%d"), model=config.name, device=str(jax.devices()[0].device_kind),
+               bytes=print_bytes(config, [int(x) for x in args.contexts.split(",")]))
+    if args.time or args.smoke:
+        backend = "pallas_gpu_interpret" if args.smoke else "pallas_gpu"
+        ctx = 256 if args.smoke else args.context
+        batches = [2] if args.smoke else [int(x) for x in args.batches.split(",")]
+        print(f"\n## kernels on {out['device']}: one Full ratio-1 layer, context {ctx}, bf16 compute\n")
+        print("| batch | kernel | bf16 cache µs | unpack-then-kernel µs | kernel on packed µs | packed = unpacked |")
+        print("|---|---|---|---|---|---|")
+        out["timings"] = []
+        for b in batches:
+            r = time_kernels(config, b, ctx, backend, jnp.bfloat16, args.smoke)
+            out["timings"].append(r)
+            for kind in ("attention", "indexer"):
+                t = r.get(f"{kind}_us", {})
+                cells = " | ".join(f"{t[f]:,.1f}" if f in t else "-" for f in ("bf16", "unpack", "direct"))
+                print(f"| {b} | {kind} | {cells} | {r[f'{kind}_equal']} |")
+        if not all(r["attention_equal"] and r["indexer_equal"] for r in out["timings"]):
+            print("ERROR: the kernels on the packed cache differ from the unpacking path")
+            sys.exit(1)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_packed_cache_kernels.json"), "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

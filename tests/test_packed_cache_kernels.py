@@ -1,0 +1,212 @@
+"""The GPU (Triton-lowered) decode kernels reading the packed, release-format KV cache directly (Pallas interpret
+mode on CPU): the sparse attention over packed FP4 compressed KV and the indexer over packed FP4 keys equal the same
+kernels run on ``packed_cache.read`` of the buffer, bit for bit (the in-register dequantisation gives exactly the
+unpacked values, and everything after it is the same kernel)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax import kernels as KN
+from dsv41_jax.inference import packed_cache as PC
+from dsv41_jax.kernels import pallas_gpu as G
+
+GPU = "pallas_gpu_interpret"
+
+
+def _bits(x):
+    return np.asarray(jnp.asarray(x, jnp.float32)).view(np.uint32)
+
+
+def test_in_register_decoders_equal_the_unpacker():
+    byte = jnp.arange(256, dtype=jnp.int32)
+    want = jax.lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
+    finite = ~np.isnan(np.asarray(want))  # 0x7f / 0xff: NaN, never packed
+    assert finite.sum() == 254
+    np.testing.assert_array_equal(_bits(G.e4m3_from_bits(byte))[finite], _bits(want)[finite])  # -0.0 included
+    code = jnp.arange(16, dtype=jnp.int32)
+    np.testing.assert_array_equal(_bits(G.e2m1_from_code(code)), _bits(PC._fp4_values(code.astype(jnp.uint8))))
+    s = np.arange(1, 255, dtype=np.int32)
+    np.testing.assert_array_equal(_bits(G.ue8m0_from_bits(jnp.asarray(s))), _bits(np.ldexp(np.float32(1), s - 127)))
+    for fmt in G.PACKED_FORMATS:
+        assert fmt in PC.FORMATS and PC.FORMATS[fmt] == G.PACKED_FORMATS[fmt][:2]
+
+
+def _packed(rng, shape, fmt, dtype):
+    """Random vectors with a wide spread of block magnitudes, packed (lossy for off-grid values: the point here is
+    the kernel reading whatever the buffer holds)."""
+    x = rng.normal(size=shape) * np.exp2(rng.integers(-12, 6, size=shape[:-1] + (1,)))
+    v, s = jax.jit(PC.pack, static_argnums=1)(jnp.asarray(x, jnp.float32), fmt)
+    return PC.PackedRows(v, s, fmt, shape[-1], str(jnp.dtype(dtype)))
+
+
+@pytest.mark.parametrize("dtype,d,tuning", [(jnp.float32, 64, {"block_d": 32, "num_splits": 2}),  # value-dim blocks
+                                            (jnp.bfloat16, 48, {})])  # head dim padded to 64
+def test_sparse_attention_on_packed_compressed_kv_equals_unpacked(dtype, d, tuning):
+    rng = np.random.default_rng(d)
+    b, c, h, n, k, w = 2, 1, 4, 37, 24, 8
+    q = jnp.asarray(rng.normal(size=(b, c, h, d)), dtype)
+    win = jnp.asarray(rng.normal(size=(b, w, d)), dtype)
+    wpos = jnp.asarray(rng.integers(-1, 30, size=(b, w)), jnp.int32)
+    qpos = jnp.full((b, c), 29, jnp.int32)
+    ckv = _packed(rng, (b, n, d), PC.FP4_E4M3_16, dtype)
+    topk = rng.integers(-1, n, size=(b, c, k))
+    topk[..., 1::4] = topk[..., 0::4][..., : topk[..., 1::4].shape[-1]]  # duplicates
+    topk = jnp.asarray(topk, jnp.int32)
+    sink = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
+    kw = dict(window=w, floor=jnp.asarray([0, 3], jnp.int32), backend=GPU, tuning=tuning)
+    got = KN.sparse_attention(q, qpos, win, wpos, ckv, topk, sink, **kw)
+    want = KN.sparse_attention(q, qpos, win, wpos, PC.read(ckv), topk, sink, **kw)
+    assert got.dtype == want.dtype == dtype
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+
+
+@pytest.mark.parametrize("dtype,tuning", [(jnp.bfloat16, {}), (jnp.float32, {"block_d": 32, "block_k": 16})])
+def test_sparse_attention_on_a_packed_window_ring_equals_unpacked(dtype, tuning):
+    """The window's ring read from its packed FP8 slots in window order (wrapping around the ring), followed by the
+    chunk's own rows, with packed compressed KV too; rows of the ring before the window / floor masked as usual."""
+    rng = np.random.default_rng(7)
+    b, c, h, d, r, n, k = 2, 2, 4, 64, 24, 20, 12
+    ring = _packed(rng, (b, r, d), PC.FP8_UE8M0_32, dtype)
+    base = jnp.asarray([5, 40], jnp.int32)  # pos0 per row: 5 (a partly empty ring), 40 (wrapped)
+    new = jnp.asarray(rng.normal(size=(b, c, d)), dtype)
+    pos = base[:, None] + jnp.arange(c)[None, :]
+    ring_pos = base[:, None] - r + jnp.arange(r)[None, :]
+    wpos = jnp.concatenate([jnp.where(ring_pos >= 0, ring_pos, -1), pos], axis=1)
+    q = jnp.asarray(rng.normal(size=(b, c, h, d)), dtype)
+    ckv = _packed(rng, (b, n, d), PC.FP4_E4M3_16, dtype)
+    topk = jnp.asarray(rng.integers(-1, n, size=(b, c, k)), jnp.int32)
+    sink = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
+    kw = dict(window=16, floor=jnp.asarray([0, 30], jnp.int32), backend=GPU, tuning=tuning)
+    got = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base), **kw)
+    win = jnp.concatenate([KN.ring_rows(PC.read(ring), base).astype(dtype), new], axis=1)
+    want = KN.sparse_attention(q, pos, win, wpos, PC.read(ckv), topk, sink, **kw)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    # the materialising fallback (reference backend) reads the same window
+    ref = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base),
+                              **dict(kw, backend="reference"))
+    np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(want, np.float32),
+                               rtol=0, atol=1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+def test_indexer_on_packed_keys_equals_unpacked():
+    """Both score kernels (the streamed block maxima and the gathered leaves) and the Reindex pool path."""
+    rng = np.random.default_rng(3)
+    b, t, hi, di, n, ratio, bs = 2, 3, 4, 64, 300, 2, 4
+    q = jnp.asarray(rng.normal(size=(b, t, hi, di)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(b, t, hi)), jnp.float32) * hi ** -0.5
+    keys = _packed(rng, (b, n, di), PC.FP4_UE8M0_32, jnp.float32)
+    qpos = jnp.asarray([[599, 301, 40], [17, 599, 450]], jnp.int32)
+    kw = dict(ratio=ratio, topk=12, block_size=bs, backend=GPU)
+    got_sel, got_pool = KN.indexer_topk(q, w, keys, qpos, candidate_topk_blocks=9, **kw)
+    want_sel, want_pool = KN.indexer_topk(q, w, PC.read(keys), qpos, candidate_topk_blocks=9, **kw)
+    np.testing.assert_array_equal(got_sel, want_sel)
+    np.testing.assert_array_equal(got_pool, want_pool)
+    assert (np.asarray(got_sel) >= 0).sum() > 0
+    got2, _ = KN.indexer_topk(q, w, keys, qpos, pool=got_pool, **kw)  # Reindex: gathered pool only
+    want2, _ = KN.indexer_topk(q, w, PC.read(keys), qpos, pool=want_pool, **kw)
+    np.testing.assert_array_equal(got2, want2)
+    # the score values themselves, bit for bit
+    vis = (qpos + 1) // ratio
+    got_b, got_s = G.score_pool(q, w, (keys.values, keys.scales), vis, g1=bs, keys_fmt=keys.fmt,
+                                keys_dtype=keys.dtype, interpret=True)
+    want_b, want_s = G.score_pool(q, w, PC.read(keys), vis, g1=bs, interpret=True)
+    np.testing.assert_array_equal(_bits(got_b), _bits(want_b))
+    np.testing.assert_array_equal(_bits(got_s), _bits(want_s))
+
+
+def test_packed_buffer_shape_errors_name_the_tensor():
+    ckv = PC.zeros((1, 5, 32), PC.FP4_E4M3_16)
+    q = jnp.zeros((1, 1, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="compressed KV: packed fp4_e2m1_e4m3_16 rows of 64 values"):
+        G.attention_fwd(q, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 4, 64)), jnp.zeros((1, 4), jnp.int32),
+                        jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32), (ckv.values, ckv.scales),
+                        jnp.zeros((1, 1, 2), jnp.int32), jnp.zeros((2,)), window=4, scale=1.0, wspan=4,
+                        ckv_fmt=ckv.fmt, interpret=True)
+
+
+@pytest.mark.slow  # two interpret-mode compiles of a Full layer's attention (indexer + sparse attention): ~10 s
+def test_decode_attention_step_reads_the_packed_cache_like_the_unpacked_one(monkeypatch):
+    """A decode step's attention site of the HSI candidate source (emits its compressed entry, scores the packed
+    keys, attends over the packed window ring and compressed KV) with the GPU kernels reading the packed cache
+    directly == the same step unpacking the cache first (the path the reference / TPU backends take): output,
+    top-k, HSI pool and the updated cache, bit for bit."""
+    import functools
+
+    from dsv41_jax.inference import step as S
+    from dsv41_jax.inference.cache import init_cache
+    from dsv41_jax.inference.weights import host_random_params
+    from dsv41_jax.train.testing import every_role_config
+
+    config = every_role_config()
+    layer = config.plan[config.candidate_source_layer_id]
+    assert layer.mode == "full" and layer.candidate_source
+    params = host_random_params(config, 0, std=0.1)["layers"][layer.index]["attn"]
+    b, rng = 2, np.random.default_rng(0)
+    pack = jax.jit(PC.pack, static_argnums=1)
+
+    def fill(buf):  # random contents in every packed buffer (the rows past each slot's length stay invisible)
+        if not isinstance(buf, PC.PackedRows):
+            return buf
+        v, s = pack(jnp.asarray(rng.normal(size=buf.shape) * 0.5, jnp.float32), buf.fmt)
+        return PC.PackedRows(v, s, buf.fmt, buf.dim, buf.dtype)
+
+    cache = jax.tree.map(fill, init_cache(config, b, 64, packed=True), is_leaf=lambda x: isinstance(x, PC.PackedRows))
+    cache["length"] = jnp.asarray([40, 57], jnp.int32)
+    x = jnp.asarray(rng.normal(size=(b, 1, config.hidden_size)), jnp.float32)
+    opts = S.InferenceOptions(kernel_backend=GPU, compiler_options=S.FAST_COMPILE)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def site(_direct, p, x, cache):  # the flag keys the compile: the patched dispatch is read while tracing
+        pos0 = cache["length"]
+        y, cache, shared = S.attention_step(p, x, layer, pos0[:, None], pos0, jnp.ones((b,), jnp.int32), cache,
+                                            S._Shared(), config, S._rope(config), opts, True, emit=True)
+        return y, shared.topk, shared.pool, cache
+
+    unpacked_while_tracing = []
+    unpack = PC.unpack
+    monkeypatch.setattr(PC, "unpack", lambda v, s, fmt, dtype: unpacked_while_tracing.append(fmt) or
+                        unpack(v, s, fmt, dtype))
+    assert KN.reads_packed_cache(GPU)
+    direct = site(True, params, x, cache)
+    assert unpacked_while_tracing == []  # window ring, KV and keys all go packed to the kernels
+    monkeypatch.setattr(KN, "reads_packed_cache", lambda backend="auto": False)
+    unpacked = site(False, params, x, cache)
+    assert sorted(unpacked_while_tracing) == sorted([PC.FP8_UE8M0_32, PC.FP4_E4M3_16, PC.FP4_UE8M0_32])
+    assert (np.asarray(direct[1]) >= 0).any()
+    for a, b_ in zip(jax.tree.leaves(direct), jax.tree.leaves(unpacked)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
+
+
+def test_packed_kernels_lower_to_triton_for_cuda():
+    """The in-register unpack (byte loads, shifts, bit casts) is accepted by Pallas' Triton lowering: the decode
+    attention over a packed ring + packed compressed KV and the indexer over packed keys lower for CUDA from this
+    CPU-only process (cross-platform export; nothing is compiled to PTX or run here)."""
+    from jax import export
+
+    sds = jax.ShapeDtypeStruct
+    b, h, d, n, w = 1, 16, 64, 64, 16
+    ring = PC.PackedRows(sds((b, w, d), jnp.uint8), sds((b, w, d // 32), jnp.uint8), PC.FP8_UE8M0_32, d, "bfloat16")
+    ckv = PC.PackedRows(sds((b, n, d // 2), jnp.uint8), sds((b, n, d // 16), jnp.uint8), PC.FP4_E4M3_16, d,
+                        "bfloat16")
+    keys = PC.PackedRows(sds((b, n, d // 2), jnp.uint8), sds((b, n, d // 32), jnp.uint8), PC.FP4_UE8M0_32, d,
+                         "bfloat16")
+
+    def decode(q, pos, new, wpos, ring, ckv, topk, sink, qi, wi, keys):
+        out = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, window=w, backend="pallas_gpu",
+                                  win_ring=(ring, pos[:, 0]))
+        sel, pool = KN.indexer_topk(qi, wi, keys, pos, ratio=1, topk=16, block_size=8, candidate_topk_blocks=4,
+                                    backend="pallas_gpu")
+        return out, sel, pool
+
+    args = (sds((b, 1, h, d), jnp.bfloat16), sds((b, 1), jnp.int32), sds((b, 1, d), jnp.bfloat16),
+            sds((b, w + 1), jnp.int32), ring, ckv, sds((b, 1, 16), jnp.int32), sds((h,), jnp.float32),
+            sds((b, 1, 4, d), jnp.bfloat16), sds((b, 1, 4), jnp.float32), keys)
+    triton = "__gpu$xla.gpu.triton"
+    ex = export.export(jax.jit(decode), platforms=["cuda"],
+                       disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)])(*args)
+    text = ex.mlir_module()
+    assert "csa2_sparse_attention_fwd" in text and "indexer_score_pool" in text and "indexer_gather_score" in text
+    assert "tensor<1x16x64xui8>" in text and "tensor<1x64x32xui8>" in text  # the packed buffers go in as bytes
