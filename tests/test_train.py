@@ -648,7 +648,8 @@ def test_moe_impl_auto_picks_blocked_on_gpus_only(monkeypatch):
         monkeypatch.setattr(moe_ops.jax, "default_backend", lambda p=platform: p)
         assert moe_ops.resolve_moe_impl("auto") == want
     assert moe_ops.resolve_moe_impl("dense") == "dense"
-    with pytest.raises(ValueError, match="moe impl 'grouped'"):
-        moe_ops.resolve_moe_impl("grouped")
+    assert moe_ops.resolve_moe_impl("grouped") == "grouped"
+    with pytest.raises(ValueError, match="moe impl 'tiled'"):
+        moe_ops.resolve_moe_impl("tiled")
     with pytest.raises(TrainConfigError, match="moe_impl"):
-        TrainConfig(moe_impl="grouped")
+        TrainConfig(moe_impl="tiled")
