@@ -2,7 +2,8 @@
 """The routed experts' grouped GEMMs at the train step's shapes: the XLA blocked form (each block's expert weight
 gathered, one batched cuBLAS GEMM, per-block weight gradients summed by a one-hot GEMM) against the Pallas grouped
 kernels that read the weights in place (``kernels.grouped_gemm_gpu``), forward and both backward GEMMs, and a sweep
-of the kernels' tiles. One process, against the bf16 matmul rate measured first.
+of the kernels' tiles; likewise JAX's Mosaic GPU ragged-dot kernels (``kernels.grouped_gemm_mgpu``, Hopper only).
+One process, against the bf16 matmul rate measured first.
 
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python benchmarks/bench_grouped_gemm.py --out DIR --deadline-s 60
     python benchmarks/bench_grouped_gemm.py --smoke --out DIR        # CPU, interpret mode, tiny shapes
@@ -38,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from profile_train import matmul_rate  # noqa: E402
 
 from dsv41_jax.kernels import grouped_gemm_gpu as gg  # noqa: E402
+from dsv41_jax.kernels import grouped_gemm_mgpu as gm  # noqa: E402
 from dsv41_jax.ops.moe import blocked_grouped_matmul  # noqa: E402
 
 _T0 = time.time()
@@ -60,6 +62,13 @@ CANDIDATES = {
            dict(block_n=128, block_k=256, block_r=32, num_warps=8, num_stages=3),
            dict(block_n=64, block_k=64, block_r=64, num_warps=4, num_stages=3)],
 }
+
+
+# JAX's Mosaic GPU ragged-dot kernels (kernels.grouped_gemm_mgpu): candidates per product, the first the default
+MGPU_CANDIDATES = [dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
+                   dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4),
+                   dict(block_m=128, block_n=256, block_k=64, max_concurrent_steps=3, grid_block_n=1),
+                   dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=5, grid_block_n=2)]
 
 
 def log(msg: str) -> None:
@@ -155,17 +164,30 @@ def main(argv=None) -> int:
             lambda r, w_: jnp.sum(blocked_grouped_matmul(r, w_, group_sizes, block=512,
                                                          precision=jax.lax.Precision.HIGHEST)
                                   * ct.astype(jnp.float32)), (0, 1)))
+        f_mgpu = jax.jit(jax.value_and_grad(
+            lambda r, w_: jnp.sum(gm.ragged_gemm(r, w_, group_sizes, "reference" if interpret else "mgpu",
+                                                 gm.tiles_key(gm.MGPU_TILES)).astype(jnp.float32)
+                                  * ct.astype(jnp.float32)), (0, 1)))
         row = {"what": "fwd+bwd", "shape": name, "N": n, "K": k, "flops_fwd_bwd": 3 * flops}
-        try:
-            ref = f_ref(rows.astype(jnp.float32), w.astype(jnp.float32))
-            for label, fn in (("blocked_xla", f_blocked), ("grouped_kernel", f_kernel)):
+        ref = f_ref(rows.astype(jnp.float32), w.astype(jnp.float32))
+        y_ref = blocked_grouped_matmul(rows.astype(jnp.float32), w.astype(jnp.float32), group_sizes, block=512,
+                                       precision=jax.lax.Precision.HIGHEST)
+        forwards = {"blocked_xla": lambda r, w_: blocked_grouped_matmul(r, w_, group_sizes, block=512),
+                    "grouped_kernel": lambda r, w_: blocked_grouped_matmul(
+                        r, w_, group_sizes, kernel="interpret" if interpret else "gpu"),
+                    "mgpu_ragged": lambda r, w_: gm.ragged_gemm(r, w_, group_sizes,
+                                                                "reference" if interpret else "mgpu",
+                                                                gm.tiles_key(gm.MGPU_TILES))}
+        for label, fn in (("blocked_xla", f_blocked), ("grouped_kernel", f_kernel), ("mgpu_ragged", f_mgpu)):
+            try:
                 t = timed(fn, rows, w, reps=args.reps)
                 got = fn(rows, w)
                 row[label] = {"ms": t * 1e3, "tflops": 3 * flops / t / 1e12, "of_matmul": 3 * flops / t / peak,
-                              "rel_err_drows": rel(got[1][0], ref[1][0]), "rel_err_dw": rel(got[1][1], ref[1][1])}
-            del ref
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+                              "rel_err_y": rel(jax.jit(forwards[label])(rows, w), y_ref), "rel_err_drows": rel(got[1][0], ref[1][0]),
+                              "rel_err_dw": rel(got[1][1], ref[1][1])}
+            except Exception as e:
+                row[label] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
+        del ref, y_ref
         emit(row)
         log(json.dumps(row))
 
@@ -209,6 +231,48 @@ def main(argv=None) -> int:
             best[kind] = min(results, key=lambda r: r[0])[1]
         else:
             best[kind] = dict(gg.GROUPED_TILES[kind])
+    # the Mosaic GPU kernels alone, per product (GPU only: no interpret mode)
+    best_mgpu = {}
+    for kind in ("fwd", "dx", "dw") if not interpret else ():
+        results = []
+        for cfg in MGPU_CANDIDATES:
+            if time.time() - _T0 > args.deadline_s:
+                emit({"what": "sweep_mgpu", "kind": kind, "cfg": cfg, "error": "skipped: deadline"})
+                continue
+            row = {"what": "sweep_mgpu", "kind": kind, "cfg": cfg, "ms": {}}
+            try:
+                from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+                total = 0.0
+                for name, o in ops.items():
+                    n, k = o["n"], o["k"]
+                    if kind == "fwd":
+                        fn = jax.jit(lambda x, w_, c=cfg: ragged_dot_mgpu.ragged_dot(
+                            x, w_, group_sizes=group_sizes, transpose_rhs=True, **c))
+                        a = (o["rows"], o["w"])
+                    elif kind == "dx":
+                        fn = jax.jit(lambda dy, w_, c=cfg: ragged_dot_mgpu.ragged_dot(
+                            dy, w_, group_sizes=group_sizes, transpose_rhs=False, **c))
+                        a = (o["ct"], o["w"])
+                    else:
+                        fn = jax.jit(lambda dy, x, c=cfg: transposed_ragged_dot_mgpu.transposed_ragged_dot(
+                            dy, x, group_sizes=group_sizes, **c))
+                        a = (o["ct"], o["rows"])
+                    t = timed(fn, *a, reps=args.reps)
+                    row["ms"][name] = t * 1e3
+                    row.setdefault("tflops", {})[name] = 2 * m * n * k / t / 1e12
+                    total += t
+                row["total_ms"] = total * 1e3
+                results.append((total, cfg))
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:800]}"
+            emit(row)
+            log(json.dumps(row))
+        best_mgpu[kind] = min(results, key=lambda r: r[0])[1] if results else dict(gm.MGPU_TILES[kind])
+    if best_mgpu:
+        with open(os.path.join(args.out, "mgpu_tiles_best.json"), "w") as f:
+            json.dump(best_mgpu, f)
+        emit({"what": "best_mgpu", "tiles": best_mgpu})
+        log(f"best mgpu tiles: {best_mgpu}")
     with open(os.path.join(args.out, "grouped_tiles_best.json"), "w") as f:
         json.dump(best, f)
     emit({"what": "best", "tiles": best})

@@ -16,7 +16,8 @@ Variants (``--variants``, comma-separated): ``before`` (the tiles before the swe
 current defaults), each with an optional ``+copy`` (``compute_copy``), ``+atomic`` (both dKV kinds by fp32
 atomics instead of by key block) and ``+grouped`` (``moe_impl="grouped"``: the Pallas grouped expert GEMM that reads
 the weights in place, with the tiles of ``--grouped-tiles`` if given — a file ``bench_grouped_gemm.py`` writes —
-instead of the blocked XLA form). ``--profile VARIANT`` profiles that variant after it is timed (``--profile-steps``
+instead of the blocked XLA form) or ``+mgpu`` (``moe_impl="grouped_mgpu"``: JAX's Mosaic GPU ragged-dot kernels,
+tiles from ``--mgpu-tiles``). ``--profile VARIANTS`` profiles those variants after it is timed (``--profile-steps``
 steps, device time summed by kernel and category as ``profile_train.py`` does).
 """
 
@@ -24,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import glob
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -44,6 +47,7 @@ from profile_train import hlo_stats, matmul_rate, summarize_trace  # noqa: E402
 
 from dsv41_jax import kernels as KN  # noqa: E402
 from dsv41_jax.kernels import grouped_gemm_gpu as GG  # noqa: E402
+from dsv41_jax.kernels import grouped_gemm_mgpu as GM  # noqa: E402
 from dsv41_jax.model.model import default_hasher  # noqa: E402
 from dsv41_jax.train.testing import random_batch  # noqa: E402
 from dsv41_jax.train.config import TrainConfig  # noqa: E402
@@ -61,13 +65,13 @@ def log(msg: str) -> None:
 
 def parse_variant(name: str) -> dict:
     base, *flags = name.split("+")
-    if base not in ("before", "tiles") or set(flags) - {"copy", "atomic", "grouped"}:
-        raise ValueError(f"variant {name!r}: want before|tiles, then optional +copy, +atomic, +grouped")
+    if base not in ("before", "tiles") or set(flags) - {"copy", "atomic", "grouped", "mgpu"}:
+        raise ValueError(f"variant {name!r}: want before|tiles, then optional +copy, +atomic, +grouped, +mgpu")
     tiles = dict(TILES_BEFORE if base == "before" else KN.GPU_BWD_DEFAULTS["16bit"])
     if "atomic" in flags:
         tiles.update(dkv="atomic", dkv_selected="atomic")
-    return {"name": name, "tiles": tiles, "copy": "copy" in flags, "moe_impl": "grouped" if "grouped" in flags
-            else "blocked"}
+    moe_impl = "grouped" if "grouped" in flags else "grouped_mgpu" if "mgpu" in flags else "blocked"
+    return {"name": name, "tiles": tiles, "copy": "copy" in flags, "moe_impl": moe_impl}
 
 
 def main(argv=None) -> int:
@@ -81,14 +85,15 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--grouped-tiles", default=None, help="JSON file of kernels.grouped_gemm_gpu tiles (+grouped)")
-    p.add_argument("--profile", default=None, help="the variant to profile after timing it")
+    p.add_argument("--mgpu-tiles", default=None, help="JSON file of kernels.grouped_gemm_mgpu tiles (+mgpu)")
+    p.add_argument("--profile", default=None, help="variants (comma-separated) to profile after timing them")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--out", default=".")
     args = p.parse_args(argv)
     smoke = SMOKE or args.smoke
     if smoke:
         args.preset, args.seq, args.steps, args.warmup = "tiny", 64, 1, 1
-        args.variants = "before,tiles+copy+grouped"
+        args.variants = "before,tiles+copy+grouped,tiles+copy+mgpu"
     os.makedirs(args.out, exist_ok=True)
     sink = os.path.join(args.out, "bench_train_ablation.jsonl")
 
@@ -115,6 +120,10 @@ def main(argv=None) -> int:
             grouped_tiles = json.load(f)
         head["grouped_tiles"] = grouped_tiles
         emit({"what": "grouped_tiles", "tiles": grouped_tiles})
+    if args.mgpu_tiles:
+        with open(args.mgpu_tiles) as f:
+            GM.MGPU_TILES.update(json.load(f))  # read at trace time; this process traces nothing else with them
+        emit({"what": "mgpu_tiles", "tiles": GM.MGPU_TILES})
     batch = jax.device_put(random_batch(config, args.batch, args.seq, seed=0, hasher=default_hasher(config)))
     lr = np.float32(1e-4)
     donate = (0,) if jax.default_backend() != "cpu" else ()
@@ -190,8 +199,9 @@ def main(argv=None) -> int:
             row.update({"step_ms": [round(t * 1e3, 2) for t in times], "step_ms_median": med * 1e3,
                         "tokens_per_s": tokens / med, "model_flops_per_token": flops,
                         "mfu_measured_matmul": flops * tokens / med / peak, "loss": float(m["ce"])})
-            if args.profile == v["name"]:
-                trace_dir = os.path.join(args.out, "trace")
+            if v["name"] in (args.profile or "").split(","):
+                tag = v["name"].replace("+", "_")
+                trace_dir = os.path.join("/tmp", "dsv41_ablation_trace_" + tag)
                 t0 = time.perf_counter()
                 with jax.profiler.trace(trace_dir):
                     for _ in range(args.profile_steps):
@@ -199,6 +209,9 @@ def main(argv=None) -> int:
                     jax.block_until_ready(state["step"])
                 summ = summarize_trace(trace_dir)
                 summ.update(profiled_steps=args.profile_steps, wall_us=(time.perf_counter() - t0) * 1e6)
+                for f in glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz")):
+                    if os.path.getsize(f) < 15 * 2 ** 20:  # keep the raw trace next to the results
+                        shutil.copy(f, os.path.join(args.out, f"trace_{tag}.json.gz"))
                 row["profile"] = summ
                 log(f"profile {v['name']}: busy {summ.get('busy_us', 0) / 1e3:.1f} ms over "
                     f"{args.profile_steps} steps; by category (ms): "

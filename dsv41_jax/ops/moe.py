@@ -23,7 +23,7 @@ from dsv41_jax.ops.linear import (gemm_input, is_plain_weight, linear, linear_ma
                                   narrow_dot_one_pass, narrow_matmul_f32, quantized_gemm_backend,
                                   weight_array)
 
-MOE_IMPLS = ("auto", "ragged", "blocked", "grouped", "dense", "expert_parallel")
+MOE_IMPLS = ("auto", "ragged", "blocked", "grouped", "grouped_mgpu", "dense", "expert_parallel")
 
 
 def resolve_moe_impl(impl: str) -> str:
@@ -170,8 +170,9 @@ def blocked_grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array
 def routed_ragged(x, weights, idx, w1, w2, w3, limit, grouped_impl: str = "ragged_dot", block: int = 512):
     """Dropless grouped matmuls: sort the M·k assignments by expert, one grouped GEMM per projection
     (``grouped_impl``: ``ragged_dot``, ``blocked`` or ``grouped`` — :func:`blocked_grouped_matmul` in its XLA or
-    its Pallas kernel form; the kernel compiles on a GPU backend and runs in interpret mode elsewhere), scatter
-    back."""
+    its Pallas kernel form; the kernel compiles on a GPU backend and runs in interpret mode elsewhere — or
+    ``grouped_mgpu``: JAX's Mosaic GPU ragged-dot kernels for Hopper, ``kernels.grouped_gemm_mgpu``, with the
+    ``jax.lax`` ragged products in their place off GPUs), scatter back."""
     m, k = idx.shape
     n_exp = w1.shape[0]
     flat_expert = idx.reshape(-1)
@@ -197,10 +198,17 @@ def routed_ragged(x, weights, idx, w1, w2, w3, limit, grouped_impl: str = "ragge
         def grouped(rows, w):
             if grouped_impl == "blocked":
                 return blocked_grouped_matmul(rows, w, group_sizes, block=block, precision=prec)
+            on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
             if grouped_impl == "grouped":
-                on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
                 return blocked_grouped_matmul(rows, w, group_sizes, precision=prec,
                                               kernel="gpu" if on_gpu else "interpret")
+            if grouped_impl == "grouped_mgpu":
+                from dsv41_jax.kernels import grouped_gemm_mgpu as gm
+
+                if not gm.mgpu_fits(*rows.shape, w.shape[1]):
+                    return blocked_grouped_matmul(rows, w, group_sizes, block=block, precision=prec)
+                return gm.ragged_gemm(rows, w, group_sizes, "mgpu" if on_gpu else "reference",
+                                      gm.tiles_key(gm.MGPU_TILES))
             return jax.lax.ragged_dot(rows, jnp.swapaxes(w, 1, 2), group_sizes, precision=prec)
     gate = grouped(xs, w1).astype(jnp.float32)
     up = grouped(xs, w3).astype(jnp.float32)
@@ -251,8 +259,8 @@ def moe(x: jax.Array, params: dict, *, top_k: int, temp: float, scaling: float, 
         if impl == "dense":
             y = routed_dense(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit)
         else:
-            y = routed_ragged(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit,
-                              grouped_impl=impl if impl in ("blocked", "grouped") else "ragged_dot")
+            grouped_impl = impl if impl in ("blocked", "grouped", "grouped_mgpu") else "ragged_dot"
+            y = routed_ragged(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, grouped_impl=grouped_impl)
     s = params["shared_experts"]
     y = y + expert_mlp(flat, s["w1"], s["w2"], s["w3"], limit).astype(jnp.float32)
     return y.astype(x.dtype).reshape(shape), {"scores": scores, "indices": idx, **extra}
