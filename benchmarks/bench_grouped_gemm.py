@@ -9,11 +9,13 @@ One process, against the bf16 matmul rate measured first.
     python benchmarks/bench_grouped_gemm.py --smoke --out DIR        # CPU, interpret mode, tiny shapes
 
 Shapes (``fullwidth4`` at batch 4 x 1024, top-6 of 16 experts): M = 24,576 routed rows, routing drawn at random
-(uneven groups), w1 / w3 [16, 2304, 5120] and w2 [16, 5120, 2304]. Per candidate: the device time of the forward,
-of dX and of dW (median of ``--reps`` timed calls after a warm-up), each kernel's error against float32 on the same
-upcast inputs (the XLA blocked form in float32 at HIGHEST precision, tested equal to
-``ragged_dot`` on CPU). The best tile configuration per kernel (by the summed time over both projection shapes) is written
-to DIR/grouped_tiles_best.json, which ``bench_train_ablation.py --grouped-tiles`` reads. Rows go to
+(uneven groups), w1 / w3 [16, 2304, 5120] and w2 [16, 5120, 2304]. First, per projection shape, each implementation's
+forward + both backward GEMMs through autodiff (host-timed, median of ``--reps`` calls after a warm-up) and its
+errors against float32 on the same upcast inputs (the XLA blocked form in float32 at HIGHEST precision, tested equal
+to ``ragged_dot`` on CPU): output, dX, dW. Then each kernel alone over candidate tiles (``--deadline-s`` stops the
+sweep; the first part alone took ≈ 40 s per shape on an H200, mostly compiles). The best tile configuration per
+kernel (by the summed time over both projection shapes) is written to DIR/grouped_tiles_best.json (and
+DIR/mgpu_tiles_best.json), which ``bench_train_ablation.py --grouped-tiles`` (``--mgpu-tiles``) reads. Rows go to
 DIR/bench_grouped_gemm.jsonl as they are measured.
 """
 
@@ -183,7 +185,8 @@ def main(argv=None) -> int:
                 t = timed(fn, rows, w, reps=args.reps)
                 got = fn(rows, w)
                 row[label] = {"ms": t * 1e3, "tflops": 3 * flops / t / 1e12, "of_matmul": 3 * flops / t / peak,
-                              "rel_err_y": rel(jax.jit(forwards[label])(rows, w), y_ref), "rel_err_drows": rel(got[1][0], ref[1][0]),
+                              "rel_err_y": rel(jax.jit(forwards[label])(rows, w), y_ref),
+                              "rel_err_drows": rel(got[1][0], ref[1][0]),
                               "rel_err_dw": rel(got[1][1], ref[1][1])}
             except Exception as e:
                 row[label] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}

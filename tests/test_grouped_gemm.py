@@ -105,3 +105,4 @@ def test_mgpu_ragged_gemm_vjp_wiring_with_reference_products():
     for name, a, b in zip(("d_rows", "d_w"), grads, grads_ref):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
     assert gm.mgpu_fits(24576, 5120, 2304) and gm.mgpu_fits(24576, 2304, 5120) and not gm.mgpu_fits(64, 32, 48)
+    assert not gm.mgpu_fits(24576, 5120, 2304, groups=384)

@@ -27,11 +27,16 @@ MGPU_TILES = {
 }
 
 
-def mgpu_fits(m: int, k: int, n: int, tiles: dict | None = None) -> bool:
-    """Whether the products of x [m, k] and w [G, n, k] divide the kernels' tiles (their stated requirements:
-    the contraction of each ragged dot a multiple of block_k; the dW output a multiple of block_m x block_n)."""
+MAX_GROUPS = 64  # the forward kernel finds a block's group by a loop over the groups unrolled into the kernel
+
+
+def mgpu_fits(m: int, k: int, n: int, groups: int = 16, tiles: dict | None = None) -> bool:
+    """Whether the products of x [m, k] and w [groups, n, k] suit the kernels: their tiles divide (each ragged
+    dot's contraction a multiple of block_k; the dW output a multiple of block_m x block_n), and at most
+    ``MAX_GROUPS`` groups (the release's 384 experts would unroll 384 steps into every tile's prologue)."""
     t = tiles or MGPU_TILES
-    return (k % t["fwd"]["block_k"] == 0 and n % t["fwd"]["block_n"] == 0 and n % t["dx"]["block_k"] == 0
+    return (groups <= MAX_GROUPS and k % t["fwd"]["block_k"] == 0 and n % t["fwd"]["block_n"] == 0
+            and n % t["dx"]["block_k"] == 0
             and k % t["dx"]["block_n"] == 0 and n % t["dw"]["block_m"] == 0 and k % t["dw"]["block_n"] == 0)
 
 

@@ -4,12 +4,15 @@ routed scaling factor, clamped SwiGLU experts, and exactly one shared expert (SP
 Routed-expert implementations with identical maths: ``dense`` (every expert on every token, masked; for tiny
 configs and tests), ``ragged`` (tokens sorted by expert, ``jax.lax.ragged_dot``; dropless) and
 ``blocked`` (the same sorted rows, each expert's group padded to whole row blocks, one batched GEMM over the blocks
-with every block's expert weight gathered: dropless, :func:`blocked_grouped_matmul`). XLA's GPU backend lowers
-``ragged_dot`` to a zero-padded batched dot over *every* expert (each expert multiplies all M·k rows: E times the
-FLOPs; benchmarks/RESULTS.md, ISSUE 13 profile), which ``blocked`` avoids at the cost of padding each group to the
-block size. ``auto`` (the default, :func:`resolve_moe_impl`) picks ``blocked`` on GPUs (2.6x the train step's
-tokens/s of ``ragged`` on an NVIDIA H200) and ``ragged`` elsewhere (TPUs lower ``ragged_dot`` to a grouped matmul
-kernel; on CPU neither was measured faster).
+with every block's expert weight gathered: dropless, :func:`blocked_grouped_matmul`), ``grouped`` (the same blocks
+through a Pallas GPU grouped GEMM that reads each block's expert weight in place, with dX / dW kernels:
+``kernels.grouped_gemm_gpu``) and ``grouped_mgpu`` (the sorted rows unpadded through JAX's Mosaic GPU ragged-dot
+kernels for Hopper: ``kernels.grouped_gemm_mgpu``). XLA's GPU backend lowers ``ragged_dot`` to a zero-padded batched
+dot over *every* expert (each expert multiplies all M·k rows: E times the FLOPs; benchmarks/RESULTS.md, ISSUE 13
+profile), which the others avoid. ``auto`` (the default, :func:`resolve_moe_impl`) picks ``grouped_mgpu`` on Hopper
+GPUs (the fastest on an NVIDIA H200: 1.08x the train step's tokens/s of ``blocked``, ``grouped`` 1.04x, in one
+process; benchmarks/RESULTS.md), ``grouped`` on other GPUs and ``ragged`` elsewhere (TPUs lower ``ragged_dot`` to a
+grouped matmul kernel; on CPU nothing was measured faster).
 """
 
 from __future__ import annotations
@@ -26,14 +29,22 @@ from dsv41_jax.ops.linear import (gemm_input, is_plain_weight, linear, linear_ma
 MOE_IMPLS = ("auto", "ragged", "blocked", "grouped", "grouped_mgpu", "dense", "expert_parallel")
 
 
+def is_hopper_gpu() -> bool:
+    """Whether the default device is an NVIDIA Hopper GPU (compute capability 9.x: the Mosaic GPU kernels' target)."""
+    dev = jax.devices()[0]
+    return dev.platform in ("gpu", "cuda") and str(getattr(dev, "compute_capability", "")).startswith("9.")
+
+
 def resolve_moe_impl(impl: str) -> str:
-    """The routed-expert implementation ``impl`` names: ``auto`` -> ``blocked`` on a GPU backend, ``ragged``
-    otherwise; any other member of :data:`MOE_IMPLS` as given."""
+    """The routed-expert implementation ``impl`` names: ``auto`` -> ``grouped_mgpu`` on a Hopper GPU, ``grouped``
+    on other GPU backends, ``ragged`` otherwise; any other member of :data:`MOE_IMPLS` as given."""
     if impl not in MOE_IMPLS:
         raise ValueError(f"unknown moe impl {impl!r}; choose one of {MOE_IMPLS}")
     if impl != "auto":
         return impl
-    return "blocked" if jax.default_backend() in ("gpu", "cuda", "rocm") else "ragged"
+    if jax.default_backend() not in ("gpu", "cuda", "rocm"):
+        return "ragged"
+    return "grouped_mgpu" if is_hopper_gpu() else "grouped"
 
 
 def route(x: jax.Array, gate_weight: jax.Array, gate_bias: jax.Array, *, top_k: int, temp: float,
@@ -205,8 +216,9 @@ def routed_ragged(x, weights, idx, w1, w2, w3, limit, grouped_impl: str = "ragge
             if grouped_impl == "grouped_mgpu":
                 from dsv41_jax.kernels import grouped_gemm_mgpu as gm
 
-                if not gm.mgpu_fits(*rows.shape, w.shape[1]):
-                    return blocked_grouped_matmul(rows, w, group_sizes, block=block, precision=prec)
+                if not gm.mgpu_fits(*rows.shape, w.shape[1], w.shape[0]):  # the Pallas grouped kernel (or its XLA form)
+                    return blocked_grouped_matmul(rows, w, group_sizes, precision=prec,
+                                                  kernel="gpu" if on_gpu else "interpret")
                 return gm.ragged_gemm(rows, w, group_sizes, "mgpu" if on_gpu else "reference",
                                       gm.tiles_key(gm.MGPU_TILES))
             return jax.lax.ragged_dot(rows, jnp.swapaxes(w, 1, 2), group_sizes, precision=prec)

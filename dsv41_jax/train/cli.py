@@ -84,7 +84,7 @@ def add_parser(sub, formatter_class=argparse.ArgumentDefaultsHelpFormatter) -> N
                    help="MoE implementation (blocked: grouped GEMM over padded row blocks, no ragged_dot; grouped: "
                         "the same blocks by a Pallas GPU kernel that reads each expert's weight in place; "
                         "grouped_mgpu: JAX's Mosaic GPU ragged-dot kernels (Hopper); ragged: jax.lax.ragged_dot; "
-                        "auto: blocked on GPUs, ragged elsewhere)")
+                        "auto: grouped_mgpu on Hopper GPUs, grouped on other GPUs, ragged elsewhere)")
     g.add_argument("--compute-copy", action="store_true",
                    help="keep the bf16 copy of the float32 masters in the train state, written by each update, "
                         "instead of casting every master each step (the same training; + 2 bytes per weight)")
