@@ -33,8 +33,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-# Tiles, chosen by measurement on the H200 where noted in benchmarks/RESULTS.md (read at trace time; a benchmark may
-# set them around a trace). block_m is also the row-block size of the padded layout.
+# Tiles (read at trace time; a benchmark may set them around a trace). block_m is also the row-block size of the
+# padded layout. First guesses, not swept: on an H200 the train step's forward ran at ≈ 595 TFLOP/s, dW ≈ 544 and dX
+# ≈ 369 with these (benchmarks/RESULTS.md, 2026-12-02 11:24); benchmarks/bench_grouped_gemm.py sweeps them.
 GROUPED_TILES = {
     "block_m": 128,
     "fwd": {"block_n": 128, "block_k": 64, "group_m": 8, "num_warps": 8, "num_stages": 3},

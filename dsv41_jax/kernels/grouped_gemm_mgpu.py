@@ -20,6 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+# first guesses, not swept (benchmarks/bench_grouped_gemm.py sweeps them); with these the train step's 36 expert
+# GEMMs ran at ≈ 511 TFLOP/s on an H200 (benchmarks/RESULTS.md, 2026-12-02 11:24)
 MGPU_TILES = {
     "fwd": {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
     "dx": {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
