@@ -216,7 +216,9 @@ def routed_ragged(x, weights, idx, w1, w2, w3, limit, grouped_impl: str = "ragge
             if grouped_impl == "grouped_mgpu":
                 from dsv41_jax.kernels import grouped_gemm_mgpu as gm
 
-                if not gm.mgpu_fits(*rows.shape, w.shape[1], w.shape[0]):  # the Pallas grouped kernel (or its XLA form)
+                fits = gm.mgpu_fits(*rows.shape, w.shape[1], w.shape[0])
+                # 16-bit operands only (a float32 wgmma would be TF32); else the Pallas grouped kernel (or its XLA form)
+                if rows.dtype not in (jnp.bfloat16, jnp.float16) or not fits:
                     return blocked_grouped_matmul(rows, w, group_sizes, precision=prec,
                                                   kernel="gpu" if on_gpu else "interpret")
                 return gm.ragged_gemm(rows, w, group_sizes, "mgpu" if on_gpu else "reference",
