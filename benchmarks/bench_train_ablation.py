@@ -13,16 +13,22 @@ blocked MoE: ``--warmup`` + ``--steps`` steps, median). A variant not started by
 to DIR/bench_train_ablation.jsonl as they are measured; a table is printed last.
 
 Variants (``--variants``, comma-separated): ``before`` (the tiles before the sweep of 2026-12-02), ``tiles`` (the
-current defaults), each with an optional ``+copy`` (``compute_copy``) and ``+atomic`` (both dKV kinds by fp32
-atomics instead of by key block).
+current defaults), each with an optional ``+copy`` (``compute_copy``), ``+atomic`` (both dKV kinds by fp32
+atomics instead of by key block) and ``+grouped`` (``moe_impl="grouped"``: the Pallas grouped expert GEMM that reads
+the weights in place, with the tiles of ``--grouped-tiles`` if given — a file ``bench_grouped_gemm.py`` writes —
+instead of the blocked XLA form) or ``+mgpu`` (``moe_impl="grouped_mgpu"``: JAX's Mosaic GPU ragged-dot kernels,
+tiles from ``--mgpu-tiles``). ``--profile VARIANTS`` profiles those variants after it is timed (``--profile-steps``
+steps, device time summed by kernel and category as ``profile_train.py`` does).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import glob
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -37,9 +43,11 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_train import model_flops_per_token, preset  # noqa: E402
-from profile_train import hlo_stats, matmul_rate  # noqa: E402
+from profile_train import hlo_stats, matmul_rate, summarize_trace  # noqa: E402
 
 from dsv41_jax import kernels as KN  # noqa: E402
+from dsv41_jax.kernels import grouped_gemm_gpu as GG  # noqa: E402
+from dsv41_jax.kernels import grouped_gemm_mgpu as GM  # noqa: E402
 from dsv41_jax.model.model import default_hasher  # noqa: E402
 from dsv41_jax.train.testing import random_batch  # noqa: E402
 from dsv41_jax.train.config import TrainConfig  # noqa: E402
@@ -57,12 +65,13 @@ def log(msg: str) -> None:
 
 def parse_variant(name: str) -> dict:
     base, *flags = name.split("+")
-    if base not in ("before", "tiles") or set(flags) - {"copy", "atomic"}:
-        raise ValueError(f"variant {name!r}: want before|tiles, then optional +copy, +atomic")
+    if base not in ("before", "tiles") or set(flags) - {"copy", "atomic", "grouped", "mgpu"}:
+        raise ValueError(f"variant {name!r}: want before|tiles, then optional +copy, +atomic, +grouped, +mgpu")
     tiles = dict(TILES_BEFORE if base == "before" else KN.GPU_BWD_DEFAULTS["16bit"])
     if "atomic" in flags:
         tiles.update(dkv="atomic", dkv_selected="atomic")
-    return {"name": name, "tiles": tiles, "copy": "copy" in flags}
+    moe_impl = "grouped" if "grouped" in flags else "grouped_mgpu" if "mgpu" in flags else "blocked"
+    return {"name": name, "tiles": tiles, "copy": "copy" in flags, "moe_impl": moe_impl}
 
 
 def main(argv=None) -> int:
@@ -75,12 +84,16 @@ def main(argv=None) -> int:
     p.add_argument("--deadline-s", type=float, default=200.0, help="no variant starts running after this")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--grouped-tiles", default=None, help="JSON file of kernels.grouped_gemm_gpu tiles (+grouped)")
+    p.add_argument("--mgpu-tiles", default=None, help="JSON file of kernels.grouped_gemm_mgpu tiles (+mgpu)")
+    p.add_argument("--profile", default=None, help="variants (comma-separated) to profile after timing them")
+    p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--out", default=".")
     args = p.parse_args(argv)
     smoke = SMOKE or args.smoke
     if smoke:
         args.preset, args.seq, args.steps, args.warmup = "tiny", 64, 1, 1
-        args.variants = "before,tiles+copy"
+        args.variants = "before,tiles+copy+grouped,tiles+copy+mgpu"
     os.makedirs(args.out, exist_ok=True)
     sink = os.path.join(args.out, "bench_train_ablation.jsonl")
 
@@ -100,6 +113,17 @@ def main(argv=None) -> int:
     config = preset(args.preset)
     variants = [parse_variant(v) for v in args.variants.split(",") if v]
     saved = dict(KN.GPU_BWD_DEFAULTS["16bit"])
+    saved_grouped = {k: (dict(v) if isinstance(v, dict) else v) for k, v in GG.GROUPED_TILES.items()}
+    grouped_tiles = saved_grouped
+    if args.grouped_tiles:
+        with open(args.grouped_tiles) as f:
+            grouped_tiles = json.load(f)
+        head["grouped_tiles"] = grouped_tiles
+        emit({"what": "grouped_tiles", "tiles": grouped_tiles})
+    if args.mgpu_tiles:
+        with open(args.mgpu_tiles) as f:
+            GM.MGPU_TILES.update(json.load(f))  # read at trace time; this process traces nothing else with them
+        emit({"what": "mgpu_tiles", "tiles": GM.MGPU_TILES})
     batch = jax.device_put(random_batch(config, args.batch, args.seq, seed=0, hasher=default_hasher(config)))
     lr = np.float32(1e-4)
     donate = (0,) if jax.default_backend() != "cpu" else ()
@@ -107,10 +131,11 @@ def main(argv=None) -> int:
     # 1. trace + lower each variant with its tiles (abstract state: no device memory yet)
     for v in variants:
         KN.GPU_BWD_DEFAULTS["16bit"] = dict(v["tiles"])
+        GG.GROUPED_TILES.update({k: (dict(x) if isinstance(x, dict) else x) for k, x in grouped_tiles.items()})
         jax.clear_caches()
         try:
             tc = TrainConfig(seq_len=args.seq, batch_size=args.batch, steps=1000, warmup_steps=10, lr=1e-4,
-                             compute_dtype="bfloat16", remat="none", remat_scope="forward", moe_impl="blocked",
+                             compute_dtype="bfloat16", remat="none", remat_scope="forward", moe_impl=v["moe_impl"],
                              compute_copy=v["copy"])
             v["step"] = make_train_step(config, tc)
             state_shape = jax.eval_shape(lambda: v["step"].init_state(seed=0))
@@ -121,6 +146,7 @@ def main(argv=None) -> int:
             v["error"] = f"lower: {type(e).__name__}: {str(e)[:1500]}"
         finally:
             KN.GPU_BWD_DEFAULTS["16bit"] = dict(saved)
+            GG.GROUPED_TILES.update(saved_grouped)
         log(f"lowered {v['name']}" + (f": {v['error']}" if "error" in v else f" in {v['lower_s']:.1f} s"))
 
     # 2. compile them all at once
@@ -148,6 +174,7 @@ def main(argv=None) -> int:
     rows = []
     for v in variants:
         row = {"what": "train", "variant": v["name"], "tiles": v["tiles"], "compute_copy": v["copy"],
+               "moe_impl": v["moe_impl"],
                "batch": args.batch, "seq": args.seq}
         if "error" in v:
             row["error"] = v["error"]
@@ -172,12 +199,31 @@ def main(argv=None) -> int:
             row.update({"step_ms": [round(t * 1e3, 2) for t in times], "step_ms_median": med * 1e3,
                         "tokens_per_s": tokens / med, "model_flops_per_token": flops,
                         "mfu_measured_matmul": flops * tokens / med / peak, "loss": float(m["ce"])})
+            if v["name"] in (args.profile or "").split(","):
+                tag = v["name"].replace("+", "_")
+                trace_dir = os.path.join("/tmp", "dsv41_ablation_trace_" + tag)
+                t0 = time.perf_counter()
+                with jax.profiler.trace(trace_dir):
+                    for _ in range(args.profile_steps):
+                        state, m = compiled(state, batch, lr)
+                    jax.block_until_ready(state["step"])
+                summ = summarize_trace(trace_dir)
+                summ.update(profiled_steps=args.profile_steps, wall_us=(time.perf_counter() - t0) * 1e6)
+                for f in glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz")):
+                    if os.path.getsize(f) < 15 * 2 ** 20:  # keep the raw trace next to the results
+                        shutil.copy(f, os.path.join(args.out, f"trace_{tag}.json.gz"))
+                row["profile"] = summ
+                log(f"profile {v['name']}: busy {summ.get('busy_us', 0) / 1e3:.1f} ms over "
+                    f"{args.profile_steps} steps; by category (ms): "
+                    + ", ".join(f"{k} {x / 1e3:.1f}" for k, x in summ.get("by_category_us", {}).items()))
+                for kk in summ.get("top_kernels", [])[:30]:
+                    print(f"  {kk['us'] / 1e3:9.2f} ms  {kk['share']:6.1%}  x{kk['count']:<5d} {kk['name'][:150]}")
             del state, m
         v.pop("compiled", None)
         v.pop("lowered", None)
         emit(row)
         rows.append(row)
-        log(json.dumps(row))
+        log(json.dumps({k: x for k, x in row.items() if k != "profile"}))
 
     print(f"\n{head['device']}, {args.preset}, batch {args.batch} x {args.seq}, bf16; matmul measured "
           f"{peak / 1e12:.0f} TFLOP/s; tiles before {TILES_BEFORE}, now {head['tiles_now']}")

@@ -637,18 +637,22 @@ def test_blocked_grouped_matmul_equals_ragged_dot():
     np.testing.assert_allclose(y_blocked, y_ragged, rtol=1e-5, atol=1e-5)
 
 
-def test_moe_impl_auto_picks_blocked_on_gpus_only(monkeypatch):
-    """``auto`` (the default of ForwardOptions, TrainConfig and ``dsv41 train``) is the blocked grouped GEMM on a
-    GPU backend and ragged_dot elsewhere; an unknown name is an error naming the choices."""
+def test_moe_impl_auto_picks_grouped_kernels_on_gpus_only(monkeypatch):
+    """``auto`` (the default of ForwardOptions, TrainConfig and ``dsv41 train``) is the Mosaic GPU ragged-dot kernels
+    on a Hopper GPU, the Pallas grouped GEMM on other GPU backends and ragged_dot elsewhere; an unknown name is an
+    error naming the choices."""
     from dsv41_jax.model.forward import ForwardOptions
     from dsv41_jax.ops import moe as moe_ops
 
     assert ForwardOptions().moe_impl == "auto" and TrainConfig().moe_impl == "auto"
-    for platform, want in (("gpu", "blocked"), ("cuda", "blocked"), ("tpu", "ragged"), ("cpu", "ragged")):
+    for platform, hopper, want in (("gpu", False, "grouped"), ("cuda", False, "grouped"), ("gpu", True, "grouped_mgpu"),
+                                   ("tpu", False, "ragged"), ("cpu", False, "ragged")):
         monkeypatch.setattr(moe_ops.jax, "default_backend", lambda p=platform: p)
+        monkeypatch.setattr(moe_ops, "is_hopper_gpu", lambda h=hopper: h)
         assert moe_ops.resolve_moe_impl("auto") == want
     assert moe_ops.resolve_moe_impl("dense") == "dense"
-    with pytest.raises(ValueError, match="moe impl 'grouped'"):
-        moe_ops.resolve_moe_impl("grouped")
+    assert moe_ops.resolve_moe_impl("grouped") == "grouped"
+    with pytest.raises(ValueError, match="moe impl 'tiled'"):
+        moe_ops.resolve_moe_impl("tiled")
     with pytest.raises(TrainConfigError, match="moe_impl"):
-        TrainConfig(moe_impl="grouped")
+        TrainConfig(moe_impl="tiled")

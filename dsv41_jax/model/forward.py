@@ -56,8 +56,8 @@ class ForwardOptions:
     quant_sim: bool | None = None  # None -> config.quant_sim
     bounded_replay: bool = False  # CED decoder-SWA truncation to the last `replay_len` tokens (SPEC §8)
     replay_len: int | None = None  # None -> sliding_window (128 in the release)
-    # "auto" (blocked on GPUs, ragged elsewhere: ops.moe.resolve_moe_impl) | "ragged" | "blocked" (dropless, ops.moe)
-    # | "dense" (tests) | "expert_parallel" (mesh)
+    # "auto" (grouped kernels on GPUs, ragged elsewhere: ops.moe.resolve_moe_impl) | "ragged" | "blocked" | "grouped"
+    # | "grouped_mgpu" (all dropless, ops.moe) | "dense" (tests) | "expert_parallel" (mesh)
     moe_impl: str = "auto"
     moe_capacity_factor: float | None = None  # expert_parallel only: None = dropless, else may drop (reported)
     query_chunk: int = 256  # queries per attention / indexer block (memory O(T · chunk))

@@ -4,12 +4,15 @@ routed scaling factor, clamped SwiGLU experts, and exactly one shared expert (SP
 Routed-expert implementations with identical maths: ``dense`` (every expert on every token, masked; for tiny
 configs and tests), ``ragged`` (tokens sorted by expert, ``jax.lax.ragged_dot``; dropless) and
 ``blocked`` (the same sorted rows, each expert's group padded to whole row blocks, one batched GEMM over the blocks
-with every block's expert weight gathered: dropless, :func:`blocked_grouped_matmul`). XLA's GPU backend lowers
-``ragged_dot`` to a zero-padded batched dot over *every* expert (each expert multiplies all M·k rows: E times the
-FLOPs; benchmarks/RESULTS.md, ISSUE 13 profile), which ``blocked`` avoids at the cost of padding each group to the
-block size. ``auto`` (the default, :func:`resolve_moe_impl`) picks ``blocked`` on GPUs (2.6x the train step's
-tokens/s of ``ragged`` on an NVIDIA H200) and ``ragged`` elsewhere (TPUs lower ``ragged_dot`` to a grouped matmul
-kernel; on CPU neither was measured faster).
+with every block's expert weight gathered: dropless, :func:`blocked_grouped_matmul`), ``grouped`` (the same blocks
+through a Pallas GPU grouped GEMM that reads each block's expert weight in place, with dX / dW kernels:
+``kernels.grouped_gemm_gpu``) and ``grouped_mgpu`` (the sorted rows unpadded through JAX's Mosaic GPU ragged-dot
+kernels for Hopper: ``kernels.grouped_gemm_mgpu``). XLA's GPU backend lowers ``ragged_dot`` to a zero-padded batched
+dot over *every* expert (each expert multiplies all M·k rows: E times the FLOPs; benchmarks/RESULTS.md, ISSUE 13
+profile), which the others avoid. ``auto`` (the default, :func:`resolve_moe_impl`) picks ``grouped_mgpu`` on Hopper
+GPUs (the fastest on an NVIDIA H200: 1.08x the train step's tokens/s of ``blocked``, ``grouped`` 1.04x, in one
+process; benchmarks/RESULTS.md), ``grouped`` on other GPUs and ``ragged`` elsewhere (TPUs lower ``ragged_dot`` to a
+grouped matmul kernel; on CPU nothing was measured faster).
 """
 
 from __future__ import annotations
@@ -23,17 +26,25 @@ from dsv41_jax.ops.linear import (gemm_input, is_plain_weight, linear, linear_ma
                                   narrow_dot_one_pass, narrow_matmul_f32, quantized_gemm_backend,
                                   weight_array)
 
-MOE_IMPLS = ("auto", "ragged", "blocked", "dense", "expert_parallel")
+MOE_IMPLS = ("auto", "ragged", "blocked", "grouped", "grouped_mgpu", "dense", "expert_parallel")
+
+
+def is_hopper_gpu() -> bool:
+    """Whether the default device is an NVIDIA Hopper GPU (compute capability 9.x: the Mosaic GPU kernels' target)."""
+    dev = jax.devices()[0]
+    return dev.platform in ("gpu", "cuda") and str(getattr(dev, "compute_capability", "")).startswith("9.")
 
 
 def resolve_moe_impl(impl: str) -> str:
-    """The routed-expert implementation ``impl`` names: ``auto`` -> ``blocked`` on a GPU backend, ``ragged``
-    otherwise; any other member of :data:`MOE_IMPLS` as given."""
+    """The routed-expert implementation ``impl`` names: ``auto`` -> ``grouped_mgpu`` on a Hopper GPU, ``grouped``
+    on other GPU backends, ``ragged`` otherwise; any other member of :data:`MOE_IMPLS` as given."""
     if impl not in MOE_IMPLS:
         raise ValueError(f"unknown moe impl {impl!r}; choose one of {MOE_IMPLS}")
     if impl != "auto":
         return impl
-    return "blocked" if jax.default_backend() in ("gpu", "cuda", "rocm") else "ragged"
+    if jax.default_backend() not in ("gpu", "cuda", "rocm"):
+        return "ragged"
+    return "grouped_mgpu" if is_hopper_gpu() else "grouped"
 
 
 def route(x: jax.Array, gate_weight: jax.Array, gate_bias: jax.Array, *, top_k: int, temp: float,
@@ -107,23 +118,39 @@ _block_weights.defvjp(_block_weights_fwd, _block_weights_bwd)
 
 
 def blocked_grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, *, block: int = 512,
-                           precision=None) -> jax.Array:
+                           precision=None, kernel: str | None = None) -> jax.Array:
     """``rows`` [M, K] sorted by group (``group_sizes`` [G], summing to M) times their group's ``w`` [G, N, K]
     (transposed) -> [M, N] in ``rows.dtype``; equals ``ragged_dot(rows, swapaxes(w, 1, 2), group_sizes)``.
 
     Each group's rows are copied to the start of a fresh run of ``block``-row blocks (at most ceil(M / block) + G
-    blocks in all, a static bound), every block takes its group's weight (``_block_weights``: the weight gradient
-    of a group's blocks is summed in float32 by one GEMM), and one batched GEMM runs over the blocks. Work: the M
-    rows plus at most ``block - 1`` padding rows per group — not G x M. The product has float32 accumulation inside
-    and the operands' dtype outside (as ``ragged_dot``), so the backward GEMMs get a bf16 cotangent: a float32
-    output (``preferred_element_type``) made them float32 (TF32) GEMMs on the H200, the largest kernels of the step
-    (benchmarks/RESULTS.md). Inference's ``inference.moe.routed_tiled`` cuts the same sorted rows into tiles but
-    loops over the tiles that exist (a dynamic trip count: not differentiable)."""
+    blocks in all, a static bound), and the blocks are multiplied by their group's weight:
+
+    * ``kernel=None`` (XLA): every block takes its group's weight (``_block_weights``: the weight gradient of a
+      group's blocks is summed in float32 by one GEMM), and one batched GEMM runs over the blocks.
+    * ``kernel="gpu"`` / ``"interpret"``: the Pallas grouped GEMM (``kernels.grouped_gemm_gpu``, compiled or in
+      interpret mode) reads each block's expert weight in place, with dX and dW kernels for the gradients; its tiles
+      set the block size (``block`` is ignored). Shapes its tiles cannot divide take the XLA form.
+
+    Work: the M rows plus at most ``block - 1`` padding rows per group — not G x M. The product has float32
+    accumulation inside and the operands' dtype outside (as ``ragged_dot``), so the backward GEMMs get a bf16
+    cotangent: a float32 output (``preferred_element_type``) made them float32 (TF32) GEMMs on the H200, the largest
+    kernels of the step (benchmarks/RESULTS.md). Inference's ``inference.moe.routed_tiled`` cuts the same sorted
+    rows into tiles but loops over the tiles that exist (a dynamic trip count: not differentiable)."""
     m, k = rows.shape
     g, n, _ = w.shape
+    tiles = None
+    if kernel is not None:
+        from dsv41_jax.kernels import grouped_gemm_gpu as gg
+
+        if kernel not in ("gpu", "interpret"):
+            raise ValueError(f"blocked_grouped_matmul: kernel must be None, 'gpu' or 'interpret', got {kernel!r}")
+        bound_rows = -(-m // 16) * 16 + g * gg.GROUPED_TILES["block_m"]
+        tiles = gg.grouped_tiles(k, n, max(w.size, bound_rows * max(k, n)))
+        if tiles is not None:
+            block = tiles["block_m"]
     # no block larger than the power of two above the mean group size: few rows per group (small batches) would
     # otherwise be mostly padding
-    block = min(block, max(8, 1 << (max(1, -(-m // g)) - 1).bit_length()))
+    block = min(block, max(16 if tiles else 8, 1 << (max(1, -(-m // g)) - 1).bit_length()))
     n_blocks = -(-m // block) + g
     sizes = group_sizes.astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes
@@ -136,15 +163,27 @@ def blocked_grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array
     buf = jnp.zeros((n_blocks * block, k), rows.dtype).at[dest].set(rows, unique_indices=True,
                                                                      indices_are_sorted=True)
     # blocks past the last group's run hold zeros; give them any valid group (their outputs are never read)
-    block_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(n_blocks) * block, side="right"), g - 1)
-    w_blocks = _block_weights(w, block_group, g)  # [n_blocks, N, K]
-    out = jnp.einsum("bmk,bnk->bmn", buf.reshape(n_blocks, block, k), w_blocks, precision=precision)
-    return out.reshape(n_blocks * block, n).at[dest].get(unique_indices=True, indices_are_sorted=True)
+    block_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(n_blocks) * block, side="right"),
+                              g - 1).astype(jnp.int32)
+    if tiles is not None:
+        tiles["block_m"] = block
+        tiles["dw"]["block_r"] = min(tiles["dw"]["block_r"], block)
+        n_live = (padded_ends[-1:] // block).astype(jnp.int32)
+        out = gg.grouped_gemm(buf, w, block_group, n_live, (padded_ends - padded).astype(jnp.int32),
+                              padded.astype(jnp.int32), gg.tiles_key(tiles), kernel == "interpret")
+    else:
+        w_blocks = _block_weights(w, block_group, g)  # [n_blocks, N, K]
+        out = jnp.einsum("bmk,bnk->bmn", buf.reshape(n_blocks, block, k), w_blocks, precision=precision)
+        out = out.reshape(n_blocks * block, n)
+    return out.at[dest].get(unique_indices=True, indices_are_sorted=True)
 
 
 def routed_ragged(x, weights, idx, w1, w2, w3, limit, grouped_impl: str = "ragged_dot", block: int = 512):
     """Dropless grouped matmuls: sort the M·k assignments by expert, one grouped GEMM per projection
-    (``grouped_impl``: ``ragged_dot`` or ``blocked``, :func:`blocked_grouped_matmul`), scatter back."""
+    (``grouped_impl``: ``ragged_dot``, ``blocked`` or ``grouped`` — :func:`blocked_grouped_matmul` in its XLA or
+    its Pallas kernel form; the kernel compiles on a GPU backend and runs in interpret mode elsewhere — or
+    ``grouped_mgpu``: JAX's Mosaic GPU ragged-dot kernels for Hopper, ``kernels.grouped_gemm_mgpu``, with the
+    ``jax.lax`` ragged products in their place off GPUs), scatter back."""
     m, k = idx.shape
     n_exp = w1.shape[0]
     flat_expert = idx.reshape(-1)
@@ -170,6 +209,20 @@ def routed_ragged(x, weights, idx, w1, w2, w3, limit, grouped_impl: str = "ragge
         def grouped(rows, w):
             if grouped_impl == "blocked":
                 return blocked_grouped_matmul(rows, w, group_sizes, block=block, precision=prec)
+            on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+            if grouped_impl == "grouped":
+                return blocked_grouped_matmul(rows, w, group_sizes, precision=prec,
+                                              kernel="gpu" if on_gpu else "interpret")
+            if grouped_impl == "grouped_mgpu":
+                from dsv41_jax.kernels import grouped_gemm_mgpu as gm
+
+                fits = gm.mgpu_fits(*rows.shape, w.shape[1], w.shape[0])
+                # 16-bit operands only (a float32 wgmma would be TF32); else the Pallas grouped kernel (or its XLA form)
+                if rows.dtype not in (jnp.bfloat16, jnp.float16) or not fits:
+                    return blocked_grouped_matmul(rows, w, group_sizes, precision=prec,
+                                                  kernel="gpu" if on_gpu else "interpret")
+                return gm.ragged_gemm(rows, w, group_sizes, "mgpu" if on_gpu else "reference",
+                                      gm.tiles_key(gm.MGPU_TILES))
             return jax.lax.ragged_dot(rows, jnp.swapaxes(w, 1, 2), group_sizes, precision=prec)
     gate = grouped(xs, w1).astype(jnp.float32)
     up = grouped(xs, w3).astype(jnp.float32)
@@ -220,8 +273,8 @@ def moe(x: jax.Array, params: dict, *, top_k: int, temp: float, scaling: float, 
         if impl == "dense":
             y = routed_dense(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit)
         else:
-            y = routed_ragged(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit,
-                              grouped_impl="blocked" if impl == "blocked" else "ragged_dot")
+            grouped_impl = impl if impl in ("blocked", "grouped", "grouped_mgpu") else "ragged_dot"
+            y = routed_ragged(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, grouped_impl=grouped_impl)
     s = params["shared_experts"]
     y = y + expert_mlp(flat, s["w1"], s["w2"], s["w3"], limit).astype(jnp.float32)
     return y.astype(x.dtype).reshape(shape), {"scores": scores, "indices": idx, **extra}

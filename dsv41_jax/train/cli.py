@@ -79,9 +79,12 @@ def add_parser(sub, formatter_class=argparse.ArgumentDefaultsHelpFormatter) -> N
     g.add_argument("--remat-scope", choices=("forward", "layer"), default="forward",
                    help="where --remat applies: around the whole forward, or around each decoder layer (the "
                         "backward then recomputes one layer at a time)")
-    g.add_argument("--moe-impl", choices=("auto", "ragged", "blocked", "dense", "expert_parallel"), default="auto",
-                   help="MoE implementation (blocked: grouped GEMM over padded row blocks, no ragged_dot; ragged: "
-                        "jax.lax.ragged_dot; auto: blocked on GPUs, ragged elsewhere)")
+    g.add_argument("--moe-impl", choices=("auto", "ragged", "blocked", "grouped", "grouped_mgpu", "dense",
+                                          "expert_parallel"), default="auto",
+                   help="MoE implementation (blocked: grouped GEMM over padded row blocks, no ragged_dot; grouped: "
+                        "the same blocks by a Pallas GPU kernel that reads each expert's weight in place; "
+                        "grouped_mgpu: JAX's Mosaic GPU ragged-dot kernels (Hopper); ragged: jax.lax.ragged_dot; "
+                        "auto: grouped_mgpu on Hopper GPUs, grouped on other GPUs, ragged elsewhere)")
     g.add_argument("--compute-copy", action="store_true",
                    help="keep the bf16 copy of the float32 masters in the train state, written by each update, "
                         "instead of casting every master each step (the same training; + 2 bytes per weight)")

@@ -67,7 +67,7 @@ class TrainConfig:
     # where the policy applies: "forward" (one checkpoint around the whole forward: its backward holds every layer's
     # recomputed residuals at once) | "layer" (one checkpoint per decoder layer: one layer's at a time)
     remat_scope: str = "forward"
-    moe_impl: str = "auto"  # ops.moe.MOE_IMPLS; auto: the blocked grouped GEMM on GPUs, ragged_dot elsewhere
+    moe_impl: str = "auto"  # ops.moe.MOE_IMPLS; auto: grouped GEMM kernels on GPUs, ragged_dot elsewhere
     query_chunk: int = 256
     # --- MoE balance ------------------------------------------------------------------------------
     bias_update_rate: float = 1e-3  # DeepSeekMoE noaux: bias += rate * sign(mean load - load); 0 disables

@@ -1,0 +1,104 @@
+"""The routed experts' grouped GEMM on Hopper GPUs through JAX's own Pallas Mosaic GPU ragged-dot kernels
+(``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`` / ``transposed_ragged_dot_mgpu``: persistent, TMA-fed
+warpgroup MMA kernels that read each group's weight in place), wrapped as one differentiable product:
+
+* forward  ``y = x · w[g]ᵀ``   — ``ragged_dot(x, w, transpose_rhs=True)``      (x [M, K], w [G, N, K] -> [M, N])
+* dX       ``dx = dy · w[g]``  — ``ragged_dot(dy, w, transpose_rhs=False)``     ([M, N] -> [M, K])
+* dW       ``dw[g] = dy_gᵀ · x_g`` — ``transposed_ragged_dot(dy, x)``           (-> [G, N, K])
+
+The rows are sorted by group with no padding (the kernels mask the rows of a block that belong to another group).
+These kernels exist only for Hopper (``sm_90a``) and have no interpret mode, so on CPU the same VJP runs with the
+``jax.lax`` ragged products in their place (``impl="reference"``): the tests check the wiring of the VJP there, and
+the device benchmark checks the kernels' values against float32 (benchmarks/bench_grouped_gemm.py). Tiles: the
+``MGPU_TILES`` entry per product (read at trace time).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+# first guesses, not swept (benchmarks/bench_grouped_gemm.py sweeps them); with these the train step's 36 expert
+# GEMMs ran at ≈ 511 TFLOP/s on an H200 (benchmarks/RESULTS.md, 2026-12-02 11:24)
+MGPU_TILES = {
+    "fwd": {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
+    "dx": {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
+    "dw": {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
+}
+
+
+MAX_GROUPS = 64  # the forward kernel finds a block's group by a loop over the groups unrolled into the kernel
+
+
+def mgpu_fits(m: int, k: int, n: int, groups: int = 16, tiles: dict | None = None) -> bool:
+    """Whether the products of x [m, k] and w [groups, n, k] suit the kernels: their tiles divide (each ragged
+    dot's contraction a multiple of block_k; the dW output a multiple of block_m x block_n), and at most
+    ``MAX_GROUPS`` groups (the release's 384 experts would unroll 384 steps into every tile's prologue)."""
+    t = tiles or MGPU_TILES
+    return (groups <= MAX_GROUPS and k % t["fwd"]["block_k"] == 0 and n % t["fwd"]["block_n"] == 0
+            and n % t["dx"]["block_k"] == 0
+            and k % t["dx"]["block_n"] == 0 and n % t["dw"]["block_m"] == 0 and k % t["dw"]["block_n"] == 0)
+
+
+def _products(impl: str, tiles: dict):
+    if impl == "reference":
+        def fwd(x, w, gs):
+            return jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), gs, preferred_element_type=jnp.float32
+                                      ).astype(x.dtype)
+
+        def dx(dy, w, gs):
+            return jax.lax.ragged_dot(dy, w, gs, preferred_element_type=jnp.float32).astype(dy.dtype)
+
+        def dw(dy, x, gs):
+            dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                                     lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+            return jax.lax.ragged_dot_general(dy, x, gs, dims, preferred_element_type=jnp.float32)
+        return fwd, dx, dw
+    if impl != "mgpu":
+        raise ValueError(f"grouped_gemm_mgpu: impl must be 'mgpu' or 'reference', got {impl!r}")
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+    def fwd(x, w, gs):
+        return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=gs, transpose_rhs=True, **tiles["fwd"])
+
+    def dx(dy, w, gs):
+        return ragged_dot_mgpu.ragged_dot(dy, w, group_sizes=gs, transpose_rhs=False, **tiles["dx"])
+
+    def dw(dy, x, gs):
+        return transposed_ragged_dot_mgpu.transposed_ragged_dot(dy, x, group_sizes=gs, **tiles["dw"])
+    return fwd, dx, dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def ragged_gemm(x, w, group_sizes, impl: str, tiles: tuple):
+    """``x`` [M, K] sorted by group (``group_sizes`` [G] int32, summing to M) times its group's ``w`` [G, N, K]
+    transposed -> [M, N] in x.dtype (float32 accumulation). ``tiles``: :func:`tiles_key` of a ``MGPU_TILES``-like
+    dict."""
+    return _products(impl, _untuple(tiles))[0](x, w, group_sizes)
+
+
+def _fwd(x, w, group_sizes, impl, tiles):
+    return ragged_gemm(x, w, group_sizes, impl, tiles), (x, w, group_sizes)
+
+
+def _bwd(impl, tiles, res, g):
+    x, w, group_sizes = res
+    _, dx, dw = _products(impl, _untuple(tiles))
+    g = g.astype(x.dtype)
+    return dx(g, w, group_sizes), dw(g, x, group_sizes).astype(w.dtype), None
+
+
+ragged_gemm.defvjp(_fwd, _bwd)
+
+
+def tiles_key(tiles: dict) -> tuple:
+    return tuple((k, tuple(sorted(v.items()))) for k, v in sorted(tiles.items()))
+
+
+def _untuple(key: tuple) -> dict:
+    return {k: dict(v) for k, v in key}
+
+
+__all__ = ["MGPU_TILES", "mgpu_fits", "ragged_gemm", "tiles_key"]
