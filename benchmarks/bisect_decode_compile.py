@@ -126,6 +126,11 @@ def compiled_counts(text: str) -> dict:
 def run_job(job: dict) -> None:
     sys.path.insert(0, os.path.dirname(HERE))
     sys.path.insert(1, HERE)
+    device = None
+    if job.get("deviceless"):
+        from deviceless_gpu import h200_device, on_device
+
+        device = h200_device()
     import jax
 
     from bench_inference import h200_config
@@ -144,6 +149,8 @@ def run_job(job: dict) -> None:
         if job.get("only") and name != job["only"]:
             continue
         t0 = time.perf_counter()
+        if device is not None:
+            args = on_device(args, device)
         lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
         t1 = time.perf_counter()
         print(json.dumps(dict(program=name, lower_s=t1 - t0, started=True)), flush=True)
@@ -171,6 +178,9 @@ def _args(argv=None):
     ap.add_argument("--timeout-s", type=float, default=60.0, help="per job (one part's programs)")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="start no job after this many seconds")
     ap.add_argument("--parallel", type=int, default=1)
+    ap.add_argument("--deviceless", action="store_true",
+                    help="compile for an NVIDIA H200 on this machine, no GPU (benchmarks/deviceless_gpu.py; needs the "
+                         "CUDA plugin importable, JAX_PLATFORMS=cpu; GEMM autotuning skipped)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--job", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -186,7 +196,8 @@ def jobs_of(args) -> list:
             if flag not in FLAGS or not batch.isdigit():
                 raise SystemExit(f"--jobs: {item!r} is not PART:BATCH:VARIANT[:onepass]")
             out.append(dict(model=args.model, part=part, batch=int(batch), variant=variant, flags=list(FLAGS[flag]),
-                            max_len=args.context + 512, kernel_backend=args.kernel_backend))
+                            max_len=args.context + 512, kernel_backend=args.kernel_backend,
+                            deviceless=args.deviceless))
         return out
     for part in args.parts.split(","):
         for b in (int(x) for x in args.batches.split(",")):
@@ -196,7 +207,8 @@ def jobs_of(args) -> list:
                     if flag not in FLAGS:
                         raise SystemExit(f"unknown flag {flag!r}: '' or onepass")
                     out.append(dict(model=args.model, part=part, batch=b, variant=variant, flags=list(FLAGS[flag]),
-                                    max_len=args.context + 512, kernel_backend=args.kernel_backend))
+                                    max_len=args.context + 512, kernel_backend=args.kernel_backend,
+                                    deviceless=args.deviceless))
     return out
 
 

@@ -100,7 +100,18 @@ def main(argv=None):
     ap.add_argument("--compile", action="store_true", help="also compile each program (this backend) and time it")
     ap.add_argument("--only", default="", help="comma-separated program names")
     ap.add_argument("--dump", default=None, help="directory for each program's StableHLO text")
+    ap.add_argument("--deviceless", action="store_true",
+                    help="lower and compile for an NVIDIA H200 on this machine, no GPU (benchmarks/deviceless_gpu.py: "
+                         "the CUDA plugin importable, JAX_PLATFORMS=cpu; GEMM autotuning skipped)")
+    ap.add_argument("--compiler-options", default="",
+                    help="KEY=VALUE,... XLA options of the compile (e.g. xla_disable_hlo_passes=triton-softmax-rewriter)")
     args = ap.parse_args(argv)
+    device = None
+    if args.deviceless:
+        from benchmarks.deviceless_gpu import h200_device, on_device
+
+        device = h200_device()
+    copts = dict(kv.split("=", 1) for kv in args.compiler_options.split(",") if kv) or None
     config = target_config(args.smoke)
     opts = InferenceOptions(ced=False, kernel_backend=args.kernels)
     print(f"# {config.name}, jax {jax.__version__}, backend {jax.default_backend()}, lowered for "
@@ -114,6 +125,8 @@ def main(argv=None):
             if only and name not in only:
                 continue
             t0 = time.perf_counter()
+            if device is not None:
+                a = on_device(a, device)
             traced = fn.trace(*a, **kw)
             lowered = traced.lower(lowering_platforms=(args.platform,)) if args.platform else traced.lower()
             text = lowered.as_text()
@@ -126,7 +139,7 @@ def main(argv=None):
             t_comp = "—"
             if args.compile:
                 t0 = time.perf_counter()
-                lowered.compile()
+                lowered.compile(compiler_options=copts)
                 t_comp = f"{time.perf_counter() - t0:.1f}"
             print(f"| {b} | {name} | {s['ops']:,} | {s['dots']} | {s['dot_shapes']} | {s['whiles']} | {s['conds']} | "
                   f"{s['custom_calls']} | {t_lower:.1f} | {t_comp} |", flush=True)

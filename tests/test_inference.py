@@ -372,7 +372,7 @@ def test_tiled_moe_equals_the_model_moe():
     """The engine's tiled grouped-matmul MoE computes ops.moe exactly (up to float32 summation order), from one
     token (decode) to many (prefill chunks), with experts that get no tokens: the static expert-slot loop (few
     tokens, including slots beyond the used experts) and the tiled loop (explicit tile or many tokens)."""
-    from dsv41_jax.inference.moe import moe_inference
+    from dsv41_jax.inference.moe import STATIC_MAX_ROWS, moe_inference
     from dsv41_jax.ops.moe import moe
 
     config, params, _ = _model("tiny")
@@ -384,7 +384,13 @@ def test_tiled_moe_equals_the_model_moe():
         return moe_inference(x, p, tile=tile, **kw), moe(x, p, impl="dense", **kw)[0]
 
     rng = np.random.default_rng(0)
-    for m, tile in [(1, None), (3, None), (5, 8), (40, None), (70, None), (70, 16)]:
+    # (tokens, tile, whether a loop with a data-dependent trip count runs: a host round-trip per tile on a GPU).
+    # 70 tokens on these 8 experts: every expert gets a slot of 128 padded rows (1,024 <= STATIC_MAX_ROWS), the
+    # static path; 4 * STATIC_MAX_ROWS / 8 tokens: past it, the tiled loop.
+    big = 4 * STATIC_MAX_ROWS // config.n_routed_experts
+    for m, tile, loop in [(1, None, False), (3, None, False), (5, 8, True), (40, None, False), (70, None, False),
+                          (70, 16, True), (big, None, True)]:
         x = jnp.asarray(rng.standard_normal((m, config.hidden_size)), jnp.float32)
         got, want = both(x, tile)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+        assert ("while[" in str(jax.make_jaxpr(both, static_argnums=(1,))(x, tile))) == loop, (m, tile)

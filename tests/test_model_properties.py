@@ -76,6 +76,23 @@ def test_mhc_comb_kernel_equals_the_xla_sinkhorn():
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
 
 
+def test_mhc_sinkhorn_runs_in_its_kernel_by_default_on_the_gpu_backend(tiny_config):
+    """Inference on the Pallas GPU backend computes the mHC Sinkhorn in kernels.mhc_gpu unless told otherwise: XLA's
+    unrolled form made XLA:GPU's priority fusion search Triton tilings for minutes per program (batch-32 decode,
+    batch-1 prefill; benchmarks/RESULTS.md). The interpret mode (CPU tests) and the reference keep the XLA form."""
+    from dsv41_jax.inference.step import InferenceOptions, _mhc_kw
+
+    def comb(**kw):
+        return _mhc_kw(tiny_config, InferenceOptions(**kw))["comb_kernel"]
+
+    assert comb(kernel_backend="pallas_gpu") == "pallas_gpu"
+    assert comb(kernel_backend="pallas_gpu", mhc_kernel=False) is None
+    assert comb(kernel_backend="pallas_gpu_interpret") is None
+    assert comb(kernel_backend="pallas_gpu_interpret", mhc_kernel=True) == "pallas_gpu_interpret"
+    assert comb(kernel_backend="reference") is None
+    assert comb(kernel_backend="reference", mhc_kernel=True) is None
+
+
 def test_mhc_mixes_are_float32_exact_with_their_gradients():
     """The split-contraction float32 projection (ops.linear.narrow_matmul_f32: the mHC coefficients, the router) and
     the 4 x 4 stream mixes written as sums of products (ops.mhc) — no slow float32 GEMMs on GPUs — give

@@ -17,7 +17,9 @@ expert's weights are read once, as in the tiled loop; slots beyond the used expe
 reading the weights). On a GPU (kernel backend ``pallas_gpu``) the slots run as two Pallas kernels instead of the
 loop (``kernels.expert_gemm_gpu``): the loop's ``w[e]`` is a dynamic slice that XLA copies out of the stacked
 weights before each GEMM, the kernels read the stacked weights in place and skip spare slots; one token uses its
-top-k picks as the slots directly. Larger token counts (prefill chunks, the CED decoder replay) keep the tiled loop. With many
+top-k picks as the slots directly. Larger token counts (prefill chunks, the CED decoder replay) keep the tiled loop,
+except where every expert gets a slot and the padded rows stay few (``STATIC_MAX_ROWS``: a verification chunk on 16
+experts). With many
 experts (the release's 384) and a large batch, fewer distinct experts than slots are picked (batch 64: ~243 of 384)
 and the spare slots' weight reads are wasted. With release FP4 experts marked for a quantised-GEMM kernel
 (``InferenceOptions.quantized_gemm``), :func:`moe_inference` runs the grouped Pallas GEMM instead
@@ -40,6 +42,12 @@ from dsv41_jax.ops.linear import gemm_input, is_plain_weight, linear, matmul_pre
 from dsv41_jax.ops.moe import expert_mlp, grouped_kernel_backend, route, routed_ragged
 
 STATIC_MAX_TOKENS = 64
+# Above STATIC_MAX_TOKENS the static path is still taken when every expert gets a slot and the padded rows
+# (n_experts * pow2(m)) stay this few: a speculative verification chunk (batch 16 x 6 tokens = 96) on 16 experts
+# then runs one batched GEMM per projection (2,048 rows, compute well under the weights' read time on an H200)
+# instead of the tiled loop, whose data-dependent trip count is a host round-trip per tile on a GPU (measured on
+# an H200: the batch-16 verification step took 19 ms against 3 ms for a plain step, benchmarks/RESULTS.md).
+STATIC_MAX_ROWS = 2048
 
 
 def _pow2_at_least(n: int, lo: int = 8) -> int:
@@ -236,6 +244,15 @@ def routed_fp4_one_token(x, weights, idx, w1, w2, w3, limit, backend: str, decod
     return y[None]
 
 
+def _static_trip_count(m: int, k: int, w1, w2, w3) -> bool:
+    """Whether m tokens' routed experts take :func:`routed_slots` (static trip count) rather than the tiled loop."""
+    if m <= STATIC_MAX_TOKENS:
+        return True
+    n_exp = w1.shape[0]
+    return (m * k >= n_exp and n_exp * _pow2_at_least(m) <= STATIC_MAX_ROWS
+            and all(is_plain_weight(w) for w in (w1, w2, w3)))
+
+
 def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scaling: float, limit: float,
                   normalize: bool = True, tile: int | None = None, backend: str = "auto",
                   router_one_pass: bool = False, fp4_one_token: bool = True,
@@ -258,7 +275,8 @@ def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scalin
         # release FP4 experts with a quantised-GEMM kernel: one grouped Pallas GEMM per projection reads only the
         # experts that received rows, straight from their packed bytes (no slot padding, no per-expert loop)
         y = routed_ragged(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit)
-    elif tile is None and flat.shape[0] <= STATIC_MAX_TOKENS:  # decode: a loop with a static trip count
+    elif tile is None and _static_trip_count(flat.shape[0], top_k, e["w1"], e["w2"], e["w3"]):
+        # decode (and short verification chunks on few experts): a loop with a static trip count
         y = routed_slots(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, backend)
     else:
         y = routed_tiled(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, tile)

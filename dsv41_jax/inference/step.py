@@ -68,8 +68,10 @@ class InferenceOptions:
     compiler_options: tuple = ()  # XLA compiler options as (name, value) pairs, e.g. fast compiles for CPU tests
     kernel_backend: str = "auto"  # dsv41_jax.kernels backend for sparse attention and the indexer top-k: "auto"
     #                               (Pallas on GPU / TPU, the plain-JAX reference on CPU) or one of kernels.BACKENDS
-    mhc_kernel: bool = False  # on the Pallas GPU backend: each mHC site's softmax + Sinkhorn in one kernel
-    #                           (kernels.mhc_gpu) instead of about eight small XLA reductions
+    mhc_kernel: bool | None = None  # each mHC site's softmax + Sinkhorn in one Pallas GPU kernel (kernels.mhc_gpu)
+    #                                 instead of XLA's unrolled normalisations; None: on the "pallas_gpu" backend
+    #                                 (not its interpret mode). Why by default there: the unrolled Sinkhorn made
+    #                                 XLA:GPU's priority fusion search Triton tilings for minutes (benchmarks/RESULTS)
     mhc_one_pass: bool = False  # steps of at most 64 tokens (decode): each mHC site's projection and RMS as one
     #                             reduction, the stream mixes as unrolled sums (fewer kernels; ops.mhc)
     router_one_pass: bool = False  # steps of at most 64 tokens: the MoE router's logits as one reduction
@@ -483,10 +485,18 @@ def _mhc_kw(c: ModelConfig, opts: InferenceOptions) -> dict:
     # of launching the loop body's kernels once per iteration (19 iterations x 2 sites per layer in every decode
     # step); on the CPU reference path it stays rolled, which compiles faster (measured: ~1.5x less CPU compile
     # time for the default model's decode step).
+    #
+    # The unrolled loop is one chain of ~40 row / column normalisations of each token's 4 x 4 matrix. XLA:GPU
+    # (JAX 0.10-0.11) turns them into Triton "softmax" fusions and its priority fusion then merges the chain one
+    # step at a time, searching every Triton tiling of the grown fusion at each step: 2-25 s of compile per mHC site
+    # for 2-128 tokens per step (it depends on the token count, not monotonically), i.e. minutes per program with
+    # 24 sites. The Pallas kernel computes the same float32 softmax + Sinkhorn in one launch and compiles in well
+    # under a second, so it is the default on the GPU backend (mhc_kernel=None); mhc_kernel=False keeps XLA's form.
     backend = kernels.resolve_backend(opts.kernel_backend)
+    use_kernel = backend == "pallas_gpu" if opts.mhc_kernel is None else opts.mhc_kernel
     return dict(hc_eps=c.hc_eps, rms_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters,
                 unroll=backend != "reference",
-                comb_kernel=backend if opts.mhc_kernel and backend.startswith("pallas_gpu") else None)
+                comb_kernel=backend if use_kernel and backend.startswith("pallas_gpu") else None)
 
 
 def embed(params: dict, tokens: jax.Array, config: ModelConfig):
