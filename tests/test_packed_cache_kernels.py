@@ -156,7 +156,7 @@ def test_decode_attention_step_reads_the_packed_cache_like_the_unpacked_one(monk
     cache = jax.tree.map(fill, init_cache(config, b, 64, packed=True), is_leaf=lambda x: isinstance(x, PC.PackedRows))
     cache["length"] = jnp.asarray([40, 57], jnp.int32)
     x = jnp.asarray(rng.normal(size=(b, 1, config.hidden_size)), jnp.float32)
-    opts = S.InferenceOptions(kernel_backend=GPU, compiler_options=S.FAST_COMPILE)
+    opts = S.InferenceOptions(kernel_backend=GPU, compiler_options=S.FAST_COMPILE, packed_cache_kernels=True)
 
     @functools.partial(jax.jit, static_argnums=0)
     def site(_direct, p, x, cache):  # the flag keys the compile: the patched dispatch is read while tracing

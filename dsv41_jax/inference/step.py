@@ -86,6 +86,13 @@ class InferenceOptions:
     #                             form of its down kernel had been slower; benchmarks/RESULTS.md)
     fp4_slot_decode: str | None = None  # those kernels' decode form (kernels.quant_gemm_gpu.FP4_SLOT_DECODES; None:
     #                                     the kernels' default) — to measure one form against another in one run
+    packed_cache_kernels: bool = False  # with cache="release" on the GPU kernels: the sparse attention and the
+    #                                     indexer read the packed window ring, compressed KV and keys and dequantise
+    #                                     in registers, instead of unpacking whole buffers first. Equal to the
+    #                                     unpacking path bit for bit in interpret mode on CPU, but off by default:
+    #                                     on an H200 (2026-12-02) the attention kernel on packed rows was slower
+    #                                     (303 vs 155 µs, one Full layer, context 16K) and its output differed from
+    #                                     the unpacking path, the indexer slower too (184 vs 142 µs; RESULTS.md)
 
     def resolved_quant(self, config: ModelConfig) -> bool:
         return config.quant_sim if self.quant_sim is None else self.quant_sim
@@ -95,6 +102,12 @@ class InferenceOptions:
 
 
 FAST_COMPILE = (("xla_backend_optimization_level", 0), ("xla_llvm_disable_expensive_passes", True))
+
+
+def _kernels_read_packed(opts: InferenceOptions) -> bool:
+    """Whether this step hands a packed cache to the kernels as it is (``InferenceOptions.packed_cache_kernels`` on a
+    backend whose kernels read packed rows) rather than unpacking the buffers first."""
+    return opts.packed_cache_kernels and kernels.reads_packed_cache(opts.kernel_backend)
 
 
 @functools.lru_cache(maxsize=None)
@@ -436,7 +449,7 @@ def attention_step(p: dict, x: jax.Array, spec: LayerSpec, pos: jax.Array, pos0:
     ring = cache["swa"][spec.index]
     valid = jnp.arange(t)[None, :] < n_valid[:, None]
     win_ring = None
-    if isinstance(ring, PC.PackedRows) and t <= opts.query_chunk and kernels.reads_packed_cache(opts.kernel_backend):
+    if isinstance(ring, PC.PackedRows) and t <= opts.query_chunk and _kernels_read_packed(opts):
         # the GPU kernel reads the ring's FP8 slots (the state before this chunk's write) where they lie
         ring_pos, win_kv, win_ring = ring_positions(pos0, ring.shape[1]), kv, (ring, pos0)
     else:
@@ -453,7 +466,7 @@ def attention_step(p: dict, x: jax.Array, spec: LayerSpec, pos: jax.Array, pos0:
                 cache["sources"][key] = emit_entries(cache["sources"][key], x, p["compressor"], p["indexer"],
                                                      spec.ratio, pos0, n_valid, c, rope, quant_on)
             src = cache["sources"][key]
-            if kernels.reads_packed_cache(opts.kernel_backend):  # GPU kernels: packed rows read and dequantised
+            if _kernels_read_packed(opts):  # GPU kernels: packed rows read and dequantised
                 shared = dataclasses.replace(shared, kv=src["kv"], keys=src["keys"])  # in registers (either layout)
             else:  # unpack-then-compute (reference / TPU): the whole buffer unpacked to its dtype
                 shared = dataclasses.replace(shared, kv=PC.read(src["kv"]), keys=PC.read(src["keys"]))
