@@ -17,7 +17,9 @@ current defaults), each with an optional ``+copy`` (``compute_copy``), ``+atomic
 atomics instead of by key block) and ``+grouped`` (``moe_impl="grouped"``: the Pallas grouped expert GEMM that reads
 the weights in place, with the tiles of ``--grouped-tiles`` if given — a file ``bench_grouped_gemm.py`` writes —
 instead of the blocked XLA form) or ``+mgpu`` (``moe_impl="grouped_mgpu"``: JAX's Mosaic GPU ragged-dot kernels,
-tiles from ``--mgpu-tiles``). ``--profile VARIANTS`` profiles those variants after it is timed (``--profile-steps``
+tiles from ``--mgpu-tiles``), optionally ``+gbnB`` (B = 1, 2, 4, 8: the Mosaic kernels' ``grid_block_n`` ceiling for
+all three products, lowered per product and shape by ``grouped_gemm_mgpu.product_tiles`` to a band that divides the
+output columns; the tiles each product got are in the row). ``--profile VARIANTS`` profiles those variants after it is timed (``--profile-steps``
 steps, device time summed by kernel and category as ``profile_train.py`` does).
 """
 
@@ -65,13 +67,16 @@ def log(msg: str) -> None:
 
 def parse_variant(name: str) -> dict:
     base, *flags = name.split("+")
-    if base not in ("before", "tiles") or set(flags) - {"copy", "atomic", "grouped", "mgpu"}:
-        raise ValueError(f"variant {name!r}: want before|tiles, then optional +copy, +atomic, +grouped, +mgpu")
+    bands = [f for f in flags if f in ("gbn1", "gbn2", "gbn4", "gbn8")]
+    if base not in ("before", "tiles") or set(flags) - {"copy", "atomic", "grouped", "mgpu", *bands} or len(bands) > 1:
+        raise ValueError(f"variant {name!r}: want before|tiles, then optional +copy, +atomic, +grouped, +mgpu, "
+                         "+gbn1|2|4|8")
     tiles = dict(TILES_BEFORE if base == "before" else KN.GPU_BWD_DEFAULTS["16bit"])
     if "atomic" in flags:
         tiles.update(dkv="atomic", dkv_selected="atomic")
     moe_impl = "grouped" if "grouped" in flags else "grouped_mgpu" if "mgpu" in flags else "blocked"
-    return {"name": name, "tiles": tiles, "copy": "copy" in flags, "moe_impl": moe_impl}
+    return {"name": name, "tiles": tiles, "copy": "copy" in flags, "moe_impl": moe_impl,
+            "grid_block_n": int(bands[0][3:]) if bands else None}
 
 
 def main(argv=None) -> int:
@@ -93,7 +98,7 @@ def main(argv=None) -> int:
     smoke = SMOKE or args.smoke
     if smoke:
         args.preset, args.seq, args.steps, args.warmup = "tiny", 64, 1, 1
-        args.variants = "before,tiles+copy+grouped,tiles+copy+mgpu"
+        args.variants = "before,tiles+copy+grouped,tiles+copy+mgpu+gbn4"
     os.makedirs(args.out, exist_ok=True)
     sink = os.path.join(args.out, "bench_train_ablation.jsonl")
 
@@ -114,6 +119,7 @@ def main(argv=None) -> int:
     variants = [parse_variant(v) for v in args.variants.split(",") if v]
     saved = dict(KN.GPU_BWD_DEFAULTS["16bit"])
     saved_grouped = {k: (dict(v) if isinstance(v, dict) else v) for k, v in GG.GROUPED_TILES.items()}
+    saved_mgpu = {k: dict(v) for k, v in GM.MGPU_TILES.items()}
     grouped_tiles = saved_grouped
     if args.grouped_tiles:
         with open(args.grouped_tiles) as f:
@@ -124,6 +130,7 @@ def main(argv=None) -> int:
         with open(args.mgpu_tiles) as f:
             GM.MGPU_TILES.update(json.load(f))  # read at trace time; this process traces nothing else with them
         emit({"what": "mgpu_tiles", "tiles": GM.MGPU_TILES})
+        saved_mgpu = {k: dict(v) for k, v in GM.MGPU_TILES.items()}
     batch = jax.device_put(random_batch(config, args.batch, args.seq, seed=0, hasher=default_hasher(config)))
     lr = np.float32(1e-4)
     donate = (0,) if jax.default_backend() != "cpu" else ()
@@ -132,6 +139,13 @@ def main(argv=None) -> int:
     for v in variants:
         KN.GPU_BWD_DEFAULTS["16bit"] = dict(v["tiles"])
         GG.GROUPED_TILES.update({k: (dict(x) if isinstance(x, dict) else x) for k, x in grouped_tiles.items()})
+        if v["grid_block_n"] is not None:
+            for kind in GM.MGPU_TILES:
+                GM.MGPU_TILES[kind]["grid_block_n"] = v["grid_block_n"]
+        if v["moe_impl"] == "grouped_mgpu":  # the tiles each product gets at the two projection shapes (N, K)
+            d, f = config.hidden_size, config.moe_intermediate_size
+            v["mgpu_tiles"] = {f"{kind}@w[G,{n},{k}]": GM.product_tiles(kind, k, n)
+                               for n, k in ((f, d), (d, f)) for kind in ("fwd", "dx", "dw")}
         jax.clear_caches()
         try:
             tc = TrainConfig(seq_len=args.seq, batch_size=args.batch, steps=1000, warmup_steps=10, lr=1e-4,
@@ -147,6 +161,7 @@ def main(argv=None) -> int:
         finally:
             KN.GPU_BWD_DEFAULTS["16bit"] = dict(saved)
             GG.GROUPED_TILES.update(saved_grouped)
+            GM.MGPU_TILES.update({k: dict(x) for k, x in saved_mgpu.items()})
         log(f"lowered {v['name']}" + (f": {v['error']}" if "error" in v else f" in {v['lower_s']:.1f} s"))
 
     # 2. compile them all at once
@@ -174,7 +189,7 @@ def main(argv=None) -> int:
     rows = []
     for v in variants:
         row = {"what": "train", "variant": v["name"], "tiles": v["tiles"], "compute_copy": v["copy"],
-               "moe_impl": v["moe_impl"],
+               "moe_impl": v["moe_impl"], "mgpu_tiles": v.get("mgpu_tiles"),
                "batch": args.batch, "seq": args.seq}
         if "error" in v:
             row["error"] = v["error"]
@@ -193,6 +208,8 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 state, m = compiled(state, batch, lr)
                 jax.block_until_ready(state["step"])
+                if i == 0:  # the first step from the same fresh state: variants that compute the same agree here
+                    row["first_step_metrics"] = {k: float(x) for k, x in m.items() if np.ndim(x) == 0}
                 if i >= args.warmup:
                     times.append(time.perf_counter() - t0)
             med = statistics.median(times)

@@ -6,6 +6,7 @@ with ``impl="grouped"`` equal to ``impl="ragged"``."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dsv41_jax.kernels import grouped_gemm_gpu as gg
 from dsv41_jax.ops.moe import blocked_grouped_matmul, moe
@@ -106,3 +107,19 @@ def test_mgpu_ragged_gemm_vjp_wiring_with_reference_products():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
     assert gm.mgpu_fits(24576, 5120, 2304) and gm.mgpu_fits(24576, 2304, 5120) and not gm.mgpu_fits(64, 32, 48)
     assert not gm.mgpu_fits(24576, 5120, 2304, groups=384)
+
+
+def test_mgpu_grid_band_divides_each_products_output_columns():
+    """``grid_block_n`` is a ceiling: each product gets the widest band (halving) whose block_n x band divides its
+    own output columns — the forward's N, dX's and dW's K — so the fullwidth4 shapes get 2 where 2304 = 18 tiles."""
+    from dsv41_jax.kernels import grouped_gemm_mgpu as gm
+
+    tiles = {kind: dict(t, grid_block_n=4) for kind, t in gm.MGPU_TILES.items()}
+    bands = {(n, k): {kind: gm.product_tiles(kind, k, n, tiles)["grid_block_n"] for kind in ("fwd", "dx", "dw")}
+             for n, k in ((2304, 5120), (5120, 2304))}
+    assert bands == {(2304, 5120): {"fwd": 2, "dx": 4, "dw": 4}, (5120, 2304): {"fwd": 4, "dx": 2, "dw": 2}}
+    assert gm.mgpu_fits(24576, 5120, 2304, tiles=tiles) and gm.mgpu_fits(24576, 2304, 5120, tiles=tiles)
+    assert gm.product_tiles("fwd", 5120, 384, tiles)["grid_block_n"] == 1  # 3 tiles of 128: no band divides
+    assert tiles["fwd"]["grid_block_n"] == 4  # the caller's dict is not modified
+    with pytest.raises(ValueError, match="fwd, dx or dw"):
+        gm.product_tiles("bwd", 5120, 2304, tiles)

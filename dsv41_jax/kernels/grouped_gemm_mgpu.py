@@ -20,8 +20,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-# first guesses, not swept (benchmarks/bench_grouped_gemm.py sweeps them); with these the train step's 36 expert
-# GEMMs ran at ≈ 511 TFLOP/s on an H200 (benchmarks/RESULTS.md, 2026-12-02 11:24)
+# first guesses (benchmarks/bench_grouped_gemm.py sweeps them); with these the train step's 36 expert GEMMs ran at
+# ≈ 511 TFLOP/s on an H200 (benchmarks/RESULTS.md, 2026-12-02 11:24). ``grid_block_n`` is the widest band of output
+# column tiles the persistent loop walks before stepping to the next row tiles (``planar_snake``'s tile width): a
+# ceiling, lowered per product and shape by :func:`product_tiles` until it divides that product's output columns.
 MGPU_TILES = {
     "fwd": {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
     "dx": {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
@@ -29,17 +31,45 @@ MGPU_TILES = {
 }
 
 
+def output_columns(kind: str, k: int, n: int) -> int:
+    """The output dimension a product's kernel tiles by ``block_n`` (and bands by ``grid_block_n``), for
+    x [M, k] and w [G, n, k]: the forward's y [M, n]; dX's [M, k]; dW's [G, n, k], whose kernel
+    (``transposed_ragged_dot``) computes each group's [n, k] block with n as its rows."""
+    if kind not in ("fwd", "dx", "dw"):
+        raise ValueError(f"grouped_gemm_mgpu: product kind must be fwd, dx or dw, got {kind!r}")
+    return n if kind == "fwd" else k
+
+
+def product_tiles(kind: str, k: int, n: int, tiles: dict | None = None) -> dict:
+    """``tiles[kind]`` with ``grid_block_n`` lowered (halved, down to 1) until ``grid_block_n x block_n`` divides the
+    product's output columns (:func:`output_columns`). JAX's own tile search for these kernels skips bands that do
+    not divide the columns, so only dividing bands are used: e.g. a ceiling of 4 gives 4 for 5120 columns
+    (40 tiles of 128) and 2 for 2304 (18 tiles)."""
+    cols = output_columns(kind, k, n)
+    t = dict((tiles or MGPU_TILES)[kind])
+    band = max(1, int(t.get("grid_block_n", 1)))
+    while band > 1 and cols % (band * t["block_n"]):
+        band //= 2
+    t["grid_block_n"] = band
+    return t
+
+
 MAX_GROUPS = 64  # the forward kernel finds a block's group by a loop over the groups unrolled into the kernel
 
 
 def mgpu_fits(m: int, k: int, n: int, groups: int = 16, tiles: dict | None = None) -> bool:
     """Whether the products of x [m, k] and w [groups, n, k] suit the kernels: their tiles divide (each ragged
-    dot's contraction a multiple of block_k; the dW output a multiple of block_m x block_n), and at most
-    ``MAX_GROUPS`` groups (the release's 384 experts would unroll 384 steps into every tile's prologue)."""
+    dot's contraction a multiple of block_k; each product's output columns a multiple of block_n x its
+    ``grid_block_n`` from :func:`product_tiles`; the dW rows a multiple of block_m), and at most ``MAX_GROUPS``
+    groups (the release's 384 experts would unroll 384 steps into every tile's prologue)."""
     t = tiles or MGPU_TILES
-    return (groups <= MAX_GROUPS and k % t["fwd"]["block_k"] == 0 and n % t["fwd"]["block_n"] == 0
-            and n % t["dx"]["block_k"] == 0
-            and k % t["dx"]["block_n"] == 0 and n % t["dw"]["block_m"] == 0 and k % t["dw"]["block_n"] == 0)
+    if groups > MAX_GROUPS or k % t["fwd"]["block_k"] or n % t["dx"]["block_k"] or n % t["dw"]["block_m"]:
+        return False
+    for kind in ("fwd", "dx", "dw"):
+        pt = product_tiles(kind, k, n, t)
+        if output_columns(kind, k, n) % (pt["block_n"] * pt["grid_block_n"]):
+            return False
+    return True
 
 
 def _products(impl: str, tiles: dict):
@@ -60,14 +90,24 @@ def _products(impl: str, tiles: dict):
         raise ValueError(f"grouped_gemm_mgpu: impl must be 'mgpu' or 'reference', got {impl!r}")
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
+    def checked(kind, k, n):
+        t = product_tiles(kind, k, n, tiles)
+        if output_columns(kind, k, n) % (t["block_n"] * t["grid_block_n"]):
+            raise ValueError(f"grouped_gemm_mgpu: {kind} output columns {output_columns(kind, k, n)} are not a "
+                             f"multiple of block_n {t['block_n']} (x [M, {k}], w [G, {n}, {k}]); check mgpu_fits")
+        return t
+
     def fwd(x, w, gs):
-        return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=gs, transpose_rhs=True, **tiles["fwd"])
+        return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=gs, transpose_rhs=True,
+                                          **checked("fwd", w.shape[2], w.shape[1]))
 
     def dx(dy, w, gs):
-        return ragged_dot_mgpu.ragged_dot(dy, w, group_sizes=gs, transpose_rhs=False, **tiles["dx"])
+        return ragged_dot_mgpu.ragged_dot(dy, w, group_sizes=gs, transpose_rhs=False,
+                                          **checked("dx", w.shape[2], w.shape[1]))
 
     def dw(dy, x, gs):
-        return transposed_ragged_dot_mgpu.transposed_ragged_dot(dy, x, group_sizes=gs, **tiles["dw"])
+        return transposed_ragged_dot_mgpu.transposed_ragged_dot(dy, x, group_sizes=gs,
+                                                                **checked("dw", x.shape[1], dy.shape[1]))
     return fwd, dx, dw
 
 
@@ -101,4 +141,4 @@ def _untuple(key: tuple) -> dict:
     return {k: dict(v) for k, v in key}
 
 
-__all__ = ["MGPU_TILES", "mgpu_fits", "ragged_gemm", "tiles_key"]
+__all__ = ["MGPU_TILES", "mgpu_fits", "output_columns", "product_tiles", "ragged_gemm", "tiles_key"]
