@@ -20,14 +20,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
-# first guesses (benchmarks/bench_grouped_gemm.py sweeps them); with these the train step's 36 expert GEMMs ran at
-# ≈ 511 TFLOP/s on an H200 (benchmarks/RESULTS.md, 2026-12-02 11:24). ``grid_block_n`` is the widest band of output
-# column tiles the persistent loop walks before stepping to the next row tiles (``planar_snake``'s tile width): a
-# ceiling, lowered per product and shape by :func:`product_tiles` until it divides that product's output columns.
+# 128 x 128 x 64 tiles, 4 stages: first guesses (benchmarks/bench_grouped_gemm.py sweeps them). ``grid_block_n`` is
+# the widest band of output column tiles the persistent loop walks before stepping to the next row tiles
+# (``planar_snake``'s tile width): a ceiling, lowered per product and shape by :func:`product_tiles` until it divides
+# that product's output columns. A ceiling of 4 instead of 1 (giving 2 or 4 at the fullwidth4 shapes) took the
+# train step from 173.8 to 167.2 ms on an H200 with bit-identical first-step loss and gradient norm
+# (benchmarks/RESULTS.md, 2026-12-02 12:33).
 MGPU_TILES = {
-    "fwd": {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
-    "dx": {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
-    "dw": {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
+    "fwd": {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 4},
+    "dx": {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 4},
+    "dw": {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 4},
 }
 
 
