@@ -5,7 +5,10 @@ where each mode fits — compiled ahead of time on a CPU host with libtpu, plus 
 Modes:
   full          full fine-tuning: float32 master weights (parameter rules), AdamW moments sharded further over the
                 batch axes (ZeRO-1: each moment is split over the ``data`` x ``expert`` axes its parameter is
-                replicated on), float32 gradients, bf16 compute.
+                replicated on), float32 gradients, bf16 compute. ``--zero 3`` (``TrainConfig.zero = 3``): the
+                masters and gradients split the same way, each layer's weights all-gathered inside the layer
+                (inside its checkpoint with ``--remat-scope layer``) and the gradients reduce-scattered back —
+                compiled, like ZeRO-1.
   lora          LoRA (``dsv41_jax.train.lora``, default targets, ``--rank``) on the frozen base held in bf16.
   lora-release  the same on the base in the release's storage (FP8 / FP4 / Engram-row QuantizedTensors).
 
@@ -26,6 +29,14 @@ Two measurements (both printed; ``benchmarks/RESULTS.md`` says which is which):
     python launch/train_plan.py --modes full --zero 3 --temp-per-layer 16.04 --batch 8 --seq 4096  # measured temps
     python launch/train_plan.py --modes full --compile v5p-64 --layers 2 --remat-scope layer         # per-layer remat
     python launch/train_plan.py --modes full --zero 3 --layer-remat-temp 26.07 --layers 2 ...       # its estimate
+    python launch/train_plan.py --modes full --zero 3 --kernels pallas_tpu --compile v5p-64 --layers 2 \
+        --remat-scope layer --batch 8 --seq 4096                     # ZeRO-3 + the Mosaic attention kernels
+
+Attention (``--kernels``): ``reference`` (the plain-JAX sparse attention / indexer; what ``auto`` resolves to on
+this CPU host) or ``pallas_tpu``: the Mosaic TPU kernels (attention forward + fused backward, the indexer's
+score-pool kernel), each run per shard inside ``shard_map`` over the batch and head axes
+(``dsv41_jax.kernels._per_shard``; XLA cannot partition a Mosaic call), lowered under the topology's mesh so that
+Mosaic targets the v5p chip.
 
 Rematerialisation (``--remat`` policy, ``--remat-scope``): around the whole forward (every layer's residuals are
 alive at once in the backward, so the other temporaries scale with the depth: ``--temp-per-layer``), or around
