@@ -381,7 +381,9 @@ def main(argv=None) -> dict:
             ms = mesh_shape(chips(s))
             e = estimate(config, mode, s, args.rules, args.rank, temp_pl, args.batch, args.seq, args.zero,
                          layer_remat)
-            e["fits"] = e["total"] <= args.headroom * hbm
+            # without the whole-forward temporaries (--temp-per-layer, or a compile with --remat-scope forward)
+            # the total is the state alone: no verdict
+            e["fits"] = None if e["other_temporaries"] is None else e["total"] <= args.headroom * hbm
             e["fits_with_per_layer_remat"] = (None if e["per_layer_remat_projection"] is None
                                               else e["per_layer_remat_projection"] <= args.headroom * hbm)
             res["estimates"].append(e)
@@ -432,7 +434,9 @@ def summary_markdown(r: dict) -> str:
                          f"{g(st['opt_state'])} | {g(e['param_transients'])} | {g(e['other_temporaries'])} | "
                          f"{g(e['total'])} | {yn(e['fits'])} | {g(e['per_layer_remat_projection'])} | "
                          f"{yn(e['fits_with_per_layer_remat'])} |")
-        lines += ["", f"smallest slice for {mode}: {res['smallest'] or 'none of the candidates'}; with per-layer "
+        whole = (res["smallest"] or "none of the candidates") if any(
+            e["fits"] is not None for e in res["estimates"]) else "not evaluated (no whole-forward temporaries)"
+        lines += ["", f"smallest slice for {mode}: {whole}; with per-layer "
                       f"remat ({res.get('per_layer_remat_basis', 'projection')}): "
                       f"{res.get('smallest_with_per_layer_remat') or 'none of the candidates'}",
                   ""]
