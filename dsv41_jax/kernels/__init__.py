@@ -402,8 +402,8 @@ def indexer_topk(q, weights, keys, q_pos, *, ratio: int, topk: int, pool=None, b
 
 def _indexer_kernels(q, weights, keys, q_pos, pool, *, be, ratio, topk, g1, candidate_topk_blocks, pool_format):
     """The kernel backends' body of :func:`indexer_topk` (one shard's batch rows under a mesh)."""
-    if q.dtype != keys.dtype:
-        # One dtype in the kernels' dots (Mosaic refuses mixed 16 / 32-bit operands): the queries' when they are
+    if be.startswith("pallas_tpu") and q.dtype != keys.dtype:
+        # One dtype in the kernel's dots (Mosaic refuses mixed 16 / 32-bit operands): the queries' when they are
         # 16-bit (bf16 training), the keys' otherwise. float32 keys under the release's FP4 fake quantisation (e2m1
         # values x power-of-two scales) are exact in bf16; without it this rounds the keys of a selection (no
         # gradient flows through the indexer) to bf16.
