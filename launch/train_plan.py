@@ -5,7 +5,10 @@ where each mode fits — compiled ahead of time on a CPU host with libtpu, plus 
 Modes:
   full          full fine-tuning: float32 master weights (parameter rules), AdamW moments sharded further over the
                 batch axes (ZeRO-1: each moment is split over the ``data`` x ``expert`` axes its parameter is
-                replicated on), float32 gradients, bf16 compute.
+                replicated on), float32 gradients, bf16 compute. ``--zero 3`` (``TrainConfig.zero = 3``): the
+                masters and gradients split the same way, each layer's weights all-gathered inside the layer
+                (inside its checkpoint with ``--remat-scope layer``) and the gradients reduce-scattered back —
+                compiled, like ZeRO-1.
   lora          LoRA (``dsv41_jax.train.lora``, default targets, ``--rank``) on the frozen base held in bf16.
   lora-release  the same on the base in the release's storage (FP8 / FP4 / Engram-row QuantizedTensors).
 
@@ -26,6 +29,14 @@ Two measurements (both printed; ``benchmarks/RESULTS.md`` says which is which):
     python launch/train_plan.py --modes full --zero 3 --temp-per-layer 16.04 --batch 8 --seq 4096  # measured temps
     python launch/train_plan.py --modes full --compile v5p-64 --layers 2 --remat-scope layer         # per-layer remat
     python launch/train_plan.py --modes full --zero 3 --layer-remat-temp 26.07 --layers 2 ...       # its estimate
+    python launch/train_plan.py --modes full --zero 3 --kernels pallas_tpu --compile v5p-64 --layers 2 \
+        --remat-scope layer --batch 8 --seq 4096                     # ZeRO-3 + the Mosaic attention kernels
+
+Attention (``--kernels``): ``reference`` (the plain-JAX sparse attention / indexer; what ``auto`` resolves to on
+this CPU host) or ``pallas_tpu``: the Mosaic TPU kernels (attention forward + fused backward, the indexer's
+score-pool kernel), each run per shard inside ``shard_map`` over the batch and head axes
+(``dsv41_jax.kernels._per_shard``; XLA cannot partition a Mosaic call), lowered under the topology's mesh so that
+Mosaic targets the v5p chip.
 
 Rematerialisation (``--remat`` policy, ``--remat-scope``): around the whole forward (every layer's residuals are
 alive at once in the backward, so the other temporaries scale with the depth: ``--temp-per-layer``), or around
@@ -46,6 +57,8 @@ import math
 import os
 import sys
 import time
+
+import numpy as np
 
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -93,21 +106,11 @@ def _axis_size(mesh_shape_: dict, entry) -> int:
 
 
 def zero_spec(spec, shape, mesh_shape_: dict, batch_axes=("data", "expert")):
-    """The PartitionSpec of an optimiser moment: its parameter's spec with the batch axes the parameter is
-    replicated on added to the first dim that divides evenly (ZeRO-1); the parameter's spec if none does."""
-    from jax.sharding import PartitionSpec as P
+    """The ZeRO split of a parameter's spec (``dsv41_jax.parallel.api.zero_spec``): its spec with the batch axes
+    the parameter is replicated on added to the first dim that divides evenly; the parameter's spec if none does."""
+    from dsv41_jax.parallel.api import zero_spec as _zero_spec
 
-    spec = list(spec) + [None] * (len(shape) - len(spec))
-    used = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
-    free = tuple(a for a in batch_axes if a not in used and mesh_shape_.get(a, 1) > 1)
-    for k in range(len(free), 0, -1):
-        axes = free[:k]
-        size = math.prod(mesh_shape_[a] for a in axes)
-        for d, e in enumerate(spec):
-            if e is None and shape[d] % size == 0:
-                spec[d] = axes if len(axes) > 1 else axes[0]
-                return P(*spec)
-    return P(*spec)
+    return _zero_spec(spec, shape, mesh_shape_, batch_axes)
 
 
 def _shard_elems(shape, spec, mesh_shape_: dict) -> int:
@@ -124,7 +127,7 @@ def _shard_elems(shape, spec, mesh_shape_: dict) -> int:
 
 def state_bytes(config, mode: str, mesh_shape_: dict, rules_name: str, rank: int, zero: int = 1) -> dict:
     """Per-chip bytes of what the step holds or creates in proportion to the parameters (the largest shard).
-    ``zero=3`` (full fine-tuning, estimate only): the float32 masters and gradients split like the moments too."""
+    ``zero=3`` (full fine-tuning): the float32 masters, their gradients and bf16 cast split like the moments too."""
     from dsv41_jax.model import release_weights as RW
     from dsv41_jax.model.params import FP32, flat_specs
     from dsv41_jax.parallel.api import _padded_shape
@@ -145,8 +148,8 @@ def state_bytes(config, mode: str, mesh_shape_: dict, rules_name: str, rank: int
             z_elems = _shard_elems(shape, zspec, mesh_shape_)
             out["params_f32"] += 4 * (z_elems if zero == 3 else elems)
             out["grads_f32"] += 4 * (z_elems if zero == 3 else elems)
-            if s.dtype != FP32:
-                out["compute_copy"] += 2 * elems
+            if s.dtype != FP32:  # the bf16 cast of the masters (ZeRO-3: of the split; the per-layer gather is
+                out["compute_copy"] += 2 * (z_elems if zero == 3 else elems)  # in the temporaries)
             out["opt_state"] += 2 * 4 * z_elems
             if path.endswith("/engram/embed"):
                 out["engram_grad"] += 4 * elems
@@ -178,35 +181,29 @@ def reduced_config(config, layers: int):
 
 
 def compile_step(config, mode: str, topology: str, mesh_shape_: dict, rules: str, batch: int, seq: int,
-                 rank: int, query_chunk: int, remat: str, remat_scope: str = "forward") -> dict:
+                 rank: int, query_chunk: int, remat: str, remat_scope: str = "forward", zero: int = 1,
+                 kernels: str = "reference") -> dict:
     import jax
     import jax.numpy as jnp
     from jax.experimental import topologies
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from dsv41_jax import parallel as par
     from dsv41_jax.model.params import FP32, flat_specs
     from dsv41_jax.train.config import TrainConfig
-    from dsv41_jax.train.step import _param_table, make_train_step, map_param_leaves
+    from dsv41_jax.train.step import make_train_step
 
     devices = topologies.get_topology_desc(topology, "tpu").devices
     mesh = par.make_mesh(mesh_shape_, devices=devices)
     tc = TrainConfig(seq_len=seq, batch_size=batch, steps=1000, compute_dtype="bfloat16", lora=mode != "full",
                      lora_rank=rank, lora_alpha=2.0 * rank, query_chunk=query_chunk, remat=remat,
-                     remat_scope=remat_scope, moe_impl="expert_parallel")
+                     remat_scope=remat_scope, moe_impl="expert_parallel", kernel_backend=kernels,
+                     zero=zero if mode == "full" else 0)
     step = make_train_step(config, tc, mesh=mesh, rules=rules)
     abstract = step.abstract_state()
-    sh = step.state_shardings()
-    if mode == "full":  # ZeRO-1: moments split over the batch axes their parameter is replicated on
+    sh = step.state_shardings()  # full: ZeRO-1 (moments split over the batch axes) or ZeRO-3 (masters too)
+    if mode == "full":
         padded = par.abstract_sharded_params(config, mesh, rules, jnp.float32)
-        table = _param_table(padded)
-        o_abs = jax.eval_shape(step.optimizer.init, padded)
-        sh = {**sh, "opt_state": map_param_leaves(
-            o_abs, table, lambda a, p: NamedSharding(mesh, zero_spec(table[p].sharding.spec, a.shape, mesh_shape_))
-            if a.shape == table[p].shape else NamedSharding(mesh, P()),
-            lambda _: NamedSharding(mesh, P()))}
-        step._shardings = sh
-        abstract = {**abstract, "params": padded, "opt_state": o_abs}
+        abstract = {**abstract, "params": padded, "opt_state": jax.eval_shape(step.optimizer.init, padded)}
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, sh)
     b_abs = {"tokens": jax.ShapeDtypeStruct((batch, seq), jnp.int32),
              "targets": jax.ShapeDtypeStruct((batch, seq), jnp.int32),
@@ -215,8 +212,11 @@ def compile_step(config, mode: str, topology: str, mesh_shape_: dict, rules: str
     b_sh = step.batch_shardings(b_abs)
     b_abs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=b_sh[k]) for k, v in b_abs.items()}
     t0 = time.time()
+    # lowered under the topology's mesh: Mosaic kernels read the target chip (not this CPU host) from its devices
+    mesh_cm = jax.set_mesh(mesh)
+    mesh_cm.__enter__()
     if mode == "full":
-        lowered = step.jitted(b_abs).lower(state, b_abs, jnp.float32(0.0))
+        lowered = step.jitted(b_abs).lower(state, b_abs, np.float32(0.0))
     else:
         fp32 = {p for p, s in flat_specs(config) if s.dtype == FP32}
         padded = par.abstract_sharded_params(config, mesh, rules, jnp.bfloat16)
@@ -227,7 +227,8 @@ def compile_step(config, mode: str, topology: str, mesh_shape_: dict, rules: str
                                                                sharding=a.sharding), padded)
         step.base = base
         step.base_shardings = lambda _b: p_sh
-        lowered = step.jitted(b_abs).lower(state, base, b_abs, jnp.float32(0.0))
+        lowered = step.jitted(b_abs).lower(state, base, b_abs, np.float32(0.0))
+    mesh_cm.__exit__(None, None, None)
     t_lower = time.time() - t0
     t0 = time.time()
     try:
@@ -321,8 +322,11 @@ def main(argv=None) -> dict:
                     help="temporaries per sequence of a batch shard (GiB, less the parameter-sized transients) of a "
                          "depth---layers twin compiled with --remat-scope layer, for the per-layer remat column")
     ap.add_argument("--zero", type=int, choices=(1, 3), default=1,
-                    help="full fine-tuning estimate: 1 = moments split over the batch axes (what the compile "
-                         "builds), 3 = masters and gradients split the same way too (estimate only)")
+                    help="full fine-tuning (compile and estimate): 1 = moments split over the batch axes, 3 = "
+                         "masters and gradients split the same way too, each layer's weights gathered for use")
+    ap.add_argument("--kernels", default="reference", choices=("reference", "pallas_tpu"),
+                    help="sparse attention / indexer in the compiled step: the plain-JAX reference, or the Mosaic "
+                         "TPU kernels (forward + backward), run per shard under shard_map")
     ap.add_argument("--headroom", type=float, default=0.9, help="usable fraction of HBM")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
@@ -337,7 +341,7 @@ def main(argv=None) -> dict:
     for m in modes:
         if m not in MODES:
             raise SystemExit(f"unknown mode {m!r}; choose from {MODES}")
-    results = {"config": config.name, "zero": args.zero, "batch": args.batch, "seq": args.seq, "rank": args.rank, "rules": args.rules,
+    results = {"config": config.name, "zero": args.zero, "kernels": args.kernels, "batch": args.batch, "seq": args.seq, "rank": args.rank, "rules": args.rules,
                "remat": args.remat, "remat_scope": args.remat_scope, "hbm_per_chip": hbm, "headroom": args.headroom,
                "modes": {}}
     for mode in modes:
@@ -351,8 +355,8 @@ def main(argv=None) -> dict:
                 f"{args.seq} ...")
             row = compile_step(small, "full" if mode == "full" else "lora", V5P_TOPOLOGIES[args.compile], ms,
                                args.rules, args.batch, args.seq, args.rank, args.query_chunk, args.remat,
-                               args.remat_scope)
-            sb = state_bytes(small, "full" if mode == "full" else "lora", ms, args.rules, args.rank)
+                               args.remat_scope, args.zero, args.kernels)
+            sb = state_bytes(small, "full" if mode == "full" else "lora", ms, args.rules, args.rank, args.zero)
             own = sb["grads_f32"] + sb["compute_copy"]
             # the shapes-only state of the same twin: checks the estimate against the compiler's argument bytes
             row["estimated_state_bytes"] = sb["params_f32"] + sb["opt_state"] + sb["base"] + sb["adapters"]
@@ -377,7 +381,9 @@ def main(argv=None) -> dict:
             ms = mesh_shape(chips(s))
             e = estimate(config, mode, s, args.rules, args.rank, temp_pl, args.batch, args.seq, args.zero,
                          layer_remat)
-            e["fits"] = e["total"] <= args.headroom * hbm
+            # without the whole-forward temporaries (--temp-per-layer, or a compile with --remat-scope forward)
+            # the total is the state alone: no verdict
+            e["fits"] = None if e["other_temporaries"] is None else e["total"] <= args.headroom * hbm
             e["fits_with_per_layer_remat"] = (None if e["per_layer_remat_projection"] is None
                                               else e["per_layer_remat_projection"] <= args.headroom * hbm)
             res["estimates"].append(e)
@@ -398,7 +404,7 @@ def summary_markdown(r: dict) -> str:
     g = lambda b: "—" if b is None else f"{b / GIB:,.1f}"  # noqa: E731
     lines = [f"{r['config']}: batch {r['batch']} x {r['seq']} tokens, rules {r['rules']}, remat {r['remat']} "
              f"({r.get('remat_scope', 'forward')}), LoRA rank "
-             f"{r['rank']}, full fine-tuning ZeRO-{r['zero']}; v5p HBM {r['hbm_per_chip'] / GIB:.0f} GiB/chip, usable {r['headroom']:.0%}", ""]
+             f"{r['rank']}, full fine-tuning ZeRO-{r['zero']}, attention {r.get('kernels', 'reference')}; v5p HBM {r['hbm_per_chip'] / GIB:.0f} GiB/chip, usable {r['headroom']:.0%}", ""]
     for mode, res in r["modes"].items():
         c = res["compile"]
         if c:
@@ -428,7 +434,9 @@ def summary_markdown(r: dict) -> str:
                          f"{g(st['opt_state'])} | {g(e['param_transients'])} | {g(e['other_temporaries'])} | "
                          f"{g(e['total'])} | {yn(e['fits'])} | {g(e['per_layer_remat_projection'])} | "
                          f"{yn(e['fits_with_per_layer_remat'])} |")
-        lines += ["", f"smallest slice for {mode}: {res['smallest'] or 'none of the candidates'}; with per-layer "
+        whole = (res["smallest"] or "none of the candidates") if any(
+            e["fits"] is not None for e in res["estimates"]) else "not evaluated (no whole-forward temporaries)"
+        lines += ["", f"smallest slice for {mode}: {whole}; with per-layer "
                       f"remat ({res.get('per_layer_remat_basis', 'projection')}): "
                       f"{res.get('smallest_with_per_layer_remat') or 'none of the candidates'}",
                   ""]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -260,6 +261,67 @@ def reads_packed_cache(backend: str = "auto") -> bool:
     return resolve_backend(backend).startswith("pallas_gpu")
 
 
+def _per_shard(fn, args, dims, out_dims):
+    """``fn(*args)``, run per shard under an active sharding context (``dsv41_jax.parallel.rules``).
+
+    XLA's SPMD partitioner cannot split a Pallas call (an opaque custom call): under ``jit`` on a mesh it would
+    gather the operands and run the whole kernel on every device. Inside ``shard_map`` each device runs the kernel
+    on its own batch rows (and heads): ``dims`` gives, per argument, one letter per dimension — "b" (the batch,
+    over the rules' ``batch`` axes), "h" (attention heads, over the ``heads`` axes) or None — or None for an absent
+    (None) argument; ``out_dims`` the same for the outputs (a tuple of them when ``fn`` returns a tuple). Mesh axes
+    that do not divide the dimension are dropped (as in ``parallel.rules.constrain``). Without a context, or when
+    no axis splits anything, ``fn(*args)``. Gradients flow through (the transpose of a head- or batch-replicated
+    operand, e.g. the sinks, sums over the shards)."""
+    from dsv41_jax.parallel.rules import current
+
+    ctx = current()
+    if ctx is None:
+        return fn(*args)
+    from jax.sharding import PartitionSpec as P
+
+    present = [a for a in args if a is not None]
+    sizes = {}
+    for a, d in zip(args, dims):
+        if a is None:
+            continue
+        for n, letter in zip(a.shape, d):
+            if letter is not None:
+                sizes.setdefault(letter, n)
+
+    def fitting(logical, n):
+        axes = list(ctx.axes(logical))
+        while axes and n % math.prod(ctx.mesh.shape[x] for x in axes):
+            axes.pop()
+        return tuple(axes)
+
+    mesh_axes = {"b": fitting("batch", sizes.get("b", 1)), "h": fitting("heads", sizes.get("h", 1))}
+    if ctx.mesh.size == 1:
+        return fn(*args)
+    # (with nothing split, still a shard_map: every device runs the whole kernel, which XLA cannot do for it)
+
+    def spec(d):
+        return P(*[None if x is None or not mesh_axes[x] else
+                   (mesh_axes[x] if len(mesh_axes[x]) > 1 else mesh_axes[x][0]) for x in d])
+
+    in_specs = tuple(spec(d) for a, d in zip(args, dims) if a is not None)
+    tuple_out = isinstance(out_dims[0], tuple) or out_dims[0] is None
+    outs = out_dims if tuple_out else (out_dims,)
+    live = [i for i, d in enumerate(outs) if d is not None]
+
+    def body(*shards):
+        it = iter(shards)
+        res = fn(*[None if a is None else next(it) for a in args])
+        res = res if tuple_out else (res,)
+        return tuple(res[i] for i in live)
+
+    mapped = jax.shard_map(body, mesh=ctx.mesh, in_specs=in_specs, out_specs=tuple(spec(outs[i]) for i in live),
+                           check_vma=False)(*present)
+    full = [None] * len(outs)
+    for i, r in zip(live, mapped):
+        full[i] = r
+    return tuple(full) if tuple_out else full[0]
+
+
 def _floor_vec(floor, b):
     return jnp.broadcast_to(jnp.asarray(floor, jnp.int32).reshape(-1), (b,)) if jnp.ndim(floor) <= 1 else floor
 
@@ -348,8 +410,12 @@ def sequence_sparse_attention(q, kv, positions, compressed_kv, topk, sink, *, wi
     wstart = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) - (window - 1), (b, t))
     pos = positions.astype(jnp.int32)
     seg = None if segments is None else segments.astype(jnp.int32)
-    return _attention(cfg, q, pos, kv, pos, wstart, _floor_vec(floor, b), compressed_kv,
-                      None if topk is None else topk.astype(jnp.int32), sink, seg, seg)
+    args = (q, pos, kv, pos, wstart, _floor_vec(floor, b), compressed_kv,
+            None if topk is None else topk.astype(jnp.int32), sink, seg, seg)
+    dims = (("b", None, "h", None), ("b", None), ("b", None, None), ("b", None), ("b", None), ("b",),
+            ("b", None, None), ("b", None, None), ("h",), ("b", None), ("b", None))
+    return _per_shard(functools.partial(_attention, cfg), args, [None if a is None else d for a, d in zip(args, dims)],
+                      ("b", None, "h", None))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -398,6 +464,30 @@ def indexer_topk(q, weights, keys, q_pos, *, ratio: int, topk: int, pool=None, b
         return reference.indexer_topk(q, weights, keys, q_pos, ratio=ratio, topk=topk, pool=pool,
                                       block_size=block_size, candidate_topk_blocks=candidate_topk_blocks,
                                       pool_format=pool_format)
+    kw = dict(be=be, ratio=ratio, topk=topk, g1=g1, candidate_topk_blocks=candidate_topk_blocks,
+              pool_format=pool_format)
+    if packed is not None:  # a packed decode cache (the engine's GPU step, not split by a mesh) goes to the kernels
+        return _indexer_kernels(q, weights, packed, q_pos, pool, **kw)
+    pool_dims = None if pool is None else ("b", None, None)
+    out_dims = (("b", None, None), None if candidate_topk_blocks is None else ("b", None, None))
+    return _per_shard(lambda *a: _indexer_kernels(*a, **kw), (q, weights, keys, q_pos, pool),
+                      (("b", None, None, None), ("b", None, None), ("b", None, None), ("b", None), pool_dims),
+                      out_dims)
+
+
+def _indexer_kernels(q, weights, keys, q_pos, pool, *, be, ratio, topk, g1, candidate_topk_blocks, pool_format):
+    """The kernel backends' body of :func:`indexer_topk` (one shard's batch rows under a mesh). ``keys``: an array,
+    or a packed cache buffer for the GPU kernels to dequantise in registers."""
+    packed = keys if _is_packed(keys) else None
+    if packed is None and be.startswith("pallas_tpu") and q.dtype != keys.dtype:
+        # One dtype in the kernel's dots (Mosaic refuses mixed 16 / 32-bit operands): the queries' when they are
+        # 16-bit (bf16 training), the keys' otherwise. float32 keys under the release's FP4 fake quantisation (e2m1
+        # values x power-of-two scales) are exact in bf16; without it this rounds the keys of a selection (no
+        # gradient flows through the indexer) to bf16.
+        if jnp.dtype(q.dtype).itemsize == 2:
+            keys = keys.astype(q.dtype)
+        else:
+            q = q.astype(keys.dtype)
     b, c = q.shape[:2]
     n = keys.shape[1]
     if packed is not None:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.model.params import validate_params
+from dsv41_jax.model.params import is_spec, param_specs, validate_params
 from dsv41_jax import kernels as _kernels  # sparse attention / indexer dispatch (reference or Pallas)
 from dsv41_jax.ops.attention import attention_inputs, attention_output
 from dsv41_jax.ops.compressor import compress_packed, compress_sequence, compressed_entries
@@ -72,6 +72,10 @@ class ForwardOptions:
     # with that policy, so the backward keeps each layer's inputs (mHC streams, the group state) plus what the
     # policy saves, and recomputes one layer at a time.
     remat_layers: str = "none"
+    # ZeRO-3 (``TrainConfig.zero = 3``): the parameters arrive split over the batch axes too; gather each decoder
+    # layer's weights to their rule sharding inside the layer (inside its checkpoint, so the backward gathers them
+    # again instead of keeping every layer's gathered weights), the others at the start. Needs a sharding context.
+    gather_params: bool = False
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -230,6 +234,24 @@ def decoder_layer(lp: dict, streams, pre_mix, state: _GroupState, positions, seg
     return streams, f_pre, state, h_attn, stats, extras
 
 
+def _gather_to_rules(params, specs):
+    """``params`` constrained to their logical axes' rule sharding (an all-gather of a ZeRO-3 split; the transpose
+    reduce-scatters the gradient back)."""
+    # Engram tables: rows already split over every mesh axis (and padded: the sliced rows would not divide)
+    return jax.tree.map(lambda s, x: x if s.axes[0] == "engram_rows" else constrain(x, s.axes), specs, params,
+                        is_leaf=is_spec)
+
+
+def _gathering(layer, config: ModelConfig, index: int):
+    """``layer`` (decoder_layer's signature) with its weights gathered first (ZeRO-3: ``ForwardOptions.gather_params``)."""
+    specs = param_specs(config)["layers"][index]
+
+    def run(lp, *args):
+        return layer(_gather_to_rules(lp, specs), *args)
+
+    return run
+
+
 def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids: jax.Array | None = None,
             positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
             options: ForwardOptions = ForwardOptions(),
@@ -284,6 +306,9 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
     replay = c.sliding_window if options.replay_len is None else options.replay_len
     decoder_floor = t - min(replay, t) if options.bounded_replay else 0
 
+    if options.gather_params:
+        params = {**params, **_gather_to_rules({k: v for k, v in params.items() if k != "layers"},
+                                               {k: v for k, v in param_specs(c).items() if k != "layers"})}
     x = embed_tokens(params["embed"], tokens)
     streams = constrain(jnp.broadcast_to(x[:, :, None, :], (b, t, c.hc_mult, c.hidden_size)), _STREAM_AXES)
     pre_mix = jax.nn.one_hot(jnp.zeros((b, t), jnp.int32), c.hc_mult, dtype=jnp.float32)
@@ -296,6 +321,8 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, engram_ids:
         want_feature = return_dspark_features and spec.index in c.dspark_target_layer_ids
         layer = functools.partial(decoder_layer, spec=spec, config=c, options=options, quant_on=quant_on, floor=floor,
                                   return_feature=want_feature, return_mhc=return_mhc)
+        if options.gather_params:
+            layer = _gathering(layer, c, spec.index)
         if options.remat_layers != "none":
             layer = jax.checkpoint(layer, policy=policy)
         e_ids = engram_ids[:, :, spec.engram_slot] if spec.engram_slot is not None else None

@@ -81,6 +81,33 @@ def param_shardings(config, mesh, rules: Rules | str, *, include_dspark: bool = 
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
+def zero_spec(spec: P, shape: Sequence[int], mesh_shape: dict, batch_axes=("data", "expert")) -> P:
+    """ZeRO split of a parameter's PartitionSpec: the batch axes the parameter is replicated on (of size > 1)
+    added to the first dim they divide evenly (as many of them as divide, leading axes first); ``spec`` itself if
+    no dim does. The split of the optimiser moments (ZeRO-1) and, for ZeRO-3, of the masters and gradients."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    used = {a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    free = tuple(a for a in batch_axes if a not in used and mesh_shape.get(a, 1) > 1)
+    for k in range(len(free), 0, -1):
+        axes = free[:k]
+        size = math.prod(mesh_shape[a] for a in axes)
+        for d, e in enumerate(entries):
+            if e is None and shape[d] % size == 0:
+                entries[d] = axes if len(axes) > 1 else axes[0]
+                return P(*entries)
+    return P(*entries)
+
+
+def zero_param_shardings(config, mesh, rules: Rules | str, *, include_dspark: bool = False):
+    """NamedShardings of the (padded) parameters split ZeRO-style over the batch axes (:func:`zero_spec`)."""
+    specs = param_partition_specs(config, mesh, rules, include_dspark=include_dspark)
+    shapes = {p: _padded_shape(p, s.shape, mesh, rules) for p, s in flat_specs(config, include_dspark=include_dspark)}
+    flat = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    paths = [p for p, _ in flat_specs(config, include_dspark=include_dspark)]
+    out = {p: NamedSharding(mesh, zero_spec(s, shapes[p], dict(mesh.shape))) for p, s in zip(paths, flat)}
+    return _tree_from_flat(config, out, include_dspark)
+
+
 def abstract_sharded_params(config, mesh, rules: Rules | str, dtype=jnp.bfloat16, *, include_dspark: bool = False):
     """ShapeDtypeStructs with shardings (Engram tables padded): the parameter input of an AOT compile."""
     shardings = param_shardings(config, mesh, rules, include_dspark=include_dspark)

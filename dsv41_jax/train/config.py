@@ -26,6 +26,7 @@ SCHEDULES = ("cosine", "linear", "constant", "wsd")
 PACKING = ("concat", "pad", "segments")
 REMAT = ("none", "full", "dots", "dots_no_batch")
 REMAT_SCOPES = ("forward", "layer")
+ZERO_STAGES = (0, 1, 3)
 INDEXER_LOSS = ("off", "dense", "sparse")
 DTYPES = ("float32", "bfloat16")
 # LoRA's default targets: the attention projections that are plain GEMMs (queries wq_a / wq_b, the K=V latent wkv,
@@ -68,6 +69,16 @@ class TrainConfig:
     # recomputed residuals at once) | "layer" (one checkpoint per decoder layer: one layer's at a time)
     remat_scope: str = "forward"
     moe_impl: str = "auto"  # ops.moe.MOE_IMPLS; auto: grouped GEMM kernels on GPUs, ragged_dot elsewhere
+    # dsv41_jax.kernels backend of sparse attention and the indexer ("auto": Pallas on GPU / TPU, the reference on
+    # CPU). An ahead-of-time compile for TPU on a CPU host names "pallas_tpu"; on a mesh the kernels run per shard
+    # (shard_map over the batch and head axes).
+    kernel_backend: str = "auto"
+    # --- sharding over a mesh (full fine-tuning; ignored without a mesh) -------------------------------
+    # 0: optimiser moments split like their parameters; 1 (ZeRO-1): the moments further split over the batch axes
+    # (data x expert) their parameter is replicated on; 3 (ZeRO-3): the float32 masters and their gradients too,
+    # each layer's weights gathered for use inside the layer (all-gather in the forward and again in the backward
+    # under per-layer remat, gradients reduce-scattered back to the split).
+    zero: int = 0
     query_chunk: int = 256
     # --- MoE balance ------------------------------------------------------------------------------
     bias_update_rate: float = 1e-3  # DeepSeekMoE noaux: bias += rate * sign(mean load - load); 0 disables
@@ -117,6 +128,12 @@ class TrainConfig:
         for name in ("b1", "b2"):
             if not 0 <= getattr(self, name) < 1:
                 raise err(name, f"must be in [0, 1), got {getattr(self, name)}")
+        if self.zero not in ZERO_STAGES:
+            raise err("zero", f"must be one of {ZERO_STAGES}, got {self.zero!r}")
+        from dsv41_jax.kernels import BACKENDS
+
+        if self.kernel_backend not in BACKENDS:
+            raise err("kernel_backend", f"must be one of {BACKENDS}, got {self.kernel_backend!r}")
         if self.moe_impl not in MOE_IMPLS:
             raise err("moe_impl", f"must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
         if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank <= 0:

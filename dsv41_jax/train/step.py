@@ -120,7 +120,9 @@ class TrainStep:
         self._quant = c.quant_sim if tc.quant_sim is None else tc.quant_sim
         per_layer = tc.remat_scope == "layer" and tc.remat != "none"
         self._options = ForwardOptions(quant_sim=self._quant, moe_impl=tc.moe_impl, query_chunk=tc.query_chunk,
-                                       remat_layers=tc.remat if per_layer else "none")
+                                       remat_layers=tc.remat if per_layer else "none",
+                                       kernel_backend=tc.kernel_backend,
+                                       gather_params=tc.zero == 3 and self.mesh is not None and not tc.lora)
         self._rope = {k: np.asarray(v) for k, v in rope_tables(c).items()}
         paths = [p for p, _ in flat_specs(c)]
         self._bias_layers = [i for i in range(c.num_hidden_layers)
@@ -144,6 +146,8 @@ class TrainStep:
 
             state["params"] = shard_params(params, self.config, self.mesh, self.rules)
             sh = self.state_shardings()
+            if self.train_config.zero == 3:  # the masters split over the batch axes too
+                state["params"] = jax.device_put(state["params"], sh["params"])
             state["opt_state"] = jax.jit(self.optimizer.init, out_shardings=sh["opt_state"])(state["params"])
             state["step"] = jax.device_put(state["step"], sh["step"])
             state["rng"] = jax.device_put(state["rng"], sh["rng"])
@@ -178,20 +182,25 @@ class TrainStep:
 
     def state_shardings(self):
         """NamedShardings of the state on the mesh (parameters by the logical-axis rules; optimiser moments like
-        their parameters; counters replicated). None without a mesh."""
+        their parameters, or ZeRO-split over the batch axes: ``TrainConfig.zero`` 1 the moments, 3 the masters too;
+        counters replicated). None without a mesh."""
         if self.mesh is None:
             return None
         if self._shardings is None:
             from jax.sharding import NamedSharding, PartitionSpec as P
 
-            from dsv41_jax.parallel.api import abstract_sharded_params, param_shardings
+            from dsv41_jax.parallel.api import abstract_sharded_params, param_shardings, zero_param_shardings
 
+            zero = self.train_config.zero
             p_sh = param_shardings(self.config, self.mesh, self.rules)
+            z_sh = zero_param_shardings(self.config, self.mesh, self.rules) if zero else p_sh
+            if zero == 3:
+                p_sh = z_sh
             abstract_p = abstract_sharded_params(self.config, self.mesh, self.rules, jnp.float32)
             abstract_o = jax.eval_shape(self.optimizer.init, abstract_p)
             abstract_p_table = _param_table(abstract_p)
             rep = NamedSharding(self.mesh, P())
-            table = _param_table(p_sh)
+            table = _param_table(z_sh)
             o_sh = map_param_leaves(abstract_o, table, lambda a, p: table[p] if a.shape == abstract_p_table[p].shape
                                     else rep, lambda _: rep)
             self._shardings = {"step": rep, "params": p_sh, "opt_state": o_sh, "rng": rep}
@@ -265,6 +274,8 @@ class TrainStep:
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
         else:
             (_, (metrics, loads)), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(state["params"], batch)
+        if tc.zero == 3 and self.mesh is not None:  # each gradient reduce-scattered to its master's split
+            grads = jax.lax.with_sharding_constraint(grads, self.state_shardings()["params"])
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         lr = jnp.asarray(lr, jnp.float32)
         updates = jax.tree.map(lambda u: (lr * u).astype(u.dtype), updates)
