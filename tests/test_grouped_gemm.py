@@ -10,6 +10,7 @@ import pytest
 
 from dsv41_jax.kernels import grouped_gemm_gpu as gg
 from dsv41_jax.ops.moe import blocked_grouped_matmul, moe
+from dsv41_jax.train.testing import random_moe_params
 
 HI = jax.lax.Precision.HIGHEST
 # empty groups (first, middle, last), a group over several 16-row blocks, groups of one row; 6 groups
@@ -69,12 +70,7 @@ def test_moe_grouped_equals_ragged_and_bad_tiles_fall_back():
     weights); widths no 16-wide tile divides take the XLA blocked form instead of failing."""
     rng = np.random.default_rng(2)
     d, f, n_exp = 32, 48, 6
-    params = {"gate": {"weight": jnp.asarray(rng.standard_normal((n_exp, d)), jnp.float32),
-                       "bias": jnp.zeros((n_exp,), jnp.float32)},
-              "experts": {k: jnp.asarray(rng.standard_normal(s) / 4, jnp.float32)
-                          for k, s in (("w1", (n_exp, f, d)), ("w3", (n_exp, f, d)), ("w2", (n_exp, d, f)))},
-              "shared_experts": {k: jnp.asarray(rng.standard_normal(s) / 4, jnp.float32)
-                                 for k, s in (("w1", (f, d)), ("w3", (f, d)), ("w2", (d, f)))}}
+    params = random_moe_params(rng, d, f, n_exp)
     x = jnp.asarray(rng.standard_normal((2, 9, d)), jnp.float32)
     kw = dict(top_k=2, temp=1.0, scaling=1.5, limit=7.0)
 

@@ -19,7 +19,7 @@ from dsv41_jax.train.data import (DataError, Dataset, build_rows, load_corpus, r
 from dsv41_jax.train.loss import balance_loss, expert_load, indexer_kl_loss, noaux_bias_update
 from dsv41_jax.train.optimizer import build_optimizer, trainable_mask
 from dsv41_jax.train.step import place_state
-from dsv41_jax.train.testing import random_batch, small_config, write_corpus
+from dsv41_jax.train.testing import random_batch, random_moe_params, small_config, write_corpus
 
 # The one train-step program most tests share (same HLO as `dsv41 train ... --seq-len 32 --batch-size 2
 # --weight-decay 0` on the small config): bf16 compute, release fake quantisation with straight-through gradients.
@@ -624,12 +624,7 @@ def test_blocked_grouped_matmul_equals_ragged_dot():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
     d, f, n_exp = 16, 24, 6
-    params = {"gate": {"weight": jnp.asarray(rng.standard_normal((n_exp, d)), jnp.float32),
-                       "bias": jnp.zeros((n_exp,), jnp.float32)},
-              "experts": {k: jnp.asarray(rng.standard_normal(s) / 4, jnp.float32)
-                          for k, s in (("w1", (n_exp, f, d)), ("w3", (n_exp, f, d)), ("w2", (n_exp, d, f)))},
-              "shared_experts": {k: jnp.asarray(rng.standard_normal(s) / 4, jnp.float32)
-                                 for k, s in (("w1", (f, d)), ("w3", (f, d)), ("w2", (d, f)))}}
+    params = random_moe_params(rng, d, f, n_exp)
     x = jnp.asarray(rng.standard_normal((2, 9, d)), jnp.float32)
     kw = dict(top_k=2, temp=1.0, scaling=1.5, limit=7.0)
     y_ragged, _ = moe(x, params, impl="ragged", **kw)

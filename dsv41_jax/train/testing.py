@@ -63,3 +63,17 @@ def write_corpus(directory: str, n_copies: int = 3) -> str:
         for text in SAMPLE_TEXT:
             f.write(json.dumps({"text": text.upper()}) + "\n")
     return directory
+
+
+def random_moe_params(rng: np.random.Generator, d: int, f: int, n_exp: int) -> dict:
+    """A MoE layer's parameters (router, ``n_exp`` routed experts and the shared expert; hidden ``d``, expert width
+    ``f``) drawn from ``rng`` in float32, with a zero routing bias: the input of the MoE implementations' tests."""
+    import jax.numpy as jnp
+
+    def draw(*shape, scale=1.0):
+        return jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32)
+
+    return {"gate": {"weight": draw(n_exp, d), "bias": jnp.zeros((n_exp,), jnp.float32)},
+            "experts": {k: draw(*s, scale=0.25) for k, s in (("w1", (n_exp, f, d)), ("w3", (n_exp, f, d)),
+                                                               ("w2", (n_exp, d, f)))},
+            "shared_experts": {k: draw(*s, scale=0.25) for k, s in (("w1", (f, d)), ("w3", (f, d)), ("w2", (d, f)))}}
