@@ -194,35 +194,22 @@ def main(argv=None) -> int:
         emit(row)
         log(json.dumps(row))
 
-    # per-kernel tile sweep (each kernel alone, both shapes)
-    for kind in ("fwd", "dx", "dw"):
+    def sweep(what: str, kind: str, candidates, product) -> dict | None:
+        """Time each candidate tile set of one product over both shapes (``product(cfg, o)`` -> (jitted fn, its
+        arguments)); a row per candidate; the fastest set by the summed time, or None if none ran."""
         results = []
-        for cfg in CANDIDATES[kind]:
+        for cfg in candidates:
             if time.time() - _T0 > args.deadline_s:
-                emit({"what": "sweep", "kind": kind, "cfg": cfg, "error": "skipped: deadline"})
+                emit({"what": what, "kind": kind, "cfg": cfg, "error": "skipped: deadline"})
                 continue
-            row = {"what": "sweep", "kind": kind, "cfg": cfg, "ms": {}}
+            row = {"what": what, "kind": kind, "cfg": cfg, "ms": {}}
             try:
                 total = 0.0
                 for name, o in ops.items():
-                    n, k = o["n"], o["k"]
-                    c = dict(cfg)
-                    if kind == "dw":
-                        c["block_n"] = min(c["block_n"], n)
-                        fn = jax.jit(lambda dy, x, c=c: gg.grouped_gemm_dw(
-                            dy, x, row_start, row_count, n_groups=g, **c, interpret=interpret))
-                        a = (o["dbuf"], o["buf"])
-                    elif kind == "fwd":
-                        fn = jax.jit(lambda x, w_, c=c: gg.grouped_gemm_fwd(
-                            x, w_, block_group, n_live, block_m=bm, **c, interpret=interpret))
-                        a = (o["buf"], o["w"])
-                    else:
-                        fn = jax.jit(lambda dy, w_, c=c: gg.grouped_gemm_dx(
-                            dy, w_, block_group, n_live, block_m=bm, **c, interpret=interpret))
-                        a = (o["dbuf"], o["w"])
+                    fn, a = product(cfg, o)
                     t = timed(fn, *a, reps=args.reps)
                     row["ms"][name] = t * 1e3
-                    row.setdefault("tflops", {})[name] = 2 * m * n * k / t / 1e12
+                    row.setdefault("tflops", {})[name] = 2 * m * o["n"] * o["k"] / t / 1e12
                     total += t
                 row["total_ms"] = total * 1e3
                 results.append((total, cfg))
@@ -230,47 +217,44 @@ def main(argv=None) -> int:
                 row["error"] = f"{type(e).__name__}: {str(e)[:800]}"
             emit(row)
             log(json.dumps(row))
-        if results:
-            best[kind] = min(results, key=lambda r: r[0])[1]
-        else:
-            best[kind] = dict(gg.GROUPED_TILES[kind])
+        return min(results, key=lambda r: r[0])[1] if results else None
+
+    # per-kernel tile sweep (each kernel alone, both shapes)
+    def grouped_product(kind):
+        def product(cfg, o):
+            c = dict(cfg)
+            if kind == "dw":
+                c["block_n"] = min(c["block_n"], o["n"])
+                return jax.jit(lambda dy, x: gg.grouped_gemm_dw(
+                    dy, x, row_start, row_count, n_groups=g, **c, interpret=interpret)), (o["dbuf"], o["buf"])
+            if kind == "fwd":
+                return jax.jit(lambda x, w_: gg.grouped_gemm_fwd(
+                    x, w_, block_group, n_live, block_m=bm, **c, interpret=interpret)), (o["buf"], o["w"])
+            return jax.jit(lambda dy, w_: gg.grouped_gemm_dx(
+                dy, w_, block_group, n_live, block_m=bm, **c, interpret=interpret)), (o["dbuf"], o["w"])
+        return product
+
+    for kind in ("fwd", "dx", "dw"):
+        best[kind] = sweep("sweep", kind, CANDIDATES[kind], grouped_product(kind)) or dict(gg.GROUPED_TILES[kind])
+
     # the Mosaic GPU kernels alone, per product (GPU only: no interpret mode)
+    def mgpu_product(kind):
+        def product(cfg, o):  # the import inside: where Mosaic GPU is missing, each row records the error
+            from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+            if kind == "fwd":
+                return jax.jit(lambda x, w_: ragged_dot_mgpu.ragged_dot(
+                    x, w_, group_sizes=group_sizes, transpose_rhs=True, **cfg)), (o["rows"], o["w"])
+            if kind == "dx":
+                return jax.jit(lambda dy, w_: ragged_dot_mgpu.ragged_dot(
+                    dy, w_, group_sizes=group_sizes, transpose_rhs=False, **cfg)), (o["ct"], o["w"])
+            return jax.jit(lambda dy, x: transposed_ragged_dot_mgpu.transposed_ragged_dot(
+                dy, x, group_sizes=group_sizes, **cfg)), (o["ct"], o["rows"])
+        return product
+
     best_mgpu = {}
     for kind in ("fwd", "dx", "dw") if not interpret else ():
-        results = []
-        for cfg in MGPU_CANDIDATES:
-            if time.time() - _T0 > args.deadline_s:
-                emit({"what": "sweep_mgpu", "kind": kind, "cfg": cfg, "error": "skipped: deadline"})
-                continue
-            row = {"what": "sweep_mgpu", "kind": kind, "cfg": cfg, "ms": {}}
-            try:
-                from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
-                total = 0.0
-                for name, o in ops.items():
-                    n, k = o["n"], o["k"]
-                    if kind == "fwd":
-                        fn = jax.jit(lambda x, w_, c=cfg: ragged_dot_mgpu.ragged_dot(
-                            x, w_, group_sizes=group_sizes, transpose_rhs=True, **c))
-                        a = (o["rows"], o["w"])
-                    elif kind == "dx":
-                        fn = jax.jit(lambda dy, w_, c=cfg: ragged_dot_mgpu.ragged_dot(
-                            dy, w_, group_sizes=group_sizes, transpose_rhs=False, **c))
-                        a = (o["ct"], o["w"])
-                    else:
-                        fn = jax.jit(lambda dy, x, c=cfg: transposed_ragged_dot_mgpu.transposed_ragged_dot(
-                            dy, x, group_sizes=group_sizes, **c))
-                        a = (o["ct"], o["rows"])
-                    t = timed(fn, *a, reps=args.reps)
-                    row["ms"][name] = t * 1e3
-                    row.setdefault("tflops", {})[name] = 2 * m * n * k / t / 1e12
-                    total += t
-                row["total_ms"] = total * 1e3
-                results.append((total, cfg))
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {str(e)[:800]}"
-            emit(row)
-            log(json.dumps(row))
-        best_mgpu[kind] = min(results, key=lambda r: r[0])[1] if results else dict(gm.MGPU_TILES[kind])
+        best_mgpu[kind] = sweep("sweep_mgpu", kind, MGPU_CANDIDATES, mgpu_product(kind)) or dict(gm.MGPU_TILES[kind])
     if best_mgpu:
         with open(os.path.join(args.out, "mgpu_tiles_best.json"), "w") as f:
             json.dump(best_mgpu, f)
