@@ -19,8 +19,12 @@ the weights in place, with the tiles of ``--grouped-tiles`` if given — a file 
 instead of the blocked XLA form) or ``+mgpu`` (``moe_impl="grouped_mgpu"``: JAX's Mosaic GPU ragged-dot kernels,
 tiles from ``--mgpu-tiles``), optionally ``+gbnB`` (B = 1, 2, 4, 8: the Mosaic kernels' ``grid_block_n`` ceiling for
 all three products, lowered per product and shape by ``grouped_gemm_mgpu.product_tiles`` to a band that divides the
-output columns; the tiles each product got are in the row). ``--profile VARIANTS`` profiles those variants after it is timed (``--profile-steps``
-steps, device time summed by kernel and category as ``profile_train.py`` does).
+output columns; the tiles each product got are in the row), ``+qstages2`` (the attention backward's dQ kernel with 2
+pipeline stages instead of 1), ``+dxterms`` / ``+dxreduce`` (``ops.linear.NARROW_DX_FORM``: the form of the narrow
+float32 projections' input gradient — the mHC coefficients, the router). Each row also times the same steps
+dispatched back to back (``step_ms_pipelined``). ``--profile VARIANTS`` profiles those variants after it is timed
+(``--profile-steps`` steps, device time summed by kernel and category as ``profile_train.py`` does) and writes their
+optimised HLO beside the trace (``hlo_<variant>.txt.gz``: kernel names are fusion names there).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import glob
+import gzip
 import json
 import os
 import shutil
@@ -51,6 +56,7 @@ from dsv41_jax import kernels as KN  # noqa: E402
 from dsv41_jax.kernels import grouped_gemm_gpu as GG  # noqa: E402
 from dsv41_jax.kernels import grouped_gemm_mgpu as GM  # noqa: E402
 from dsv41_jax.model.model import default_hasher  # noqa: E402
+from dsv41_jax.ops import linear as LIN  # noqa: E402
 from dsv41_jax.train.testing import random_batch  # noqa: E402
 from dsv41_jax.train.config import TrainConfig  # noqa: E402
 from dsv41_jax.train.step import make_train_step  # noqa: E402
@@ -68,15 +74,19 @@ def log(msg: str) -> None:
 def parse_variant(name: str) -> dict:
     base, *flags = name.split("+")
     bands = [f for f in flags if f in ("gbn1", "gbn2", "gbn4", "gbn8")]
-    if base not in ("before", "tiles") or set(flags) - {"copy", "atomic", "grouped", "mgpu", *bands} or len(bands) > 1:
+    known = {"copy", "atomic", "grouped", "mgpu", "dxterms", "dxreduce", "qstages2", *bands}
+    if base not in ("before", "tiles") or set(flags) - known or len(bands) > 1:
         raise ValueError(f"variant {name!r}: want before|tiles, then optional +copy, +atomic, +grouped, +mgpu, "
-                         "+gbn1|2|4|8")
+                         "+gbn1|2|4|8, +dxterms|+dxreduce, +qstages2")
     tiles = dict(TILES_BEFORE if base == "before" else KN.GPU_BWD_DEFAULTS["16bit"])
     if "atomic" in flags:
         tiles.update(dkv="atomic", dkv_selected="atomic")
+    if "qstages2" in flags:
+        tiles.update(num_stages=2)
     moe_impl = "grouped" if "grouped" in flags else "grouped_mgpu" if "mgpu" in flags else "blocked"
+    dx_form = "terms" if "dxterms" in flags else "reduce" if "dxreduce" in flags else None
     return {"name": name, "tiles": tiles, "copy": "copy" in flags, "moe_impl": moe_impl,
-            "grid_block_n": int(bands[0][3:]) if bands else None}
+            "grid_block_n": int(bands[0][3:]) if bands else None, "narrow_dx_form": dx_form}
 
 
 def main(argv=None) -> int:
@@ -120,6 +130,7 @@ def main(argv=None) -> int:
     saved = dict(KN.GPU_BWD_DEFAULTS["16bit"])
     saved_grouped = {k: (dict(v) if isinstance(v, dict) else v) for k, v in GG.GROUPED_TILES.items()}
     saved_mgpu = {k: dict(v) for k, v in GM.MGPU_TILES.items()}
+    saved_dx_form = LIN.NARROW_DX_FORM
     grouped_tiles = saved_grouped
     if args.grouped_tiles:
         with open(args.grouped_tiles) as f:
@@ -146,6 +157,9 @@ def main(argv=None) -> int:
             d, f = config.hidden_size, config.moe_intermediate_size
             v["mgpu_tiles"] = {f"{kind}@w[G,{n},{k}]": GM.product_tiles(kind, k, n)
                                for n, k in ((f, d), (d, f)) for kind in ("fwd", "dx", "dw")}
+        if v["narrow_dx_form"] is not None:
+            LIN.NARROW_DX_FORM = v["narrow_dx_form"]
+        v["narrow_dx_form"] = LIN.NARROW_DX_FORM
         jax.clear_caches()
         try:
             tc = TrainConfig(seq_len=args.seq, batch_size=args.batch, steps=1000, warmup_steps=10, lr=1e-4,
@@ -162,6 +176,7 @@ def main(argv=None) -> int:
             KN.GPU_BWD_DEFAULTS["16bit"] = dict(saved)
             GG.GROUPED_TILES.update(saved_grouped)
             GM.MGPU_TILES.update({k: dict(x) for k, x in saved_mgpu.items()})
+            LIN.NARROW_DX_FORM = saved_dx_form
         log(f"lowered {v['name']}" + (f": {v['error']}" if "error" in v else f" in {v['lower_s']:.1f} s"))
 
     # 2. compile them all at once
@@ -189,7 +204,7 @@ def main(argv=None) -> int:
     rows = []
     for v in variants:
         row = {"what": "train", "variant": v["name"], "tiles": v["tiles"], "compute_copy": v["copy"],
-               "moe_impl": v["moe_impl"], "mgpu_tiles": v.get("mgpu_tiles"),
+               "moe_impl": v["moe_impl"], "mgpu_tiles": v.get("mgpu_tiles"), "narrow_dx_form": v["narrow_dx_form"],
                "batch": args.batch, "seq": args.seq}
         if "error" in v:
             row["error"] = v["error"]
@@ -213,11 +228,21 @@ def main(argv=None) -> int:
                 if i >= args.warmup:
                     times.append(time.perf_counter() - t0)
             med = statistics.median(times)
+            row["loss"] = float(m["ce"])  # the last timed step's
+            # the same number of steps dispatched back to back (no host wait between them, as a training loop that
+            # reads its metrics late runs): the host's dispatch overlaps the device's previous step
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                state, m = compiled(state, batch, lr)
+            jax.block_until_ready(state["step"])
+            row["step_ms_pipelined"] = (time.perf_counter() - t0) / args.steps * 1e3
             row.update({"step_ms": [round(t * 1e3, 2) for t in times], "step_ms_median": med * 1e3,
                         "tokens_per_s": tokens / med, "model_flops_per_token": flops,
-                        "mfu_measured_matmul": flops * tokens / med / peak, "loss": float(m["ce"])})
+                        "mfu_measured_matmul": flops * tokens / med / peak})
             if v["name"] in (args.profile or "").split(","):
                 tag = v["name"].replace("+", "_")
+                with gzip.open(os.path.join(args.out, f"hlo_{tag}.txt.gz"), "wt") as f:  # kernels -> HLO -> source
+                    f.write(compiled.as_text())
                 trace_dir = os.path.join("/tmp", "dsv41_ablation_trace_" + tag)
                 t0 = time.perf_counter()
                 with jax.profiler.trace(trace_dir):
@@ -244,14 +269,15 @@ def main(argv=None) -> int:
 
     print(f"\n{head['device']}, {args.preset}, batch {args.batch} x {args.seq}, bf16; matmul measured "
           f"{peak / 1e12:.0f} TFLOP/s; tiles before {TILES_BEFORE}, now {head['tiles_now']}")
-    print("| variant | step ms (median) | tokens/s | MFU vs measured | temporaries GiB | arguments GiB | fusions |")
-    print("|---|---|---|---|---|---|---|")
+    print("| variant | step ms (median) | tokens/s | MFU vs measured | back-to-back step ms | temporaries GiB | "
+          "arguments GiB | fusions |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['variant']} | {r['error'][:200]} |")
             continue
         print(f"| {r['variant']} | {r['step_ms_median']:.1f} | {r['tokens_per_s']:,.0f} | "
-              f"{r['mfu_measured_matmul']:.1%} | {r['temp_size_in_bytes'] / 2 ** 30:.2f} | "
+              f"{r['mfu_measured_matmul']:.1%} | {r['step_ms_pipelined']:.1f} | {r['temp_size_in_bytes'] / 2 ** 30:.2f} | "
               f"{r['argument_size_in_bytes'] / 2 ** 30:.2f} | {r['hlo_fusions']} |")
     return 0
 

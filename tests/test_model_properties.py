@@ -97,6 +97,9 @@ def test_mhc_mixes_are_float32_exact_with_their_gradients():
     """The split-contraction float32 projection (ops.linear.narrow_matmul_f32: the mHC coefficients, the router) and
     the 4 x 4 stream mixes written as sums of products (ops.mhc) — no slow float32 GEMMs on GPUs — give
     float32-exact values and gradients against float64."""
+    from unittest import mock
+
+    from dsv41_jax.ops import linear as linear_ops
     from dsv41_jax.ops.linear import narrow_matmul_f32 as _project
     from dsv41_jax.ops.mhc import collapse, expand
 
@@ -104,10 +107,12 @@ def test_mhc_mixes_are_float32_exact_with_their_gradients():
     x = rng.standard_normal((96, 2048))  # K = 2048: four chunks of 512; M = 96: no token split
     w = 0.01 * rng.standard_normal((24, 2048))
     g = rng.standard_normal((96, 24))
-    out, vjp = jax.vjp(_project, jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
-    dx, dw = vjp(jnp.asarray(g, jnp.float32))
-    for got, want in ((out, x @ w.T), (dx, g @ w), (dw, g.T @ x)):
-        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=2e-6 * np.abs(want).max())
+    for dx_form in ("terms", "reduce"):  # ops.linear.NARROW_DX_FORM, read when the product is traced
+        with mock.patch.object(linear_ops, "NARROW_DX_FORM", dx_form):
+            out, vjp = jax.vjp(_project, jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
+            dx, dw = vjp(jnp.asarray(g, jnp.float32))
+        for got, want in ((out, x @ w.T), (dx, g @ w), (dw, g.T @ x)):
+            np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=2e-6 * np.abs(want).max())
     m2 = rng.standard_normal((512, 24))  # M = 512: the weight gradient's token axis split in two
     x2 = rng.standard_normal((512, 1024))
     _, vjp = jax.vjp(_project, jnp.asarray(x2, jnp.float32), jnp.asarray(w[:, :1024], jnp.float32))

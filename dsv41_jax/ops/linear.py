@@ -119,6 +119,13 @@ def narrow_dot_one_pass(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.sum(x.astype(jnp.float32)[..., None, :] * w.astype(jnp.float32), axis=-1)
 
 
+# How _narrow_matmul's backward forms dx = g · w for N <= 32 outputs (read at trace time): "reduce" — one sum over
+# the N axis of the [M, N, K] products, which XLA:GPU emits as a reduction over a middle axis fused with the RMS
+# norm's backward; "terms" — the N products added one after another, an element-wise chain XLA fuses into the
+# consumer. The same float32 products; only the order of the N additions differs.
+NARROW_DX_FORM = "reduce"
+
+
 @jax.custom_vjp
 def _narrow_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [M, K] · w [N, K]ᵀ -> [M, N], float32 (N small, K long): the contraction split into up to 16 chunks, one
@@ -141,8 +148,12 @@ def _narrow_matmul_bwd(res, g):
     m, k = x.shape
     n = w.shape[0]
     # dx [M, K] = g [M, N] · w [N, K]: a contraction over the few outputs; for N <= 32 a fused sum of products (an
-    # elementwise pass over dx) rather than a GEMM whose contraction is N long
-    if n <= 32:
+    # elementwise pass over dx) rather than a GEMM whose contraction is N long. Its form: NARROW_DX_FORM.
+    if n <= 32 and NARROW_DX_FORM == "terms":
+        dx = g[:, 0, None] * w[None, 0, :]
+        for i in range(1, n):
+            dx = dx + g[:, i, None] * w[None, i, :]
+    elif n <= 32:
         dx = jnp.sum(g[:, :, None] * w[None, :, :], axis=1)
     else:
         dx = jnp.einsum("mn,nk->mk", g, w, precision=jax.lax.Precision.HIGHEST)
