@@ -19,8 +19,9 @@ the weights in place, with the tiles of ``--grouped-tiles`` if given — a file 
 instead of the blocked XLA form) or ``+mgpu`` (``moe_impl="grouped_mgpu"``: JAX's Mosaic GPU ragged-dot kernels,
 tiles from ``--mgpu-tiles``), optionally ``+gbnB`` (B = 1, 2, 4, 8: the Mosaic kernels' ``grid_block_n`` ceiling for
 all three products, lowered per product and shape by ``grouped_gemm_mgpu.product_tiles`` to a band that divides the
-output columns; the tiles each product got are in the row), ``+qstages2`` (the attention backward's dQ kernel with 2
-pipeline stages instead of 1), ``+dxterms`` / ``+dxreduce`` (``ops.linear.NARROW_DX_FORM``: the form of the narrow
+output columns; the tiles each product got are in the row), ``+qstages1`` / ``+qstages2`` (the attention backward's
+dQ kernel pipelined over 1 or 2 stages; 2 is the default since 2026-12-02 14:29), ``+kstages2`` (its dKV kernels over
+2 stages), ``+dxterms`` / ``+dxreduce`` / ``+dxminor`` (``ops.linear.NARROW_DX_FORM``: the form of the narrow
 float32 projections' input gradient — the mHC coefficients, the router). Each row also times the same steps
 dispatched back to back (``step_ms_pipelined``). ``--profile VARIANTS`` profiles those variants after it is timed
 (``--profile-steps`` steps, device time summed by kernel and category as ``profile_train.py`` does) and writes their
@@ -74,17 +75,21 @@ def log(msg: str) -> None:
 def parse_variant(name: str) -> dict:
     base, *flags = name.split("+")
     bands = [f for f in flags if f in ("gbn1", "gbn2", "gbn4", "gbn8")]
-    known = {"copy", "atomic", "grouped", "mgpu", "dxterms", "dxreduce", "qstages2", *bands}
+    known = {"copy", "atomic", "grouped", "mgpu", "dxterms", "dxreduce", "dxminor", "qstages1", "qstages2",
+             "kstages2", *bands}
     if base not in ("before", "tiles") or set(flags) - known or len(bands) > 1:
         raise ValueError(f"variant {name!r}: want before|tiles, then optional +copy, +atomic, +grouped, +mgpu, "
-                         "+gbn1|2|4|8, +dxterms|+dxreduce, +qstages2")
+                         "+gbn1|2|4|8, +dxterms|+dxreduce|+dxminor, +qstages1|2, +kstages2")
     tiles = dict(TILES_BEFORE if base == "before" else KN.GPU_BWD_DEFAULTS["16bit"])
     if "atomic" in flags:
         tiles.update(dkv="atomic", dkv_selected="atomic")
-    if "qstages2" in flags:
-        tiles.update(num_stages=2)
+    for stages in (1, 2):
+        if f"qstages{stages}" in flags:
+            tiles.update(num_stages=stages)
+    if "kstages2" in flags:
+        tiles.update(key_stages=2)
     moe_impl = "grouped" if "grouped" in flags else "grouped_mgpu" if "mgpu" in flags else "blocked"
-    dx_form = "terms" if "dxterms" in flags else "reduce" if "dxreduce" in flags else None
+    dx_form = next((f[2:] for f in flags if f in ("dxterms", "dxreduce", "dxminor")), None)
     return {"name": name, "tiles": tiles, "copy": "copy" in flags, "moe_impl": moe_impl,
             "grid_block_n": int(bands[0][3:]) if bands else None, "narrow_dx_form": dx_form}
 

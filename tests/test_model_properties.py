@@ -107,7 +107,7 @@ def test_mhc_mixes_are_float32_exact_with_their_gradients():
     x = rng.standard_normal((96, 2048))  # K = 2048: four chunks of 512; M = 96: no token split
     w = 0.01 * rng.standard_normal((24, 2048))
     g = rng.standard_normal((96, 24))
-    for dx_form in ("terms", "reduce"):  # ops.linear.NARROW_DX_FORM, read when the product is traced
+    for dx_form in ("terms", "minor", "reduce"):  # ops.linear.NARROW_DX_FORM, read when the product is traced
         with mock.patch.object(linear_ops, "NARROW_DX_FORM", dx_form):
             out, vjp = jax.vjp(_project, jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
             dx, dw = vjp(jnp.asarray(g, jnp.float32))

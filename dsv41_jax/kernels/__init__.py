@@ -91,9 +91,12 @@ class _AttnCfg:
 # ``key_warps``, ``key_splits``; unset = ``attention_bwd``'s own defaults). 16-bit inputs: picked by the H200 sweep
 # at fullwidth4's train shapes (benchmarks/RESULTS.md, 2026-12-02, ``benchmarks/bench_train_tiles.py``): dQ over
 # 32-row steps (was 16) and the dKV kernels on 4 warps (was 8), each 4-10 % faster per layer there; other shapes
-# (decode-sized backward passes) are unmeasured with these.
+# (decode-sized backward passes) are unmeasured with these. The dQ kernel's loop over its rows pipelined over 2
+# stages (``num_stages``; attention_bwd's own default is 1): the fullwidth4 train step 4.6 ms (2.7 %) faster on an
+# H200 in one process (benchmarks/RESULTS.md, 2026-12-02 14:29), first-step loss bit-identical, gradient norm
+# within 1.1e-5 (the pipelined kernel's float32 accumulation order).
 GPU_BWD_DEFAULTS = {
-    "16bit": {"block_h": 32, "block_k": 32, "num_warps": 4, "key_warps": 4},
+    "16bit": {"block_h": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "key_warps": 4},
     "float32": {"block_h": 16, "block_k": 16, "num_warps": 4},  # fp32 tiles are twice the registers
 }
 

@@ -119,10 +119,16 @@ def narrow_dot_one_pass(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.sum(x.astype(jnp.float32)[..., None, :] * w.astype(jnp.float32), axis=-1)
 
 
-# How _narrow_matmul's backward forms dx = g · w for N <= 32 outputs (read at trace time): "reduce" — one sum over
-# the N axis of the [M, N, K] products, which XLA:GPU emits as a reduction over a middle axis fused with the RMS
-# norm's backward; "terms" — the N products added one after another, an element-wise chain XLA fuses into the
-# consumer. The same float32 products; only the order of the N additions differs.
+# How _narrow_matmul's backward forms dx = g · w for N <= 32 outputs (read at trace time); the same float32 products,
+# only the order of the N additions differs:
+#   "reduce" (default) — one sum over the N axis of the [M, N, K] products: XLA:GPU emits a reduction over a middle
+#       axis, fused with the RMS norm's backward; at the fullwidth4 train step on an H200 each mHC site's took
+#       0.755 ms for [4096, 24] x [24, 20480] (~4.7x the time of one read + one write of dx; benchmarks/RESULTS.md,
+#       2026-12-02 14:29);
+#   "terms" — the N products added one after another: measured 6.9 ms per step SLOWER there (XLA left the chain
+#       in ~24 fusions per site, 1191 fusions against 999);
+#   "minor" — the sum over a minor N axis of [M, K, N] products (a row reduction with w transposed once):
+#       not measured yet.
 NARROW_DX_FORM = "reduce"
 
 
@@ -153,6 +159,8 @@ def _narrow_matmul_bwd(res, g):
         dx = g[:, 0, None] * w[None, 0, :]
         for i in range(1, n):
             dx = dx + g[:, i, None] * w[None, i, :]
+    elif n <= 32 and NARROW_DX_FORM == "minor":
+        dx = jnp.sum(g[:, None, :] * w.T[None, :, :], axis=-1)
     elif n <= 32:
         dx = jnp.sum(g[:, :, None] * w[None, :, :], axis=1)
     else:
