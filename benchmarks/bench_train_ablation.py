@@ -21,17 +21,20 @@ tiles from ``--mgpu-tiles``), optionally ``+gbnB`` (B = 1, 2, 4, 8: the Mosaic k
 all three products, lowered per product and shape by ``grouped_gemm_mgpu.product_tiles`` to a band that divides the
 output columns; the tiles each product got are in the row), ``+qstages1`` / ``+qstages2`` (the attention backward's
 dQ kernel pipelined over 1 or 2 stages; 2 is the default since 2026-12-02 14:29), ``+kstages2`` (its dKV kernels over
-2 stages), ``+dxterms`` / ``+dxreduce`` / ``+dxminor`` (``ops.linear.NARROW_DX_FORM``: the form of the narrow
-float32 projections' input gradient — the mHC coefficients, the router). Each row also times the same steps
-dispatched back to back (``step_ms_pipelined``). ``--profile VARIANTS`` profiles those variants after it is timed
-(``--profile-steps`` steps, device time summed by kernel and category as ``profile_train.py`` does) and writes their
-optimised HLO beside the trace (``hlo_<variant>.txt.gz``: kernel names are fusion names there).
+2 stages), ``+dxterms`` / ``+dxreduce`` / ``+dxminor`` / ``+dxdot`` / ``+dxpallas`` (``ops.linear.NARROW_DX_FORM``:
+the form of the narrow float32 projections' input gradient — the mHC coefficients, the router; ``+dxpallas`` is the
+``kernels.narrow_dx_gpu`` kernel, in interpret mode on a CPU). Each row also times the same steps dispatched back to
+back (``step_ms_pipelined``). ``--profile VARIANTS`` profiles those variants after it is timed (``--profile-steps``
+steps, device time summed by kernel and category as ``profile_train.py`` does), writes their optimised HLO beside the
+trace (``hlo_<variant>.txt.gz``: kernel names are fusion names there) and the trace's time by kernel family
+(``families_<variant>.txt``, ``trace_families.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import glob
 import gzip
 import json
@@ -52,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_train import model_flops_per_token, preset  # noqa: E402
 from profile_train import hlo_stats, matmul_rate, summarize_trace  # noqa: E402
+import trace_families  # noqa: E402
 
 from dsv41_jax import kernels as KN  # noqa: E402
 from dsv41_jax.kernels import grouped_gemm_gpu as GG  # noqa: E402
@@ -65,6 +69,7 @@ from dsv41_jax.train.step import make_train_step  # noqa: E402
 # the 16-bit backward tiles before the sweep (benchmarks/RESULTS.md, 2026-12-02 05:25; key_warps: attention_bwd's 8)
 TILES_BEFORE = {"block_h": 32, "block_k": 16, "num_warps": 4}
 DEFAULT_VARIANTS = "before,tiles,before+copy,tiles+copy,tiles+copy+atomic"
+SMOKE_VARIANTS = "before,tiles+copy+grouped,tiles+copy+mgpu+gbn4"
 _T0 = time.time()
 
 
@@ -75,11 +80,13 @@ def log(msg: str) -> None:
 def parse_variant(name: str) -> dict:
     base, *flags = name.split("+")
     bands = [f for f in flags if f in ("gbn1", "gbn2", "gbn4", "gbn8")]
-    known = {"copy", "atomic", "grouped", "mgpu", "dxterms", "dxreduce", "dxminor", "qstages1", "qstages2",
-             "kstages2", *bands}
-    if base not in ("before", "tiles") or set(flags) - known or len(bands) > 1:
+    dx_forms = {"dxterms": "terms", "dxreduce": "reduce", "dxminor": "minor", "dxdot": "dot",
+                "dxpallas": "pallas_gpu" if jax.default_backend() == "gpu" else "pallas_gpu_interpret"}
+    known = {"copy", "atomic", "grouped", "mgpu", "qstages1", "qstages2", "kstages2", *dx_forms, *bands}
+    if (base not in ("before", "tiles") or set(flags) - known or len(bands) > 1
+            or len(set(flags) & set(dx_forms)) > 1):
         raise ValueError(f"variant {name!r}: want before|tiles, then optional +copy, +atomic, +grouped, +mgpu, "
-                         "+gbn1|2|4|8, +dxterms|+dxreduce|+dxminor, +qstages1|2, +kstages2")
+                         "+gbn1|2|4|8, one of +dxterms|+dxreduce|+dxminor|+dxdot|+dxpallas, +qstages1|2, +kstages2")
     tiles = dict(TILES_BEFORE if base == "before" else KN.GPU_BWD_DEFAULTS["16bit"])
     if "atomic" in flags:
         tiles.update(dkv="atomic", dkv_selected="atomic")
@@ -89,7 +96,7 @@ def parse_variant(name: str) -> dict:
     if "kstages2" in flags:
         tiles.update(key_stages=2)
     moe_impl = "grouped" if "grouped" in flags else "grouped_mgpu" if "mgpu" in flags else "blocked"
-    dx_form = next((f[2:] for f in flags if f in ("dxterms", "dxreduce", "dxminor")), None)
+    dx_form = next((dx_forms[f] for f in flags if f in dx_forms), None)
     return {"name": name, "tiles": tiles, "copy": "copy" in flags, "moe_impl": moe_impl,
             "grid_block_n": int(bands[0][3:]) if bands else None, "narrow_dx_form": dx_form}
 
@@ -100,7 +107,8 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="fullwidth4")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--variants", default=DEFAULT_VARIANTS)
+    p.add_argument("--variants", default=None, help=f"comma-separated (default {DEFAULT_VARIANTS}; with --smoke: "
+                   f"{SMOKE_VARIANTS})")
     p.add_argument("--deadline-s", type=float, default=200.0, help="no variant starts running after this")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
@@ -113,7 +121,8 @@ def main(argv=None) -> int:
     smoke = SMOKE or args.smoke
     if smoke:
         args.preset, args.seq, args.steps, args.warmup = "tiny", 64, 1, 1
-        args.variants = "before,tiles+copy+grouped,tiles+copy+mgpu+gbn4"
+        args.variants = args.variants or SMOKE_VARIANTS
+    args.variants = args.variants or DEFAULT_VARIANTS
     os.makedirs(args.out, exist_ok=True)
     sink = os.path.join(args.out, "bench_train_ablation.jsonl")
 
@@ -259,6 +268,15 @@ def main(argv=None) -> int:
                 for f in glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz")):
                     if os.path.getsize(f) < 15 * 2 ** 20:  # keep the raw trace next to the results
                         shutil.copy(f, os.path.join(args.out, f"trace_{tag}.json.gz"))
+                    families = os.path.join(args.out, f"families_{tag}.txt")
+                    try:  # the trace's time by kernel family (trace_families.py, printed and kept)
+                        with open(families, "w") as out, contextlib.redirect_stdout(out):
+                            trace_families.main(["--hlo", os.path.join(args.out, f"hlo_{tag}.txt.gz"), "--trace", f,
+                                                 "--steps", str(args.profile_steps), "--top", "8"])
+                        with open(families) as fam:
+                            print(fam.read(), flush=True)
+                    except Exception as e:  # the timing rows matter more than this summary
+                        log(f"trace_families on {f} failed: {type(e).__name__}: {e}")
                 row["profile"] = summ
                 log(f"profile {v['name']}: busy {summ.get('busy_us', 0) / 1e3:.1f} ms over "
                     f"{args.profile_steps} steps; by category (ms): "

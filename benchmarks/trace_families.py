@@ -52,6 +52,8 @@ def family(name: str, op_name: str) -> str:
         return "attention bwd dKV (Pallas)"
     if low.startswith("csa2_sparse_attention_fwd"):
         return "attention fwd (Pallas)"
+    if low.startswith("narrow_dx"):
+        return "narrow float32 projections' input gradient (Pallas)"
     if low.startswith(("indexer", "topk_select")):
         return "indexer / top-k (Pallas)"
     if "nvjet" in low or ("gemm" in low and "bf16" in low):

@@ -107,7 +107,8 @@ def test_mhc_mixes_are_float32_exact_with_their_gradients():
     x = rng.standard_normal((96, 2048))  # K = 2048: four chunks of 512; M = 96: no token split
     w = 0.01 * rng.standard_normal((24, 2048))
     g = rng.standard_normal((96, 24))
-    for dx_form in ("terms", "minor", "reduce"):  # ops.linear.NARROW_DX_FORM, read when the product is traced
+    # ops.linear.NARROW_DX_FORM, read when the product is traced (the Pallas GPU kernel in interpret mode)
+    for dx_form in ("terms", "minor", "dot", "pallas_gpu_interpret", "reduce"):
         with mock.patch.object(linear_ops, "NARROW_DX_FORM", dx_form):
             out, vjp = jax.vjp(_project, jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
             dx, dw = vjp(jnp.asarray(g, jnp.float32))
@@ -118,6 +119,12 @@ def test_mhc_mixes_are_float32_exact_with_their_gradients():
     _, vjp = jax.vjp(_project, jnp.asarray(x2, jnp.float32), jnp.asarray(w[:, :1024], jnp.float32))
     np.testing.assert_allclose(np.asarray(vjp(jnp.asarray(m2, jnp.float32))[1], np.float64), m2.T @ x2,
                                rtol=0, atol=2e-6 * np.abs(m2.T @ x2).max())
+    with mock.patch.object(linear_ops, "NARROW_DX_FORM", "pallas_gpu_interpret"):  # no tile divides M = 90:
+        dx = linear_ops._narrow_matmul_bwd((jnp.asarray(x[:90], jnp.float32), jnp.asarray(w, jnp.float32)),
+                                           jnp.asarray(g[:90], jnp.float32))[0]  # XLA's dot instead
+    np.testing.assert_allclose(np.asarray(dx, np.float64), g[:90] @ w, rtol=0, atol=2e-6 * np.abs(g[:90] @ w).max())
+    with mock.patch.object(linear_ops, "NARROW_DX_FORM", "sum"), pytest.raises(ValueError, match="NARROW_DX_FORM"):
+        jax.vjp(_project, jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))[1](jnp.asarray(g, jnp.float32))
     w3, g3 = rng.standard_normal((40, 2048)), rng.standard_normal((96, 40))  # N = 40: dx as a float32 GEMM
     _, vjp = jax.vjp(_project, jnp.asarray(x, jnp.float32), jnp.asarray(w3, jnp.float32))
     np.testing.assert_allclose(np.asarray(vjp(jnp.asarray(g3, jnp.float32))[0], np.float64), g3 @ w3,

@@ -128,7 +128,13 @@ def narrow_dot_one_pass(x: jax.Array, w: jax.Array) -> jax.Array:
 #   "terms" — the N products added one after another: measured 6.9 ms per step SLOWER there (XLA left the chain
 #       in ~24 fusions per site, 1191 fusions against 999);
 #   "minor" — the sum over a minor N axis of [M, K, N] products (a row reduction with w transposed once):
-#       not measured yet.
+#       not measured yet;
+#   "dot" — one float32 dot at Precision.HIGHEST (a GEMM with an N-long contraction: on a GPU a cuBLAS SGEMM on the
+#       CUDA cores, no TF32; the RMS norm's backward then runs in fusions of its own): not measured yet;
+#   "pallas_gpu" / "pallas_gpu_interpret" — the Pallas GPU kernel kernels.narrow_dx_gpu (a tile of dx in registers,
+#       the N rank-1 products added in order; the interpret form for CPU tests); XLA's "dot" form where no tile
+#       divides dx: not measured yet.
+NARROW_DX_FORMS = ("reduce", "terms", "minor", "dot", "pallas_gpu", "pallas_gpu_interpret")
 NARROW_DX_FORM = "reduce"
 
 
@@ -155,15 +161,24 @@ def _narrow_matmul_bwd(res, g):
     n = w.shape[0]
     # dx [M, K] = g [M, N] · w [N, K]: a contraction over the few outputs; for N <= 32 a fused sum of products (an
     # elementwise pass over dx) rather than a GEMM whose contraction is N long. Its form: NARROW_DX_FORM.
-    if n <= 32 and NARROW_DX_FORM == "terms":
+    if NARROW_DX_FORM not in NARROW_DX_FORMS:
+        raise ValueError(f"ops.linear.NARROW_DX_FORM = {NARROW_DX_FORM!r}: want one of {NARROW_DX_FORMS}")
+    if n <= 32 and NARROW_DX_FORM.startswith("pallas_gpu"):
+        from dsv41_jax.kernels import narrow_dx_gpu  # lazy: kernels import ops
+
+        if narrow_dx_gpu.narrow_dx_tiles(m, k) is not None:
+            dx = narrow_dx_gpu.narrow_dx(g, w, interpret=NARROW_DX_FORM.endswith("interpret"))
+        else:
+            dx = jnp.einsum("mn,nk->mk", g, w, precision=jax.lax.Precision.HIGHEST)
+    elif n <= 32 and NARROW_DX_FORM == "terms":
         dx = g[:, 0, None] * w[None, 0, :]
         for i in range(1, n):
             dx = dx + g[:, i, None] * w[None, i, :]
     elif n <= 32 and NARROW_DX_FORM == "minor":
         dx = jnp.sum(g[:, None, :] * w.T[None, :, :], axis=-1)
-    elif n <= 32:
+    elif n <= 32 and NARROW_DX_FORM == "reduce":
         dx = jnp.sum(g[:, :, None] * w[None, :, :], axis=1)
-    else:
+    else:  # "dot", or N > 32
         dx = jnp.einsum("mn,nk->mk", g, w, precision=jax.lax.Precision.HIGHEST)
     # dw [N, K] = gᵀ x: the token axis (the contraction) split into chunks, one batched GEMM, summed
     s = _chunks(m, 256)
