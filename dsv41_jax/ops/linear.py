@@ -131,9 +131,9 @@ def narrow_dot_one_pass(x: jax.Array, w: jax.Array) -> jax.Array:
 #       not measured yet;
 #   "dot" — one float32 dot at Precision.HIGHEST (a GEMM with an N-long contraction: on a GPU a cuBLAS SGEMM on the
 #       CUDA cores, no TF32; the RMS norm's backward then runs in fusions of its own): not measured yet;
-#   "pallas_gpu" / "pallas_gpu_interpret" — the Pallas GPU kernel kernels.narrow_dx_gpu (a tile of dx in registers,
-#       the N rank-1 products added in order; the interpret form for CPU tests); XLA's "dot" form where no tile
-#       divides dx: not measured yet.
+#   "pallas_gpu" / "pallas_gpu_interpret" — the Pallas GPU kernel kernels.narrow_dx_gpu (one Triton dot at IEEE
+#       float32 per tile of dx, N zero-padded to 32; the interpret form for CPU tests); XLA's "dot" form where no
+#       tile divides dx: not measured yet.
 NARROW_DX_FORMS = ("reduce", "terms", "minor", "dot", "pallas_gpu", "pallas_gpu_interpret")
 NARROW_DX_FORM = "reduce"
 
