@@ -100,12 +100,12 @@ from dsv41_jax.train.step import make_train_step  # noqa: E402
 EXCLUDE = "test,tests,idle_test,site-packages,dist-packages,__pycache__,asyncio"  # asyncio: the held-out prompts
 
 
-def target_config(smoke: bool):
-    """The target + drafter configuration (see the module docstring)."""
+def target_config(smoke: bool, block_size: int = 5):
+    """The target + drafter configuration (see the module docstring); ``block_size``: the drafter's block (γ)."""
     common = dict(vocab_size=259, num_hidden_layers=4, compress_ratios=(0, 2, 2, 1), kv_source_layer_ids=(1, 3),
                   index_source_layer_ids=(1, 3), candidate_source_layer_id=3, engram_layer_ids=(),
                   engram_num_embeddings=(), num_nextn_predict_layers=1, dspark_target_layer_ids=(1, 2, 3),
-                  dspark_noise_token_id=258, dspark_block_size=5, quant_sim=False)
+                  dspark_noise_token_id=258, dspark_block_size=block_size, quant_sim=False)
     if smoke:  # the default model's toy widths
         return load_config("default").replace(name="spec-smoke", **common, dspark_n_routed_experts=4,
                                               dspark_num_experts_per_tok=1, dspark_markov_rank=16)
@@ -282,10 +282,12 @@ def main(argv=None):
     ap.add_argument("--prefix-batches", default="1", help="batches that also run the prefix scheduler (its "
                     "step-time table needs one program per chunk width)")
     ap.add_argument("--variants", default="plain,none", help="decode rows, in this order per batch: plain (always), "
-                    "none (DSpark, device loop), host (DSpark, host loop), threshold (confidence threshold 0.5), "
-                    "prefix (prefix scheduler over a measured step-time table, --prefix-batches). Each kind of row "
-                    "compiles its own programs: host / threshold the host loop's step (also timed alone at full "
-                    "width), prefix one step program per chunk width")
+                    "none (DSpark, device loop), host (DSpark, host loop), threshold (confidence threshold 0.5, "
+                    "device loop), prefix (prefix scheduler over a measured step-time table, --prefix-batches, host "
+                    "loop). none / threshold take ':N' to verify only the first N drafts (e.g. none:5 with "
+                    "--block-size 7). Each kind of row compiles its own programs: host the host loop's step (also "
+                    "timed alone at full width), prefix one step program per chunk width")
+    ap.add_argument("--block-size", type=int, default=5, help="the drafter's block size (drafts per step, γ)")
     ap.add_argument("--triton-gemm", action="store_true", help="keep XLA's Triton GEMMs (and their autotuning; the "
                     "default turns them off: cuBLAS GEMMs, see the top of this file)")
     ap.add_argument("--new-tokens", type=int, default=None)
@@ -302,12 +304,13 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
-    bad = sorted(set(variants) - {"plain", "none", "host", "threshold", "prefix"})
+    bad = sorted({v for v in variants if v.split(":")[0] not in ("plain", "none", "host", "threshold", "prefix")
+                  or (":" in v and (v.split(":")[0] not in ("none", "threshold") or not v.split(":")[1].isdigit()))})
     if bad:
         ap.error(f"--variants: unknown row kinds {bad}")
     if "plain" not in variants:
         variants.insert(0, "plain")  # every speculative row is a ratio against it
-    host_step = bool({"host", "threshold"} & set(variants))  # the host loop's step program is needed
+    host_step = "host" in variants  # the host loop's step program is needed
     t_start = time.perf_counter()
     smoke = args.smoke
     budget = args.budget_s or (1e9 if smoke else 400)
@@ -350,7 +353,7 @@ def main(argv=None):
         stacks = open(os.path.join(out, "stacks.txt"), "w")
         faulthandler.dump_traceback_later(watchdog, repeat=True, file=stacks)
 
-    config = target_config(smoke)
+    config = target_config(smoke, args.block_size)
     counts = count_params(config)
     record = dict(config=config.name, device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=" ".join(sys.argv),
@@ -400,6 +403,16 @@ def main(argv=None):
                                               tokenizer=tok) for b in prefix_batches if b in batches})
     warmers = {}
 
+    def decoder_kwargs(variant):
+        """SpeculativeDecoder arguments of a speculative row."""
+        kind, _, n = variant.partition(":")
+        kw = dict(num_draft=int(n)) if n else {}
+        if kind == "threshold":
+            kw.update(schedule="threshold", threshold=0.5)
+        elif kind == "host":  # the same speculation with one read-back per step
+            kw.update(chain_every=0)
+        return kw
+
     def warm_plain(b):
         def fn(w):
             engines[b, "plain"].generate(prompts[b], max_new_tokens=3, stop_tokens=())
@@ -407,8 +420,8 @@ def main(argv=None):
 
     def warm_spec(b):
         def fn(w):
-            kinds = [dict()] + ([dict(schedule="threshold", threshold=0.5)] if host_step else [])
-            for kw in kinds:  # device loop; host loop (schedules)
+            kinds = [decoder_kwargs(v) for v in variants if v.split(":")[0] in ("none", "threshold", "host")]
+            for kw in kinds:  # device loop (schedule off / threshold, each width); host loop
                 dec = SpeculativeDecoder(engines[b, "spec"], **kw)
                 # one run builds every program of the row (fresh rings are committed like those a step returns)
                 dec.generate(prompts[b], max_new_tokens=2 * gamma + 2, stop_tokens=())
@@ -574,8 +587,9 @@ def main(argv=None):
 
     # the rows that matter most first (a run cut short by its limit keeps them): plain and speculation at every
     # batch, then the schedulers
-    plan = [(b, v) for b in batches for v in ("plain", "none") if v in variants]
-    plan += [(b, v) for v in ("host", "threshold") if v in variants for b in batches]
+    kind = lambda v: v.split(":")[0]  # noqa: E731
+    plan = [(b, v) for b in batches for v in variants if kind(v) in ("plain", "none")]
+    plan += [(b, v) for v in variants if kind(v) in ("host", "threshold") for b in batches]
     plan += [(b, "prefix") for b in batches if b in prefix_batches]
     plain_out, plain_tps = {}, {}
     for b, variant in plan:
@@ -608,12 +622,9 @@ def main(argv=None):
             continue
         if b not in plain_tps:
             continue
-        kw, extra = {}, {}
-        if variant == "threshold":
-            kw = dict(schedule="threshold", threshold=0.5)
-        elif variant == "host":  # the same speculation with one read-back per step
-            kw = dict(chain_every=0)
-        elif variant == "prefix":
+        kw, extra = decoder_kwargs(variant), {}
+        n_draft = kw.get("num_draft", gamma)
+        if variant == "prefix":
             table = SpeculativeDecoder(eng).measure_step_times(reps=5)
             extra["step_time_table_ms"] = {str(w): t * 1e3 for w, t in table.items()}
             say("  step-time table: " + ", ".join(f"{w}: {t * 1e3:.2f} ms" for w, t in table.items()))
@@ -631,12 +642,19 @@ def main(argv=None):
             extra["round_ms_full_width"] = t_round * 1e3
             say(f"  one speculative step program at width {gamma + 1}: {t_round * 1e3:.2f} ms")
         same = all(r.tokens == plain_out[b][s] for s, r in enumerate(res))
+        # rows whose tokens differ from plain decoding's, with the first differing position (bf16: near-tied
+        # logits round differently in a one-token step and a verification chunk; benchmarks/RESULTS.md)
+        extra["differing_rows"] = [
+            [s, next((j for j, (x, y) in enumerate(zip(r.tokens, plain_out[b][s])) if x != y),
+                     min(len(r.tokens), len(plain_out[b][s])))]
+            for s, r in enumerate(res) if r.tokens != plain_out[b][s]]
         tps = b * new / dt
         # a full-width verification reads the weights (b (γ + 1) tokens') and the drafter's block
-        floor_verify = step_bytes(config, b * (gamma + 1))["total"] + 2 * counts.dspark
-        name = {"none": "DSpark (device loop)", "host": "DSpark (host loop)", "threshold": "DSpark + threshold 0.5",
-                "prefix": "DSpark + prefix (measured)"}
-        row(b, name[variant], tps, plain_tps[b], st.mean_accepted_length, st.steps, st.rollbacks, dt, floor_verify,
+        floor_verify = step_bytes(config, b * (n_draft + 1))["total"] + 2 * counts.dspark
+        name = {"none": "DSpark (device loop)", "host": "DSpark (host loop)",
+                "threshold": "DSpark + threshold 0.5 (device loop)",
+                "prefix": "DSpark + prefix (measured, host loop)"}[variant.split(":")[0]] + f", γ {n_draft}"
+        row(b, name, tps, plain_tps[b], st.mean_accepted_length, st.steps, st.rollbacks, dt, floor_verify,
             "yes" if same else "NO", drafted=st.drafted, accepted=st.accepted, device_steps=st.device_steps, **extra)
     if watchdog:
         faulthandler.cancel_dump_traceback_later()
