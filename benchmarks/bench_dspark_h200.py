@@ -114,6 +114,38 @@ def target_config(smoke: bool, block_size: int = 5):
                                         dspark_markov_rank=64)
 
 
+def kernel_table(trace_dir: str, steps: int, top: int = 12) -> dict:
+    """Device busy time per step and the kernels that take it, from a ``jax.profiler.trace`` of ``steps`` decoding
+    steps (``benchmarks/trace_events.py``); {"error": ...} where the trace has no device events (the CPU)."""
+    import collections
+    import re
+
+    from benchmarks.trace_events import load_trace, newest_trace, union_length
+
+    path = newest_trace(trace_dir)
+    if path is None:
+        return {"error": f"no trace under {trace_dir}"}
+    events, pname, tname = load_trace(path)
+    dev = {p for p, n in pname.items() if re.search(r"/device:(GPU|gpu)|GPU", n) and "host" not in n.lower()}
+    by_name, intervals = collections.defaultdict(lambda: [0, 0.0]), []
+    for e in events:
+        if e.get("ph") != "X" or e["pid"] not in dev:
+            continue
+        if not re.search(r"stream", tname.get((e["pid"], e.get("tid")), ""), re.I):
+            continue  # per-stream rows only
+        dur = float(e.get("dur", 0))
+        by_name[e.get("name", "")][0] += 1
+        by_name[e.get("name", "")][1] += dur
+        intervals.append((float(e["ts"]), float(e["ts"]) + dur))
+    if not intervals:
+        return {"error": "no device events in the trace"}
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    return dict(steps=steps, busy_ms_per_step=union_length(intervals) / 1e3 / steps,
+                launches_per_step=sum(v[0] for v in by_name.values()) / steps,
+                top=[[n[:80], v[0] / steps, round(v[1] / 1e3 / steps, 4)] for n, v in ranked[:top]],
+                events=[[n[:80], v[0] / steps, round(v[1] / 1e3 / steps, 4)] for n, v in ranked[:300]])
+
+
 def step_bytes(config, batch: int) -> dict:
     """Bytes of weights a plain decode step must read, at 2 bytes per parameter (the few float32-only ones are
     counted as bf16): every non-routed backbone weight, the routed experts ``batch`` tokens are expected to touch
@@ -288,6 +320,10 @@ def main(argv=None):
                     "--block-size 7). Each kind of row compiles its own programs: host the host loop's step (also "
                     "timed alone at full width), prefix one step program per chunk width")
     ap.add_argument("--block-size", type=int, default=5, help="the drafter's block size (drafts per step, γ)")
+    ap.add_argument("--threshold", type=float, default=0.5, help="the threshold rows' survival threshold (> 1: "
+                    "every step verifies the pending token alone, in the full-width chunk)")
+    ap.add_argument("--trace-batches", default="", help="batches whose rows also run once under jax.profiler.trace: "
+                    "device busy ms per step and the kernels taking it (JSON: trace)")
     ap.add_argument("--triton-gemm", action="store_true", help="keep XLA's Triton GEMMs (and their autotuning; the "
                     "default turns them off: cuBLAS GEMMs, see the top of this file)")
     ap.add_argument("--new-tokens", type=int, default=None)
@@ -408,7 +444,7 @@ def main(argv=None):
         kind, _, n = variant.partition(":")
         kw = dict(num_draft=int(n)) if n else {}
         if kind == "threshold":
-            kw.update(schedule="threshold", threshold=0.5)
+            kw.update(schedule="threshold", threshold=args.threshold)
         elif kind == "host":  # the same speculation with one read-back per step
             kw.update(chain_every=0)
         return kw
@@ -592,6 +628,19 @@ def main(argv=None):
     plan += [(b, v) for v in variants if kind(v) in ("host", "threshold") for b in batches]
     plan += [(b, "prefix") for b in batches if b in prefix_batches]
     plain_out, plain_tps = {}, {}
+    trace_batches = {int(x) for x in args.trace_batches.split(",") if x}
+
+    def traced(b, variant, fn, steps_of) -> dict:
+        """One more run under jax.profiler.trace (its prefill included): the kernel table of its steps."""
+        if b not in trace_batches:
+            return {}
+        d = os.path.join("/tmp", "bench_dspark_traces", f"b{b}_{variant.replace(':', '_')}")
+        with jax.profiler.trace(d):
+            fn()
+        t = kernel_table(d, steps_of())
+        say(f"  trace: {json.dumps({k: v for k, v in t.items() if k != 'events'})[:1500]}")
+        return {"trace": t}
+
     for b, variant in plan:
         if left() < (20 if smoke else 15):
             say(f"budget: skipping batch {b} {variant} ({left():.0f} s left)")
@@ -613,11 +662,12 @@ def main(argv=None):
                 res = eng.generate(prompts[b], max_new_tokens=new, stop_tokens=())
                 return res, eng.last_stats.decode_s
             res, dt, _ = timed(run_plain, lambda: new - 1)
+            tr = traced(b, variant, run_plain, lambda: new - 1)
             plain_out[b] = [r.tokens for r in res]
             plain_tps[b] = b * new / dt
             sample = tok.decode(res[0].tokens)
             record.setdefault("samples", {})[str(b)] = dict(prompt=tok.decode(prompts[b][0]), plain=sample)
-            row(b, "plain", plain_tps[b], plain_tps[b], 1.0, new - 1, 0, dt, sb["total"], "—")
+            row(b, "plain", plain_tps[b], plain_tps[b], 1.0, new - 1, 0, dt, sb["total"], "—", **tr)
             say(f"  sample: {sample[:160]!r}")
             continue
         if b not in plain_tps:
@@ -636,6 +686,7 @@ def main(argv=None):
             return res, dec.stats.decode_s
         res, dt, _ = timed(run_spec, lambda: dec.stats.steps)
         st = dec.stats
+        extra.update(traced(b, variant, run_spec, lambda: dec.stats.steps))
         if variant == "none" and host_step:  # the host loop's step program alone at full width (its own program:
             # the device loop's step is speculative_chain, a compile of its own; rows host / threshold build it)
             t_round = dec.measure_step_times(widths=(gamma + 1,), reps=5)[gamma + 1]
@@ -652,7 +703,7 @@ def main(argv=None):
         # a full-width verification reads the weights (b (γ + 1) tokens') and the drafter's block
         floor_verify = step_bytes(config, b * (n_draft + 1))["total"] + 2 * counts.dspark
         name = {"none": "DSpark (device loop)", "host": "DSpark (host loop)",
-                "threshold": "DSpark + threshold 0.5 (device loop)",
+                "threshold": f"DSpark + threshold {args.threshold:g} (device loop)",
                 "prefix": "DSpark + prefix (measured, host loop)"}[variant.split(":")[0]] + f", γ {n_draft}"
         row(b, name, tps, plain_tps[b], st.mean_accepted_length, st.steps, st.rollbacks, dt, floor_verify,
             "yes" if same else "NO", drafted=st.drafted, accepted=st.accepted, device_steps=st.device_steps, **extra)
