@@ -36,9 +36,10 @@ Recipe (``--smoke`` shrinks every size; the numbers below are the defaults):
 3. Decoding (bf16 weights, float32-only parameters in float32): held-out ``asyncio`` prompts of 96 characters,
    ``--new-tokens`` greedy tokens, batch 1 and 16; plain decoding (the device loop, read back every 8 steps),
    then speculation with the schedule off on the device (``speculative_chain``, read back every 8 steps); with
-   ``--variants``, also in the host loop (one read-back per step), the confidence threshold 0.5 and the
-   hardware-aware prefix scheduler over a step-time table measured in the same process (every chunk width 1 ..
-   γ + 1; ``--prefix-batches``). Rows run in that order of importance; ``--budget-s`` skips what would start too
+   ``--variants``, also the same in the host loop (one read-back per step), the confidence threshold
+   (``--threshold``, default 0.5; on the device too), verifying only the first N drafts (``none:N``) and the
+   hardware-aware prefix scheduler (host loop) over a step-time table measured in the same process (every chunk
+   width 1 .. γ + 1; ``--prefix-batches``). Rows run in that order of importance; ``--budget-s`` skips what would start too
    late. Prefill runs without CED (the drafter's target layers 1-2 are encoder layers); it is outside the timed
    decode loop. Every speculative row checks that its tokens equal plain decoding's (bf16: near-tied logits may
    round differently in the one-token step and the verification chunk).
