@@ -36,9 +36,10 @@ Recipe (``--smoke`` shrinks every size; the numbers below are the defaults):
 3. Decoding (bf16 weights, float32-only parameters in float32): held-out ``asyncio`` prompts of 96 characters,
    ``--new-tokens`` greedy tokens, batch 1 and 16; plain decoding (the device loop, read back every 8 steps),
    then speculation with the schedule off on the device (``speculative_chain``, read back every 8 steps); with
-   ``--variants``, also in the host loop (one read-back per step), the confidence threshold 0.5 and the
-   hardware-aware prefix scheduler over a step-time table measured in the same process (every chunk width 1 ..
-   γ + 1; ``--prefix-batches``). Rows run in that order of importance; ``--budget-s`` skips what would start too
+   ``--variants``, also the same in the host loop (one read-back per step), the confidence threshold
+   (``--threshold``, default 0.5; on the device too), verifying only the first N drafts (``none:N``) and the
+   hardware-aware prefix scheduler (host loop) over a step-time table measured in the same process (every chunk
+   width 1 .. γ + 1; ``--prefix-batches``). Rows run in that order of importance; ``--budget-s`` skips what would start too
    late. Prefill runs without CED (the drafter's target layers 1-2 are encoder layers); it is outside the timed
    decode loop. Every speculative row checks that its tokens equal plain decoding's (bf16: near-tied logits may
    round differently in the one-token step and the verification chunk).
@@ -100,18 +101,50 @@ from dsv41_jax.train.step import make_train_step  # noqa: E402
 EXCLUDE = "test,tests,idle_test,site-packages,dist-packages,__pycache__,asyncio"  # asyncio: the held-out prompts
 
 
-def target_config(smoke: bool):
-    """The target + drafter configuration (see the module docstring)."""
+def target_config(smoke: bool, block_size: int = 5):
+    """The target + drafter configuration (see the module docstring); ``block_size``: the drafter's block (γ)."""
     common = dict(vocab_size=259, num_hidden_layers=4, compress_ratios=(0, 2, 2, 1), kv_source_layer_ids=(1, 3),
                   index_source_layer_ids=(1, 3), candidate_source_layer_id=3, engram_layer_ids=(),
                   engram_num_embeddings=(), num_nextn_predict_layers=1, dspark_target_layer_ids=(1, 2, 3),
-                  dspark_noise_token_id=258, dspark_block_size=5, quant_sim=False)
+                  dspark_noise_token_id=258, dspark_block_size=block_size, quant_sim=False)
     if smoke:  # the default model's toy widths
         return load_config("default").replace(name="spec-smoke", **common, dspark_n_routed_experts=4,
                                               dspark_num_experts_per_tok=1, dspark_markov_rank=16)
     return load_config("flash").replace(name="spec-h200", **common, n_routed_experts=16, num_experts_per_tok=6,
                                         dspark_n_routed_experts=8, dspark_num_experts_per_tok=1,
                                         dspark_markov_rank=64)
+
+
+def kernel_table(trace_dir: str, steps: int, top: int = 12) -> dict:
+    """Device busy time per step and the kernels that take it, from a ``jax.profiler.trace`` of ``steps`` decoding
+    steps (``benchmarks/trace_events.py``); {"error": ...} where the trace has no device events (the CPU)."""
+    import collections
+    import re
+
+    from benchmarks.trace_events import load_trace, newest_trace, union_length
+
+    path = newest_trace(trace_dir)
+    if path is None:
+        return {"error": f"no trace under {trace_dir}"}
+    events, pname, tname = load_trace(path)
+    dev = {p for p, n in pname.items() if re.search(r"/device:(GPU|gpu)|GPU", n) and "host" not in n.lower()}
+    by_name, intervals = collections.defaultdict(lambda: [0, 0.0]), []
+    for e in events:
+        if e.get("ph") != "X" or e["pid"] not in dev:
+            continue
+        if not re.search(r"stream", tname.get((e["pid"], e.get("tid")), ""), re.I):
+            continue  # per-stream rows only
+        dur = float(e.get("dur", 0))
+        by_name[e.get("name", "")][0] += 1
+        by_name[e.get("name", "")][1] += dur
+        intervals.append((float(e["ts"]), float(e["ts"]) + dur))
+    if not intervals:
+        return {"error": "no device events in the trace"}
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    return dict(steps=steps, busy_ms_per_step=union_length(intervals) / 1e3 / steps,
+                launches_per_step=sum(v[0] for v in by_name.values()) / steps,
+                top=[[n[:80], v[0] / steps, round(v[1] / 1e3 / steps, 4)] for n, v in ranked[:top]],
+                events=[[n[:80], v[0] / steps, round(v[1] / 1e3 / steps, 4)] for n, v in ranked[:300]])
 
 
 def step_bytes(config, batch: int) -> dict:
@@ -282,10 +315,16 @@ def main(argv=None):
     ap.add_argument("--prefix-batches", default="1", help="batches that also run the prefix scheduler (its "
                     "step-time table needs one program per chunk width)")
     ap.add_argument("--variants", default="plain,none", help="decode rows, in this order per batch: plain (always), "
-                    "none (DSpark, device loop), host (DSpark, host loop), threshold (confidence threshold 0.5), "
-                    "prefix (prefix scheduler over a measured step-time table, --prefix-batches). Each kind of row "
-                    "compiles its own programs: host / threshold the host loop's step (also timed alone at full "
-                    "width), prefix one step program per chunk width")
+                    "none (DSpark, device loop), host (DSpark, host loop), threshold (confidence threshold 0.5, "
+                    "device loop), prefix (prefix scheduler over a measured step-time table, --prefix-batches, host "
+                    "loop). none / threshold take ':N' to verify only the first N drafts (e.g. none:5 with "
+                    "--block-size 7). Each kind of row compiles its own programs: host the host loop's step (also "
+                    "timed alone at full width), prefix one step program per chunk width")
+    ap.add_argument("--block-size", type=int, default=5, help="the drafter's block size (drafts per step, γ)")
+    ap.add_argument("--threshold", type=float, default=0.5, help="the threshold rows' survival threshold (> 1: "
+                    "every step verifies the pending token alone, in the full-width chunk)")
+    ap.add_argument("--trace-batches", default="", help="batches whose rows also run once under jax.profiler.trace: "
+                    "device busy ms per step and the kernels taking it (JSON: trace)")
     ap.add_argument("--triton-gemm", action="store_true", help="keep XLA's Triton GEMMs (and their autotuning; the "
                     "default turns them off: cuBLAS GEMMs, see the top of this file)")
     ap.add_argument("--new-tokens", type=int, default=None)
@@ -302,12 +341,13 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
-    bad = sorted(set(variants) - {"plain", "none", "host", "threshold", "prefix"})
+    bad = sorted({v for v in variants if v.split(":")[0] not in ("plain", "none", "host", "threshold", "prefix")
+                  or (":" in v and (v.split(":")[0] not in ("none", "threshold") or not v.split(":")[1].isdigit()))})
     if bad:
         ap.error(f"--variants: unknown row kinds {bad}")
     if "plain" not in variants:
         variants.insert(0, "plain")  # every speculative row is a ratio against it
-    host_step = bool({"host", "threshold"} & set(variants))  # the host loop's step program is needed
+    host_step = "host" in variants  # the host loop's step program is needed
     t_start = time.perf_counter()
     smoke = args.smoke
     budget = args.budget_s or (1e9 if smoke else 400)
@@ -350,7 +390,7 @@ def main(argv=None):
         stacks = open(os.path.join(out, "stacks.txt"), "w")
         faulthandler.dump_traceback_later(watchdog, repeat=True, file=stacks)
 
-    config = target_config(smoke)
+    config = target_config(smoke, args.block_size)
     counts = count_params(config)
     record = dict(config=config.name, device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=" ".join(sys.argv),
@@ -400,6 +440,16 @@ def main(argv=None):
                                               tokenizer=tok) for b in prefix_batches if b in batches})
     warmers = {}
 
+    def decoder_kwargs(variant):
+        """SpeculativeDecoder arguments of a speculative row."""
+        kind, _, n = variant.partition(":")
+        kw = dict(num_draft=int(n)) if n else {}
+        if kind == "threshold":
+            kw.update(schedule="threshold", threshold=args.threshold)
+        elif kind == "host":  # the same speculation with one read-back per step
+            kw.update(chain_every=0)
+        return kw
+
     def warm_plain(b):
         def fn(w):
             engines[b, "plain"].generate(prompts[b], max_new_tokens=3, stop_tokens=())
@@ -407,8 +457,8 @@ def main(argv=None):
 
     def warm_spec(b):
         def fn(w):
-            kinds = [dict()] + ([dict(schedule="threshold", threshold=0.5)] if host_step else [])
-            for kw in kinds:  # device loop; host loop (schedules)
+            kinds = [decoder_kwargs(v) for v in variants if v.split(":")[0] in ("none", "threshold", "host")]
+            for kw in kinds:  # device loop (schedule off / threshold, each width); host loop
                 dec = SpeculativeDecoder(engines[b, "spec"], **kw)
                 # one run builds every program of the row (fresh rings are committed like those a step returns)
                 dec.generate(prompts[b], max_new_tokens=2 * gamma + 2, stop_tokens=())
@@ -574,10 +624,24 @@ def main(argv=None):
 
     # the rows that matter most first (a run cut short by its limit keeps them): plain and speculation at every
     # batch, then the schedulers
-    plan = [(b, v) for b in batches for v in ("plain", "none") if v in variants]
-    plan += [(b, v) for v in ("host", "threshold") if v in variants for b in batches]
+    kind = lambda v: v.split(":")[0]  # noqa: E731
+    plan = [(b, v) for b in batches for v in variants if kind(v) in ("plain", "none")]
+    plan += [(b, v) for v in variants if kind(v) in ("host", "threshold") for b in batches]
     plan += [(b, "prefix") for b in batches if b in prefix_batches]
     plain_out, plain_tps = {}, {}
+    trace_batches = {int(x) for x in args.trace_batches.split(",") if x}
+
+    def traced(b, variant, fn, steps_of) -> dict:
+        """One more run under jax.profiler.trace (its prefill included): the kernel table of its steps."""
+        if b not in trace_batches:
+            return {}
+        d = os.path.join("/tmp", "bench_dspark_traces", f"b{b}_{variant.replace(':', '_')}")
+        with jax.profiler.trace(d):
+            fn()
+        t = kernel_table(d, steps_of())
+        say(f"  trace: {json.dumps({k: v for k, v in t.items() if k != 'events'})[:1500]}")
+        return {"trace": t}
+
     for b, variant in plan:
         if left() < (20 if smoke else 15):
             say(f"budget: skipping batch {b} {variant} ({left():.0f} s left)")
@@ -599,21 +663,19 @@ def main(argv=None):
                 res = eng.generate(prompts[b], max_new_tokens=new, stop_tokens=())
                 return res, eng.last_stats.decode_s
             res, dt, _ = timed(run_plain, lambda: new - 1)
+            tr = traced(b, variant, run_plain, lambda: new - 1)
             plain_out[b] = [r.tokens for r in res]
             plain_tps[b] = b * new / dt
             sample = tok.decode(res[0].tokens)
             record.setdefault("samples", {})[str(b)] = dict(prompt=tok.decode(prompts[b][0]), plain=sample)
-            row(b, "plain", plain_tps[b], plain_tps[b], 1.0, new - 1, 0, dt, sb["total"], "—")
+            row(b, "plain", plain_tps[b], plain_tps[b], 1.0, new - 1, 0, dt, sb["total"], "—", **tr)
             say(f"  sample: {sample[:160]!r}")
             continue
         if b not in plain_tps:
             continue
-        kw, extra = {}, {}
-        if variant == "threshold":
-            kw = dict(schedule="threshold", threshold=0.5)
-        elif variant == "host":  # the same speculation with one read-back per step
-            kw = dict(chain_every=0)
-        elif variant == "prefix":
+        kw, extra = decoder_kwargs(variant), {}
+        n_draft = kw.get("num_draft", gamma)
+        if variant == "prefix":
             table = SpeculativeDecoder(eng).measure_step_times(reps=5)
             extra["step_time_table_ms"] = {str(w): t * 1e3 for w, t in table.items()}
             say("  step-time table: " + ", ".join(f"{w}: {t * 1e3:.2f} ms" for w, t in table.items()))
@@ -625,18 +687,26 @@ def main(argv=None):
             return res, dec.stats.decode_s
         res, dt, _ = timed(run_spec, lambda: dec.stats.steps)
         st = dec.stats
+        extra.update(traced(b, variant, run_spec, lambda: dec.stats.steps))
         if variant == "none" and host_step:  # the host loop's step program alone at full width (its own program:
             # the device loop's step is speculative_chain, a compile of its own; rows host / threshold build it)
             t_round = dec.measure_step_times(widths=(gamma + 1,), reps=5)[gamma + 1]
             extra["round_ms_full_width"] = t_round * 1e3
             say(f"  one speculative step program at width {gamma + 1}: {t_round * 1e3:.2f} ms")
         same = all(r.tokens == plain_out[b][s] for s, r in enumerate(res))
+        # rows whose tokens differ from plain decoding's, with the first differing position (bf16: near-tied
+        # logits round differently in a one-token step and a verification chunk; benchmarks/RESULTS.md)
+        extra["differing_rows"] = [
+            [s, next((j for j, (x, y) in enumerate(zip(r.tokens, plain_out[b][s])) if x != y),
+                     min(len(r.tokens), len(plain_out[b][s])))]
+            for s, r in enumerate(res) if r.tokens != plain_out[b][s]]
         tps = b * new / dt
         # a full-width verification reads the weights (b (γ + 1) tokens') and the drafter's block
-        floor_verify = step_bytes(config, b * (gamma + 1))["total"] + 2 * counts.dspark
-        name = {"none": "DSpark (device loop)", "host": "DSpark (host loop)", "threshold": "DSpark + threshold 0.5",
-                "prefix": "DSpark + prefix (measured)"}
-        row(b, name[variant], tps, plain_tps[b], st.mean_accepted_length, st.steps, st.rollbacks, dt, floor_verify,
+        floor_verify = step_bytes(config, b * (n_draft + 1))["total"] + 2 * counts.dspark
+        name = {"none": "DSpark (device loop)", "host": "DSpark (host loop)",
+                "threshold": f"DSpark + threshold {args.threshold:g} (device loop)",
+                "prefix": "DSpark + prefix (measured, host loop)"}[variant.split(":")[0]] + f", γ {n_draft}"
+        row(b, name, tps, plain_tps[b], st.mean_accepted_length, st.steps, st.rollbacks, dt, floor_verify,
             "yes" if same else "NO", drafted=st.drafted, accepted=st.accepted, device_steps=st.device_steps, **extra)
     if watchdog:
         faulthandler.cancel_dump_traceback_later()

@@ -369,12 +369,19 @@ def test_scheduled_speculation_stays_lossless():
         assert spec.stats.drafted < 3 * 4 * spec.stats.steps  # fewer drafts verified than proposed
     with pytest.raises(EngineError, match="steps_per_s"):
         SpeculativeDecoder(eng, schedule="prefix")
-    # unscheduled greedy speculation runs on the device (speculative_chain, read back every 3 steps): the same
-    # tokens and the same verification steps as the host loop
+    # unscheduled and threshold-scheduled greedy speculation run on the device (speculative_chain, read back every
+    # 3 steps): the same tokens and the same verification steps as the host loop
     runs = {}
     for every in (0, 3):
-        spec = SpeculativeDecoder(eng, chain_every=every)
-        runs[every] = ([r.tokens for r in spec.generate(prompts, max_new_tokens=20, stop_tokens=())], spec.stats)
+        for sched in (None, "threshold"):
+            spec = SpeculativeDecoder(eng, chain_every=every, schedule=sched, threshold=0.3)
+            runs[every, sched] = ([r.tokens for r in spec.generate(prompts, max_new_tokens=20, stop_tokens=())],
+                                  spec.stats)
+    h, d = runs[0, "threshold"][1], runs[3, "threshold"][1]
+    assert runs[0, "threshold"][0] == runs[3, "threshold"][0] == plain
+    assert (h.steps, h.drafted, h.accepted, h.emitted) == (d.steps, d.drafted, d.accepted, d.emitted)
+    assert h.device_steps == 0 and d.device_steps == d.steps > 0 and d.drafted < 3 * 4 * d.steps
+    runs = {every: runs[every, None] for every in (0, 3)}
     # a decoder's second run seeds the rings its steps returned with the program its first run compiled (fresh
     # rings are committed like the returned ones)
     seeded = _seed_jit._cache_size()

@@ -343,8 +343,8 @@ def test_slot_kernels_equal_the_model_moe():
     interpret mode here) read the used experts' weights in place and compute ops.moe (float32), for one token (its
     picks as slots) and for a few tokens sharing experts (spare slots that read nothing); bf16 stays within bf16
     rounding of float32 on the same inputs."""
-    from dsv41_jax.inference.moe import moe_inference
-    from dsv41_jax.ops.moe import moe
+    from dsv41_jax.inference.moe import LIVE_SLOT_MAX_TOKENS, moe_inference
+    from dsv41_jax.ops.moe import expert_mlp, moe
 
     config, params, _ = _model("tiny")
     p = params["layers"][3]["ffn"]
@@ -356,11 +356,24 @@ def test_slot_kernels_equal_the_model_moe():
         return moe_inference(x, p, backend="pallas_gpu_interpret", **kw), moe(x, p, impl="dense", **kw)[0]
 
     rng = np.random.default_rng(1)
-    for m in (1, 3):
+    # 6 tokens: every expert gets a slot, and the kernels (LIVE_SLOT_MAX_TOKENS), not the batched GEMM over all
+    # experts, run them: unpicked experts are not read (a batch-1 verification chunk)
+    assert 6 * config.num_experts_per_tok >= config.n_routed_experts and 6 <= LIVE_SLOT_MAX_TOKENS
+    for m in (1, 3, 6):
         x = jnp.asarray(rng.standard_normal((m, config.hidden_size)), jnp.float32)
         assert str(jax.make_jaxpr(both)(x, p)).count("pallas_call") == 2  # the kernels, not the XLA loop
         got, want = both(x, p)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    # masked rows (``live``: a scheduled chunk's rows past n_valid) pick no expert: the live rows are unchanged,
+    # the dead ones get the shared expert alone
+    live = jnp.asarray([True, True, False, True, False, False])
+    got = jax.jit(lambda x, p: moe_inference(x, p, backend="pallas_gpu_interpret", live=live, **kw))(x, p)
+    s = p["shared_experts"]
+    shared = expert_mlp(x, s["w1"], s["w2"], s["w3"], config.swiglu_limit)
+    np.testing.assert_allclose(np.asarray(got)[np.asarray(live)], np.asarray(want)[np.asarray(live)], rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got)[~np.asarray(live)], np.asarray(shared)[~np.asarray(live)],
+                               rtol=1e-5, atol=1e-6)
     p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
     got, _ = both(x.astype(jnp.bfloat16), p16)
     _, want = both(x.astype(jnp.bfloat16).astype(jnp.float32), jax.tree.map(lambda a: a.astype(jnp.float32), p16))
@@ -394,3 +407,8 @@ def test_tiled_moe_equals_the_model_moe():
         got, want = both(x, tile)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
         assert ("while[" in str(jax.make_jaxpr(both, static_argnums=(1,))(x, tile))) == loop, (m, tile)
+        if m in (5, 40):  # masked rows (``live``) on the tiled loop and the batched GEMM: live rows unchanged
+            live = jnp.asarray(rng.random(m) < 0.5)
+            lv = np.asarray(live)
+            got = jax.jit(lambda x: moe_inference(x, p, tile=tile, live=live, **kw))(x)
+            np.testing.assert_allclose(np.asarray(got)[lv], np.asarray(want)[lv], rtol=1e-5, atol=1e-6)

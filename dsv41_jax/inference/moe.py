@@ -48,6 +48,13 @@ STATIC_MAX_TOKENS = 64
 # instead of the tiled loop, whose data-dependent trip count is a host round-trip per tile on a GPU (measured on
 # an H200: the batch-16 verification step took 19 ms against 3 ms for a plain step, benchmarks/RESULTS.md).
 STATIC_MAX_ROWS = 2048
+# Up to this many tokens the slot kernels (GPU) run even when every expert gets a slot, instead of the batched GEMM
+# over all experts: their spare slots (experts no token picked) read nothing. A batch-1 verification chunk (6 tokens
+# x top-6 on 16 experts) leaves ~1 expert unpicked under uniform routing and more under a trained, skewed router or
+# a scheduled (shortened) chunk, whose masked tokens pick none (``live``); the batched GEMM reads all 16 (measured
+# from the deviceless H200 compile of the DSpark bench's verification step: 4.53 GB of routed weights per step).
+# Above it nearly every expert is picked anyway (16 tokens x top-6: P(an expert unpicked) = 0.05 %).
+LIVE_SLOT_MAX_TOKENS = 8
 
 
 def _pow2_at_least(n: int, lo: int = 8) -> int:
@@ -109,9 +116,17 @@ def _slot_kernels(xs, slot_expert, live, slot_wts, w1, w2, w3, limit, blocks, ba
     return slot_down(act, slot_expert, live, w2, block_n=bn_down, block_k=bk_down, interpret=interpret)
 
 
-def routed_slots(x, weights, idx, w1, w2, w3, limit, backend: str = "reference"):
+def _drop_dead(idx, live, n_exp):
+    """The picks of tokens that are not ``live`` [M] (masked rows of a chunk) moved to the out-of-range expert
+    ``n_exp``: they sort last, ``bincount`` drops them and no slot or tile takes them, so those rows' routed output
+    is 0 and the experts only they picked are not read. Live rows are unchanged."""
+    return idx if live is None else jnp.where(live.reshape(-1, 1), idx, n_exp)
+
+
+def routed_slots(x, weights, idx, w1, w2, w3, limit, backend: str = "reference", live=None):
     """x [M, d]; weights / idx [M, k] -> [M, d] float32, with a static loop over min(n_experts, M * k) expert slots
-    (see the module docstring). Same maths as :func:`routed_tiled`.
+    (see the module docstring). Same maths as :func:`routed_tiled`. ``live`` [M] bool (optional): rows whose
+    routed output is needed; the others get 0 and read no expert (:func:`_drop_dead`).
 
     When every expert gets a slot (M * k >= n_experts: a decode batch of 3+ tokens on 16 experts, 64 on the
     release's 384) and the weights are plain arrays, the slots are the experts in order and one batched GEMM per
@@ -122,9 +137,14 @@ def routed_slots(x, weights, idx, w1, w2, w3, limit, backend: str = "reference")
     m, k = idx.shape
     n_exp = w1.shape[0]
     n_slots = min(n_exp, m * k)
-    every_expert = n_slots == n_exp and all(is_plain_weight(w) for w in (w1, w2, w3))
     backend = kernels.resolve_backend(backend)
-    blocks = None if every_expert else _slot_kernel_blocks(_pow2_at_least(m, MIN_ROWS), w1, w2, w3, backend)
+    blocks = _slot_kernel_blocks(_pow2_at_least(m, MIN_ROWS), w1, w2, w3, backend)
+    # the batched GEMM over every expert when every expert gets a slot, except for a few tokens on the slot
+    # kernels, which skip the experts nobody picked (LIVE_SLOT_MAX_TOKENS)
+    every_expert = (n_slots == n_exp and all(is_plain_weight(w) for w in (w1, w2, w3))
+                    and (blocks is None or m > LIVE_SLOT_MAX_TOKENS))
+    if every_expert:
+        blocks = None
     rows = _pow2_at_least(m, MIN_ROWS if blocks else 8)
     if blocks is not None and m == 1:
         # one token: its top-k experts are distinct, so slot j is its j-th pick (no sort, no scatter back)
@@ -133,8 +153,8 @@ def routed_slots(x, weights, idx, w1, w2, w3, limit, backend: str = "reference")
         ys = _slot_kernels(xs, idx[0].astype(jnp.int32), jnp.ones((k,), jnp.int32), slot_wts, w1, w2, w3, limit,
                            blocks, backend)
         return jnp.sum(ys[:, 0, :], axis=0)[None]
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # assignments sorted by expert
+    flat = _drop_dead(idx, live, n_exp).reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # assignments sorted by expert (dead rows' picks last)
     token = order // k
     wts = weights.reshape(-1)[order].astype(jnp.float32)
     counts = jnp.bincount(flat, length=n_exp).astype(jnp.int32)
@@ -180,13 +200,14 @@ def _tile_rows(assignments: int, n_experts: int) -> int:
     return t
 
 
-def routed_tiled(x, weights, idx, w1, w2, w3, limit, tile: int | None = None):
-    """x [M, d]; weights / idx [M, k] -> [M, d] float32 (sum of the weighted expert outputs)."""
+def routed_tiled(x, weights, idx, w1, w2, w3, limit, tile: int | None = None, live=None):
+    """x [M, d]; weights / idx [M, k] -> [M, d] float32 (sum of the weighted expert outputs; rows not ``live``
+    [M]: 0, as in :func:`routed_slots`)."""
     m, k = idx.shape
     n_exp = w1.shape[0]
     a = m * k
     tile = tile or _tile_rows(a, n_exp)
-    flat = idx.reshape(-1)
+    flat = _drop_dead(idx, live, n_exp).reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // k
     wts = weights.reshape(-1)[order].astype(jnp.float32)
@@ -256,18 +277,21 @@ def _static_trip_count(m: int, k: int, w1, w2, w3) -> bool:
 def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scaling: float, limit: float,
                   normalize: bool = True, tile: int | None = None, backend: str = "auto",
                   router_one_pass: bool = False, fp4_one_token: bool = True,
-                  fp4_slot_decode: str | None = None) -> jax.Array:
+                  fp4_slot_decode: str | None = None, live: jax.Array | None = None) -> jax.Array:
     """x [..., d] -> y [..., d] in x.dtype (router + tiled routed experts + the shared expert). ``backend`` (a
     ``dsv41_jax.kernels`` backend) picks the decode path's slot kernels on a GPU (:func:`routed_slots`);
     ``router_one_pass``: the router logits as one reduction (``ops.moe.route``); ``fp4_one_token``: one token's
     release FP4 experts on the GPU kernels by :func:`routed_fp4_one_token` (default True, measured faster in the step;
     False: the grouped kernel — ``InferenceOptions.fp4_one_token``); ``fp4_slot_decode``: those kernels' decode form
-    (None: their default)."""
+    (None: their default); ``live`` (x's leading shape, bool): the tokens whose output is used — the others'
+    routed output is 0 and, on the slot / tiled paths, the experts only they picked are not read (a chunk's masked
+    rows). The live tokens' outputs do not depend on it."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, idx, _ = route(flat, params["gate"]["weight"], params["gate"]["bias"], top_k=top_k, temp=temp,
                             scaling=scaling, normalize=normalize, one_pass=router_one_pass)
     e = params["experts"]
+    live_rows = None if live is None else jnp.broadcast_to(live, shape[:-1]).reshape(-1)
     one_token = fp4_one_token_backend(flat.shape[0], e["w1"], e["w2"], e["w3"]) if fp4_one_token else None
     if one_token is not None:
         y = routed_fp4_one_token(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, one_token, fp4_slot_decode)
@@ -277,13 +301,14 @@ def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scalin
         y = routed_ragged(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit)
     elif tile is None and _static_trip_count(flat.shape[0], top_k, e["w1"], e["w2"], e["w3"]):
         # decode (and short verification chunks on few experts): a loop with a static trip count
-        y = routed_slots(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, backend)
+        y = routed_slots(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, backend, live=live_rows)
     else:
-        y = routed_tiled(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, tile)
+        y = routed_tiled(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, tile, live=live_rows)
     s = params["shared_experts"]
     y = y + expert_mlp(flat, s["w1"], s["w2"], s["w3"], limit).astype(jnp.float32)
     return y.astype(x.dtype).reshape(shape)
 
 
 __all__ = ["moe_inference", "routed_tiled", "routed_slots", "routed_fp4_one_token", "fp4_one_token_backend",
-           "STATIC_MAX_TOKENS"]
+           "STATIC_MAX_TOKENS",
+           "STATIC_MAX_ROWS", "LIVE_SLOT_MAX_TOKENS"]

@@ -313,7 +313,11 @@ def speculative_chain(params: dict, cache: dict, rings, state: dict, engram_hash
     emitted so far, the first one included), ``max_new`` / ``n_prompt`` int32 [B], ``stops`` int32 [B, S] (padded
     with -2), ``max_len`` int32 [], ``step`` int32 [], (with Engram layers ``engram_history`` int32 [B, N-1],
     ``ops.engram_hash.device_history``) and the read-back ring: ``out`` int32 [R, B, K + 1] (row step mod R: the
-    step's kept tokens), ``kept`` / ``valid`` int32 [R, B] (tokens kept / verified per row). A row ends as
+    step's kept tokens), ``kept`` / ``valid`` int32 [R, B] (tokens kept / verified per row); optionally the
+    confidence schedule: ``threshold`` float32 [] and the drafts' ``confidence`` logits float32 [B, K] (each row
+    verifies the longest prefix of its drafts whose predicted survival stays >= threshold, as
+    :func:`threshold_lengths`; the chunk keeps its width, the rest of the row is masked and picks no expert in
+    the MoE). A row ends as
     ``Engine.generate``'s ``finish_reason`` ends it (a stop token, ``max_new`` tokens, the cache's length), so the
     host, replaying the ring, agrees with the device on every row's end. Returns (state, cache, rings)."""
     c = config
@@ -321,7 +325,11 @@ def speculative_chain(params: dict, cache: dict, rings, state: dict, engram_hash
     b, k = drafts.shape
     tokens = jnp.concatenate([pending[:, None], jnp.where(active[:, None], drafts, 0)], axis=1)
     room = jnp.maximum(state["max_len"] - cache["length"], 0)
-    n_valid = jnp.where(active, jnp.minimum(k + 1, room), 0).astype(jnp.int32)
+    width = k + 1
+    if "threshold" in state:  # the confidence schedule: drafts verified per row, as threshold_lengths
+        survival = jnp.cumprod(jax.nn.sigmoid(state["confidence"].astype(jnp.float32)), axis=-1)
+        width = 1 + jnp.sum(jnp.cumprod(survival >= state["threshold"], axis=-1), axis=-1)
+    n_valid = jnp.where(active, jnp.minimum(width, room), 0).astype(jnp.int32)
     eids, new = None, {}
     if c.engram_layer_ids:  # the chunk's n-gram rows, position by position, and the look-back after each
         hist = state["engram_history"]
@@ -351,6 +359,7 @@ def speculative_chain(params: dict, cache: dict, rings, state: dict, engram_hash
     r = state["out"].shape[0]
     new.update(pending=jnp.where(n_keep > 0, nxt, pending), drafts=nd.tokens[:, :k].astype(jnp.int32),
                active=active & ~ended, generated=state["generated"] + n_keep, step=step,
+               **({"confidence": nd.confidence[:, :k].astype(jnp.float32)} if "threshold" in state else {}),
                out=state["out"].at[(step - 1) % r].set(jnp.where(live, kept, -1).astype(jnp.int32)),
                kept=state["kept"].at[(step - 1) % r].set(n_keep), valid=state["valid"].at[(step - 1) % r].set(n_valid))
     return {**state, **new}, cache, rings
@@ -494,9 +503,9 @@ class SpeculativeDecoder:
     masked) or the table ``step_times`` {chunk width: seconds} (:meth:`measure_step_times`; each step's chunk is
     then as wide as its widest row, the cost the table measured).
 
-    ``chain_every``: greedy DSpark speculation without a schedule runs on the device (:func:`speculative_chain`:
-    each step feeds the next, nothing read back between steps) and reads its tokens back every this many steps;
-    0 = the host loop (one read-back per step, as every other mode).
+    ``chain_every``: greedy DSpark speculation without a schedule or with the threshold schedule runs on the
+    device (:func:`speculative_chain`: each step feeds the next, nothing read back between steps) and reads its
+    tokens back every this many steps; 0 = the host loop (one read-back per step, as every other mode).
     """
 
     def __init__(self, engine: Engine, drafter: Drafter | None = None, *, num_draft: int | None = None,
@@ -726,6 +735,9 @@ class SpeculativeDecoder:
                  "max_len": jnp.asarray(e.max_len, jnp.int32), "step": jnp.zeros((), jnp.int32),
                  "out": jnp.zeros((r, b, k + 1), jnp.int32), "kept": jnp.zeros((r, b), jnp.int32),
                  "valid": jnp.zeros((r, b), jnp.int32)}
+        if self.schedule == "threshold":
+            state["threshold"] = jnp.asarray(self.threshold, jnp.float32)
+            state["confidence"] = jnp.asarray(np.asarray(self.last_draft.confidence)[:, :k], jnp.float32)
         tables, hist0 = None, e._hist
         if e.hasher is not None:
             tables = e.hasher.device_tables()
@@ -826,7 +838,8 @@ class SpeculativeDecoder:
         length = e.lengths().astype(np.int64)
         if fused and active.any():
             self.drafter(self, pending, active.copy())
-        if fused and active.any() and self.sampling is None and self.schedule is None and self.chain_every > 0 \
+        if fused and active.any() and self.sampling is None and self.schedule in (None, "threshold") \
+                and self.chain_every > 0 \
                 and self.num_draft + 1 <= c.sliding_window:
             self._chain(pending, active, info, out, account)
         while active.any():

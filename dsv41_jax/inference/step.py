@@ -569,7 +569,8 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
             y = moe_inference(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp,
                               scaling=c.routed_scaling_factor, limit=c.swiglu_limit, normalize=c.norm_topk_prob,
                               backend=opts.kernel_backend, router_one_pass=opts.router_one_pass and small,
-                              fp4_one_token=opts.fp4_one_token, fp4_slot_decode=opts.fp4_slot_decode)
+                              fp4_one_token=opts.fp4_one_token, fp4_slot_decode=opts.fp4_slot_decode,
+                              live=valid)  # masked rows (past n_valid) pick no expert: fewer weights read
         else:
             y, _ = moe(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp, scaling=c.routed_scaling_factor,
                        limit=c.swiglu_limit, impl=opts.moe_impl, normalize=c.norm_topk_prob)
