@@ -81,7 +81,7 @@ TILINGS = [({}, {}),
 if SMOKE:
     TILINGS = [({}, {}), (dict(decode="f16"), dict(decode="f16")),
                (dict(block_n=4, block_k=32, prefetch=1), dict(block_n=4, block_k=32))]
-OUT: dict = {"meta": {}, "ceilings": {}, "experts": [], "checks": [], "decode": [], "errors": []}
+OUT: dict = {"meta": {}, "ceilings": {}, "experts": [], "grouped": [], "checks": [], "decode": [], "errors": []}
 T0 = time.time()
 
 FAMILIES = [  # (family, pattern on the device event's name), first match wins
@@ -230,6 +230,65 @@ def experts_part(bw, n_tilings=len(TILINGS)):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# grouped: the batch-32 decode step's grouped FP4 expert GEMMs
+# ----------------------------------------------------------------------------------------------------------------
+
+# (label, tuning of kernels.quant_gemm_gpu.fp4_grouped_gemm): the first is the kernel's default (same-run baseline)
+GROUPED_TUNINGS = [("tokens form (default)", {}),
+                   ("weights form, f32 decode", dict(mma_rows="weights")),
+                   ("weights form, bf16x2 decode", dict(mma_rows="weights", decode="bf16x2")),
+                   ("weights form, bf16x2, block_m 16", dict(mma_rows="weights", decode="bf16x2", block_m=16)),
+                   ("weights form, bf16x2, block_n 128, 8 warps", dict(mma_rows="weights", decode="bf16x2",
+                                                                        block_n=128, num_warps=8)),
+                   ("weights form, bf16x2, block_n 128", dict(mma_rows="weights", decode="bf16x2", block_n=128)),
+                   ("weights form, bf16x2, 4 stages", dict(mma_rows="weights", decode="bf16x2", num_stages=4))]
+
+
+def grouped_part(bw, batch=32):
+    """One grouped FP4 GEMM as the bench model's batch-``batch`` decode step runs it: ``batch`` tokens x top-6 of
+    16 experts (uniform random picks) = 192 rows sorted by expert, w1 / w3 (2304 x 5120) and w2 (5120 x 2304); each
+    call runs R distinct weight stacks (> L2). Device µs per GEMM; bytes = the used experts' packed bytes + scales +
+    activations read + output written; checked against float32 on the dequantised weights (bf16 inputs)."""
+    n_exp = 8 if SMOKE else 16
+    r = 2 if SMOKE else 4
+    rows = batch * TOPK
+    import bench_quant_gemm as BQ
+
+    for shape_name, (n, k) in (("w1 / w3", (F_, D_)), ("w2", (D_, F_))):
+        key = jax.random.PRNGKey(11 + n)
+        ws = [B.random_fp4(jax.random.fold_in(key, i), n_exp, n, k) for i in range(r)]
+        gss = [BQ._routing(jax.random.fold_in(key, 100 + i), batch, n_exp, TOPK) for i in range(r)]
+        xs = [jax.random.normal(jax.random.fold_in(key, 200 + i), (rows, k), jnp.float32).astype(jnp.bfloat16)
+              for i in range(r)]
+        used = float(np.mean([int(jnp.sum(g > 0)) for g in gss]))
+        nbytes = used * (n * k // 2 + n * k // 32) + rows * k * 2 + rows * n * 2
+        want = jax.lax.ragged_dot(xs[0].astype(jnp.float32), jnp.swapaxes(ws[0].dequantize(jnp.float32), 1, 2),
+                                  gss[0], precision=jax.lax.Precision.HIGHEST)
+        base = None
+        for label, tuning in GROUPED_TUNINGS:
+            try:
+                fn = jax.jit(lambda xs, gss, ws, tuning=tuning: [QG.fp4_grouped(x, g, w, backend=BE, tuning=tuning)
+                                                                 for x, g, w in zip(xs, gss, ws)])
+                out = jax.block_until_ready(fn(xs, gss, ws))
+                err = B.rel_err(out[0], want)
+                dev, _ = device_us(fn, (xs, gss, ws), r)
+            except Exception as e:  # noqa: BLE001
+                OUT["errors"].append(f"grouped {shape_name} {label}: {type(e).__name__}: {str(e)[:400]}")
+                log(f"grouped {shape_name} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                continue
+            row = dict(shape=shape_name, n=n, k=k, rows=rows, experts=n_exp, used_experts=used, variant=label,
+                       tuning=tuning, bytes=nbytes, dev_us=dev, rel_err=err,
+                       pct_datasheet=100 * nbytes / (dev * 1e-6) / DATASHEET_BW,
+                       pct_read=100 * nbytes / (dev * 1e-6) / bw.get("read_bw", DATASHEET_BW))
+            base = base or row
+            row["speedup_vs_default"] = base["dev_us"] / dev
+            OUT["grouped"].append(row)
+            OUT["checks"].append(dict(what=f"grouped {shape_name} {label}, bf16 x, vs float32", rel_err=err))
+            log(f"| {shape_name} | {label} | {dev:.1f} | {row['pct_datasheet']:.0f}% | {row['pct_read']:.0f}% | "
+                f"{row['speedup_vs_default']:.2f}x | {err:.1e} |")
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # decode: the step's profile by kernel family
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -317,7 +376,8 @@ def time_and_profile(s, batch, form, out_dir, steps=10, profile_steps=3):
     return row
 
 
-def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False, no_grouped=False):
+def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False, no_grouped=False,
+                grouped_tuning: tuple = (), no_f16=False):
     """Per batch: every form's first call (trace + compile + one step) concurrently in threads (XLA compiles
     release the GIL; the forms' first-call times overlap, so each is an upper bound of its compile), then each
     form timed and profiled alone."""
@@ -342,9 +402,12 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
              ("release, one-token FP4 kernels", prel, InferenceOptions(**rel, fp4_one_token=True))]
     if not no_grouped:
         forms.append(("release, grouped FP4 kernel", prel, InferenceOptions(**rel, fp4_one_token=False)))
-    # the one-token kernels' form before the pair decode, as its own option (a distinct compiled program)
-    forms.append(("release, one-token FP4 kernels, f16 decode (before)", prel,
-                  InferenceOptions(**rel, fp4_one_token=True, fp4_slot_decode="f16")))
+    if grouped_tuning:  # batches > 1 only (one token takes the one-token kernels in every release form)
+        forms.append((f"release, grouped FP4 kernel {dict(grouped_tuning)}", prel,
+                      InferenceOptions(**rel, fp4_one_token=True, fp4_grouped_tuning=grouped_tuning)))
+    if not no_f16:  # the one-token kernels' form before the pair decode, as its own option (a distinct program)
+        forms.append(("release, one-token FP4 kernels, f16 decode (before)", prel,
+                      InferenceOptions(**rel, fp4_one_token=True, fp4_slot_decode="f16")))
     if wo_a_fp8:  # the form measured before wo_a was served from load
         forms.append(("release, grouped FP4 kernel, wo_a FP8 per step (before)", stored,
                       InferenceOptions(**rel, fp4_one_token=False)))
@@ -354,7 +417,8 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
             OUT["errors"].append(f"decode batch {b}: skipped (budget)")
             log(f"decode batch {b}: skipped ({time.time() - T0:.0f} s > budget {budget_s:.0f} s)")
             continue
-        log(f"decode: batch {b}: first calls of {len(forms)} forms, concurrently ({time.time() - T0:.0f} s)")
+        b_forms = [f for f in forms if b > 1 or "grouped FP4 kernel {" not in f[0]]
+        log(f"decode: batch {b}: first calls of {len(b_forms)} forms, concurrently ({time.time() - T0:.0f} s)")
 
         def first(form):
             try:
@@ -362,10 +426,10 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
             except Exception as e:  # noqa: BLE001
                 return dict(error=f"{type(e).__name__}: {str(e)[:400]}")
 
-        with concurrent.futures.ThreadPoolExecutor(len(forms)) as ex:
-            setups = list(ex.map(first, forms))
+        with concurrent.futures.ThreadPoolExecutor(len(b_forms)) as ex:
+            setups = list(ex.map(first, b_forms))
         log(f"decode: batch {b}: compiled ({time.time() - T0:.0f} s)")
-        for (form, params, _), s in zip(forms, setups):
+        for (form, params, _), s in zip(b_forms, setups):
             row = dict(model=config.name, batch=b, context=context, weights=form, weight_gb=weight_bytes(params) / 1e9)
             try:
                 if "error" in s:
@@ -397,6 +461,11 @@ def main():
                          "form before wo_a was served in bf16 from load, now the release forms' default)")
     ap.add_argument("--wo-a-bf16", action="store_true", help="no effect: wo_a in bf16 from load is now the default")
     ap.add_argument("--no-grouped", action="store_true", help="decode: leave out the grouped FP4 kernel form")
+    ap.add_argument("--no-f16", action="store_true", help="decode: leave out the one-token kernels' f16 form")
+    ap.add_argument("--grouped-tuning", default="",
+                    help="decode, batches > 1: also a release form whose grouped FP4 kernel takes this JSON tuning")
+    ap.add_argument("--grouped", action="store_true",
+                    help="the batch-32 grouped FP4 GEMMs at GROUPED_TUNINGS (kernel micro-benchmark) first")
     args = ap.parse_args()
     OUT["meta"] = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), jax=jax.__version__,
                        devices=[d.device_kind for d in jax.devices()],
@@ -433,12 +502,23 @@ def main():
         if not args.skip_decode:
             try:
                 decode_part("smoke" if SMOKE else args.model, [int(b) for b in args.batches.split(",")], args.context,
-                            args.budget_s, args.out, save, args.wo_a_fp8, args.no_grouped)
+                            args.budget_s, args.out, save, args.wo_a_fp8, args.no_grouped,
+                            tuple(sorted(json.loads(args.grouped_tuning).items())) if args.grouped_tuning else (),
+                            args.no_f16)
             except Exception as e:  # noqa: BLE001
                 OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
                 log(f"decode FAILED: {type(e).__name__}: {str(e)[:300]}")
             save()
 
+    if args.grouped:
+        log("\n| batch-32 grouped FP4 GEMM | variant | dev µs | % of 4.8 TB/s | % of read-only | × default | "
+            "rel err vs float32 |\n|---|---|---:|---:|---:|---:|---:|")
+        try:
+            grouped_part(OUT["ceilings"])
+        except Exception as e:  # noqa: BLE001
+            OUT["errors"].append(f"grouped: {type(e).__name__}: {str(e)[:400]}")
+            log(f"grouped FAILED: {type(e).__name__}: {str(e)[:300]}")
+        save()
     for part in ((decode, experts) if args.decode_first else (experts, decode)):
         part()
     log("\n| batch | weights | first call s | synced ms | queued ms | busy ms | kernel ms | launches | families "

@@ -3,6 +3,7 @@ TPU Mosaic, in interpret mode on CPU) equal the plain-JAX dequantise-then-GEMM w
 noise — partial blocks, ragged groups with empty experts and rows past the groups included; bad operands fail with a
 clear error; the Mosaic kernels compile ahead of time for a TPU v5p."""
 
+import functools
 import os
 
 import jax
@@ -92,9 +93,37 @@ def test_gpu_kernel_tilings_are_exact_on_the_contiguous_paths():
     wd = np.asarray(w4.dequantize(), np.float64)
     want = np.zeros((16, 64))
     want[:3], want[3:12] = np.asarray(x[:3], np.float64) @ wd[0].T, np.asarray(x[3:12], np.float64) @ wd[2].T
-    for tuning in (dict(block_m=16, block_n=64, block_k=128),):
+    for tuning in (dict(block_m=16, block_n=64, block_k=128), dict(mma_rows="weights", block_m=16, block_n=32,
+                                                                     block_k=128)):
         got = QG.fp4_grouped(x, gs, w4, backend="pallas_gpu_interpret", tuning=tuning)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(tuning))
+    # bf16 activations: the weights-as-rows form with the float32 and the bf16x2 decode (code 1 = 0.5 is a bf16
+    # subnormal pattern before its scale) against float64 on the same bf16 inputs, within one bf16 rounding
+    xb = x.astype(jnp.bfloat16)
+    want_b = np.zeros((16, 64))
+    xb64 = np.asarray(xb.astype(jnp.float32), np.float64)
+    want_b[:3], want_b[3:12] = xb64[:3] @ wd[0].T, xb64[3:12] @ wd[2].T
+    for tuning in (dict(), dict(mma_rows="weights", block_m=16, block_n=32, block_k=128),
+                   dict(mma_rows="weights", decode="bf16x2", block_m=16, block_n=32, block_k=128)):
+        got = QG.fp4_grouped(xb, gs, w4, backend="pallas_gpu_interpret", tuning=tuning)
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got, np.float32), want_b, rtol=2 ** -8,
+                                   atol=2 ** -8 * np.abs(want_b).max(), err_msg=str(tuning))
+
+
+def test_bf16x2_e2m1_patterns_are_the_e2m1_values():
+    """The bf16x2 decode's bit arithmetic (``_e2m1_bf16x2_ptx``, run on the GPU only) on all 256 bytes, both nibbles,
+    in numpy (subnormals kept): the pattern times 2^126 is the e2m1 value."""
+    import ml_dtypes
+
+    table = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    b = np.arange(256, dtype=np.uint32)
+    w = b | b << 16  # the PTX's prmt puts two bytes at bits 0-7 / 16-23; both halves must decode alike
+    for mask, mul, codes in ((0x000F000F, 0x1040, b & 15), (0x00F000F0, 0x104, b >> 4)):
+        pat = ((w & mask) * mul) & 0x81C081C0
+        for half in (pat & 0xFFFF, pat >> 16):
+            got = half.astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64) * 2.0 ** 126
+            np.testing.assert_array_equal(got, table[codes])
 
 
 def test_fused_fp8_kernel_equals_the_float32_reference_and_the_separate_kernels():
@@ -262,7 +291,10 @@ def test_gpu_kernels_lower_to_triton_without_a_gpu():
              (G.fp4_grouped_gemm, (sds((48, 5120), bf), sds((384,), jnp.int32), sds((384, 2304, 2560), u8),
                                    sds((384, 2304, 160), u8))),
              (G.fp4_grouped_gemm, (sds((13, 96), jnp.float32), sds((5,), jnp.int32), sds((5, 40, 48), u8),
-                                   sds((5, 40, 3), u8)))]
+                                   sds((5, 40, 3), u8))),
+             # the decode form: weights on the product's row side, the bf16x2 decode's inline PTX
+             (functools.partial(G.fp4_grouped_gemm, mma_rows="weights", decode="bf16x2"),
+              (sds((192, 5120), bf), sds((16,), jnp.int32), sds((16, 2304, 2560), u8), sds((16, 2304, 160), u8)))]
     for fn, args in cases:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text or "triton" in text

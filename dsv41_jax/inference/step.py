@@ -86,6 +86,9 @@ class InferenceOptions:
     #                             form of its down kernel had been slower; benchmarks/RESULTS.md)
     fp4_slot_decode: str | None = None  # those kernels' decode form (kernels.quant_gemm_gpu.FP4_SLOT_DECODES; None:
     #                                     the kernels' default) — to measure one form against another in one run
+    fp4_grouped_tuning: tuple = ()  # (name, value) pairs for the grouped FP4 expert kernel (kernels.quant_gemm_gpu.
+    #                                 fp4_grouped_gemm: mma_rows, decode, block sizes; empty: its defaults) — to
+    #                                 measure one form against another in one run
     packed_cache_kernels: bool = False  # with cache="release" on the GPU kernels: the sparse attention and the
     #                                     indexer read the packed window ring, compressed KV and keys and dequantise
     #                                     in registers, instead of unpacking whole buffers first. Equal to the
@@ -569,7 +572,8 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
             y = moe_inference(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp,
                               scaling=c.routed_scaling_factor, limit=c.swiglu_limit, normalize=c.norm_topk_prob,
                               backend=opts.kernel_backend, router_one_pass=opts.router_one_pass and small,
-                              fp4_one_token=opts.fp4_one_token, fp4_slot_decode=opts.fp4_slot_decode)
+                              fp4_one_token=opts.fp4_one_token, fp4_slot_decode=opts.fp4_slot_decode,
+                              fp4_grouped_tuning=opts.fp4_grouped_tuning)
         else:
             y, _ = moe(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp, scaling=c.routed_scaling_factor,
                        limit=c.swiglu_limit, impl=opts.moe_impl, normalize=c.norm_topk_prob)

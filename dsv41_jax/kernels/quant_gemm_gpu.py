@@ -389,12 +389,30 @@ def tile_metadata(group_sizes, n_rows: int, block_m: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
-                                             "prefetch", "name", "interpret"))
-def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = None, block_n: int = 64,
-                     block_k: int = 256, num_warps: int = 4, num_stages: int = 3, prefetch: int = 0,
+                                             "prefetch", "mma_rows", "decode", "name", "interpret"))
+def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = None, block_n: int | None = None,
+                     block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                     prefetch: int = 0, mma_rows: str | None = None, decode: str | None = None,
                      name: str = "fp4_grouped_gemm", interpret: bool = False):
     """x [A, K] rows sorted by group; group_sizes [E] (sum <= A; rows past the sum give 0); values uint8
-    [E, N, K/2]; scales uint8 [E, N, K/32] -> [A, N] in x.dtype."""
+    [E, N, K/2]; scales uint8 [E, N, K/32] -> [A, N] in x.dtype.
+
+    ``mma_rows``: which operand is the tensor-core product's row (M) side — "tokens" (the activation tile
+    [block_m, K step] times the dequantised weight tile transposed) or "weights" (the dequantised weight tile
+    [block_n, K step] times the activation tile transposed, the [block_n, block_m] result stored transposed).
+    None: ``FP4_GROUPED_DEFAULT_MMA_ROWS``. ``decode`` (the "weights" form only): how the packed bytes become the
+    dot's bf16 operand — "f32" (the float16 pair decode widened to float32, scaled, rounded to bf16) or "bf16x2"
+    (inline PTX: each nibble's bf16 bit pattern built in a 16-bit half of a register, scaled by one packed bf16
+    multiply per two weights; ``_e2m1_bf16x2_scaled``). None: ``FP4_GROUPED_DEFAULT_DECODE``."""
+    mma_rows = mma_rows or FP4_GROUPED_DEFAULT_MMA_ROWS
+    if mma_rows not in ("tokens", "weights"):
+        raise ValueError(f"mma_rows must be 'tokens' or 'weights', got {mma_rows!r}")
+    if mma_rows == "weights":
+        return _fp4_grouped_weight_rows(x, group_sizes, values, scales, block_m=block_m, block_n=block_n,
+                                        block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                                        decode=decode or FP4_GROUPED_DEFAULT_DECODE, name=name, interpret=interpret)
+    block_n, block_k = block_n or 64, block_k or 256
+    num_warps, num_stages = num_warps or 4, num_stages or 3
     a, k = x.shape
     e, n, kh = values.shape
     bm = block_m or (16 if a <= 1024 else 64)  # decode: an expert holds <= M rows, mostly a handful
@@ -483,6 +501,150 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
         out_shape=jax.ShapeDtypeStruct((a, n), x.dtype),
         compiler_params=_params(num_warps, num_stages), interpret=interpret, name=name,
     )(grp, r0s, nrs, xd, values, scales)
+
+
+FP4_GROUPED_DEFAULT_MMA_ROWS = "tokens"  # read by ``fp4_grouped_gemm`` when a call names none
+FP4_GROUPED_DECODES = ("f32", "bf16x2")
+FP4_GROUPED_DEFAULT_DECODE = "f32"
+
+# e2m1 nibble -> bf16 bit pattern of value x 2^-126 (exact; code 1, the value 0.5, is the bf16 subnormal 0x0040):
+# magnitude bits 0-2 to bits 6-8, sign bit 3 to bit 15. For two nibbles held at bits 0-3 and 16-19 of a register n,
+# n * 0x1040 = n << 6 | n << 12 (the two copies do not overlap) and the mask 0x81C081C0 keeps bits 6-8 of the first
+# copy and bit 15 of the second in each half; the high nibbles (bits 4-7 / 20-23) take n * 0x104 (<< 2 | << 8).
+# Then two bf16x2 multiplies: by 2^126 (the e2m1 values, all normal or zero; the bf16 multiply keeps the subnormal
+# input) and by the scale 2^(s - 127) — exact (powers of two) for every scale byte 1..254 (byte 0, 2^-127, is the
+# bf16 subnormal 0x0040; 0xFF gives NaN).
+def _e2m1_bf16x2_ptx(shift: int) -> str:
+    """PTX of one instance (two packed bytes in the 16-bit $1, their bf16 scales in $2 -> the two scaled bf16
+    weights of the low (shift 0) or high (shift 4) nibbles in $0)."""
+    mask, mul = ("0x000F000F", "0x1040") if shift == 0 else ("0x00F000F0", "0x104")
+    return f"""{{
+.reg .b32 w, n, c;
+mov.b32 c, 0x7E807E80;
+cvt.u32.u16 w, $1;
+prmt.b32 w, w, 0, 0x4140;
+and.b32 n, w, {mask};
+mul.lo.u32 n, n, {mul};
+and.b32 n, n, 0x81C081C0;
+mul.rn.bf16x2 n, n, c;
+mul.rn.bf16x2 $0, n, $2;
+}}"""
+
+
+def _fp4_bf16_multiplier(s):
+    """e8m0 scale bytes -> bf16 2^(s - 127): the exponent bits for bytes 1..254, the subnormal 0x0040 for byte 0,
+    NaN for 0xFF."""
+    si = s.astype(jnp.int32)
+    bits = jnp.where(si == 0, 0x0040, jnp.where(si == 255, 0x7FC0, si << 7))
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+def _e2m1_bf16x2_scaled(v, mult, interpret: bool):
+    """Packed e2m1 bytes v uint8 [...] and bf16 scales [...] (``_fp4_bf16_multiplier``) -> (low, high) nibbles
+    as bf16 ``value x 2^(s - 127)``, exact. On the GPU inline PTX (``_e2m1_bf16x2_ptx``, two bytes per instance);
+    in interpret mode the float16 decode's exact values (equal: exact products)."""
+    if interpret:  # the same exact values (the float16 decode, value x 2^-14); the bit patterns are checked in
+        # tests/test_quant_gemm.py against the e2m1 table (XLA on CPU flushes the subnormal pattern of 0.5)
+        vi = v.astype(jnp.int32)
+        m = mult.astype(jnp.float32)
+
+        def value(codes):
+            return ((decode_e2m1_scaled(codes).astype(jnp.float32) * jnp.float32(2.0 ** 14)) * m).astype(jnp.bfloat16)
+
+        return value(vi & 15), value(vi >> 4)
+    # one instance per nibble half (the Pallas lowering takes one result per inline-asm op)
+    return tuple(pltr.elementwise_inline_asm(_e2m1_bf16x2_ptx(sh), args=[v, mult], constraints="=r,h,r",
+                                             pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape,
+                                                                                               jnp.bfloat16)])[0]
+                 for sh in (0, 4))
+
+
+def _fp4_grouped_weight_rows(x, group_sizes, values, scales, *, block_m, block_n, block_k, num_warps, num_stages,
+                             decode, name, interpret):
+    """``fp4_grouped_gemm`` with the weights on the tensor-core product's row side: out[rows, cols]ᵀ =
+    W[cols, K step] · x[rows, K step]ᵀ per tile. Why: at decode an expert holds a handful of rows (at batch 32 about
+    12 of 192 on 16 experts), so the token side is the product's narrow side; with the weight tile as the row
+    operand the product's row dimension is the weight tile's ``block_n`` rows and the column dimension the few
+    tokens, and the activations arrive split into even / odd columns from XLA (no split in registers).
+    Same exact products and the same float32 accumulation per K step as the "tokens" form."""
+    if decode not in FP4_GROUPED_DECODES:
+        raise ValueError(f"decode must be one of {FP4_GROUPED_DECODES}, got {decode!r}")
+    a, k = x.shape
+    e, n, kh = values.shape
+    bm = block_m or (32 if a <= 1024 else 64)
+    bn = block_n or 64
+    bk = max(SCALE_BLOCK, min(block_k or 256, _pow2(k)))
+    if bk % SCALE_BLOCK or k % SCALE_BLOCK:
+        raise ValueError(f"block_k {bk} and K {k} must be multiples of {SCALE_BLOCK}")
+    bkh, sg = bk // 2, bk // SCALE_BLOCK
+    hb = SCALE_BLOCK // 2
+    dot_dtype = jnp.float32 if x.dtype == jnp.float32 else jnp.bfloat16
+    pairs = x.astype(dot_dtype).reshape(a, kh, 2)
+    xe, xo = pairs[..., 0], pairs[..., 1]  # [A, K/2]: the activations of the low / high nibbles
+    grp, r0s, nrs = tile_metadata(group_sizes, a, bm)
+    t_max = grp.shape[0]
+    n_steps = -(-k // bk)
+    k_tail, n_tail = k % bk != 0, n % bn != 0
+
+    def kernel(g_ref, r0_ref, nr_ref, xe_ref, xo_ref, v_ref, s_ref, o_ref):
+        ti, ni = pl.program_id(0), pl.program_id(1)
+        ex, r0, nr = g_ref[ti], r0_ref[ti], nr_ref[ti]
+        rows = r0 + jnp.arange(bm)
+        cols_n = ni * bn + jnp.arange(bn)
+        nmask = cols_n < n
+
+        @pl.when(nr > 0)
+        def _():
+            rmask = jnp.arange(bm) < nr
+            rows_c = jnp.minimum(rows, a - 1)
+            cols_nc = jnp.minimum(cols_n, n - 1)
+
+            def load(t):
+                cb = t * bkh + jnp.arange(bkh)
+                cs = t * sg + jnp.arange(sg)
+                if k_tail or n_tail:
+                    v = pltr.load(v_ref.at[ex, cols_nc[:, None], jnp.minimum(cb, kh - 1)[None, :]],
+                                  mask=nmask[:, None] & (cb < kh)[None, :], other=0)
+                    s = pltr.load(s_ref.at[ex, cols_nc[:, None], jnp.minimum(cs, k // SCALE_BLOCK - 1)[None, :]],
+                                  mask=nmask[:, None] & (cs < k // SCALE_BLOCK)[None, :], other=127)
+                else:
+                    v = v_ref[ex, pl.ds(ni * bn, bn), pl.ds(t * bkh, bkh)]
+                    s = s_ref[ex, pl.ds(ni * bn, bn), pl.ds(t * sg, sg)]
+                cbc = jnp.minimum(cb, kh - 1) if k_tail else cb
+                xmask = rmask[:, None] & (cb < kh)[None, :]
+                xe_t = pltr.load(xe_ref.at[rows_c[:, None], cbc[None, :]], mask=xmask, other=0)
+                xo_t = pltr.load(xo_ref.at[rows_c[:, None], cbc[None, :]], mask=xmask, other=0)
+                return v, s, xe_t, xo_t
+
+            def compute(t, acc):
+                v, s, xe_t, xo_t = load(t)
+                if decode == "bf16x2" and dot_dtype == jnp.bfloat16:
+                    mult = jnp.broadcast_to(_fp4_bf16_multiplier(s)[:, :, None], (bn, sg, hb)).reshape(bn, bkh)
+                    lo, hi = _e2m1_bf16x2_scaled(v, mult, interpret)
+                    return acc + _dot_nt(lo, xe_t) + _dot_nt(hi, xo_t)
+                mult = _fp4_scale_mult(s)[:, :, None]  # [bn, sg, 1]: 2^(s - 127 + 14), NaN past byte 240
+                lo, hi = _e2m1_pair_f16(v)  # [bn, bkh] float32: value x 2^-14, exact
+
+                def scaled(d):
+                    return (d.reshape(bn, sg, hb) * mult).reshape(bn, bkh).astype(dot_dtype)
+
+                return acc + _dot_nt(scaled(lo), xe_t) + _dot_nt(scaled(hi), xo_t)
+
+            acc = jax.lax.fori_loop(0, n_steps, compute, jnp.zeros((bn, bm), jnp.float32))
+            # acc[j, i] is out[rows[i], cols[j]]: stored through transposed indices
+            pltr.store(o_ref.at[rows[None, :], cols_n[:, None]], acc.astype(o_ref.dtype),
+                       mask=rmask[None, :] & nmask[:, None])
+
+        @pl.when(nr < 0)
+        def _():
+            zmask = (jnp.arange(bm) < -nr)[:, None] & nmask[None, :]
+            pltr.store(o_ref.at[rows[:, None], cols_n[None, :]], jnp.zeros((bm, bn), o_ref.dtype), mask=zmask)
+
+    return pl.pallas_call(
+        kernel, grid=(t_max, -(-n // bn)),
+        out_shape=jax.ShapeDtypeStruct((a, n), x.dtype),
+        compiler_params=_params(num_warps or 4, num_stages or 3), interpret=interpret, name=name,
+    )(grp, r0s, nrs, xe, xo, values, scales)
 
 
 # ----------------------------------------------------------------------------------------------------------------
