@@ -153,6 +153,12 @@ def kernel_case(name: str, tuning: dict):
         per_thread = 2 * t["block_n"] * D / (32 * num_warps)
         return (lambda: fn.trace(*args).lower(**lower)), num_warps, tuning.get("num_stages", t["num_stages"]), \
             per_thread
+    if name == "fp8_m32":  # the batch-32 decode step's dense FP8 projections (tensor-core form), 2304 x 5120
+        fn = jax.jit(lambda x, v, s: G.fp8_gemm(x, v, s, **tuning))
+        args = (sds((32, D), jnp.bfloat16), sds((F, D), u8), sds((F // 32, D // 32), u8))
+        t = G.fp8_default_tiling(32, F, D, **tuning)
+        return ((lambda: fn.trace(*args).lower(**lower)), t["num_warps"], t["num_stages"],
+                t["block_n"] * t["block_k"] / (32 * t["num_warps"]))
     if name == "fp4_grouped":  # the batch-32 decode step's w1 / w3: 192 routed rows over 16 experts
         rows = 32 * PICKS
         fn = jax.jit(lambda x, g, v, s: G.fp4_grouped_gemm(x, g, v, s, **tuning))
@@ -166,7 +172,7 @@ def kernel_case(name: str, tuning: dict):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=("fp4_up", "fp4_down", "fp8_fused", "fp4_grouped"))
+    ap.add_argument("kernel", choices=("fp4_up", "fp4_down", "fp8_fused", "fp4_grouped", "fp8_m32"))
     ap.add_argument("--tuning", default="{}", help="JSON: the kernel's tiling / decode overrides")
     ap.add_argument("--keep", default=None, help="a folder to keep kernel.{ttir,ptx,cubin,sass} in")
     args = ap.parse_args()

@@ -238,10 +238,10 @@ GROUPED_TUNINGS = [("tokens form (default)", {}),
                    ("weights form, f32 decode", dict(mma_rows="weights")),
                    ("weights form, bf16x2 decode", dict(mma_rows="weights", decode="bf16x2")),
                    ("weights form, bf16x2, block_m 16", dict(mma_rows="weights", decode="bf16x2", block_m=16)),
+                   ("weights form, bf16x2, block_k 128", dict(mma_rows="weights", decode="bf16x2", block_k=128)),
+                   ("weights form, bf16x2, 4 stages", dict(mma_rows="weights", decode="bf16x2", num_stages=4)),
                    ("weights form, bf16x2, block_n 128, 8 warps", dict(mma_rows="weights", decode="bf16x2",
-                                                                        block_n=128, num_warps=8)),
-                   ("weights form, bf16x2, block_n 128", dict(mma_rows="weights", decode="bf16x2", block_n=128)),
-                   ("weights form, bf16x2, 4 stages", dict(mma_rows="weights", decode="bf16x2", num_stages=4))]
+                                                                        block_n=128, num_warps=8))]
 
 
 def grouped_part(bw, batch=32):
@@ -377,7 +377,7 @@ def time_and_profile(s, batch, form, out_dir, steps=10, profile_steps=3):
 
 
 def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False, no_grouped=False,
-                grouped_tuning: tuple = (), no_f16=False):
+                grouped_tunings: tuple = (), no_f16=False):
     """Per batch: every form's first call (trace + compile + one step) concurrently in threads (XLA compiles
     release the GIL; the forms' first-call times overlap, so each is an upper bound of its compile), then each
     form timed and profiled alone."""
@@ -402,9 +402,9 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
              ("release, one-token FP4 kernels", prel, InferenceOptions(**rel, fp4_one_token=True))]
     if not no_grouped:
         forms.append(("release, grouped FP4 kernel", prel, InferenceOptions(**rel, fp4_one_token=False)))
-    if grouped_tuning:  # batches > 1 only (one token takes the one-token kernels in every release form)
-        forms.append((f"release, grouped FP4 kernel {dict(grouped_tuning)}", prel,
-                      InferenceOptions(**rel, fp4_one_token=True, fp4_grouped_tuning=grouped_tuning)))
+    for tuning in grouped_tunings:  # batches > 1 only (one token takes the one-token kernels in every release form)
+        forms.append((f"release, grouped FP4 kernel {dict(tuning)}", prel,
+                      InferenceOptions(**rel, fp4_one_token=True, fp4_grouped_tuning=tuning)))
     if not no_f16:  # the one-token kernels' form before the pair decode, as its own option (a distinct program)
         forms.append(("release, one-token FP4 kernels, f16 decode (before)", prel,
                       InferenceOptions(**rel, fp4_one_token=True, fp4_slot_decode="f16")))
@@ -462,8 +462,9 @@ def main():
     ap.add_argument("--wo-a-bf16", action="store_true", help="no effect: wo_a in bf16 from load is now the default")
     ap.add_argument("--no-grouped", action="store_true", help="decode: leave out the grouped FP4 kernel form")
     ap.add_argument("--no-f16", action="store_true", help="decode: leave out the one-token kernels' f16 form")
-    ap.add_argument("--grouped-tuning", default="",
-                    help="decode, batches > 1: also a release form whose grouped FP4 kernel takes this JSON tuning")
+    ap.add_argument("--grouped-tunings", default="",
+                    help="decode, batches > 1: a JSON list of tunings; for each, a release form whose grouped FP4 "
+                         "kernel takes it")
     ap.add_argument("--grouped", action="store_true",
                     help="the batch-32 grouped FP4 GEMMs at GROUPED_TUNINGS (kernel micro-benchmark) first")
     args = ap.parse_args()
@@ -503,7 +504,7 @@ def main():
             try:
                 decode_part("smoke" if SMOKE else args.model, [int(b) for b in args.batches.split(",")], args.context,
                             args.budget_s, args.out, save, args.wo_a_fp8, args.no_grouped,
-                            tuple(sorted(json.loads(args.grouped_tuning).items())) if args.grouped_tuning else (),
+                            tuple(tuple(sorted(t.items())) for t in json.loads(args.grouped_tunings or "[]")),
                             args.no_f16)
             except Exception as e:  # noqa: BLE001
                 OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
