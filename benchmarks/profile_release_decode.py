@@ -28,6 +28,11 @@ Parts (in this order; each guarded, results saved after each):
             create_perfetto_trace=True)``: device events summed by kernel family (time and launches per step), busy
             (union of device intervals) vs the profiled wall time. XLA runs the step's command buffers as separate
             launches while profiling, so busy and launch counts are those of the ungraphed step.
+  grouped   (--grouped, first) the grouped FP4 expert GEMM as the batch-32 decode step runs it (192 rows over 16
+            experts, w1 / w3 2304 x 5120 and w2 5120 x 2304) at each of GROUPED_TUNINGS (the kernel's default first:
+            the same-run baseline): device µs, % of 4.8 TB/s and of the read-only bandwidth, error against float32.
+  --grouped-tunings '[{...}]': decode forms at batches > 1 whose grouped FP4 kernel takes these tunings
+  (``InferenceOptions.fp4_grouped_tuning``), beside the release form on the kernel's defaults.
 Output: DIR/profile_release_decode.json, DIR/log.txt is the caller's tee; the perfetto traces as
 DIR/perfetto_<form>_b<batch>.json.gz when under 15 MB.
 """
@@ -242,9 +247,10 @@ GROUPED_TUNINGS = [("tokens form (default)", {}),
                    ("weights form, bf16x2, 4 stages", dict(mma_rows="weights", decode="bf16x2", num_stages=4)),
                    ("weights form, bf16x2, block_n 128, 8 warps", dict(mma_rows="weights", decode="bf16x2",
                                                                         block_n=128, num_warps=8))]
+GROUPED_QUICK = 5  # --grouped-quick: the first five only
 
 
-def grouped_part(bw, batch=32):
+def grouped_part(bw, batch=32, n_tunings=len(GROUPED_TUNINGS)):
     """One grouped FP4 GEMM as the bench model's batch-``batch`` decode step runs it: ``batch`` tokens x top-6 of
     16 experts (uniform random picks) = 192 rows sorted by expert, w1 / w3 (2304 x 5120) and w2 (5120 x 2304); each
     call runs R distinct weight stacks (> L2). Device µs per GEMM; bytes = the used experts' packed bytes + scales +
@@ -265,7 +271,7 @@ def grouped_part(bw, batch=32):
         want = jax.lax.ragged_dot(xs[0].astype(jnp.float32), jnp.swapaxes(ws[0].dequantize(jnp.float32), 1, 2),
                                   gss[0], precision=jax.lax.Precision.HIGHEST)
         base = None
-        for label, tuning in GROUPED_TUNINGS:
+        for label, tuning in GROUPED_TUNINGS[:n_tunings]:
             try:
                 fn = jax.jit(lambda xs, gss, ws, tuning=tuning: [QG.fp4_grouped(x, g, w, backend=BE, tuning=tuning)
                                                                  for x, g, w in zip(xs, gss, ws)])
@@ -467,6 +473,7 @@ def main():
                          "kernel takes it")
     ap.add_argument("--grouped", action="store_true",
                     help="the batch-32 grouped FP4 GEMMs at GROUPED_TUNINGS (kernel micro-benchmark) first")
+    ap.add_argument("--grouped-quick", action="store_true", help="--grouped: the first GROUPED_QUICK tunings only")
     args = ap.parse_args()
     OUT["meta"] = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), jax=jax.__version__,
                        devices=[d.device_kind for d in jax.devices()],
@@ -515,7 +522,7 @@ def main():
         log("\n| batch-32 grouped FP4 GEMM | variant | dev µs | % of 4.8 TB/s | % of read-only | × default | "
             "rel err vs float32 |\n|---|---|---:|---:|---:|---:|---:|")
         try:
-            grouped_part(OUT["ceilings"])
+            grouped_part(OUT["ceilings"], n_tunings=GROUPED_QUICK if args.grouped_quick else len(GROUPED_TUNINGS))
         except Exception as e:  # noqa: BLE001
             OUT["errors"].append(f"grouped: {type(e).__name__}: {str(e)[:400]}")
             log(f"grouped FAILED: {type(e).__name__}: {str(e)[:300]}")
