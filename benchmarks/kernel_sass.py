@@ -163,7 +163,8 @@ def kernel_case(name: str, tuning: dict):
         rows = 32 * PICKS
         fn = jax.jit(lambda x, g, v, s: G.fp4_grouped_gemm(x, g, v, s, **tuning))
         args = (sds((rows, D), jnp.bfloat16), sds((E,), jnp.int32), sds((E, F, D // 2), u8), sds((E, F, D // 32), u8))
-        # per thread and K step of the loop: block_n x block_k / 2 packed bytes over the program's threads
+        # per thread and K step of the loop: block_n x block_k / 2 packed bytes over the program's threads (both
+        # forms' block_n / block_k / num_warps / num_stages defaults are 64 / 256 / 4 / 3)
         bn, bk = tuning.get("block_n") or 64, tuning.get("block_k") or 256
         nw, ns = tuning.get("num_warps") or 4, tuning.get("num_stages") or 3
         return (lambda: fn.trace(*args).lower(**lower)), nw, ns, bn * bk / 2 / (32 * nw)

@@ -91,8 +91,8 @@ def test_moe_inference_takes_the_one_token_kernels_and_equals_the_grouped_path()
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(grouped, np.float32), rtol=2 ** -7,
                                atol=2 ** -7 * float(jnp.max(jnp.abs(grouped.astype(jnp.float32)))))
     # the grouped kernel's tuning reaches it through moe_inference (InferenceOptions.fp4_grouped_tuning): its
-    # weights-as-rows form with the bf16x2 decode
-    tuned, text_t = run(BE, False, (("decode", "bf16x2"), ("mma_rows", "weights")))
+    # tokens-as-rows form, the default before the weights-as-rows form
+    tuned, text_t = run(BE, False, (("mma_rows", "tokens"),))
     assert "fp4_grouped_gemm" in text_t
     np.testing.assert_allclose(np.asarray(tuned, np.float32), np.asarray(grouped, np.float32), rtol=2 ** -7,
                                atol=2 ** -7 * float(jnp.max(jnp.abs(grouped.astype(jnp.float32)))))

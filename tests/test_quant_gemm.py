@@ -93,8 +93,8 @@ def test_gpu_kernel_tilings_are_exact_on_the_contiguous_paths():
     wd = np.asarray(w4.dequantize(), np.float64)
     want = np.zeros((16, 64))
     want[:3], want[3:12] = np.asarray(x[:3], np.float64) @ wd[0].T, np.asarray(x[3:12], np.float64) @ wd[2].T
-    for tuning in (dict(block_m=16, block_n=64, block_k=128), dict(mma_rows="weights", block_m=16, block_n=32,
-                                                                     block_k=128)):
+    for tuning in (dict(mma_rows="tokens", block_m=16, block_n=64, block_k=128),
+                   dict(mma_rows="weights", block_m=16, block_n=32, block_k=128)):
         got = QG.fp4_grouped(x, gs, w4, backend="pallas_gpu_interpret", tuning=tuning)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(tuning))
     # bf16 activations: the weights-as-rows form with the float32 and the bf16x2 decode (code 1 = 0.5 is a bf16
@@ -103,7 +103,7 @@ def test_gpu_kernel_tilings_are_exact_on_the_contiguous_paths():
     want_b = np.zeros((16, 64))
     xb64 = np.asarray(xb.astype(jnp.float32), np.float64)
     want_b[:3], want_b[3:12] = xb64[:3] @ wd[0].T, xb64[3:12] @ wd[2].T
-    for tuning in (dict(), dict(mma_rows="weights", block_m=16, block_n=32, block_k=128),
+    for tuning in (dict(mma_rows="weights", decode="f32", block_m=16, block_n=32, block_k=128),
                    dict(mma_rows="weights", decode="bf16x2", block_m=16, block_n=32, block_k=128)):
         got = QG.fp4_grouped(xb, gs, w4, backend="pallas_gpu_interpret", tuning=tuning)
         assert got.dtype == jnp.bfloat16
@@ -288,12 +288,12 @@ def test_gpu_kernels_lower_to_triton_without_a_gpu():
                                                       (sds((512, 5120), u8), sds((16, 160), u8))))),
              (G.fp8_gemm_fused, (sds((8, 5120), bf), ((sds((1280, 5120), u8), sds((40, 160), u8)),
                                                       (sds((512, 5120), u8), sds((16, 160), u8))))),
-             (G.fp4_grouped_gemm, (sds((48, 5120), bf), sds((384,), jnp.int32), sds((384, 2304, 2560), u8),
-                                   sds((384, 2304, 160), u8))),
+             (functools.partial(G.fp4_grouped_gemm, mma_rows="tokens"),
+              (sds((48, 5120), bf), sds((384,), jnp.int32), sds((384, 2304, 2560), u8), sds((384, 2304, 160), u8))),
              (G.fp4_grouped_gemm, (sds((13, 96), jnp.float32), sds((5,), jnp.int32), sds((5, 40, 48), u8),
                                    sds((5, 40, 3), u8))),
-             # the decode form: weights on the product's row side, the bf16x2 decode's inline PTX
-             (functools.partial(G.fp4_grouped_gemm, mma_rows="weights", decode="bf16x2"),
+             # the decode default: weights on the product's row side, the bf16x2 decode's inline PTX
+             (G.fp4_grouped_gemm,
               (sds((192, 5120), bf), sds((16,), jnp.int32), sds((16, 2304, 2560), u8), sds((16, 2304, 160), u8)))]
     for fn, args in cases:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -400,11 +400,11 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
     ``mma_rows``: which operand is the tensor-core product's row (M) side — "tokens" (the activation tile
     [block_m, K step] times the dequantised weight tile transposed) or "weights" (the dequantised weight tile
     [block_n, K step] times the activation tile transposed, the [block_n, block_m] result stored transposed).
-    None: ``FP4_GROUPED_DEFAULT_MMA_ROWS``. ``decode`` (the "weights" form only): how the packed bytes become the
+    None: "weights" for calls of at most ``FP4_GROUPED_WEIGHT_ROWS_MAX`` rows (decode), else "tokens". ``decode`` (the "weights" form only): how the packed bytes become the
     dot's bf16 operand — "f32" (the float16 pair decode widened to float32, scaled, rounded to bf16) or "bf16x2"
     (inline PTX: each nibble's bf16 bit pattern built in a 16-bit half of a register, scaled by one packed bf16
     multiply per two weights; ``_e2m1_bf16x2_scaled``). None: ``FP4_GROUPED_DEFAULT_DECODE``."""
-    mma_rows = mma_rows or FP4_GROUPED_DEFAULT_MMA_ROWS
+    mma_rows = mma_rows or ("weights" if x.shape[0] <= FP4_GROUPED_WEIGHT_ROWS_MAX else "tokens")
     if mma_rows not in ("tokens", "weights"):
         raise ValueError(f"mma_rows must be 'tokens' or 'weights', got {mma_rows!r}")
     if mma_rows == "weights":
@@ -503,9 +503,17 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
     )(grp, r0s, nrs, xd, values, scales)
 
 
-FP4_GROUPED_DEFAULT_MMA_ROWS = "tokens"  # read by ``fp4_grouped_gemm`` when a call names none
+# The weights-as-rows form with the bf16x2 decode is the default for decode-sized calls: measured on an H200
+# (benchmarks/RESULTS.md, 2026-12-02 14:39 UTC) at the bench model's batch-32 decode step (192 rows over 16 experts
+# of 2304 x 5120) 73.5 / 66.9 µs for w1 / w3 and w2 against 100.8 / 93.5 µs for the "tokens" form (29-32 % vs
+# 21-23 % of 4.8 TB/s), the step's FP4 expert kernels 2.37 vs 3.48 ms. The SASS of the K loop (compiled for sm_90 off
+# the device, benchmarks/kernel_sass.py fp4_grouped) holds 11.0 instructions per weight byte against 18.3 for the
+# "tokens" form (16.0 for the "weights" form with the "f32" decode), with the weight tile as a register operand of
+# Hopper's wgmma instead of an mma.sync operand staged through shared memory. Larger calls (prefill) keep the
+# "tokens" form: the new one was not measured there.
+FP4_GROUPED_WEIGHT_ROWS_MAX = 1024
 FP4_GROUPED_DECODES = ("f32", "bf16x2")
-FP4_GROUPED_DEFAULT_DECODE = "f32"
+FP4_GROUPED_DEFAULT_DECODE = "bf16x2"
 
 # e2m1 nibble -> bf16 bit pattern of value x 2^-126 (exact; code 1, the value 0.5, is the bf16 subnormal 0x0040):
 # magnitude bits 0-2 to bits 6-8, sign bit 3 to bit 15. For two nibbles held at bits 0-3 and 16-19 of a register n,
