@@ -294,7 +294,9 @@ def test_gpu_kernels_lower_to_triton_without_a_gpu():
                                    sds((5, 40, 3), u8))),
              # the decode default: weights on the product's row side, the bf16x2 decode's inline PTX
              (G.fp4_grouped_gemm,
-              (sds((192, 5120), bf), sds((16,), jnp.int32), sds((16, 2304, 2560), u8), sds((16, 2304, 160), u8)))]
+              (sds((192, 5120), bf), sds((16,), jnp.int32), sds((16, 2304, 2560), u8), sds((16, 2304, 160), u8))),
+             (G.fp4_grouped_gemm, (sds((13, 96), bf), sds((5,), jnp.int32), sds((5, 40, 48), u8),
+                                   sds((5, 40, 3), u8)))]
     for fn, args in cases:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text or "triton" in text

@@ -28,7 +28,14 @@
   registers: ``sign << 15 | magnitude << 9`` is the float16 bit pattern of ``value * 2^-14`` (the e2m1 exponent
   lands in float16's, magnitude 1 becomes the float16 subnormal 2^-15), widened to float32 and multiplied by the
   scale x 2^14 broadcast over its 16 bytes (a reshape in registers) — exact; the activation tile is split into even
-  / odd columns in registers, so each nibble half is one tensor-core dot per K step.
+  / odd columns in registers, so each nibble half is one tensor-core dot per K step. That is the "tokens" form
+  (``mma_rows="tokens"``: the token tile is the product's row side), kept for calls of more than 1024 rows. Decode-
+  sized calls take the "weights" form by default: each tile is W[cols, K step] · x[rows, K step]ᵀ, so the 64
+  dequantised weight rows are the row side of Hopper's wgmma as a register operand and the few tokens of an expert
+  its columns, with the nibbles decoded straight to bf16 by inline PTX (``decode="bf16x2"``: bit patterns of value x
+  2^-126 in 16-bit register halves, two packed bf16 multiplies for 2^126 and the scale; exact). Measured on an H200
+  at the batch-32 decode step's shapes (192 rows, 16 experts of 2304 x 5120): 1.37-1.40x the tokens form, 29-32 % of
+  4.8 TB/s (benchmarks/RESULTS.md, 2026-12-02).
 
 Scales: e8m0 byte b -> 2^(b - 127) built from the exponent bits, 0xFF -> NaN, as ``checkpoint.quantized``. In the
 FP8 kernel the dequantised weight ``value * 2^(b - 127)`` is exact while it is a normal float32, i.e. for scale
