@@ -31,6 +31,8 @@ Parts (in this order; each guarded, results saved after each):
   grouped   (--grouped, first) the grouped FP4 expert GEMM as the batch-32 decode step runs it (192 rows over 16
             experts, w1 / w3 2304 x 5120 and w2 5120 x 2304) at each of GROUPED_TUNINGS (the "tokens" form first:
             the same-run baseline): device µs, % of 4.8 TB/s and of the read-only bandwidth, error against float32.
+  dense32   (--dense32, after grouped) the FP8 dense GEMM at M = 32 (the batch-32 step's projections: shared expert
+            w1 / w2, wq_b, wo_b) at each of DENSE32_TUNINGS (the default first), as ``grouped``.
   --grouped-tunings '[{...}]': decode forms at batches > 1 whose grouped FP4 kernel takes these tunings
   (``InferenceOptions.fp4_grouped_tuning``), beside the release form on the kernel's defaults.
 Output: DIR/profile_release_decode.json, DIR/log.txt is the caller's tee; the perfetto traces as
@@ -86,7 +88,8 @@ TILINGS = [({}, {}),
 if SMOKE:
     TILINGS = [({}, {}), (dict(decode="f16"), dict(decode="f16")),
                (dict(block_n=4, block_k=32, prefetch=1), dict(block_n=4, block_k=32))]
-OUT: dict = {"meta": {}, "ceilings": {}, "experts": [], "grouped": [], "checks": [], "decode": [], "errors": []}
+OUT: dict = {"meta": {}, "ceilings": {}, "experts": [], "grouped": [], "dense32": [], "checks": [], "decode": [],
+             "errors": []}
 T0 = time.time()
 
 FAMILIES = [  # (family, pattern on the device event's name), first match wins
@@ -295,6 +298,51 @@ def grouped_part(bw, batch=32, n_tunings=len(GROUPED_TUNINGS)):
                 f"{row['speedup_vs_first']:.2f}x | {err:.1e} |")
 
 
+# (label, tuning of kernels.quant_gemm_gpu.fp8_gemm) for --dense32: the first is the default (same-run baseline)
+DENSE32_TUNINGS = [("tokens form (default)", {}),
+                   ("weights form, bf16x2 e4m3 decode", dict(mma_rows="weights")),
+                   ("weights form, block_m 16", dict(mma_rows="weights", block_m=16)),
+                   ("weights form, block_n 128, 8 warps", dict(mma_rows="weights", block_n=128, num_warps=8))]
+# the bench model's FP8 projections at decode (N, K): shared expert w1 / w3 and w2, the attention's wq_b and wo_b
+DENSE32_SHAPES = [(2304, 5120), (5120, 2304), (32768, 1280), (5120, 8192)]
+
+
+def dense32_part(bw, m=32):
+    """The FP8 dense GEMM (32 x 32 block scales) at M = ``m`` (the batch-32 decode step's dense projections) at each
+    of DENSE32_TUNINGS: device µs per GEMM (each call runs R distinct weights, > L2), bytes = weight bytes + scales +
+    activations + output, % of 4.8 TB/s and of the read-only bandwidth; checked against float32 (bf16 inputs)."""
+    r = 2 if SMOKE else 8
+    shapes = [(64, 96), (96, 64)] if SMOKE else DENSE32_SHAPES
+    for n, k in shapes:
+        key = jax.random.PRNGKey(n * 7 + k)
+        ws = [B.random_fp8(jax.random.fold_in(key, i), n, k) for i in range(r)]
+        xs = [jax.random.normal(jax.random.fold_in(key, 100 + i), (m, k), jnp.float32).astype(jnp.bfloat16)
+              for i in range(r)]
+        nbytes = n * k + (-(-n // 32)) * (-(-k // 32)) + m * k * 2 + m * n * 2
+        want = np.asarray(xs[0], np.float64) @ np.asarray(ws[0].dequantize(jnp.float32), np.float64).T
+        base = None
+        for label, tuning in DENSE32_TUNINGS:
+            try:
+                fn = jax.jit(lambda xs, ws, tuning=tuning: [QG.fp8_linear(x, w, backend=BE, tuning=tuning)
+                                                            for x, w in zip(xs, ws)])
+                out = jax.block_until_ready(fn(xs, ws))
+                err = B.rel_err(out[0], want)
+                dev, _ = device_us(fn, (xs, ws), r)
+            except Exception as e:  # noqa: BLE001
+                OUT["errors"].append(f"dense32 {n}x{k} {label}: {type(e).__name__}: {str(e)[:400]}")
+                log(f"dense32 {n}x{k} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                continue
+            row = dict(m=m, n=n, k=k, variant=label, tuning=tuning, bytes=nbytes, dev_us=dev, rel_err=err,
+                       pct_datasheet=100 * nbytes / (dev * 1e-6) / DATASHEET_BW,
+                       pct_read=100 * nbytes / (dev * 1e-6) / bw.get("read_bw", DATASHEET_BW))
+            base = base or row
+            row["speedup_vs_first"] = base["dev_us"] / dev
+            OUT["dense32"].append(row)
+            OUT["checks"].append(dict(what=f"dense32 {n}x{k} {label}, bf16 x, vs float32", rel_err=err))
+            log(f"| {n} x {k} | {label} | {dev:.1f} | {row['pct_datasheet']:.0f}% | {row['pct_read']:.0f}% | "
+                f"{row['speedup_vs_first']:.2f}x | {err:.1e} |")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # decode: the step's profile by kernel family
 # ----------------------------------------------------------------------------------------------------------------
@@ -475,6 +523,8 @@ def main():
     ap.add_argument("--grouped", action="store_true",
                     help="the batch-32 grouped FP4 GEMMs at GROUPED_TUNINGS (kernel micro-benchmark) first")
     ap.add_argument("--grouped-quick", action="store_true", help="--grouped: the first GROUPED_QUICK tunings only")
+    ap.add_argument("--dense32", action="store_true",
+                    help="the FP8 dense GEMM at M = 32 at DENSE32_TUNINGS (kernel micro-benchmark), after --grouped")
     args = ap.parse_args()
     OUT["meta"] = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), jax=jax.__version__,
                        devices=[d.device_kind for d in jax.devices()],
@@ -527,6 +577,15 @@ def main():
         except Exception as e:  # noqa: BLE001
             OUT["errors"].append(f"grouped: {type(e).__name__}: {str(e)[:400]}")
             log(f"grouped FAILED: {type(e).__name__}: {str(e)[:300]}")
+        save()
+    if args.dense32:
+        log("\n| FP8 GEMM at M = 32, N x K | variant | dev µs | % of 4.8 TB/s | % of read-only | × default | "
+            "rel err vs float32 |\n|---|---|---:|---:|---:|---:|---:|")
+        try:
+            dense32_part(OUT["ceilings"])
+        except Exception as e:  # noqa: BLE001
+            OUT["errors"].append(f"dense32: {type(e).__name__}: {str(e)[:400]}")
+            log(f"dense32 FAILED: {type(e).__name__}: {str(e)[:300]}")
         save()
     for part in ((decode, experts) if args.decode_first else (experts, decode)):
         part()

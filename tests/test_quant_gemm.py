@@ -76,9 +76,17 @@ def test_gpu_kernel_tilings_are_exact_on_the_contiguous_paths():
     x = jnp.asarray(rng.standard_normal((16, 512)), jnp.float32)
     want = np.asarray(x, np.float64) @ np.asarray(w.dequantize(), np.float64).T
     for tuning in (dict(block_n=16, block_k=128, split_k=3), dict(block_n=64, block_k=128, prefetch=2,
-                                                                   scale_side="x")):
+                                                                   scale_side="x"),
+                   dict(mma_rows="weights", block_k=128, split_k=3), dict(mma_rows="weights", block_n=32)):
         got = QG.fp8_linear(x, w, backend="pallas_gpu_interpret", tuning=tuning)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(tuning))
+    # the weights-as-rows form with bf16 activations (the bf16x2 e4m3 decode) and partial blocks (M 13, N 80, K 100)
+    w_odd = _weights(rng, (80, 100), N.FP8_BLOCK)
+    xb = jnp.asarray(rng.standard_normal((13, 100)), jnp.bfloat16)
+    want_b = np.asarray(xb.astype(jnp.float32), np.float64) @ np.asarray(w_odd.dequantize(), np.float64).T
+    got = QG.fp8_linear(xb, w_odd, backend="pallas_gpu_interpret", tuning=dict(mma_rows="weights", block_m=16,
+                                                                                block_k=64))
+    np.testing.assert_allclose(np.asarray(got, np.float32), want_b, rtol=2 ** -8, atol=2 ** -8 * np.abs(want_b).max())
     # the gemv form (M = 1): unrolled K steps loaded ahead, 3 K splits of 3 steps over 8 K blocks (one masked);
     # 4-row column blocks (8 programs per scale row) with every K step loaded ahead; the [rows, K/32, 32] group view
     # (scale bytes loaded per 32-column group) on the masked and the contiguous path
@@ -112,8 +120,9 @@ def test_gpu_kernel_tilings_are_exact_on_the_contiguous_paths():
 
 
 def test_bf16x2_e2m1_patterns_are_the_e2m1_values():
-    """The bf16x2 decode's bit arithmetic (``_e2m1_bf16x2_ptx``, run on the GPU only) on all 256 bytes, both nibbles,
-    in numpy (subnormals kept): the pattern times 2^126 is the e2m1 value."""
+    """The bf16x2 decodes' bit arithmetic (``_e2m1_bf16x2_ptx`` / ``_e4m3_bf16x2_ptx``, run on the GPU only) on all
+    256 bytes, in numpy (subnormals kept): the FP4 pattern of either nibble times 2^126 is the e2m1 value, the FP8
+    pattern times 2^120 the e4m3 value."""
     import ml_dtypes
 
     table = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
@@ -124,6 +133,14 @@ def test_bf16x2_e2m1_patterns_are_the_e2m1_values():
         for half in (pat & 0xFFFF, pat >> 16):
             got = half.astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64) * 2.0 ** 126
             np.testing.assert_array_equal(got, table[codes])
+    # the e4m3 decode of the FP8 weights-as-rows form (``_e4m3_bf16x2_ptx``): pattern x 2^120 is the e4m3 value for
+    # every byte but e4m3's NaN bytes 0x7f / 0xff (which the quantiser never writes)
+    pat = ((w << 4) & 0x07F007F0) | ((w << 8) & 0x80008000)
+    e4m3 = b.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    finite = (b & 0x7F) != 0x7F
+    for half in (pat & 0xFFFF, pat >> 16):
+        got = half.astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64) * 2.0 ** 120
+        np.testing.assert_array_equal(got[finite], e4m3[finite])
 
 
 def test_fused_fp8_kernel_equals_the_float32_reference_and_the_separate_kernels():
@@ -283,6 +300,11 @@ def test_gpu_kernels_lower_to_triton_without_a_gpu():
     sds, bf, u8 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.uint8
     cases = [(G.fp8_gemm, (sds((1, 5120), bf), sds((2304, 5120), u8), sds((72, 160), u8))),
              (G.fp8_gemm, (sds((3, 1000), jnp.float32), sds((300, 1000), u8), sds((10, 32), u8))),
+             # the weights-as-rows tensor-core form (the e4m3 bf16x2 decode's inline PTX), M = 32, and with tails
+             (functools.partial(G.fp8_gemm, mma_rows="weights"),
+              (sds((32, 5120), bf), sds((2304, 5120), u8), sds((72, 160), u8))),
+             (functools.partial(G.fp8_gemm, mma_rows="weights"),
+              (sds((13, 1000), bf), sds((300, 1000), u8), sds((10, 32), u8))),
              # the attention's wq_a + wkv of the release in one launch: M = 1 (gemv form) and M = 8 (dot form)
              (G.fp8_gemm_fused, (sds((1, 5120), bf), ((sds((1280, 5120), u8), sds((40, 160), u8)),
                                                       (sds((512, 5120), u8), sds((16, 160), u8))))),

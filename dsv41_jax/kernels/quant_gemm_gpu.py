@@ -12,7 +12,12 @@
     [block_k] vector of multipliers, gathered from the few scale bytes), cast to the dot dtype (exact: <= 4
     significant bits times a power of two) and multiplied with the activations, float32 accumulation, in a loop
     left to the compiler's software pipelining. (The unrolled loads and the scale applied to the activation tile
-    are options of this form too; both measured far slower on an H200.)
+    are options of this form too; both measured far slower on an H200.) ``mma_rows="weights"`` (opt-in, not yet
+    measured on a device): the grouped FP4 kernel's decode form for FP8 — the [block_n, block_k] weight tile decoded
+    straight to bf16 by inline PTX (e4m3 bit pattern of value x 2^-120, two packed multiplies for 2^120 and the
+    block scale; exact) is the row side of Hopper's wgmma as a register operand, the activation rows its columns:
+    6.6 SASS instructions per weight byte in the K loop at M = 32 against 14.3 for the tokens form
+    (``benchmarks/kernel_sass.py fp8_m32``).
   Rows past M and K past the end are masked in the kernel (no padded copy of x); without a K split the kernel
   writes the [M, N] output in x.dtype, with one the float32 partial sums are added by one small XLA reduction.
 * ``fp8_gemm_fused``: several ``fp8_gemm`` weights of one input in one launch (the attention's wq_a + wkv, the
@@ -99,7 +104,8 @@ def _e8m0_mult(s_byte, extra_exp: int = 0):
 def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, block_n: int | None = None,
                        block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
                        num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
-                       scale_side: str | None = None, group_view: bool | None = None) -> dict:
+                       scale_side: str | None = None, group_view: bool | None = None,
+                       mma_rows: str | None = None) -> dict:
     """The tiling of ``fp8_gemm`` for an [m, k] x [n, k] GEMM; any argument given overrides its default.
 
     block_m / block_n / block_k: the output tile and the K step; split_k: K ranges given to separate programs (their
@@ -109,8 +115,14 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
     once at the end; scale_side: which operand takes the e8m0 block scale ("x": the [block_m, block_k] activation
     tile, once per 32 weight rows; "w": every weight element); group_view (gemv form only): weights and activations
     read as [rows, K/32, 32] views, so a K step's scale bytes are one contiguous [block_k / 32] load broadcast over
-    each 32-column group in registers (instead of a [block_k] gather of repeated scale bytes); needs K % 32 == 0."""
+    each 32-column group in registers (instead of a [block_k] gather of repeated scale bytes); needs K % 32 == 0;
+    mma_rows (tensor-core form only): "tokens" (the activation tile is the product's row side, one dot per 32 weight
+    rows) or "weights" (the [block_n, block_k] weight tile, decoded to bf16 by inline PTX, is the row side and the
+    activation rows its columns — the grouped FP4 kernel's decode form; block_n 64 by default, a multiple of 32)."""
     gemv = (m == 1) if gemv is None else gemv
+    mma_rows = "tokens" if gemv else (mma_rows or "tokens")
+    if mma_rows not in ("tokens", "weights"):
+        raise ValueError(f"mma_rows must be 'tokens' or 'weights', got {mma_rows!r}")
     if gemv and m != 1:
         raise ValueError(f"the gemv form takes one activation row, got M = {m}")
     # Measured on an H200 (benchmarks/RESULTS.md, sweep of 2026-12-01): at M = 1 the gemv form with 8-row column
@@ -120,7 +132,7 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
     # programs per multiprocessor with >= 4 K steps each.
     bm = 1 if gemv else (block_m or min(64, max(16, _pow2(m))))
     bk = max(SCALE_BLOCK, min(block_k or 256, _pow2(k)))
-    bn = block_n or (8 if gemv else 32)
+    bn = block_n or (8 if gemv else 64 if mma_rows == "weights" else 32)
     n_kb = -(-k // bk)
     nmn = -(-m // bm) * -(-n // bn)
     if split_k is None:
@@ -132,32 +144,34 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
     scale_side = scale_side or ("x" if gemv else "w")
     group_view = bool(group_view) and gemv and k % SCALE_BLOCK == 0 and _pow2(bk // SCALE_BLOCK) == bk // SCALE_BLOCK
     return dict(block_m=bm, block_n=bn, block_k=bk, split_k=split_k, num_warps=num_warps or 4,
-                num_stages=num_stages or 3, prefetch=pf, gemv=gemv, scale_side=scale_side, group_view=group_view)
+                num_stages=num_stages or 3, prefetch=pf, gemv=gemv, scale_side=scale_side, group_view=group_view,
+                mma_rows=mma_rows)
 
 
 _TILING_ARGS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "prefetch", "gemv",
-                "scale_side", "group_view")
+                "scale_side", "group_view", "mma_rows")
 
 
 @functools.partial(jax.jit, static_argnames=_TILING_ARGS + ("name", "interpret"))
 def fp8_gemm(x, values, scales, *, block_m: int | None = None, block_n: int | None = None,
              block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
              num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
-             scale_side: str | None = None, group_view: bool | None = None, name: str = "fp8_block_gemm",
-             interpret: bool = False):
+             scale_side: str | None = None, group_view: bool | None = None, mma_rows: str | None = None,
+             name: str = "fp8_block_gemm", interpret: bool = False):
     """x [M, K] (bf16 / f32), values uint8 e4m3 bytes [N, K], scales uint8 [ceil(N/32), ceil(K/32)] -> [M, N]
     x.dtype. Tiling: ``fp8_default_tiling``."""
     return fp8_gemm_fused(x, ((values, scales),), block_m=block_m, block_n=block_n, block_k=block_k,
                           split_k=split_k, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, gemv=gemv,
-                          scale_side=scale_side, group_view=group_view, name=name, interpret=interpret)[0]
+                          scale_side=scale_side, group_view=group_view, mma_rows=mma_rows, name=name,
+                          interpret=interpret)[0]
 
 
 @functools.partial(jax.jit, static_argnames=_TILING_ARGS + ("name", "interpret"))
 def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | None = None,
                    block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
-                   scale_side: str | None = None, group_view: bool | None = None, name: str = "fp8_block_gemm_fused",
-                   interpret: bool = False):
+                   scale_side: str | None = None, group_view: bool | None = None, mma_rows: str | None = None,
+                   name: str = "fp8_block_gemm_fused", interpret: bool = False):
     """Several FP8 GEMMs of ONE input in one launch: x [M, K] and weights ((values [N_p, K], scales
     [ceil(N_p/32), ceil(K/32)]), ...) -> (x · w_pᵀ [M, N_p] in x.dtype, ...).
 
@@ -186,7 +200,8 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
             live = [p for p, n in enumerate(ns_) if n]
             ys = fp8_gemm_fused(x, tuple(weights[p] for p in live), block_m=block_m, block_n=block_n,
                                 block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages,
-                                prefetch=prefetch, gemv=gemv, scale_side=scale_side, group_view=group_view, name=name,
+                                prefetch=prefetch, gemv=gemv, scale_side=scale_side, group_view=group_view,
+                                mma_rows=mma_rows, name=name,
                                 interpret=interpret)
             got = dict(zip(live, ys))
             return tuple(got.get(p, jnp.zeros((m, 0), x.dtype)) for p in range(len(ns_)))
@@ -201,10 +216,13 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
             block_k, prefetch = 512, 4
     t = fp8_default_tiling(m, sum(ns_), k, block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
                            num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, gemv=gemv,
-                           scale_side=scale_side, group_view=group_view)
+                           scale_side=scale_side, group_view=group_view, mma_rows=mma_rows)
     bm, bn, bk, split_k, pf, gemv = (t[a] for a in ("block_m", "block_n", "block_k", "split_k", "prefetch", "gemv"))
     x_side = t["scale_side"] == "x"
     gview = t["group_view"]
+    wrows = t["mma_rows"] == "weights"
+    if wrows and bn % SCALE_BLOCK:
+        raise ValueError(f"the weights-as-rows form needs block_n a multiple of {SCALE_BLOCK}, got {bn}")
     if bk % SCALE_BLOCK or not (bn % SCALE_BLOCK == 0 or SCALE_BLOCK % bn == 0) or bn < (2 if gemv else 16):
         raise ValueError(f"block_k {bk} must be a multiple of {SCALE_BLOCK}; block_n {bn} a multiple or a divisor "
                          f"of it (>= 16; >= 2 for the gemv form)")
@@ -226,8 +244,59 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
     f32 = jnp.float32
     n_w = len(weights)
 
+    def program_weight_rows(x_ref, v_ref, s_ref, o_ref, n, mi, ni, si):
+        """The tensor-core program with the weights as the product's rows: acc [block_n, block_m] += W[cols, K step]
+        (e4m3 bytes decoded to bf16 by ``_e4m3_bf16x2_scaled``, each 32 x 32 block times its scale) ·
+        x[rows, K step]ᵀ; the tile stored through transposed indices."""
+        ks = -(-n // SCALE_BLOCK)
+        n_tail = n % bn != 0
+        n0 = ni * bn
+        rows_m = mi * bm + jnp.arange(bm)
+        mmask = rows_m < m
+        rows_n = n0 + jnp.arange(bn)
+        nb, sg = bn // SCALE_BLOCK, bk // SCALE_BLOCK
+
+        def load(kb):
+            k0 = kb * bk
+            cols = k0 + jnp.arange(bk)
+            kin = cols < k
+            if k_mask or n_tail:
+                w = pltr.load(v_ref.at[jnp.minimum(rows_n, n - 1)[:, None], jnp.minimum(cols, k - 1)[None, :]],
+                              mask=(rows_n < n)[:, None] & kin[None, :], other=0)
+            else:
+                w = v_ref[pl.ds(n0, bn), pl.ds(k0, bk)]
+            srow = jnp.minimum(n0 // SCALE_BLOCK + jnp.arange(nb), ks - 1)
+            scol = k0 // SCALE_BLOCK + jnp.arange(sg)
+            sc = pltr.load(s_ref.at[srow[:, None], jnp.minimum(scol, ns - 1)[None, :]],
+                           mask=jnp.broadcast_to((scol < ns)[None, :], (nb, sg)), other=127)
+            if k_mask or m_tail:
+                xc = pltr.load(x_ref.at[jnp.minimum(rows_m, m - 1)[:, None], jnp.minimum(cols, k - 1)[None, :]],
+                               mask=mmask[:, None] & kin[None, :], other=0)
+            else:
+                xc = x_ref[pl.ds(mi * bm, bm), pl.ds(k0, bk)]
+            return w, sc, xc
+
+        def compute(i, acc):
+            w, sc, xc = load(si * kb_per + i)
+            if dot_dtype == jnp.bfloat16:
+                mult = jnp.broadcast_to(_fp4_bf16_multiplier(sc)[:, None, :, None],
+                                        (nb, SCALE_BLOCK, sg, SCALE_BLOCK)).reshape(bn, bk)
+                wq = _e4m3_bf16x2_scaled(w, mult, interpret)
+            else:  # float32 activations: the float32 dequantisation (exact), a float32 dot
+                mult = jnp.broadcast_to(_e8m0_mult(sc)[:, None, :, None],
+                                        (nb, SCALE_BLOCK, sg, SCALE_BLOCK)).reshape(bn, bk)
+                wq = jax.lax.bitcast_convert_type(w, jnp.float8_e4m3fn).astype(f32) * mult
+            return acc + _dot_nt(wq, xc)
+
+        acc = jax.lax.fori_loop(0, kb_per, compute, jnp.zeros((bn, bm), f32))
+        lead = (si,) if split_k > 1 else ()
+        pltr.store(o_ref.at[lead + (rows_m[None, :], rows_n[:, None])], acc.astype(o_ref.dtype),
+                   mask=mmask[None, :] & (rows_n < n)[:, None])
+
     def program(x_ref, v_ref, s_ref, o_ref, n, mi, ni, si):
         """``fp8_gemm``'s program: output tile (row block mi, column block ni) of one weight [n, k], K split si."""
+        if wrows and not gemv:
+            return program_weight_rows(x_ref, v_ref, s_ref, o_ref, n, mi, ni, si)
         ks = -(-n // SCALE_BLOCK)  # scale rows
         n_tail = n % bn != 0
         n0 = ni * bn
@@ -572,6 +641,36 @@ def _e2m1_bf16x2_scaled(v, mult, interpret: bool):
                                              pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape,
                                                                                                jnp.bfloat16)])[0]
                  for sh in (0, 4))
+
+
+def _e4m3_bf16x2_ptx() -> str:
+    """PTX of one instance: two e4m3 bytes in the 16-bit $1, their bf16 scales in $2 -> the two scaled bf16 weights in
+    $0. The bf16 pattern of an e4m3 byte b is ``(b & 0x80) << 8 | (b & 0x7F) << 4``: value x 2^-120 (exact; the e4m3
+    subnormals become bf16 subnormals of the same ratio), then two packed multiplies by 2^120 and the scale."""
+    return """{
+.reg .b32 w, n, t, c;
+mov.b32 c, 0x7B807B80;
+cvt.u32.u16 w, $1;
+prmt.b32 w, w, 0, 0x4140;
+shl.b32 n, w, 4;
+and.b32 n, n, 0x07F007F0;
+shl.b32 t, w, 8;
+and.b32 t, t, 0x80008000;
+or.b32 n, n, t;
+mul.rn.bf16x2 n, n, c;
+mul.rn.bf16x2 $0, n, $2;
+}"""
+
+
+def _e4m3_bf16x2_scaled(v, mult, interpret: bool):
+    """e4m3 bytes v uint8 [...] and bf16 scales [...] (``_fp4_bf16_multiplier``) -> bf16 ``value x 2^(s - 127)``,
+    exact (bytes 0x7F / 0xFF, e4m3's NaN, which the release's quantiser never writes, decode to ±480 x scale on the
+    GPU). In interpret mode the e4m3 conversion of XLA (equal for every other byte)."""
+    if interpret:
+        d = jax.lax.bitcast_convert_type(v, jnp.float8_e4m3fn).astype(jnp.float32)
+        return (d * mult.astype(jnp.float32)).astype(jnp.bfloat16)
+    return pltr.elementwise_inline_asm(_e4m3_bf16x2_ptx(), args=[v, mult], constraints="=r,h,r", pack=2,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.bfloat16)])[0]
 
 
 def _fp4_grouped_weight_rows(x, group_sizes, values, scales, *, block_m, block_n, block_k, num_warps, num_stages,
