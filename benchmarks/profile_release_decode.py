@@ -34,7 +34,8 @@ Parts (in this order; each guarded, results saved after each):
   dense32   (--dense32, after grouped) the FP8 dense GEMM at M = 32 (the batch-32 step's projections: shared expert
             w1 / w2, wq_b, wo_b) at each of DENSE32_TUNINGS (the default first), as ``grouped``.
   --grouped-tunings '[{...}]': decode forms at batches > 1 whose grouped FP4 kernel takes these tunings
-  (``InferenceOptions.fp4_grouped_tuning``), beside the release form on the kernel's defaults.
+  (``InferenceOptions.fp4_grouped_tuning``), beside the release form on the kernel's defaults; --fp8-tunings the
+  same for the FP8 dense kernel (``InferenceOptions.fp8_gemm_tuning``).
 Output: DIR/profile_release_decode.json, DIR/log.txt is the caller's tee; the perfetto traces as
 DIR/perfetto_<form>_b<batch>.json.gz when under 15 MB.
 """
@@ -432,7 +433,7 @@ def time_and_profile(s, batch, form, out_dir, steps=10, profile_steps=3):
 
 
 def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False, no_grouped=False,
-                grouped_tunings: tuple = (), no_f16=False):
+                grouped_tunings: tuple = (), no_f16=False, fp8_tunings: tuple = ()):
     """Per batch: every form's first call (trace + compile + one step) concurrently in threads (XLA compiles
     release the GIL; the forms' first-call times overlap, so each is an upper bound of its compile), then each
     form timed and profiled alone."""
@@ -460,6 +461,9 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
     for tuning in grouped_tunings:  # batches > 1 only (one token takes the one-token kernels in every release form)
         forms.append((f"release, grouped FP4 kernel {dict(tuning)}", prel,
                       InferenceOptions(**rel, fp4_one_token=True, fp4_grouped_tuning=tuning)))
+    for tuning in fp8_tunings:  # batches > 1 only (the gemv form at one token ignores the tensor-core form's tuning)
+        forms.append((f"release, FP8 GEMM kernel {dict(tuning)}", prel,
+                      InferenceOptions(**rel, fp4_one_token=True, fp8_gemm_tuning=tuning)))
     if not no_f16:  # the one-token kernels' form before the pair decode, as its own option (a distinct program)
         forms.append(("release, one-token FP4 kernels, f16 decode (before)", prel,
                       InferenceOptions(**rel, fp4_one_token=True, fp4_slot_decode="f16")))
@@ -472,7 +476,7 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
             OUT["errors"].append(f"decode batch {b}: skipped (budget)")
             log(f"decode batch {b}: skipped ({time.time() - T0:.0f} s > budget {budget_s:.0f} s)")
             continue
-        b_forms = [f for f in forms if b > 1 or "grouped FP4 kernel {" not in f[0]]
+        b_forms = [f for f in forms if b > 1 or not re.search(r"(grouped FP4|FP8 GEMM) kernel \{", f[0])]
         log(f"decode: batch {b}: first calls of {len(b_forms)} forms, concurrently ({time.time() - T0:.0f} s)")
 
         def first(form):
@@ -520,6 +524,9 @@ def main():
     ap.add_argument("--grouped-tunings", default="",
                     help="decode, batches > 1: a JSON list of tunings; for each, a release form whose grouped FP4 "
                          "kernel takes it")
+    ap.add_argument("--fp8-tunings", default="",
+                    help="decode, batches > 1: a JSON list of tunings; for each, a release form whose FP8 dense kernel "
+                         "takes it (InferenceOptions.fp8_gemm_tuning)")
     ap.add_argument("--grouped", action="store_true",
                     help="the batch-32 grouped FP4 GEMMs at GROUPED_TUNINGS (kernel micro-benchmark) first")
     ap.add_argument("--grouped-quick", action="store_true", help="--grouped: the first GROUPED_QUICK tunings only")
@@ -563,7 +570,8 @@ def main():
                 decode_part("smoke" if SMOKE else args.model, [int(b) for b in args.batches.split(",")], args.context,
                             args.budget_s, args.out, save, args.wo_a_fp8, args.no_grouped,
                             tuple(tuple(sorted(t.items())) for t in json.loads(args.grouped_tunings or "[]")),
-                            args.no_f16)
+                            args.no_f16,
+                            tuple(tuple(sorted(t.items())) for t in json.loads(args.fp8_tunings or "[]")))
             except Exception as e:  # noqa: BLE001
                 OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
                 log(f"decode FAILED: {type(e).__name__}: {str(e)[:300]}")

@@ -190,6 +190,15 @@ def test_linear_many_fuses_marked_fp8_weights_and_falls_back_otherwise():
     mixed = (marked[0], jnp.asarray(rng.standard_normal((16, 64)), jnp.float32))
     for got, w in zip(linear_many(x, mixed), mixed):
         np.testing.assert_array_equal(got, linear(x, w))
+    # a tuning on the marker (Fp8GemmInput.tuning, InferenceOptions.fp8_gemm_tuning) reaches the fused kernel: the
+    # weights-as-rows form, one launch, the same values
+    tuned = tuple(Fp8GemmInput(w.weight, "pallas_gpu_interpret", (("mma_rows", "weights"),)) for w in marked)
+    assert str(jax.make_jaxpr(lambda x: linear_many(x, tuned))(x)).count("pallas_call") == 1
+    for got, w in zip(linear_many(x, tuned), marked):
+        ref = linear(x, Fp8GemmInput(w.weight))
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(ref))))
+    with pytest.raises(ValueError, match="mma_rows"):  # the tuning is the kernel's: a wrong one fails there
+        linear(x, Fp8GemmInput(marked[0].weight, "pallas_gpu_interpret", (("mma_rows", "columns"),)))
 
 
 def test_fused_fp8_refuses_unsupported_operands_clearly():

@@ -86,6 +86,9 @@ class InferenceOptions:
     #                             form of its down kernel had been slower; benchmarks/RESULTS.md)
     fp4_slot_decode: str | None = None  # those kernels' decode form (kernels.quant_gemm_gpu.FP4_SLOT_DECODES; None:
     #                                     the kernels' default) — to measure one form against another in one run
+    fp8_gemm_tuning: tuple = ()  # (name, value) pairs for the FP8 dense kernel on the GPU (kernels.quant_gemm_gpu.
+    #                              fp8_gemm: e.g. (("mma_rows", "weights"),); empty: its defaults) — to measure one
+    #                              form against another in one run
     fp4_grouped_tuning: tuple = ()  # (name, value) pairs for the grouped FP4 expert kernel (kernels.quant_gemm_gpu.
     #                                 fp4_grouped_gemm: mma_rows, decode, block sizes; empty: its defaults) — to
     #                                 measure one form against another in one run
@@ -493,7 +496,7 @@ def _gemm_view(params: dict, config: ModelConfig, opts: InferenceOptions) -> dic
         return params
     from dsv41_jax.model.release_weights import mark_fp8_gemm_inputs
 
-    return mark_fp8_gemm_inputs(params, config, opts.quantized_gemm)
+    return mark_fp8_gemm_inputs(params, config, opts.quantized_gemm, opts.fp8_gemm_tuning)
 
 
 def _mhc_kw(c: ModelConfig, opts: InferenceOptions) -> dict:
