@@ -476,10 +476,11 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
     ``mma_rows``: which operand is the tensor-core product's row (M) side — "tokens" (the activation tile
     [block_m, K step] times the dequantised weight tile transposed) or "weights" (the dequantised weight tile
     [block_n, K step] times the activation tile transposed, the [block_n, block_m] result stored transposed).
-    None: "weights" for calls of at most ``FP4_GROUPED_WEIGHT_ROWS_MAX`` rows (decode), else "tokens". ``decode`` (the "weights" form only): how the packed bytes become the
-    dot's bf16 operand — "f32" (the float16 pair decode widened to float32, scaled, rounded to bf16) or "bf16x2"
-    (inline PTX: each nibble's bf16 bit pattern built in a 16-bit half of a register, scaled by one packed bf16
-    multiply per two weights; ``_e2m1_bf16x2_scaled``). None: ``FP4_GROUPED_DEFAULT_DECODE``."""
+    None: "weights" for calls of at most ``FP4_GROUPED_WEIGHT_ROWS_MAX`` rows (decode), else "tokens".
+    ``decode`` (the "weights" form with bf16 activations only): how the packed bytes become the dot's bf16 operand —
+    "f32" (the float16 pair decode widened to float32, scaled, rounded to bf16) or "bf16x2" (inline PTX: each
+    nibble's bf16 bit pattern built in a 16-bit half of a register, then two packed bf16 multiplies per two weights;
+    ``_e2m1_bf16x2_scaled``). None: ``FP4_GROUPED_DEFAULT_DECODE``."""
     mma_rows = mma_rows or ("weights" if x.shape[0] <= FP4_GROUPED_WEIGHT_ROWS_MAX else "tokens")
     if mma_rows not in ("tokens", "weights"):
         raise ValueError(f"mma_rows must be 'tokens' or 'weights', got {mma_rows!r}")
@@ -627,13 +628,14 @@ def _e2m1_bf16x2_scaled(v, mult, interpret: bool):
     """Packed e2m1 bytes v uint8 [...] and bf16 scales [...] (``_fp4_bf16_multiplier``) -> (low, high) nibbles
     as bf16 ``value x 2^(s - 127)``, exact. On the GPU inline PTX (``_e2m1_bf16x2_ptx``, two bytes per instance);
     in interpret mode the float16 decode's exact values (equal: exact products)."""
-    if interpret:  # the same exact values (the float16 decode, value x 2^-14); the bit patterns are checked in
-        # tests/test_quant_gemm.py against the e2m1 table (XLA on CPU flushes the subnormal pattern of 0.5)
+    if interpret:  # the same exact values computed another way (the float16 decode, value x 2^-14), with no
+        # subnormal intermediate; the PTX's bit patterns are checked in tests/test_quant_gemm.py against the table
         vi = v.astype(jnp.int32)
         m = mult.astype(jnp.float32)
 
         def value(codes):
-            return ((decode_e2m1_scaled(codes).astype(jnp.float32) * jnp.float32(2.0 ** 14)) * m).astype(jnp.bfloat16)
+            d = decode_e2m1_scaled(codes).astype(jnp.float32) * jnp.float32(2.0 ** 14)
+            return (d * m).astype(jnp.bfloat16)
 
         return value(vi & 15), value(vi >> 4)
     # one instance per nibble half (the Pallas lowering takes one result per inline-asm op)
