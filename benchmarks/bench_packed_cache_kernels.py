@@ -161,8 +161,24 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
     i1, i2 = indexer_direct(keys), indexer_unpack(keys)
     same_idx = all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(i1),
                                                                                 jax.tree.leaves(i2)))
+    # how far apart, against float32: both kernel forms and the plain-JAX reference on the same (upcast) values. On
+    # an H200 the two forms differed (2026-12-02) while equal bit for bit in interpret mode on CPU; if both lie
+    # within bf16-operand noise of the float32 result the difference is the kernels' accumulation (e.g. a different
+    # tensor-core instruction when the dot's operand comes from registers instead of a load), not a wrong decode
+    f32 = jnp.float32
+    win32 = jnp.concatenate([KN.ring_rows(PC.read(ring), base).astype(f32), new.astype(f32)], axis=1)
+    ref = KN.sparse_attention(q.astype(f32), pos, win32, wpos, PC.read(ckv).astype(f32), topk, sink, window=w,
+                              backend="reference")
+    a64, b64, r64 = (np.asarray(t, np.float64) for t in (a, b_, ref))
     res = dict(batch=batch, context=context, topk=k, dtype=str(jnp.dtype(dtype)), attention_equal=same_attn,
-               indexer_equal=same_idx)
+               indexer_equal=same_idx,
+               attention_packed_vs_unpack=float(np.linalg.norm(a64 - b64) / max(np.linalg.norm(b64), 1e-30)),
+               attention_packed_max_abs_diff=float(np.max(np.abs(a64 - b64))),
+               attention_packed_vs_f32=float(np.linalg.norm(a64 - r64) / max(np.linalg.norm(r64), 1e-30)),
+               attention_unpack_vs_f32=float(np.linalg.norm(b64 - r64) / max(np.linalg.norm(r64), 1e-30)))
+    print(f"attention batch {batch}: packed vs unpacking path rel {res['attention_packed_vs_unpack']:.2e} (max abs "
+          f"{res['attention_packed_max_abs_diff']:.2e}); vs float32: packed {res['attention_packed_vs_f32']:.2e}, "
+          f"unpacking {res['attention_unpack_vs_f32']:.2e}", flush=True)
     if smoke:
         return res
     res["attention_us"] = {name: 1e6 * _median_s(f, *x) for name, f, x in

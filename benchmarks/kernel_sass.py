@@ -110,6 +110,21 @@ def has_backward_branch(sass: str) -> bool:
     return False
 
 
+def loop_body(sass: str) -> list[str] | None:
+    """The SASS lines of the innermost loop (from the target of the last backward branch to that branch), or None."""
+    lines = sass.splitlines()
+    addr = [re.match(r"\s*/\*([0-9a-f]+)\*/", ln) for ln in lines]
+    best = None
+    for i, ln in enumerate(lines):
+        m = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", ln)
+        if m and addr[i] and int(m.group(1), 16) < int(addr[i].group(1), 16):
+            tgt = int(m.group(1), 16)
+            start = next(j for j, a in enumerate(addr) if a and int(a.group(1), 16) >= tgt)
+            if best is None or i - start < best[1] - best[0]:
+                best = (start, i)
+    return None if best is None else lines[best[0]:best[1] + 1]
+
+
 def kernel_case(name: str, tuning: dict):
     """(trace-and-lower thunk, num_warps, num_stages, weight bytes one thread streams) of a named kernel."""
     sds, u8 = jax.ShapeDtypeStruct, jnp.uint8
@@ -138,12 +153,27 @@ def kernel_case(name: str, tuning: dict):
         per_thread = 2 * t["block_n"] * D / (32 * num_warps)
         return (lambda: fn.trace(*args).lower(**lower)), num_warps, tuning.get("num_stages", t["num_stages"]), \
             per_thread
-    raise SystemExit(f"unknown kernel {name!r}: fp4_up, fp4_down or fp8_fused")
+    if name == "fp8_m32":  # the batch-32 decode step's dense FP8 projections (tensor-core form), 2304 x 5120
+        fn = jax.jit(lambda x, v, s: G.fp8_gemm(x, v, s, **tuning))
+        args = (sds((32, D), jnp.bfloat16), sds((F, D), u8), sds((F // 32, D // 32), u8))
+        t = G.fp8_default_tiling(32, F, D, **tuning)
+        return ((lambda: fn.trace(*args).lower(**lower)), t["num_warps"], t["num_stages"],
+                t["block_n"] * t["block_k"] / (32 * t["num_warps"]))
+    if name == "fp4_grouped":  # the batch-32 decode step's w1 / w3: 192 routed rows over 16 experts
+        rows = 32 * PICKS
+        fn = jax.jit(lambda x, g, v, s: G.fp4_grouped_gemm(x, g, v, s, **tuning))
+        args = (sds((rows, D), jnp.bfloat16), sds((E,), jnp.int32), sds((E, F, D // 2), u8), sds((E, F, D // 32), u8))
+        # per thread and K step of the loop: block_n x block_k / 2 packed bytes over the program's threads (both
+        # forms' block_n / block_k / num_warps / num_stages defaults are 64 / 256 / 4 / 3)
+        bn, bk = tuning.get("block_n") or 64, tuning.get("block_k") or 256
+        nw, ns = tuning.get("num_warps") or 4, tuning.get("num_stages") or 3
+        return (lambda: fn.trace(*args).lower(**lower)), nw, ns, bn * bk / 2 / (32 * nw)
+    raise SystemExit(f"unknown kernel {name!r}: fp4_up, fp4_down, fp8_fused or fp4_grouped")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=("fp4_up", "fp4_down", "fp8_fused"))
+    ap.add_argument("kernel", choices=("fp4_up", "fp4_down", "fp8_fused", "fp4_grouped", "fp8_m32"))
     ap.add_argument("--tuning", default="{}", help="JSON: the kernel's tiling / decode overrides")
     ap.add_argument("--keep", default=None, help="a folder to keep kernel.{ttir,ptx,cubin,sass} in")
     args = ap.parse_args()
@@ -163,6 +193,13 @@ def main():
           f"{per_thread:.0f} weight bytes per thread -> {total / per_thread:.1f} per byte"
           + ("  [backward branch: a loop, the per-byte figure is not the executed count]" if loop else ""))
     print("   " + ", ".join(f"{o} {n}" for o, n in ops.most_common(20)))
+    body = loop_body(sass) if loop else None
+    if body:  # a K loop (fori_loop kernels): the loop body's instructions per weight byte of one K step
+        bops = opcode_histogram("\n".join(body))
+        btotal = sum(bops.values())
+        print(f"   loop body: {btotal} SASS instructions, {per_thread:.0f} weight bytes per thread and K step -> "
+              f"{btotal / per_thread:.1f} per byte")
+        print("   " + ", ".join(f"{o} {n}" for o, n in bops.most_common(24)))
     if args.keep:
         print(f"   kept in {work}")
 

@@ -28,6 +28,14 @@ Parts (in this order; each guarded, results saved after each):
             create_perfetto_trace=True)``: device events summed by kernel family (time and launches per step), busy
             (union of device intervals) vs the profiled wall time. XLA runs the step's command buffers as separate
             launches while profiling, so busy and launch counts are those of the ungraphed step.
+  grouped   (--grouped, first) the grouped FP4 expert GEMM as the batch-32 decode step runs it (192 rows over 16
+            experts, w1 / w3 2304 x 5120 and w2 5120 x 2304) at each of GROUPED_TUNINGS (the "tokens" form first:
+            the same-run baseline): device µs, % of 4.8 TB/s and of the read-only bandwidth, error against float32.
+  dense32   (--dense32, after grouped) the FP8 dense GEMM at M = 32 (the batch-32 step's projections: shared expert
+            w1 / w2, wq_b, wo_b) at each of DENSE32_TUNINGS (the default first), as ``grouped``.
+  --grouped-tunings '[{...}]': decode forms at batches > 1 whose grouped FP4 kernel takes these tunings
+  (``InferenceOptions.fp4_grouped_tuning``), beside the release form on the kernel's defaults; --fp8-tunings the
+  same for the FP8 dense kernel (``InferenceOptions.fp8_gemm_tuning``).
 Output: DIR/profile_release_decode.json, DIR/log.txt is the caller's tee; the perfetto traces as
 DIR/perfetto_<form>_b<batch>.json.gz when under 15 MB.
 """
@@ -81,7 +89,8 @@ TILINGS = [({}, {}),
 if SMOKE:
     TILINGS = [({}, {}), (dict(decode="f16"), dict(decode="f16")),
                (dict(block_n=4, block_k=32, prefetch=1), dict(block_n=4, block_k=32))]
-OUT: dict = {"meta": {}, "ceilings": {}, "experts": [], "checks": [], "decode": [], "errors": []}
+OUT: dict = {"meta": {}, "ceilings": {}, "experts": [], "grouped": [], "dense32": [], "checks": [], "decode": [],
+             "errors": []}
 T0 = time.time()
 
 FAMILIES = [  # (family, pattern on the device event's name), first match wins
@@ -230,6 +239,112 @@ def experts_part(bw, n_tilings=len(TILINGS)):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# grouped: the batch-32 decode step's grouped FP4 expert GEMMs
+# ----------------------------------------------------------------------------------------------------------------
+
+# (label, tuning of kernels.quant_gemm_gpu.fp4_grouped_gemm): the first, the kernel's form before the weights-as-rows
+# form became its decode default, is the same-run baseline (as measured on 2026-12-02 14:39 UTC, the labels then
+# named the tuning given: "tokens form (default)" = {}, "weights form, bf16x2 decode" = the third row's form)
+GROUPED_TUNINGS = [("tokens form (the default before)", dict(mma_rows="tokens")),
+                   ("weights form, f32 decode", dict(mma_rows="weights", decode="f32")),
+                   ("weights form, bf16x2 decode (default)", {}),
+                   ("weights form, bf16x2, block_m 16", dict(block_m=16)),
+                   ("weights form, bf16x2, block_k 128", dict(block_k=128)),
+                   ("weights form, bf16x2, 4 stages", dict(num_stages=4)),
+                   ("weights form, bf16x2, block_n 128, 8 warps", dict(block_n=128, num_warps=8))]
+GROUPED_QUICK = 5  # --grouped-quick: the first five only
+
+
+def grouped_part(bw, batch=32, n_tunings=len(GROUPED_TUNINGS)):
+    """One grouped FP4 GEMM as the bench model's batch-``batch`` decode step runs it: ``batch`` tokens x top-6 of
+    16 experts (uniform random picks) = 192 rows sorted by expert, w1 / w3 (2304 x 5120) and w2 (5120 x 2304); each
+    call runs R distinct weight stacks (> L2). Device µs per GEMM; bytes = the used experts' packed bytes + scales +
+    activations read + output written; checked against float32 on the dequantised weights (bf16 inputs)."""
+    n_exp = 8 if SMOKE else 16
+    r = 2 if SMOKE else 4
+    rows = batch * TOPK
+    import bench_quant_gemm as BQ
+
+    for shape_name, (n, k) in (("w1 / w3", (F_, D_)), ("w2", (D_, F_))):
+        key = jax.random.PRNGKey(11 + n)
+        ws = [B.random_fp4(jax.random.fold_in(key, i), n_exp, n, k) for i in range(r)]
+        gss = [BQ._routing(jax.random.fold_in(key, 100 + i), batch, n_exp, TOPK) for i in range(r)]
+        xs = [jax.random.normal(jax.random.fold_in(key, 200 + i), (rows, k), jnp.float32).astype(jnp.bfloat16)
+              for i in range(r)]
+        used = float(np.mean([int(jnp.sum(g > 0)) for g in gss]))
+        nbytes = used * (n * k // 2 + n * k // 32) + rows * k * 2 + rows * n * 2
+        want = jax.lax.ragged_dot(xs[0].astype(jnp.float32), jnp.swapaxes(ws[0].dequantize(jnp.float32), 1, 2),
+                                  gss[0], precision=jax.lax.Precision.HIGHEST)
+        base = None
+        for label, tuning in GROUPED_TUNINGS[:n_tunings]:
+            try:
+                fn = jax.jit(lambda xs, gss, ws, tuning=tuning: [QG.fp4_grouped(x, g, w, backend=BE, tuning=tuning)
+                                                                 for x, g, w in zip(xs, gss, ws)])
+                out = jax.block_until_ready(fn(xs, gss, ws))
+                err = B.rel_err(out[0], want)
+                dev, _ = device_us(fn, (xs, gss, ws), r)
+            except Exception as e:  # noqa: BLE001
+                OUT["errors"].append(f"grouped {shape_name} {label}: {type(e).__name__}: {str(e)[:400]}")
+                log(f"grouped {shape_name} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                continue
+            row = dict(shape=shape_name, n=n, k=k, rows=rows, experts=n_exp, used_experts=used, variant=label,
+                       tuning=tuning, bytes=nbytes, dev_us=dev, rel_err=err,
+                       pct_datasheet=100 * nbytes / (dev * 1e-6) / DATASHEET_BW,
+                       pct_read=100 * nbytes / (dev * 1e-6) / bw.get("read_bw", DATASHEET_BW))
+            base = base or row
+            row["speedup_vs_first"] = base["dev_us"] / dev
+            OUT["grouped"].append(row)
+            OUT["checks"].append(dict(what=f"grouped {shape_name} {label}, bf16 x, vs float32", rel_err=err))
+            log(f"| {shape_name} | {label} | {dev:.1f} | {row['pct_datasheet']:.0f}% | {row['pct_read']:.0f}% | "
+                f"{row['speedup_vs_first']:.2f}x | {err:.1e} |")
+
+
+# (label, tuning of kernels.quant_gemm_gpu.fp8_gemm) for --dense32: the first is the default (same-run baseline)
+DENSE32_TUNINGS = [("tokens form (default)", {}),
+                   ("weights form, bf16x2 e4m3 decode", dict(mma_rows="weights")),
+                   ("weights form, block_m 16", dict(mma_rows="weights", block_m=16)),
+                   ("weights form, block_n 128, 8 warps", dict(mma_rows="weights", block_n=128, num_warps=8))]
+# the bench model's FP8 projections at decode (N, K): shared expert w1 / w3 and w2, the attention's wq_b and wo_b
+DENSE32_SHAPES = [(2304, 5120), (5120, 2304), (32768, 1280), (5120, 8192)]
+
+
+def dense32_part(bw, m=32):
+    """The FP8 dense GEMM (32 x 32 block scales) at M = ``m`` (the batch-32 decode step's dense projections) at each
+    of DENSE32_TUNINGS: device µs per GEMM (each call runs R distinct weights, > L2), bytes = weight bytes + scales +
+    activations + output, % of 4.8 TB/s and of the read-only bandwidth; checked against float32 (bf16 inputs)."""
+    r = 2 if SMOKE else 8
+    shapes = [(64, 96), (96, 64)] if SMOKE else DENSE32_SHAPES
+    for n, k in shapes:
+        key = jax.random.PRNGKey(n * 7 + k)
+        ws = [B.random_fp8(jax.random.fold_in(key, i), n, k) for i in range(r)]
+        xs = [jax.random.normal(jax.random.fold_in(key, 100 + i), (m, k), jnp.float32).astype(jnp.bfloat16)
+              for i in range(r)]
+        nbytes = n * k + (-(-n // 32)) * (-(-k // 32)) + m * k * 2 + m * n * 2
+        want = np.asarray(xs[0], np.float64) @ np.asarray(ws[0].dequantize(jnp.float32), np.float64).T
+        base = None
+        for label, tuning in DENSE32_TUNINGS:
+            try:
+                fn = jax.jit(lambda xs, ws, tuning=tuning: [QG.fp8_linear(x, w, backend=BE, tuning=tuning)
+                                                            for x, w in zip(xs, ws)])
+                out = jax.block_until_ready(fn(xs, ws))
+                err = B.rel_err(out[0], want)
+                dev, _ = device_us(fn, (xs, ws), r)
+            except Exception as e:  # noqa: BLE001
+                OUT["errors"].append(f"dense32 {n}x{k} {label}: {type(e).__name__}: {str(e)[:400]}")
+                log(f"dense32 {n}x{k} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                continue
+            row = dict(m=m, n=n, k=k, variant=label, tuning=tuning, bytes=nbytes, dev_us=dev, rel_err=err,
+                       pct_datasheet=100 * nbytes / (dev * 1e-6) / DATASHEET_BW,
+                       pct_read=100 * nbytes / (dev * 1e-6) / bw.get("read_bw", DATASHEET_BW))
+            base = base or row
+            row["speedup_vs_first"] = base["dev_us"] / dev
+            OUT["dense32"].append(row)
+            OUT["checks"].append(dict(what=f"dense32 {n}x{k} {label}, bf16 x, vs float32", rel_err=err))
+            log(f"| {n} x {k} | {label} | {dev:.1f} | {row['pct_datasheet']:.0f}% | {row['pct_read']:.0f}% | "
+                f"{row['speedup_vs_first']:.2f}x | {err:.1e} |")
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # decode: the step's profile by kernel family
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -317,7 +432,8 @@ def time_and_profile(s, batch, form, out_dir, steps=10, profile_steps=3):
     return row
 
 
-def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False, no_grouped=False):
+def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False, no_grouped=False,
+                grouped_tunings: tuple = (), no_f16=False, fp8_tunings: tuple = ()):
     """Per batch: every form's first call (trace + compile + one step) concurrently in threads (XLA compiles
     release the GIL; the forms' first-call times overlap, so each is an upper bound of its compile), then each
     form timed and profiled alone."""
@@ -342,9 +458,15 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
              ("release, one-token FP4 kernels", prel, InferenceOptions(**rel, fp4_one_token=True))]
     if not no_grouped:
         forms.append(("release, grouped FP4 kernel", prel, InferenceOptions(**rel, fp4_one_token=False)))
-    # the one-token kernels' form before the pair decode, as its own option (a distinct compiled program)
-    forms.append(("release, one-token FP4 kernels, f16 decode (before)", prel,
-                  InferenceOptions(**rel, fp4_one_token=True, fp4_slot_decode="f16")))
+    for tuning in grouped_tunings:  # batches > 1 only (one token takes the one-token kernels in every release form)
+        forms.append((f"release, grouped FP4 kernel {dict(tuning)}", prel,
+                      InferenceOptions(**rel, fp4_one_token=True, fp4_grouped_tuning=tuning)))
+    for tuning in fp8_tunings:  # batches > 1 only (the gemv form at one token ignores the tensor-core form's tuning)
+        forms.append((f"release, FP8 GEMM kernel {dict(tuning)}", prel,
+                      InferenceOptions(**rel, fp4_one_token=True, fp8_gemm_tuning=tuning)))
+    if not no_f16:  # the one-token kernels' form before the pair decode, as its own option (a distinct program)
+        forms.append(("release, one-token FP4 kernels, f16 decode (before)", prel,
+                      InferenceOptions(**rel, fp4_one_token=True, fp4_slot_decode="f16")))
     if wo_a_fp8:  # the form measured before wo_a was served from load
         forms.append(("release, grouped FP4 kernel, wo_a FP8 per step (before)", stored,
                       InferenceOptions(**rel, fp4_one_token=False)))
@@ -354,7 +476,8 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
             OUT["errors"].append(f"decode batch {b}: skipped (budget)")
             log(f"decode batch {b}: skipped ({time.time() - T0:.0f} s > budget {budget_s:.0f} s)")
             continue
-        log(f"decode: batch {b}: first calls of {len(forms)} forms, concurrently ({time.time() - T0:.0f} s)")
+        b_forms = [f for f in forms if b > 1 or not re.search(r"(grouped FP4|FP8 GEMM) kernel \{", f[0])]
+        log(f"decode: batch {b}: first calls of {len(b_forms)} forms, concurrently ({time.time() - T0:.0f} s)")
 
         def first(form):
             try:
@@ -362,10 +485,10 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
             except Exception as e:  # noqa: BLE001
                 return dict(error=f"{type(e).__name__}: {str(e)[:400]}")
 
-        with concurrent.futures.ThreadPoolExecutor(len(forms)) as ex:
-            setups = list(ex.map(first, forms))
+        with concurrent.futures.ThreadPoolExecutor(len(b_forms)) as ex:
+            setups = list(ex.map(first, b_forms))
         log(f"decode: batch {b}: compiled ({time.time() - T0:.0f} s)")
-        for (form, params, _), s in zip(forms, setups):
+        for (form, params, _), s in zip(b_forms, setups):
             row = dict(model=config.name, batch=b, context=context, weights=form, weight_gb=weight_bytes(params) / 1e9)
             try:
                 if "error" in s:
@@ -397,6 +520,18 @@ def main():
                          "form before wo_a was served in bf16 from load, now the release forms' default)")
     ap.add_argument("--wo-a-bf16", action="store_true", help="no effect: wo_a in bf16 from load is now the default")
     ap.add_argument("--no-grouped", action="store_true", help="decode: leave out the grouped FP4 kernel form")
+    ap.add_argument("--no-f16", action="store_true", help="decode: leave out the one-token kernels' f16 form")
+    ap.add_argument("--grouped-tunings", default="",
+                    help="decode, batches > 1: a JSON list of tunings; for each, a release form whose grouped FP4 "
+                         "kernel takes it")
+    ap.add_argument("--fp8-tunings", default="",
+                    help="decode, batches > 1: a JSON list of tunings; for each, a release form whose FP8 dense kernel "
+                         "takes it (InferenceOptions.fp8_gemm_tuning)")
+    ap.add_argument("--grouped", action="store_true",
+                    help="the batch-32 grouped FP4 GEMMs at GROUPED_TUNINGS (kernel micro-benchmark) first")
+    ap.add_argument("--grouped-quick", action="store_true", help="--grouped: the first GROUPED_QUICK tunings only")
+    ap.add_argument("--dense32", action="store_true",
+                    help="the FP8 dense GEMM at M = 32 at DENSE32_TUNINGS (kernel micro-benchmark), after --grouped")
     args = ap.parse_args()
     OUT["meta"] = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), jax=jax.__version__,
                        devices=[d.device_kind for d in jax.devices()],
@@ -433,12 +568,33 @@ def main():
         if not args.skip_decode:
             try:
                 decode_part("smoke" if SMOKE else args.model, [int(b) for b in args.batches.split(",")], args.context,
-                            args.budget_s, args.out, save, args.wo_a_fp8, args.no_grouped)
+                            args.budget_s, args.out, save, args.wo_a_fp8, args.no_grouped,
+                            tuple(tuple(sorted(t.items())) for t in json.loads(args.grouped_tunings or "[]")),
+                            args.no_f16,
+                            tuple(tuple(sorted(t.items())) for t in json.loads(args.fp8_tunings or "[]")))
             except Exception as e:  # noqa: BLE001
                 OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
                 log(f"decode FAILED: {type(e).__name__}: {str(e)[:300]}")
             save()
 
+    if args.grouped:
+        log("\n| batch-32 grouped FP4 GEMM | variant | dev µs | % of 4.8 TB/s | % of read-only | × tokens form | "
+            "rel err vs float32 |\n|---|---|---:|---:|---:|---:|---:|")
+        try:
+            grouped_part(OUT["ceilings"], n_tunings=GROUPED_QUICK if args.grouped_quick else len(GROUPED_TUNINGS))
+        except Exception as e:  # noqa: BLE001
+            OUT["errors"].append(f"grouped: {type(e).__name__}: {str(e)[:400]}")
+            log(f"grouped FAILED: {type(e).__name__}: {str(e)[:300]}")
+        save()
+    if args.dense32:
+        log("\n| FP8 GEMM at M = 32, N x K | variant | dev µs | % of 4.8 TB/s | % of read-only | × default | "
+            "rel err vs float32 |\n|---|---|---:|---:|---:|---:|---:|")
+        try:
+            dense32_part(OUT["ceilings"])
+        except Exception as e:  # noqa: BLE001
+            OUT["errors"].append(f"dense32: {type(e).__name__}: {str(e)[:400]}")
+            log(f"dense32 FAILED: {type(e).__name__}: {str(e)[:300]}")
+        save()
     for part in ((decode, experts) if args.decode_first else (experts, decode)):
         part()
     log("\n| batch | weights | first call s | synced ms | queued ms | busy ms | kernel ms | launches | families "

@@ -79,9 +79,9 @@ def test_moe_inference_takes_the_one_token_kernels_and_equals_the_grouped_path()
         return {"gate": gate, "shared_experts": shared,
                 "experts": {k: Fp8GemmInput(w, gemm) for k, w in (("w1", w1), ("w2", w2), ("w3", w3))}}
 
-    def run(gemm, one_token):
+    def run(gemm, one_token, grouped_tuning=()):
         fn = jax.jit(lambda p, x: moe_inference(x, p, top_k=3, temp=1.0, scaling=1.5, limit=7.0,
-                                                fp4_one_token=one_token))
+                                                fp4_one_token=one_token, fp4_grouped_tuning=grouped_tuning))
         return fn(params(gemm), x), fn.lower(params(gemm), x).as_text()
 
     got, text = run(BE, True)
@@ -89,6 +89,12 @@ def test_moe_inference_takes_the_one_token_kernels_and_equals_the_grouped_path()
     grouped, text_g = run(BE, False)
     assert "fp4_grouped_gemm" in text_g and "fp4_slot" not in text_g
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(grouped, np.float32), rtol=2 ** -7,
+                               atol=2 ** -7 * float(jnp.max(jnp.abs(grouped.astype(jnp.float32)))))
+    # the grouped kernel's tuning reaches it through moe_inference (InferenceOptions.fp4_grouped_tuning): its
+    # tokens-as-rows form, the default before the weights-as-rows form
+    tuned, text_t = run(BE, False, (("mma_rows", "tokens"),))
+    assert "fp4_grouped_gemm" in text_t
+    np.testing.assert_allclose(np.asarray(tuned, np.float32), np.asarray(grouped, np.float32), rtol=2 ** -7,
                                atol=2 ** -7 * float(jnp.max(jnp.abs(grouped.astype(jnp.float32)))))
 
 

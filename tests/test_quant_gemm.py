@@ -3,6 +3,7 @@ TPU Mosaic, in interpret mode on CPU) equal the plain-JAX dequantise-then-GEMM w
 noise — partial blocks, ragged groups with empty experts and rows past the groups included; bad operands fail with a
 clear error; the Mosaic kernels compile ahead of time for a TPU v5p."""
 
+import functools
 import os
 
 import jax
@@ -75,9 +76,17 @@ def test_gpu_kernel_tilings_are_exact_on_the_contiguous_paths():
     x = jnp.asarray(rng.standard_normal((16, 512)), jnp.float32)
     want = np.asarray(x, np.float64) @ np.asarray(w.dequantize(), np.float64).T
     for tuning in (dict(block_n=16, block_k=128, split_k=3), dict(block_n=64, block_k=128, prefetch=2,
-                                                                   scale_side="x")):
+                                                                   scale_side="x"),
+                   dict(mma_rows="weights", block_k=128, split_k=3), dict(mma_rows="weights", block_n=32)):
         got = QG.fp8_linear(x, w, backend="pallas_gpu_interpret", tuning=tuning)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(tuning))
+    # the weights-as-rows form with bf16 activations (the bf16x2 e4m3 decode) and partial blocks (M 13, N 80, K 100)
+    w_odd = _weights(rng, (80, 100), N.FP8_BLOCK)
+    xb = jnp.asarray(rng.standard_normal((13, 100)), jnp.bfloat16)
+    want_b = np.asarray(xb.astype(jnp.float32), np.float64) @ np.asarray(w_odd.dequantize(), np.float64).T
+    got = QG.fp8_linear(xb, w_odd, backend="pallas_gpu_interpret", tuning=dict(mma_rows="weights", block_m=16,
+                                                                                block_k=64))
+    np.testing.assert_allclose(np.asarray(got, np.float32), want_b, rtol=2 ** -8, atol=2 ** -8 * np.abs(want_b).max())
     # the gemv form (M = 1): unrolled K steps loaded ahead, 3 K splits of 3 steps over 8 K blocks (one masked);
     # 4-row column blocks (8 programs per scale row) with every K step loaded ahead; the [rows, K/32, 32] group view
     # (scale bytes loaded per 32-column group) on the masked and the contiguous path
@@ -92,9 +101,46 @@ def test_gpu_kernel_tilings_are_exact_on_the_contiguous_paths():
     wd = np.asarray(w4.dequantize(), np.float64)
     want = np.zeros((16, 64))
     want[:3], want[3:12] = np.asarray(x[:3], np.float64) @ wd[0].T, np.asarray(x[3:12], np.float64) @ wd[2].T
-    for tuning in (dict(block_m=16, block_n=64, block_k=128),):
+    for tuning in (dict(mma_rows="tokens", block_m=16, block_n=64, block_k=128),
+                   dict(mma_rows="weights", block_m=16, block_n=32, block_k=128)):
         got = QG.fp4_grouped(x, gs, w4, backend="pallas_gpu_interpret", tuning=tuning)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(tuning))
+    # bf16 activations: the weights-as-rows form with the float32 and the bf16x2 decode (code 1 = 0.5 is a bf16
+    # subnormal pattern before its scale) against float64 on the same bf16 inputs, within one bf16 rounding
+    xb = x.astype(jnp.bfloat16)
+    want_b = np.zeros((16, 64))
+    xb64 = np.asarray(xb.astype(jnp.float32), np.float64)
+    want_b[:3], want_b[3:12] = xb64[:3] @ wd[0].T, xb64[3:12] @ wd[2].T
+    for tuning in (dict(mma_rows="weights", decode="f32", block_m=16, block_n=32, block_k=128),
+                   dict(mma_rows="weights", decode="bf16x2", block_m=16, block_n=32, block_k=128)):
+        got = QG.fp4_grouped(xb, gs, w4, backend="pallas_gpu_interpret", tuning=tuning)
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got, np.float32), want_b, rtol=2 ** -8,
+                                   atol=2 ** -8 * np.abs(want_b).max(), err_msg=str(tuning))
+
+
+def test_bf16x2_e2m1_patterns_are_the_e2m1_values():
+    """The bf16x2 decodes' bit arithmetic (``_e2m1_bf16x2_ptx`` / ``_e4m3_bf16x2_ptx``, run on the GPU only) on all
+    256 bytes, in numpy (subnormals kept): the FP4 pattern of either nibble times 2^126 is the e2m1 value, the FP8
+    pattern times 2^120 the e4m3 value."""
+    import ml_dtypes
+
+    table = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    b = np.arange(256, dtype=np.uint32)
+    w = b | b << 16  # the PTX's prmt puts two bytes at bits 0-7 / 16-23; both halves must decode alike
+    for mask, mul, codes in ((0x000F000F, 0x1040, b & 15), (0x00F000F0, 0x104, b >> 4)):
+        pat = ((w & mask) * mul) & 0x81C081C0
+        for half in (pat & 0xFFFF, pat >> 16):
+            got = half.astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64) * 2.0 ** 126
+            np.testing.assert_array_equal(got, table[codes])
+    # the e4m3 decode of the FP8 weights-as-rows form (``_e4m3_bf16x2_ptx``): pattern x 2^120 is the e4m3 value for
+    # every byte but e4m3's NaN bytes 0x7f / 0xff (which the quantiser never writes)
+    pat = ((w << 4) & 0x07F007F0) | ((w << 8) & 0x80008000)
+    e4m3 = b.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    finite = (b & 0x7F) != 0x7F
+    for half in (pat & 0xFFFF, pat >> 16):
+        got = half.astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64) * 2.0 ** 120
+        np.testing.assert_array_equal(got[finite], e4m3[finite])
 
 
 def test_fused_fp8_kernel_equals_the_float32_reference_and_the_separate_kernels():
@@ -144,6 +190,15 @@ def test_linear_many_fuses_marked_fp8_weights_and_falls_back_otherwise():
     mixed = (marked[0], jnp.asarray(rng.standard_normal((16, 64)), jnp.float32))
     for got, w in zip(linear_many(x, mixed), mixed):
         np.testing.assert_array_equal(got, linear(x, w))
+    # a tuning on the marker (Fp8GemmInput.tuning, InferenceOptions.fp8_gemm_tuning) reaches the fused kernel: the
+    # weights-as-rows form, one launch, the same values
+    tuned = tuple(Fp8GemmInput(w.weight, "pallas_gpu_interpret", (("mma_rows", "weights"),)) for w in marked)
+    assert str(jax.make_jaxpr(lambda x: linear_many(x, tuned))(x)).count("pallas_call") == 1
+    for got, w in zip(linear_many(x, tuned), marked):
+        ref = linear(x, Fp8GemmInput(w.weight))
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(ref))))
+    with pytest.raises(ValueError, match="mma_rows"):  # the tuning is the kernel's: a wrong one fails there
+        linear(x, Fp8GemmInput(marked[0].weight, "pallas_gpu_interpret", (("mma_rows", "columns"),)))
 
 
 def test_fused_fp8_refuses_unsupported_operands_clearly():
@@ -254,14 +309,24 @@ def test_gpu_kernels_lower_to_triton_without_a_gpu():
     sds, bf, u8 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.uint8
     cases = [(G.fp8_gemm, (sds((1, 5120), bf), sds((2304, 5120), u8), sds((72, 160), u8))),
              (G.fp8_gemm, (sds((3, 1000), jnp.float32), sds((300, 1000), u8), sds((10, 32), u8))),
+             # the weights-as-rows tensor-core form (the e4m3 bf16x2 decode's inline PTX), M = 32, and with tails
+             (functools.partial(G.fp8_gemm, mma_rows="weights"),
+              (sds((32, 5120), bf), sds((2304, 5120), u8), sds((72, 160), u8))),
+             (functools.partial(G.fp8_gemm, mma_rows="weights"),
+              (sds((13, 1000), bf), sds((300, 1000), u8), sds((10, 32), u8))),
              # the attention's wq_a + wkv of the release in one launch: M = 1 (gemv form) and M = 8 (dot form)
              (G.fp8_gemm_fused, (sds((1, 5120), bf), ((sds((1280, 5120), u8), sds((40, 160), u8)),
                                                       (sds((512, 5120), u8), sds((16, 160), u8))))),
              (G.fp8_gemm_fused, (sds((8, 5120), bf), ((sds((1280, 5120), u8), sds((40, 160), u8)),
                                                       (sds((512, 5120), u8), sds((16, 160), u8))))),
-             (G.fp4_grouped_gemm, (sds((48, 5120), bf), sds((384,), jnp.int32), sds((384, 2304, 2560), u8),
-                                   sds((384, 2304, 160), u8))),
+             (functools.partial(G.fp4_grouped_gemm, mma_rows="tokens"),
+              (sds((48, 5120), bf), sds((384,), jnp.int32), sds((384, 2304, 2560), u8), sds((384, 2304, 160), u8))),
              (G.fp4_grouped_gemm, (sds((13, 96), jnp.float32), sds((5,), jnp.int32), sds((5, 40, 48), u8),
+                                   sds((5, 40, 3), u8))),
+             # the decode default: weights on the product's row side, the bf16x2 decode's inline PTX
+             (G.fp4_grouped_gemm,
+              (sds((192, 5120), bf), sds((16,), jnp.int32), sds((16, 2304, 2560), u8), sds((16, 2304, 160), u8))),
+             (G.fp4_grouped_gemm, (sds((13, 96), bf), sds((5,), jnp.int32), sds((5, 40, 48), u8),
                                    sds((5, 40, 3), u8)))]
     for fn, args in cases:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -277,15 +277,17 @@ def _static_trip_count(m: int, k: int, w1, w2, w3) -> bool:
 def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scaling: float, limit: float,
                   normalize: bool = True, tile: int | None = None, backend: str = "auto",
                   router_one_pass: bool = False, fp4_one_token: bool = True,
-                  fp4_slot_decode: str | None = None, live: jax.Array | None = None) -> jax.Array:
+                  fp4_slot_decode: str | None = None, fp4_grouped_tuning: tuple = (),
+                  live: jax.Array | None = None) -> jax.Array:
     """x [..., d] -> y [..., d] in x.dtype (router + tiled routed experts + the shared expert). ``backend`` (a
     ``dsv41_jax.kernels`` backend) picks the decode path's slot kernels on a GPU (:func:`routed_slots`);
     ``router_one_pass``: the router logits as one reduction (``ops.moe.route``); ``fp4_one_token``: one token's
     release FP4 experts on the GPU kernels by :func:`routed_fp4_one_token` (default True, measured faster in the step;
     False: the grouped kernel — ``InferenceOptions.fp4_one_token``); ``fp4_slot_decode``: those kernels' decode form
-    (None: their default); ``live`` (x's leading shape, bool): the tokens whose output is used — the others'
-    routed output is 0 and, on the slot / tiled paths, the experts only they picked are not read (a chunk's masked
-    rows). The live tokens' outputs do not depend on it."""
+    (None: their default); ``fp4_grouped_tuning``: (name, value) pairs for the grouped FP4 kernel (empty: its
+    defaults); ``live`` (x's leading shape, bool): the tokens whose output is used (a chunk's unmasked rows) — on
+    the slot / tiled paths the others' routed output is 0 and the experts only they picked are not read; the release
+    FP4 paths ignore it. The live tokens' outputs do not depend on it."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, idx, _ = route(flat, params["gate"]["weight"], params["gate"]["bias"], top_k=top_k, temp=temp,
@@ -298,7 +300,8 @@ def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scalin
     elif grouped_kernel_backend(e["w1"], e["w2"], e["w3"]) is not None:
         # release FP4 experts with a quantised-GEMM kernel: one grouped Pallas GEMM per projection reads only the
         # experts that received rows, straight from their packed bytes (no slot padding, no per-expert loop)
-        y = routed_ragged(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit)
+        y = routed_ragged(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit,
+                          fp4_tuning=dict(fp4_grouped_tuning) or None)
     elif tile is None and _static_trip_count(flat.shape[0], top_k, e["w1"], e["w2"], e["w3"]):
         # decode (and short verification chunks on few experts): a loop with a static trip count
         y = routed_slots(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, backend, live=live_rows)

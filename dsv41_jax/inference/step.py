@@ -86,6 +86,12 @@ class InferenceOptions:
     #                             form of its down kernel had been slower; benchmarks/RESULTS.md)
     fp4_slot_decode: str | None = None  # those kernels' decode form (kernels.quant_gemm_gpu.FP4_SLOT_DECODES; None:
     #                                     the kernels' default) — to measure one form against another in one run
+    fp8_gemm_tuning: tuple = ()  # (name, value) pairs for the FP8 dense kernel on the GPU (kernels.quant_gemm_gpu.
+    #                              fp8_gemm: e.g. (("mma_rows", "weights"),); empty: its defaults) — to measure one
+    #                              form against another in one run
+    fp4_grouped_tuning: tuple = ()  # (name, value) pairs for the grouped FP4 expert kernel (kernels.quant_gemm_gpu.
+    #                                 fp4_grouped_gemm: mma_rows, decode, block sizes; empty: its defaults) — to
+    #                                 measure one form against another in one run
     packed_cache_kernels: bool = False  # with cache="release" on the GPU kernels: the sparse attention and the
     #                                     indexer read the packed window ring, compressed KV and keys and dequantise
     #                                     in registers, instead of unpacking whole buffers first. Equal to the
@@ -490,7 +496,7 @@ def _gemm_view(params: dict, config: ModelConfig, opts: InferenceOptions) -> dic
         return params
     from dsv41_jax.model.release_weights import mark_fp8_gemm_inputs
 
-    return mark_fp8_gemm_inputs(params, config, opts.quantized_gemm)
+    return mark_fp8_gemm_inputs(params, config, opts.quantized_gemm, opts.fp8_gemm_tuning)
 
 
 def _mhc_kw(c: ModelConfig, opts: InferenceOptions) -> dict:
@@ -570,6 +576,7 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
                               scaling=c.routed_scaling_factor, limit=c.swiglu_limit, normalize=c.norm_topk_prob,
                               backend=opts.kernel_backend, router_one_pass=opts.router_one_pass and small,
                               fp4_one_token=opts.fp4_one_token, fp4_slot_decode=opts.fp4_slot_decode,
+                              fp4_grouped_tuning=opts.fp4_grouped_tuning,
                               live=valid)  # masked rows (past n_valid) pick no expert: fewer weights read
         else:
             y, _ = moe(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp, scaling=c.routed_scaling_factor,

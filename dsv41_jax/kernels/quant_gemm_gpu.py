@@ -12,7 +12,12 @@
     [block_k] vector of multipliers, gathered from the few scale bytes), cast to the dot dtype (exact: <= 4
     significant bits times a power of two) and multiplied with the activations, float32 accumulation, in a loop
     left to the compiler's software pipelining. (The unrolled loads and the scale applied to the activation tile
-    are options of this form too; both measured far slower on an H200.)
+    are options of this form too; both measured far slower on an H200.) ``mma_rows="weights"`` (opt-in, not yet
+    measured on a device): the grouped FP4 kernel's decode form for FP8 — the [block_n, block_k] weight tile decoded
+    straight to bf16 by inline PTX (e4m3 bit pattern of value x 2^-120, two packed multiplies for 2^120 and the
+    block scale; exact) is the row side of Hopper's wgmma as a register operand, the activation rows its columns:
+    6.6 SASS instructions per weight byte in the K loop at M = 32 against 14.3 for the tokens form
+    (``benchmarks/kernel_sass.py fp8_m32``).
   Rows past M and K past the end are masked in the kernel (no padded copy of x); without a K split the kernel
   writes the [M, N] output in x.dtype, with one the float32 partial sums are added by one small XLA reduction.
 * ``fp8_gemm_fused``: several ``fp8_gemm`` weights of one input in one launch (the attention's wq_a + wkv, the
@@ -28,7 +33,14 @@
   registers: ``sign << 15 | magnitude << 9`` is the float16 bit pattern of ``value * 2^-14`` (the e2m1 exponent
   lands in float16's, magnitude 1 becomes the float16 subnormal 2^-15), widened to float32 and multiplied by the
   scale x 2^14 broadcast over its 16 bytes (a reshape in registers) — exact; the activation tile is split into even
-  / odd columns in registers, so each nibble half is one tensor-core dot per K step.
+  / odd columns in registers, so each nibble half is one tensor-core dot per K step. That is the "tokens" form
+  (``mma_rows="tokens"``: the token tile is the product's row side), kept for calls of more than 1024 rows. Decode-
+  sized calls take the "weights" form by default: each tile is W[cols, K step] · x[rows, K step]ᵀ, so the 64
+  dequantised weight rows are the row side of Hopper's wgmma as a register operand and the few tokens of an expert
+  its columns, with the nibbles decoded straight to bf16 by inline PTX (``decode="bf16x2"``: bit patterns of value x
+  2^-126 in 16-bit register halves, two packed bf16 multiplies for 2^126 and the scale; exact). Measured on an H200
+  at the batch-32 decode step's shapes (192 rows, 16 experts of 2304 x 5120): 1.37-1.40x the tokens form, 29-32 % of
+  4.8 TB/s (benchmarks/RESULTS.md, 2026-12-02).
 
 Scales: e8m0 byte b -> 2^(b - 127) built from the exponent bits, 0xFF -> NaN, as ``checkpoint.quantized``. In the
 FP8 kernel the dequantised weight ``value * 2^(b - 127)`` is exact while it is a normal float32, i.e. for scale
@@ -92,7 +104,8 @@ def _e8m0_mult(s_byte, extra_exp: int = 0):
 def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, block_n: int | None = None,
                        block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
                        num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
-                       scale_side: str | None = None, group_view: bool | None = None) -> dict:
+                       scale_side: str | None = None, group_view: bool | None = None,
+                       mma_rows: str | None = None) -> dict:
     """The tiling of ``fp8_gemm`` for an [m, k] x [n, k] GEMM; any argument given overrides its default.
 
     block_m / block_n / block_k: the output tile and the K step; split_k: K ranges given to separate programs (their
@@ -102,8 +115,14 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
     once at the end; scale_side: which operand takes the e8m0 block scale ("x": the [block_m, block_k] activation
     tile, once per 32 weight rows; "w": every weight element); group_view (gemv form only): weights and activations
     read as [rows, K/32, 32] views, so a K step's scale bytes are one contiguous [block_k / 32] load broadcast over
-    each 32-column group in registers (instead of a [block_k] gather of repeated scale bytes); needs K % 32 == 0."""
+    each 32-column group in registers (instead of a [block_k] gather of repeated scale bytes); needs K % 32 == 0;
+    mma_rows (tensor-core form only): "tokens" (the activation tile is the product's row side, one dot per 32 weight
+    rows) or "weights" (the [block_n, block_k] weight tile, decoded to bf16 by inline PTX, is the row side and the
+    activation rows its columns — the grouped FP4 kernel's decode form; block_n 64 by default, a multiple of 32)."""
     gemv = (m == 1) if gemv is None else gemv
+    mma_rows = "tokens" if gemv else (mma_rows or "tokens")
+    if mma_rows not in ("tokens", "weights"):
+        raise ValueError(f"mma_rows must be 'tokens' or 'weights', got {mma_rows!r}")
     if gemv and m != 1:
         raise ValueError(f"the gemv form takes one activation row, got M = {m}")
     # Measured on an H200 (benchmarks/RESULTS.md, sweep of 2026-12-01): at M = 1 the gemv form with 8-row column
@@ -113,7 +132,7 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
     # programs per multiprocessor with >= 4 K steps each.
     bm = 1 if gemv else (block_m or min(64, max(16, _pow2(m))))
     bk = max(SCALE_BLOCK, min(block_k or 256, _pow2(k)))
-    bn = block_n or (8 if gemv else 32)
+    bn = block_n or (8 if gemv else 64 if mma_rows == "weights" else 32)
     n_kb = -(-k // bk)
     nmn = -(-m // bm) * -(-n // bn)
     if split_k is None:
@@ -125,32 +144,34 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
     scale_side = scale_side or ("x" if gemv else "w")
     group_view = bool(group_view) and gemv and k % SCALE_BLOCK == 0 and _pow2(bk // SCALE_BLOCK) == bk // SCALE_BLOCK
     return dict(block_m=bm, block_n=bn, block_k=bk, split_k=split_k, num_warps=num_warps or 4,
-                num_stages=num_stages or 3, prefetch=pf, gemv=gemv, scale_side=scale_side, group_view=group_view)
+                num_stages=num_stages or 3, prefetch=pf, gemv=gemv, scale_side=scale_side, group_view=group_view,
+                mma_rows=mma_rows)
 
 
 _TILING_ARGS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "prefetch", "gemv",
-                "scale_side", "group_view")
+                "scale_side", "group_view", "mma_rows")
 
 
 @functools.partial(jax.jit, static_argnames=_TILING_ARGS + ("name", "interpret"))
 def fp8_gemm(x, values, scales, *, block_m: int | None = None, block_n: int | None = None,
              block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
              num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
-             scale_side: str | None = None, group_view: bool | None = None, name: str = "fp8_block_gemm",
-             interpret: bool = False):
+             scale_side: str | None = None, group_view: bool | None = None, mma_rows: str | None = None,
+             name: str = "fp8_block_gemm", interpret: bool = False):
     """x [M, K] (bf16 / f32), values uint8 e4m3 bytes [N, K], scales uint8 [ceil(N/32), ceil(K/32)] -> [M, N]
     x.dtype. Tiling: ``fp8_default_tiling``."""
     return fp8_gemm_fused(x, ((values, scales),), block_m=block_m, block_n=block_n, block_k=block_k,
                           split_k=split_k, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, gemv=gemv,
-                          scale_side=scale_side, group_view=group_view, name=name, interpret=interpret)[0]
+                          scale_side=scale_side, group_view=group_view, mma_rows=mma_rows, name=name,
+                          interpret=interpret)[0]
 
 
 @functools.partial(jax.jit, static_argnames=_TILING_ARGS + ("name", "interpret"))
 def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | None = None,
                    block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
-                   scale_side: str | None = None, group_view: bool | None = None, name: str = "fp8_block_gemm_fused",
-                   interpret: bool = False):
+                   scale_side: str | None = None, group_view: bool | None = None, mma_rows: str | None = None,
+                   name: str = "fp8_block_gemm_fused", interpret: bool = False):
     """Several FP8 GEMMs of ONE input in one launch: x [M, K] and weights ((values [N_p, K], scales
     [ceil(N_p/32), ceil(K/32)]), ...) -> (x · w_pᵀ [M, N_p] in x.dtype, ...).
 
@@ -179,7 +200,8 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
             live = [p for p, n in enumerate(ns_) if n]
             ys = fp8_gemm_fused(x, tuple(weights[p] for p in live), block_m=block_m, block_n=block_n,
                                 block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages,
-                                prefetch=prefetch, gemv=gemv, scale_side=scale_side, group_view=group_view, name=name,
+                                prefetch=prefetch, gemv=gemv, scale_side=scale_side, group_view=group_view,
+                                mma_rows=mma_rows, name=name,
                                 interpret=interpret)
             got = dict(zip(live, ys))
             return tuple(got.get(p, jnp.zeros((m, 0), x.dtype)) for p in range(len(ns_)))
@@ -194,10 +216,13 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
             block_k, prefetch = 512, 4
     t = fp8_default_tiling(m, sum(ns_), k, block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
                            num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, gemv=gemv,
-                           scale_side=scale_side, group_view=group_view)
+                           scale_side=scale_side, group_view=group_view, mma_rows=mma_rows)
     bm, bn, bk, split_k, pf, gemv = (t[a] for a in ("block_m", "block_n", "block_k", "split_k", "prefetch", "gemv"))
     x_side = t["scale_side"] == "x"
     gview = t["group_view"]
+    wrows = t["mma_rows"] == "weights"
+    if wrows and bn % SCALE_BLOCK:
+        raise ValueError(f"the weights-as-rows form needs block_n a multiple of {SCALE_BLOCK}, got {bn}")
     if bk % SCALE_BLOCK or not (bn % SCALE_BLOCK == 0 or SCALE_BLOCK % bn == 0) or bn < (2 if gemv else 16):
         raise ValueError(f"block_k {bk} must be a multiple of {SCALE_BLOCK}; block_n {bn} a multiple or a divisor "
                          f"of it (>= 16; >= 2 for the gemv form)")
@@ -219,8 +244,59 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
     f32 = jnp.float32
     n_w = len(weights)
 
+    def program_weight_rows(x_ref, v_ref, s_ref, o_ref, n, mi, ni, si):
+        """The tensor-core program with the weights as the product's rows: acc [block_n, block_m] += W[cols, K step]
+        (e4m3 bytes decoded to bf16 by ``_e4m3_bf16x2_scaled``, each 32 x 32 block times its scale) ·
+        x[rows, K step]ᵀ; the tile stored through transposed indices."""
+        ks = -(-n // SCALE_BLOCK)
+        n_tail = n % bn != 0
+        n0 = ni * bn
+        rows_m = mi * bm + jnp.arange(bm)
+        mmask = rows_m < m
+        rows_n = n0 + jnp.arange(bn)
+        nb, sg = bn // SCALE_BLOCK, bk // SCALE_BLOCK
+
+        def load(kb):
+            k0 = kb * bk
+            cols = k0 + jnp.arange(bk)
+            kin = cols < k
+            if k_mask or n_tail:
+                w = pltr.load(v_ref.at[jnp.minimum(rows_n, n - 1)[:, None], jnp.minimum(cols, k - 1)[None, :]],
+                              mask=(rows_n < n)[:, None] & kin[None, :], other=0)
+            else:
+                w = v_ref[pl.ds(n0, bn), pl.ds(k0, bk)]
+            srow = jnp.minimum(n0 // SCALE_BLOCK + jnp.arange(nb), ks - 1)
+            scol = k0 // SCALE_BLOCK + jnp.arange(sg)
+            sc = pltr.load(s_ref.at[srow[:, None], jnp.minimum(scol, ns - 1)[None, :]],
+                           mask=jnp.broadcast_to((scol < ns)[None, :], (nb, sg)), other=127)
+            if k_mask or m_tail:
+                xc = pltr.load(x_ref.at[jnp.minimum(rows_m, m - 1)[:, None], jnp.minimum(cols, k - 1)[None, :]],
+                               mask=mmask[:, None] & kin[None, :], other=0)
+            else:
+                xc = x_ref[pl.ds(mi * bm, bm), pl.ds(k0, bk)]
+            return w, sc, xc
+
+        def compute(i, acc):
+            w, sc, xc = load(si * kb_per + i)
+            if dot_dtype == jnp.bfloat16:
+                mult = jnp.broadcast_to(_fp4_bf16_multiplier(sc)[:, None, :, None],
+                                        (nb, SCALE_BLOCK, sg, SCALE_BLOCK)).reshape(bn, bk)
+                wq = _e4m3_bf16x2_scaled(w, mult, interpret)
+            else:  # float32 activations: the float32 dequantisation (exact), a float32 dot
+                mult = jnp.broadcast_to(_e8m0_mult(sc)[:, None, :, None],
+                                        (nb, SCALE_BLOCK, sg, SCALE_BLOCK)).reshape(bn, bk)
+                wq = jax.lax.bitcast_convert_type(w, jnp.float8_e4m3fn).astype(f32) * mult
+            return acc + _dot_nt(wq, xc)
+
+        acc = jax.lax.fori_loop(0, kb_per, compute, jnp.zeros((bn, bm), f32))
+        lead = (si,) if split_k > 1 else ()
+        pltr.store(o_ref.at[lead + (rows_m[None, :], rows_n[:, None])], acc.astype(o_ref.dtype),
+                   mask=mmask[None, :] & (rows_n < n)[:, None])
+
     def program(x_ref, v_ref, s_ref, o_ref, n, mi, ni, si):
         """``fp8_gemm``'s program: output tile (row block mi, column block ni) of one weight [n, k], K split si."""
+        if wrows and not gemv:
+            return program_weight_rows(x_ref, v_ref, s_ref, o_ref, n, mi, ni, si)
         ks = -(-n // SCALE_BLOCK)  # scale rows
         n_tail = n % bn != 0
         n0 = ni * bn
@@ -389,12 +465,31 @@ def tile_metadata(group_sizes, n_rows: int, block_m: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
-                                             "prefetch", "name", "interpret"))
-def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = None, block_n: int = 64,
-                     block_k: int = 256, num_warps: int = 4, num_stages: int = 3, prefetch: int = 0,
+                                             "prefetch", "mma_rows", "decode", "name", "interpret"))
+def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = None, block_n: int | None = None,
+                     block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                     prefetch: int = 0, mma_rows: str | None = None, decode: str | None = None,
                      name: str = "fp4_grouped_gemm", interpret: bool = False):
     """x [A, K] rows sorted by group; group_sizes [E] (sum <= A; rows past the sum give 0); values uint8
-    [E, N, K/2]; scales uint8 [E, N, K/32] -> [A, N] in x.dtype."""
+    [E, N, K/2]; scales uint8 [E, N, K/32] -> [A, N] in x.dtype.
+
+    ``mma_rows``: which operand is the tensor-core product's row (M) side — "tokens" (the activation tile
+    [block_m, K step] times the dequantised weight tile transposed) or "weights" (the dequantised weight tile
+    [block_n, K step] times the activation tile transposed, the [block_n, block_m] result stored transposed).
+    None: "weights" for calls of at most ``FP4_GROUPED_WEIGHT_ROWS_MAX`` rows (decode), else "tokens".
+    ``decode`` (the "weights" form with bf16 activations only): how the packed bytes become the dot's bf16 operand —
+    "f32" (the float16 pair decode widened to float32, scaled, rounded to bf16) or "bf16x2" (inline PTX: each
+    nibble's bf16 bit pattern built in a 16-bit half of a register, then two packed bf16 multiplies per two weights;
+    ``_e2m1_bf16x2_scaled``). None: ``FP4_GROUPED_DEFAULT_DECODE``."""
+    mma_rows = mma_rows or ("weights" if x.shape[0] <= FP4_GROUPED_WEIGHT_ROWS_MAX else "tokens")
+    if mma_rows not in ("tokens", "weights"):
+        raise ValueError(f"mma_rows must be 'tokens' or 'weights', got {mma_rows!r}")
+    if mma_rows == "weights":
+        return _fp4_grouped_weight_rows(x, group_sizes, values, scales, block_m=block_m, block_n=block_n,
+                                        block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                                        decode=decode or FP4_GROUPED_DEFAULT_DECODE, name=name, interpret=interpret)
+    block_n, block_k = block_n or 64, block_k or 256
+    num_warps, num_stages = num_warps or 4, num_stages or 3
     a, k = x.shape
     e, n, kh = values.shape
     bm = block_m or (16 if a <= 1024 else 64)  # decode: an expert holds <= M rows, mostly a handful
@@ -483,6 +578,189 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
         out_shape=jax.ShapeDtypeStruct((a, n), x.dtype),
         compiler_params=_params(num_warps, num_stages), interpret=interpret, name=name,
     )(grp, r0s, nrs, xd, values, scales)
+
+
+# The weights-as-rows form with the bf16x2 decode is the default for decode-sized calls: measured on an H200
+# (benchmarks/RESULTS.md, 2026-12-02 14:39 UTC) at the bench model's batch-32 decode step (192 rows over 16 experts
+# of 2304 x 5120) 73.5 / 66.9 µs for w1 / w3 and w2 against 100.8 / 93.5 µs for the "tokens" form (29-32 % vs
+# 21-23 % of 4.8 TB/s), the step's FP4 expert kernels 2.37 vs 3.48 ms. The SASS of the K loop (compiled for sm_90 off
+# the device, benchmarks/kernel_sass.py fp4_grouped) holds 11.0 instructions per weight byte against 18.3 for the
+# "tokens" form (16.0 for the "weights" form with the "f32" decode), with the weight tile as a register operand of
+# Hopper's wgmma instead of an mma.sync operand staged through shared memory. Larger calls (prefill) keep the
+# "tokens" form: the new one was not measured there.
+FP4_GROUPED_WEIGHT_ROWS_MAX = 1024
+FP4_GROUPED_DECODES = ("f32", "bf16x2")
+FP4_GROUPED_DEFAULT_DECODE = "bf16x2"
+
+# e2m1 nibble -> bf16 bit pattern of value x 2^-126 (exact; code 1, the value 0.5, is the bf16 subnormal 0x0040):
+# magnitude bits 0-2 to bits 6-8, sign bit 3 to bit 15. For two nibbles held at bits 0-3 and 16-19 of a register n,
+# n * 0x1040 = n << 6 | n << 12 (the two copies do not overlap) and the mask 0x81C081C0 keeps bits 6-8 of the first
+# copy and bit 15 of the second in each half; the high nibbles (bits 4-7 / 20-23) take n * 0x104 (<< 2 | << 8).
+# Then two bf16x2 multiplies: by 2^126 (the e2m1 values, all normal or zero; the bf16 multiply keeps the subnormal
+# input) and by the scale 2^(s - 127) — exact (powers of two) for every scale byte 1..254 (byte 0, 2^-127, is the
+# bf16 subnormal 0x0040; 0xFF gives NaN).
+def _e2m1_bf16x2_ptx(shift: int) -> str:
+    """PTX of one instance (two packed bytes in the 16-bit $1, their bf16 scales in $2 -> the two scaled bf16
+    weights of the low (shift 0) or high (shift 4) nibbles in $0)."""
+    mask, mul = ("0x000F000F", "0x1040") if shift == 0 else ("0x00F000F0", "0x104")
+    return f"""{{
+.reg .b32 w, n, c;
+mov.b32 c, 0x7E807E80;
+cvt.u32.u16 w, $1;
+prmt.b32 w, w, 0, 0x4140;
+and.b32 n, w, {mask};
+mul.lo.u32 n, n, {mul};
+and.b32 n, n, 0x81C081C0;
+mul.rn.bf16x2 n, n, c;
+mul.rn.bf16x2 $0, n, $2;
+}}"""
+
+
+def _fp4_bf16_multiplier(s):
+    """e8m0 scale bytes -> bf16 2^(s - 127): the exponent bits for bytes 1..254, the subnormal 0x0040 for byte 0,
+    NaN for 0xFF."""
+    si = s.astype(jnp.int32)
+    bits = jnp.where(si == 0, 0x0040, jnp.where(si == 255, 0x7FC0, si << 7))
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+def _e2m1_bf16x2_scaled(v, mult, interpret: bool):
+    """Packed e2m1 bytes v uint8 [...] and bf16 scales [...] (``_fp4_bf16_multiplier``) -> (low, high) nibbles
+    as bf16 ``value x 2^(s - 127)``, exact. On the GPU inline PTX (``_e2m1_bf16x2_ptx``, two bytes per instance);
+    in interpret mode the float16 decode's exact values (equal: exact products)."""
+    if interpret:  # the same exact values computed another way (the float16 decode, value x 2^-14), with no
+        # subnormal intermediate; the PTX's bit patterns are checked in tests/test_quant_gemm.py against the table
+        vi = v.astype(jnp.int32)
+        m = mult.astype(jnp.float32)
+
+        def value(codes):
+            d = decode_e2m1_scaled(codes).astype(jnp.float32) * jnp.float32(2.0 ** 14)
+            return (d * m).astype(jnp.bfloat16)
+
+        return value(vi & 15), value(vi >> 4)
+    # one instance per nibble half (the Pallas lowering takes one result per inline-asm op)
+    return tuple(pltr.elementwise_inline_asm(_e2m1_bf16x2_ptx(sh), args=[v, mult], constraints="=r,h,r",
+                                             pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape,
+                                                                                               jnp.bfloat16)])[0]
+                 for sh in (0, 4))
+
+
+def _e4m3_bf16x2_ptx() -> str:
+    """PTX of one instance: two e4m3 bytes in the 16-bit $1, their bf16 scales in $2 -> the two scaled bf16 weights in
+    $0. The bf16 pattern of an e4m3 byte b is ``(b & 0x80) << 8 | (b & 0x7F) << 4``: value x 2^-120 (exact; the e4m3
+    subnormals become bf16 subnormals of the same ratio), then two packed multiplies by 2^120 and the scale."""
+    return """{
+.reg .b32 w, n, t, c;
+mov.b32 c, 0x7B807B80;
+cvt.u32.u16 w, $1;
+prmt.b32 w, w, 0, 0x4140;
+shl.b32 n, w, 4;
+and.b32 n, n, 0x07F007F0;
+shl.b32 t, w, 8;
+and.b32 t, t, 0x80008000;
+or.b32 n, n, t;
+mul.rn.bf16x2 n, n, c;
+mul.rn.bf16x2 $0, n, $2;
+}"""
+
+
+def _e4m3_bf16x2_scaled(v, mult, interpret: bool):
+    """e4m3 bytes v uint8 [...] and bf16 scales [...] (``_fp4_bf16_multiplier``) -> bf16 ``value x 2^(s - 127)``,
+    exact (bytes 0x7F / 0xFF, e4m3's NaN, which the release's quantiser never writes, decode to ±480 x scale on the
+    GPU). In interpret mode the e4m3 conversion of XLA (equal for every other byte)."""
+    if interpret:
+        d = jax.lax.bitcast_convert_type(v, jnp.float8_e4m3fn).astype(jnp.float32)
+        return (d * mult.astype(jnp.float32)).astype(jnp.bfloat16)
+    return pltr.elementwise_inline_asm(_e4m3_bf16x2_ptx(), args=[v, mult], constraints="=r,h,r", pack=2,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.bfloat16)])[0]
+
+
+def _fp4_grouped_weight_rows(x, group_sizes, values, scales, *, block_m, block_n, block_k, num_warps, num_stages,
+                             decode, name, interpret):
+    """``fp4_grouped_gemm`` with the weights on the tensor-core product's row side: out[rows, cols]ᵀ =
+    W[cols, K step] · x[rows, K step]ᵀ per tile. Why: at decode an expert holds a handful of rows (at batch 32 about
+    12 of 192 on 16 experts), so the token side is the product's narrow side; with the weight tile as the row
+    operand the product's row dimension is the weight tile's ``block_n`` rows and the column dimension the few
+    tokens, and the activations arrive split into even / odd columns from XLA (no split in registers).
+    Same exact products and the same float32 accumulation per K step as the "tokens" form."""
+    if decode not in FP4_GROUPED_DECODES:
+        raise ValueError(f"decode must be one of {FP4_GROUPED_DECODES}, got {decode!r}")
+    a, k = x.shape
+    e, n, kh = values.shape
+    bm = block_m or (32 if a <= 1024 else 64)
+    bn = block_n or 64
+    bk = max(SCALE_BLOCK, min(block_k or 256, _pow2(k)))
+    if bk % SCALE_BLOCK or k % SCALE_BLOCK:
+        raise ValueError(f"block_k {bk} and K {k} must be multiples of {SCALE_BLOCK}")
+    bkh, sg = bk // 2, bk // SCALE_BLOCK
+    hb = SCALE_BLOCK // 2
+    dot_dtype = jnp.float32 if x.dtype == jnp.float32 else jnp.bfloat16
+    pairs = x.astype(dot_dtype).reshape(a, kh, 2)
+    xe, xo = pairs[..., 0], pairs[..., 1]  # [A, K/2]: the activations of the low / high nibbles
+    grp, r0s, nrs = tile_metadata(group_sizes, a, bm)
+    t_max = grp.shape[0]
+    n_steps = -(-k // bk)
+    k_tail, n_tail = k % bk != 0, n % bn != 0
+
+    def kernel(g_ref, r0_ref, nr_ref, xe_ref, xo_ref, v_ref, s_ref, o_ref):
+        ti, ni = pl.program_id(0), pl.program_id(1)
+        ex, r0, nr = g_ref[ti], r0_ref[ti], nr_ref[ti]
+        rows = r0 + jnp.arange(bm)
+        cols_n = ni * bn + jnp.arange(bn)
+        nmask = cols_n < n
+
+        @pl.when(nr > 0)
+        def _():
+            rmask = jnp.arange(bm) < nr
+            rows_c = jnp.minimum(rows, a - 1)
+            cols_nc = jnp.minimum(cols_n, n - 1)
+
+            def load(t):
+                cb = t * bkh + jnp.arange(bkh)
+                cs = t * sg + jnp.arange(sg)
+                if k_tail or n_tail:
+                    v = pltr.load(v_ref.at[ex, cols_nc[:, None], jnp.minimum(cb, kh - 1)[None, :]],
+                                  mask=nmask[:, None] & (cb < kh)[None, :], other=0)
+                    s = pltr.load(s_ref.at[ex, cols_nc[:, None], jnp.minimum(cs, k // SCALE_BLOCK - 1)[None, :]],
+                                  mask=nmask[:, None] & (cs < k // SCALE_BLOCK)[None, :], other=127)
+                else:
+                    v = v_ref[ex, pl.ds(ni * bn, bn), pl.ds(t * bkh, bkh)]
+                    s = s_ref[ex, pl.ds(ni * bn, bn), pl.ds(t * sg, sg)]
+                cbc = jnp.minimum(cb, kh - 1) if k_tail else cb
+                xmask = rmask[:, None] & (cb < kh)[None, :]
+                xe_t = pltr.load(xe_ref.at[rows_c[:, None], cbc[None, :]], mask=xmask, other=0)
+                xo_t = pltr.load(xo_ref.at[rows_c[:, None], cbc[None, :]], mask=xmask, other=0)
+                return v, s, xe_t, xo_t
+
+            def compute(t, acc):
+                v, s, xe_t, xo_t = load(t)
+                if decode == "bf16x2" and dot_dtype == jnp.bfloat16:
+                    mult = jnp.broadcast_to(_fp4_bf16_multiplier(s)[:, :, None], (bn, sg, hb)).reshape(bn, bkh)
+                    lo, hi = _e2m1_bf16x2_scaled(v, mult, interpret)
+                    return acc + _dot_nt(lo, xe_t) + _dot_nt(hi, xo_t)
+                mult = _fp4_scale_mult(s)[:, :, None]  # [bn, sg, 1]: 2^(s - 127 + 14), NaN past byte 240
+                lo, hi = _e2m1_pair_f16(v)  # [bn, bkh] float32: value x 2^-14, exact
+
+                def scaled(d):
+                    return (d.reshape(bn, sg, hb) * mult).reshape(bn, bkh).astype(dot_dtype)
+
+                return acc + _dot_nt(scaled(lo), xe_t) + _dot_nt(scaled(hi), xo_t)
+
+            acc = jax.lax.fori_loop(0, n_steps, compute, jnp.zeros((bn, bm), jnp.float32))
+            # acc[j, i] is out[rows[i], cols[j]]: stored through transposed indices
+            pltr.store(o_ref.at[rows[None, :], cols_n[:, None]], acc.astype(o_ref.dtype),
+                       mask=rmask[None, :] & nmask[:, None])
+
+        @pl.when(nr < 0)
+        def _():
+            zmask = (jnp.arange(bm) < -nr)[:, None] & nmask[None, :]
+            pltr.store(o_ref.at[rows[:, None], cols_n[None, :]], jnp.zeros((bm, bn), o_ref.dtype), mask=zmask)
+
+    return pl.pallas_call(
+        kernel, grid=(t_max, -(-n // bn)),
+        out_shape=jax.ShapeDtypeStruct((a, n), x.dtype),
+        compiler_params=_params(num_warps or 4, num_stages or 3), interpret=interpret, name=name,
+    )(grp, r0s, nrs, xe, xo, values, scales)
 
 
 # ----------------------------------------------------------------------------------------------------------------

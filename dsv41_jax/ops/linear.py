@@ -30,7 +30,7 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
         from dsv41_jax.kernels import quant_gemm  # lazy: kernels import ops
 
         if quant_gemm.takes_fp8(w.weight):
-            return quant_gemm.fp8_linear(gemm_input(x, w), w.weight, backend=be)
+            return quant_gemm.fp8_linear(gemm_input(x, w), w.weight, backend=be, tuning=dict(w.tuning) or None)
     x, w = gemm_operands(x, w)
     return jnp.einsum("...i,oi->...o", x, w, precision=matmul_precision(x, w))
 
@@ -43,11 +43,13 @@ def linear_many(x: jax.Array, ws) -> tuple:
     forms runs ``linear`` once per weight. Same values either way (float32 accumulation-order noise)."""
     ws = tuple(ws)
     bes = {quantized_gemm_backend(w) for w in ws}
-    if len(ws) > 1 and len(bes) == 1 and None not in bes and len({w.shape[-1] for w in ws}) == 1:
+    if len(ws) > 1 and len(bes) == 1 and None not in bes and len({w.shape[-1] for w in ws}) == 1 and \
+            len({w.tuning for w in ws}) == 1:
         from dsv41_jax.kernels import quant_gemm  # lazy: kernels import ops
 
         if all(quant_gemm.takes_fp8(w.weight) for w in ws):
-            return quant_gemm.fp8_linear_fused(gemm_input(x, ws[0]), [w.weight for w in ws], backend=bes.pop())
+            return quant_gemm.fp8_linear_fused(gemm_input(x, ws[0]), [w.weight for w in ws], backend=bes.pop(),
+                                               tuning=dict(ws[0].tuning) or None)
     return tuple(linear(x, w) for w in ws)
 
 
@@ -209,10 +211,13 @@ class Fp8GemmInput:
 
     ``gemm`` (static): how a QuantizedTensor weight's GEMM runs — ``"reference"`` (dequantise in XLA, then the
     GEMM) or a :mod:`dsv41_jax.kernels.quant_gemm` backend (``"auto"``, ``"pallas_gpu"``, ``"pallas_tpu"``, their
-    ``*_interpret`` forms): Pallas kernels that read the stored FP8 / FP4 bytes and dequantise in registers."""
+    ``*_interpret`` forms): Pallas kernels that read the stored FP8 / FP4 bytes and dequantise in registers.
+    ``tuning`` (static): (name, value) pairs passed to the FP8 dense kernel (``quant_gemm.fp8_linear`` /
+    ``fp8_linear_fused``'s ``tuning``; empty: its defaults) — to measure one kernel form against another."""
 
     weight: Any
     gemm: str = dataclasses.field(default="reference", metadata=dict(static=True))
+    tuning: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
     @property
     def shape(self):
@@ -316,7 +321,7 @@ def select_expert(w, e):
     QuantizedTensor, marked): a QuantizedTensor gives the expert's own values and scales, so only that expert's
     packed bytes are read and dequantised."""
     if isinstance(w, Fp8GemmInput):
-        return Fp8GemmInput(select_expert(w.weight, e), w.gemm)
+        return Fp8GemmInput(select_expert(w.weight, e), w.gemm, w.tuning)
     if _is_quantized(w):
         return dataclasses.replace(w, values=w.values[e], scales=w.scales[e], shape=tuple(w.shape[1:]))
     return w[e]

@@ -178,12 +178,14 @@ def blocked_grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array
     return out.at[dest].get(unique_indices=True, indices_are_sorted=True)
 
 
-def routed_ragged(x, weights, idx, w1, w2, w3, limit, grouped_impl: str = "ragged_dot", block: int = 512):
+def routed_ragged(x, weights, idx, w1, w2, w3, limit, grouped_impl: str = "ragged_dot", block: int = 512,
+                  fp4_tuning: dict | None = None):
     """Dropless grouped matmuls: sort the M·k assignments by expert, one grouped GEMM per projection
     (``grouped_impl``: ``ragged_dot``, ``blocked`` or ``grouped`` — :func:`blocked_grouped_matmul` in its XLA or
     its Pallas kernel form; the kernel compiles on a GPU backend and runs in interpret mode elsewhere — or
     ``grouped_mgpu``: JAX's Mosaic GPU ragged-dot kernels for Hopper, ``kernels.grouped_gemm_mgpu``, with the
-    ``jax.lax`` ragged products in their place off GPUs), scatter back."""
+    ``jax.lax`` ragged products in their place off GPUs), scatter back. ``fp4_tuning``: the FP4 grouped kernel's
+    tiling / form (``kernels.quant_gemm.fp4_grouped``'s ``tuning``) when the experts are stored FP4."""
     m, k = idx.shape
     n_exp = w1.shape[0]
     flat_expert = idx.reshape(-1)
@@ -201,7 +203,7 @@ def routed_ragged(x, weights, idx, w1, w2, w3, limit, grouped_impl: str = "ragge
         from dsv41_jax.kernels import quant_gemm
 
         def grouped(rows, w):
-            return quant_gemm.fp4_grouped(rows, group_sizes, w.weight, backend=kernel)
+            return quant_gemm.fp4_grouped(rows, group_sizes, w.weight, backend=kernel, tuning=fp4_tuning)
     else:
         w1, w3, w2 = (weight_array(w, x.dtype) for w in (w1, w3, w2))
         prec = matmul_precision(x, w1)  # HIGHEST only for float32 operands (Mosaic rejects it on a bf16 ragged_dot)
