@@ -90,6 +90,11 @@ def warm_up(engine, args, vocab: int, log) -> float:
     return time.perf_counter() - t0
 
 
+def _plain(x):
+    """NumPy scalars as Python numbers for JSON."""
+    return x.item() if hasattr(x, "item") else str(x)
+
+
 def percentile(xs, q):
     return float(np.percentile(np.asarray(xs, np.float64), q)) if len(xs) else float("nan")
 
@@ -221,7 +226,7 @@ def main(argv=None):
     static, static_wall = run_static(engine, reqs)
     log(f"static: {static['tokens_per_s']:.1f} tok/s")
     with open(path, "w") as f:  # the baseline alone, in case the continuous run does not finish
-        json.dump(dict(meta=meta, static=static), f, indent=1)
+        json.dump(dict(meta=meta, static=static), f, indent=1, default=_plain)
     rate = args.rate or args.load * args.n / static_wall
     meta["rate_per_s"] = rate
     cont = run_continuous(engine, reqs, unit_arrivals / rate, args.lanes, args.decode_run)
@@ -247,7 +252,7 @@ def main(argv=None):
           f"{cont['host_other_s']:.3f} s; compiles during the timed runs: static {static['compiles_during_run']}, "
           f"continuous {cont['compiles_during_run']}")
     with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump(result, f, indent=1, default=_plain)
     log(f"wrote {path}")
     return result
 

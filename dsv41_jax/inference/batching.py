@@ -260,7 +260,9 @@ class ContinuousBatcher:
                 a[free] = v
             changed = True
         if changed or self._samp_dev is None:
-            self._samp_dev = tuple(jnp.asarray(a) for a in self._samp_host)
+            # copies: on a CPU, jnp.asarray may alias a NumPy buffer, and a program dispatched earlier may still
+            # be reading it when the host changes it for the next request (the same for _fresh below)
+            self._samp_dev = tuple(jnp.asarray(a.copy()) for a in self._samp_host)
             self._limits_dev = None
 
     def _prefill_chunk(self, done: list[Completion]) -> None:
@@ -284,7 +286,7 @@ class ContinuousBatcher:
         last = None
         if self.by_slot:  # generate's own programs over the whole cache: rows with nothing to add are untouched
             if self._fresh.any():
-                eng.cache = reset_slots(eng.cache, jnp.asarray(self._fresh))
+                eng.cache = reset_slots(eng.cache, jnp.asarray(self._fresh.copy()))
             if eng.options.ced:
                 fn = jit_for(_ced_chunk, eng.options, donate=("cache", "stash"))
                 eng.cache, self._stash = fn(eng.params, eng.cache, self._stash, jnp.asarray(tokens),
@@ -296,7 +298,7 @@ class ContinuousBatcher:
         else:
             slots = jnp.asarray(np.array([b if s is None else s for s in self._lane], np.int32))
             fn = jit_for(lanes_chunk, eng.options, donate=("cache", "stash"))
-            eng.cache, self._stash, last = fn(eng.params, eng.cache, self._stash, slots, jnp.asarray(self._fresh),
+            eng.cache, self._stash, last = fn(eng.params, eng.cache, self._stash, slots, jnp.asarray(self._fresh.copy()),
                                               jnp.asarray(tokens), jnp.asarray(n_valid), e_dev, config=c,
                                               opts=eng.options)
         self._fresh[:] = False
