@@ -132,7 +132,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--flags", default="", help="comma-separated InferenceOptions booleans to set, e.g. mhc_one_pass")
+    ap.add_argument("--flags", default="", help="comma-separated InferenceOptions booleans to set: name (True) or name=0, e.g. mhc_one_pass=0")
     ap.add_argument("--out", default=None)
     ap.add_argument("--hlo", action="store_true", help="also write the optimised HLO text")
     args = ap.parse_args(argv)
@@ -147,7 +147,10 @@ def main(argv=None):
     from dsv41_jax.inference.step import InferenceOptions
 
     config = h200_config()
-    flags = {f: True for f in args.flags.split(",") if f}
+    flags = {}
+    for f in filter(None, args.flags.split(",")):  # name (True) or name=0 / name=1
+        name, _, value = f.partition("=")
+        flags[name] = value != "0"
     opts = _decode_opts(InferenceOptions(quant_sim=False, index_block_elems=1 << 28, kernel_backend="pallas_gpu",
                                          **flags))
     layers = config.num_hidden_layers
@@ -192,7 +195,7 @@ def main(argv=None):
                     f.write(text)
     if args.out:
         with open(os.path.join(args.out, "decode_kernel_inventory.json"), "w") as f:
-            json.dump(dict(config=config.name, context=args.context, flags=sorted(flags), results=results), f,
+            json.dump(dict(config=config.name, context=args.context, flags=flags, results=results), f,
                       indent=1)
     return results
 
