@@ -26,7 +26,9 @@ prefilled by one chunk program: with ``prefill_lanes == max_batch`` (the default
 chunk / CED decoder / sampling programs are exactly ``generate``'s (compiled once for both), so serving compiles
 nothing of its own. A run ends early only when every running slot has reached its limits; a slot that ends
 inside a run (stop token, ``max_new_tokens``) is not fed after its end and is refilled at the run's end, so a
-freed slot waits at most ``decode_run - 1`` steps. ``decode_run=1`` reads every step back (the lowest latency).
+freed slot waits at most ``decode_run - 1`` steps; while a prompt is mid-prefill (longer than one chunk) or a request
+waits for a free lane, an iteration runs one decode step, so that chunks and admissions are not held back by runs.
+``decode_run=1`` reads every step back (the lowest latency).
 ``prefill_lanes < max_batch`` gathers the lanes' cache rows into a P-row program instead (less compute per chunk
 for a large model, one more set of programs to compile).
 
@@ -217,8 +219,13 @@ class ContinuousBatcher:
             self.stats.prefill_s += time.perf_counter() - t0
         running = np.array([s is not None and s.prefilled == len(s.ids) and bool(s.tokens) for s in self._slot])
         if running.any():
+            # one step only while a prompt is mid-prefill or a request waits for a lane with a slot free: the next
+            # chunk / admission then comes after one step, not after a whole run (fewer lanes than slots would
+            # otherwise admit one request per run)
+            admitting = any(lane is not None for lane in self._lane) or (
+                bool(self._queue) and any(s is None for s in self._slot))
             t0 = time.perf_counter()
-            self._decode_run(running, done)
+            self._decode_run(running, done, max_steps=1 if admitting else self.decode_run)
             self.stats.decode_s += time.perf_counter() - t0
         if not self.busy:
             self.engine._owner = None
@@ -347,8 +354,8 @@ class ContinuousBatcher:
             self._lane[i] = None
             self._emit(slot, int(first[i]), now, done)
 
-    def _decode_run(self, running: np.ndarray, done: list[Completion]) -> None:
-        """Up to ``decode_run`` self-feeding decode steps over the running slots, dispatched back to back; their
+    def _decode_run(self, running: np.ndarray, done: list[Completion], max_steps: int) -> None:
+        """Up to ``max_steps`` self-feeding decode steps over the running slots, dispatched back to back; their
         tokens come back in one transfer and are emitted in order (the host replays the slots' ends, which the
         device applied: checked)."""
         eng = self.engine
@@ -358,7 +365,7 @@ class ContinuousBatcher:
         # steps each slot can still take: its max_new_tokens, and the cache room (finish_reason's "max_len")
         left = [min(q.max_new_tokens - len(q.tokens), eng.max_len - len(q.ids) - len(q.tokens) + 1)
                 for q in seqs.values()]
-        n = max(1, min(self.decode_run, max(left)))
+        n = max(1, min(max_steps, max(left)))
         if self._limits_dev is None:  # per-slot limits, as generate's device loop: stop tokens, max_new, room
             max_new = np.zeros((b,), np.int32)
             room = np.zeros((b,), np.int32)
