@@ -6,7 +6,8 @@ so both modes generate exactly the same tokens) are served twice in the same pro
 * **static**: the requests in submission order, ``max_batch`` at a time, through ``Engine.generate`` (a batch
   starts when the previous one has finished; every request is there at time 0, the baseline's best case);
 * **continuous**: a ``ContinuousBatcher`` fed by Poisson arrivals (``--rate`` requests/s; default ``--load`` x the
-  static run's request rate, i.e. a saturated server), one prefill chunk and one decode step per iteration.
+  static run's request rate, i.e. a saturated server), one prefill chunk (every admitted request at once) and one
+  run of up to ``--decode-run`` decode steps per iteration (``inference.batching``).
 
 Reported per mode: output tokens/s over the whole run, requests/s, p50 / p99 time to first token (from the
 request's arrival) and inter-token latency (every gap between consecutive tokens of a request), decode steps and
@@ -36,6 +37,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(1, HERE)
 
 from dsv41_jax.inference import Engine, InferenceOptions, Request  # noqa: E402
+from dsv41_jax.inference.engine import compile_seconds  # noqa: E402
 from dsv41_jax.inference.prefill import chunk_bucket  # noqa: E402
 from dsv41_jax.inference.step import FAST_COMPILE  # noqa: E402
 
@@ -82,9 +84,15 @@ def warm_up(engine, args, vocab: int, log) -> float:
         p = [3 + (i % (vocab - 3)) for i in range(size)]
         engine.generate([Request(p, max_new_tokens=2, stop_tokens=())] * engine.max_batch)  # a full batch, as timed
         log(f"  warm-up: static, chunk bucket {size}: {time.perf_counter() - t0:.1f} s")
-        list(engine.serve([Request(p, max_new_tokens=2, stop_tokens=())], prefill_lanes=args.lanes))
+        list(engine.serve([Request(p, max_new_tokens=2, stop_tokens=())], prefill_lanes=args.lanes,
+                          decode_run=args.decode_run))
         log(f"  warm-up: continuous, chunk bucket {size}: {time.perf_counter() - t0:.1f} s")
     return time.perf_counter() - t0
+
+
+def _plain(x):
+    """NumPy scalars as Python numbers for JSON."""
+    return x.item() if hasattr(x, "item") else str(x)
 
 
 def percentile(xs, q):
@@ -105,6 +113,14 @@ def summarize(mode, token_times, arrivals, t_start, t_end, steps, max_batch, n_p
                 occupancy=decode_tokens / (steps * max_batch) if steps else float("nan"))
 
 
+_compiles = [0]  # XLA compilations in this process (jax.monitoring), to show that the timed runs compile nothing
+
+
+def _count_compiles(event: str, _duration: float, **_kw) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compiles[0] += 1
+
+
 def run_static(engine, reqs):
     """Fixed batches through ``Engine.generate``: its device decode loop hands tokens back in runs of up to
     ``engine.readback_every`` steps, so the static mode's inter-token latencies are bursty (zero inside a run); its
@@ -112,6 +128,7 @@ def run_static(engine, reqs):
     b = engine.max_batch
     times = [[] for _ in reqs]
     steps = 0
+    c0, n0 = compile_seconds(), _compiles[0]
     t0 = time.perf_counter()
     for k in range(0, len(reqs), b):
         group = reqs[k:k + b]
@@ -120,11 +137,14 @@ def run_static(engine, reqs):
         for i, r in enumerate(res):
             assert r.ok and len(r.tokens) == group[i].max_new_tokens, (k + i, r)
     t1 = time.perf_counter()
-    return summarize("static", times, [t0] * len(reqs), t0, t1, steps, b, sum(len(r.prompt) for r in reqs)), t1 - t0
+    out = summarize("static", times, [t0] * len(reqs), t0, t1, steps, b, sum(len(r.prompt) for r in reqs))
+    out.update(compiles_during_run=_compiles[0] - n0, compile_s_during_run=compile_seconds() - c0)
+    return out, t1 - t0
 
 
-def run_continuous(engine, reqs, arrivals, lanes):
-    batcher = engine.batcher(prefill_lanes=lanes)
+def run_continuous(engine, reqs, arrivals, lanes, decode_run=None):
+    batcher = engine.batcher(prefill_lanes=lanes, decode_run=decode_run)
+    c0, n0 = compile_seconds(), _compiles[0]
     times, ids = {}, {}
     t0 = time.perf_counter()
     i = 0
@@ -142,8 +162,15 @@ def run_continuous(engine, reqs, arrivals, lanes):
     t1 = time.perf_counter()
     out = summarize("continuous", [times[k] for k in range(len(reqs))], list(t0 + arrivals), t0, t1,
                     batcher.stats.decode_steps, engine.max_batch, sum(len(r.prompt) for r in reqs))
-    out.update(iterations=batcher.stats.iterations, prefill_chunks=batcher.stats.prefill_chunks,
-               last_arrival_s=float(arrivals[-1]))
+    st = batcher.stats
+    out.update(iterations=st.iterations, prefill_chunks=st.prefill_chunks, last_arrival_s=float(arrivals[-1]),
+               readbacks=st.readbacks, prefill_s=st.prefill_s, decode_s=st.decode_s,
+               host_other_s=(t1 - t0) - st.prefill_s - st.decode_s, lanes=batcher.lanes,
+               decode_run=batcher.decode_run, compiles_during_run=_compiles[0] - n0,
+               compile_s_during_run=compile_seconds() - c0,
+               ms_per_iteration=1e3 * (t1 - t0) / max(st.iterations, 1),
+               ms_per_decode_step=1e3 * st.decode_s / max(st.decode_steps, 1),
+               ms_per_prefill_chunk=1e3 * st.prefill_s / max(st.prefill_chunks, 1))
     return out
 
 
@@ -157,6 +184,8 @@ def main(argv=None):
     ap.add_argument("--output-len", default="8,128", help="min,max new tokens (uniform)")
     ap.add_argument("--prefill-chunk", type=int, default=128)
     ap.add_argument("--lanes", type=int, default=None, help="prefill lanes (default: the batcher's)")
+    ap.add_argument("--decode-run", type=int, default=None,
+                    help="decode steps per continuous iteration, read back together (default: the batcher's)")
     ap.add_argument("--rate", type=float, default=None, help="Poisson arrival rate, requests/s")
     ap.add_argument("--load", type=float, default=2.0,
                     help="without --rate: the arrival rate as a multiple of the static run's requests/s")
@@ -175,6 +204,10 @@ def main(argv=None):
     def log(msg):
         print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
 
+    import jax.monitoring
+
+    jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+    compile_seconds()  # registers the engine's compile-time listener
     engine, config = build_engine(args)
     vocab = config.vocab_size
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), jax=jax.__version__,
@@ -193,10 +226,10 @@ def main(argv=None):
     static, static_wall = run_static(engine, reqs)
     log(f"static: {static['tokens_per_s']:.1f} tok/s")
     with open(path, "w") as f:  # the baseline alone, in case the continuous run does not finish
-        json.dump(dict(meta=meta, static=static), f, indent=1)
+        json.dump(dict(meta=meta, static=static), f, indent=1, default=_plain)
     rate = args.rate or args.load * args.n / static_wall
     meta["rate_per_s"] = rate
-    cont = run_continuous(engine, reqs, unit_arrivals / rate, args.lanes)
+    cont = run_continuous(engine, reqs, unit_arrivals / rate, args.lanes, args.decode_run)
     log(f"continuous: {cont['tokens_per_s']:.1f} tok/s")
     ratio = cont["tokens_per_s"] / static["tokens_per_s"]
     result = dict(meta=meta, static=static, continuous=cont, throughput_ratio=ratio)
@@ -212,8 +245,14 @@ def main(argv=None):
     for row in (static, cont):
         print("| " + " | ".join(f.format(row[c]) for c, f in cols) + " |")
     print(f"continuous / static throughput: {ratio:.3f}")
+    print(f"continuous: {cont['iterations']} iterations ({cont['ms_per_iteration']:.2f} ms each), "
+          f"{cont['prefill_chunks']} prefill chunks ({cont['ms_per_prefill_chunk']:.2f} ms each, first-token "
+          f"sampling and read-back included), {cont['decode_steps']} decode steps ({cont['ms_per_decode_step']:.2f} "
+          f"ms each, read-back included), {cont['readbacks']} read-backs, host time outside both "
+          f"{cont['host_other_s']:.3f} s; compiles during the timed runs: static {static['compiles_during_run']}, "
+          f"continuous {cont['compiles_during_run']}")
     with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump(result, f, indent=1, default=_plain)
     log(f"wrote {path}")
     return result
 

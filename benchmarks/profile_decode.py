@@ -57,7 +57,7 @@ def _args(argv):
     ap.add_argument("--out", default=None)
     ap.add_argument("--mhc-kernel", action="store_true", help="InferenceOptions(mhc_kernel=True)")
     ap.add_argument("--options", default="", help="InferenceOptions boolean fields set for every program, "
-                    "comma-separated (e.g. mhc_one_pass,router_one_pass)")
+                    "comma-separated: name (True) or name=0 (e.g. mhc_one_pass=0,router_one_pass=0)")
     ap.add_argument("--floor-gib", type=float, default=4.0, help="buffer size of the read-only bandwidth kernel")
     ap.add_argument("--loops", action="store_true",
                     help="time the Engine's decode loops instead: the device loop (decode_chain: Engram hash and "
@@ -494,6 +494,15 @@ def print_loops(args, meta, bw, rows) -> None:
         print(f"  compile: {name}: {v if not isinstance(v, float) else round(v, 1)}")
 
 
+def _flags(text: str) -> dict:
+    """InferenceOptions booleans from "a,b=0,c=1": a name alone sets True, name=0 False."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        out[name] = value != "0"
+    return out
+
+
 def main():
     args = ARGS
     out = args.out or os.environ.get("OUT") or "."
@@ -507,7 +516,7 @@ def main():
     rows = []
     opts = InferenceOptions(quant_sim=False, index_block_elems=1 << 28,
                             **(dict(mhc_kernel=True) if args.mhc_kernel else {}),
-                            **{f: True for f in args.options.split(",") if f})
+                            **_flags(args.options))
     t_start = time.perf_counter()
     ks = [int(x) for x in args.readback.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
@@ -521,7 +530,7 @@ def main():
             for b in batches:
                 setups[b] = loop_setup(config, b, args.context, opts, ks, args.profile_steps, str(b) in host_batches)
             if args.variant:
-                vopts = dataclasses.replace(opts, **{f: True for f in args.variant.split(",")})
+                vopts = dataclasses.replace(opts, **_flags(args.variant))
                 vbatches = [int(x) for x in args.variant_batches.split(",")]
                 for b in vbatches:
                     setups[b, args.variant] = loop_setup(config, b, args.context, vopts, ks, args.profile_steps,

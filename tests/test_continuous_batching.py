@@ -56,8 +56,10 @@ def test_every_request_gets_its_tokens_alone_and_slots_are_reused():
     reqs, alone = _requests_and_alone()
     assert [a.finish_reason for a in alone[-2:]] == ["stop", "stop"] and all(len(a.tokens) < 6 for a in alone[-2:])
     streamed = {}
-    # two prefill lanes: prompts of one to three chunks finish their prefill at different iterations, lanes idle
-    batcher = eng.batcher(prefill_lanes=2, on_token=lambda i, t: streamed.setdefault(i, []).append(t))
+    # two prefill lanes (their rows gathered into a 2-row program): prompts of one to three chunks finish their
+    # prefill at different iterations, lanes idle; one decode step per iteration
+    batcher = eng.batcher(prefill_lanes=2, decode_run=1,
+                          on_token=lambda i, t: streamed.setdefault(i, []).append(t))
     ids = [batcher.submit(r) for r in reqs]
     order, done, iters_when_done = [], {}, {}
     while batcher.busy:
@@ -79,6 +81,28 @@ def test_every_request_gets_its_tokens_alone_and_slots_are_reused():
     static_iters = sum(3 + max(len(a.tokens) for a in alone[k:k + 3]) for k in range(0, len(alone), 3))
     assert n_iter < static_iters
     assert batcher.stats.max_prefilling == 2 and batcher.stats.max_running == 3 and batcher.stats.new_tokens == sum(len(a.tokens) for a in alone)
+
+
+def test_default_batcher_refills_every_free_slot_and_decodes_in_runs():
+    """The default batcher: every free slot refilled by one chunk program over the whole cache (generate's own
+    programs), decode steps in runs of readback_every read back at once; each request still gets its tokens."""
+    eng = _engine()
+    reqs, alone = _requests_and_alone()
+    streamed = {}
+    batcher = eng.batcher(on_token=lambda i, t: streamed.setdefault(i, []).append(t))
+    assert batcher.lanes == eng.max_batch and batcher.decode_run == eng.readback_every
+    ids = [batcher.submit(r) for r in reqs]
+    done = {}
+    while batcher.busy:
+        for c in batcher.step():
+            done[c.id] = c
+    for i, r in zip(ids, alone):
+        assert done[i].tokens == r.tokens and streamed[i] == r.tokens, f"request {i}"
+        assert done[i].finish_reason == r.finish_reason
+    s = batcher.stats
+    assert s.max_prefilling == 3 and s.new_tokens == sum(len(a.tokens) for a in alone)
+    # runs: fewer iterations than decode steps, and no more steps than one per token plus a run's slack per request
+    assert s.iterations < s.decode_steps <= sum(len(a.tokens) for a in alone) + eng.readback_every * len(reqs)
 
 
 def test_serve_reports_bad_requests_and_serves_the_rest():

@@ -92,7 +92,9 @@ def _decode_chain(params, cache, state, engram_hash, temperature, top_k, top_p, 
                                                                        active)
     logits, cache, full = _step(params, cache, tokens, eids, active, config, opts)
     step = state["step"] + 1
-    nxt = jnp.where(full, -1, sample(logits, temperature, top_k, top_p, seeds, jnp.full(tokens.shape, step)))
+    # each slot's k-th new token (0-based: the prefill's is k = 0) samples with fold_in(seed, k), k = the tokens it
+    # has generated so far: slots that started at different times (continuous batching) each keep their own stream
+    nxt = jnp.where(full, -1, sample(logits, temperature, top_k, top_p, seeds, state["generated"]))
     generated = state["generated"] + active.astype(jnp.int32)
     # the Engine's finish_reason, evaluated where the token is: stop token, max_new_tokens, cache room
     done = jnp.any(nxt[:, None] == stops, axis=-1) | (generated >= max_new) | (generated > room)
@@ -110,7 +112,8 @@ def decode_chain(params, cache, state: dict, engram_hash: DeviceEngramHash | Non
 
     Unlike ``decode_and_sample`` it needs nothing from the host between steps, so any number of steps can be
     dispatched back to back and their tokens read back later: the state carries the tokens to feed, the active
-    slots, the tokens generated so far per slot and the step number (the sampling stream's position); with Engram
+    slots, the tokens generated so far per slot (each slot's position in its sampling stream) and the step number
+    (the readback row); with Engram
     layers also the slots' look-back (``ops.engram_hash.device_history``), hashed on the device
     (``engram_row_ids_step_device``, bit-identical to the host hasher with ``engram_hash`` = the hasher's
     ``device_tables()``). A slot ends — stays in the batch but is no longer fed — when it samples one of its

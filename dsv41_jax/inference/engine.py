@@ -517,9 +517,7 @@ class Engine:
             tables = self.hasher.device_tables()
             state["engram_history"] = jnp.asarray(device_history(self._hist))
         limits = tuple(jnp.asarray(a) for a in (stops, max_new, room))
-        device = getattr(self.params["embed"], "sharding", None)
-        if isinstance(device, jax.sharding.SingleDeviceSharding):  # committed like the state the steps return,
-            state = jax.device_put(state, device)  # so that the first step's program serves the later ones
+        state = self._on_device(state)
         steps = 0
         while active.any():
             left = [min(max_new[s] - len(out[info[s][0]]), room[s] - len(out[info[s][0]]) + 1)
@@ -546,6 +544,14 @@ class Engine:
             self._hist = self._fed_history(hist0, info, out)
         return steps
 
+    def _on_device(self, state: dict) -> dict:
+        """A decode loop's state on the device, committed like the state the steps return where the weights sit on
+        one device, so that the first step's program serves the later ones (jit keys on placement)."""
+        device = getattr(self.params["embed"], "sharding", None)
+        if isinstance(device, jax.sharding.SingleDeviceSharding):
+            return jax.device_put(state, device)
+        return jax.tree.map(jnp.asarray, state)
+
     def _fed_history(self, hist: EngramHistory, info, out) -> EngramHistory:
         """The host look-back after ``_decode_on_device``: every token a slot was fed (its outputs but the
         last) appended, continuing its newest segment."""
@@ -566,22 +572,26 @@ class Engine:
     # ------------------------------------------------------------------------------------------------------
     # Continuous batching (dsv41_jax.inference.batching)
     # ------------------------------------------------------------------------------------------------------
-    def batcher(self, *, prefill_lanes: int | None = None, prefill_chunk: int | None = None, on_token=None):
+    def batcher(self, *, prefill_lanes: int | None = None, prefill_chunk: int | None = None, on_token=None,
+                decode_run: int | None = None):
         """A :class:`~dsv41_jax.inference.batching.ContinuousBatcher` over this engine's slots: ``submit()``
-        requests at any time, ``step()`` runs one iteration (one bounded prefill chunk + one decode step)."""
+        requests at any time, ``step()`` runs one iteration (one bounded prefill chunk + a run of up to
+        ``decode_run`` decode steps, default ``readback_every``)."""
         from dsv41_jax.inference.batching import ContinuousBatcher
 
-        return ContinuousBatcher(self, prefill_lanes=prefill_lanes, prefill_chunk=prefill_chunk, on_token=on_token)
+        return ContinuousBatcher(self, prefill_lanes=prefill_lanes, prefill_chunk=prefill_chunk, on_token=on_token,
+                                 decode_run=decode_run)
 
     def serve(self, requests, *, on_token: Callable[[int, int], None] | None = None, prefill_lanes: int | None = None,
-              prefill_chunk: int | None = None):
+              prefill_chunk: int | None = None, decode_run: int | None = None):
         """Serve any number of requests by continuous batching: an iterator of ``Completion``s in the order they
         finish (``completion.id`` = the request's index; ``on_token(index, token)`` streams). A finished sequence
         frees its slot at once and the next waiting request is prefilled into it, chunk by chunk, between decode
         steps of the others. See :mod:`dsv41_jax.inference.batching`."""
         from dsv41_jax.inference.batching import serve
 
-        return serve(self, requests, on_token=on_token, prefill_lanes=prefill_lanes, prefill_chunk=prefill_chunk)
+        return serve(self, requests, on_token=on_token, prefill_lanes=prefill_lanes, prefill_chunk=prefill_chunk,
+                     decode_run=decode_run)
 
     def _check_free(self) -> None:
         if self._owner is not None and self._owner.busy:

@@ -147,8 +147,9 @@ def routed_slots(x, weights, idx, w1, w2, w3, limit, backend: str = "reference",
         blocks = None
     rows = _pow2_at_least(m, MIN_ROWS if blocks else 8)
     if blocks is not None and m == 1:
-        # one token: its top-k experts are distinct, so slot j is its j-th pick (no sort, no scatter back)
-        xs = jnp.broadcast_to(x[0], (k, rows, x.shape[-1]))
+        # one token: its top-k experts are distinct, so slot j is its j-th pick (no sort, no scatter back); every
+        # slot reads the token's one row (the kernel broadcasts it in registers: no [k, rows, d] copy first)
+        xs = x.reshape(1, 1, x.shape[-1])
         slot_wts = jnp.zeros((k, rows), jnp.float32).at[:, 0].set(weights[0].astype(jnp.float32))
         ys = _slot_kernels(xs, idx[0].astype(jnp.int32), jnp.ones((k,), jnp.int32), slot_wts, w1, w2, w3, limit,
                            blocks, backend)

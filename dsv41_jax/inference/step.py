@@ -72,10 +72,14 @@ class InferenceOptions:
     #                                 instead of XLA's unrolled normalisations; None: on the "pallas_gpu" backend
     #                                 (not its interpret mode). Why by default there: the unrolled Sinkhorn made
     #                                 XLA:GPU's priority fusion search Triton tilings for minutes (benchmarks/RESULTS)
-    mhc_one_pass: bool = False  # steps of at most 64 tokens (decode): each mHC site's projection and RMS as one
-    #                             reduction, the stream mixes as unrolled sums (fewer kernels; ops.mhc)
-    router_one_pass: bool = False  # steps of at most 64 tokens: the MoE router's logits as one reduction
-    #                                (ops.moe.route) instead of a split-K float32 GEMM + the sum of its chunks
+    mhc_one_pass: bool | None = None  # steps of at most 64 tokens (decode): each mHC site's projection and RMS as
+    #                             one reduction, the stream mixes as unrolled sums (fewer kernels; ops.mhc); None: on
+    #                             the "pallas_gpu" backend, where the coefficient kernel then also applies the RMS
+    #                             (kernels.mhc_gpu): 4 launches fewer per layer in the H200 decode step
+    #                             (benchmarks/decode_kernel_inventory.py), the same float32 maths
+    router_one_pass: bool | None = None  # steps of at most 64 tokens: the MoE router's logits as one reduction
+    #                                (ops.moe.route) instead of a split-K float32 GEMM + the sum of its chunks; None:
+    #                                on the "pallas_gpu" backend
     gemm_input_fp8: bool = False  # the release's FP8 rounding of every FP8 / FP4 GEMM's input (ForwardOptions)
     quantized_gemm: str = "reference"  # with gemm_input_fp8: how QuantizedTensor GEMMs run — "reference" (dequantise
     #                                    in XLA) or a kernels.quant_gemm backend ("auto", "pallas_gpu", "pallas_tpu")
@@ -499,6 +503,10 @@ def _gemm_view(params: dict, config: ModelConfig, opts: InferenceOptions) -> dic
     return mark_fp8_gemm_inputs(params, config, opts.quantized_gemm, opts.fp8_gemm_tuning)
 
 
+def _auto(flag: bool | None, default: bool) -> bool:
+    return default if flag is None else flag
+
+
 def _mhc_kw(c: ModelConfig, opts: InferenceOptions) -> dict:
     # On the kernel (GPU / TPU) path the Sinkhorn loop is unrolled: its iterations fuse into a few kernels instead
     # of launching the loop body's kernels once per iteration (19 iterations x 2 sites per layer in every decode
@@ -552,7 +560,8 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
     shared = _Shared()
     mhc_kw = _mhc_kw(c, opts)
     small = b * t <= 64  # a decode step (or a short chunk): the one-pass forms, where asked for, fuse better
-    few = opts.mhc_one_pass and small  # fewer, fused mHC kernels (ops.mhc one_pass)
+    on_gpu = kernels.resolve_backend(opts.kernel_backend) == "pallas_gpu"
+    few = _auto(opts.mhc_one_pass, on_gpu) and small  # fewer, fused mHC kernels (ops.mhc one_pass)
     if few:
         mhc_kw = dict(mhc_kw, one_pass=True)
     for spec in c.plan.layers[lo:hi]:
@@ -574,7 +583,8 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
         if opts.moe_impl == "tiled":
             y = moe_inference(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp,
                               scaling=c.routed_scaling_factor, limit=c.swiglu_limit, normalize=c.norm_topk_prob,
-                              backend=opts.kernel_backend, router_one_pass=opts.router_one_pass and small,
+                              backend=opts.kernel_backend,
+                              router_one_pass=_auto(opts.router_one_pass, on_gpu) and small,
                               fp4_one_token=opts.fp4_one_token, fp4_slot_decode=opts.fp4_slot_decode,
                               fp4_grouped_tuning=opts.fp4_grouped_tuning,
                               live=valid)  # masked rows (past n_valid) pick no expert: fewer weights read

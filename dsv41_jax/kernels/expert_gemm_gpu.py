@@ -72,9 +72,15 @@ def _silu(g):
 @functools.partial(jax.jit, static_argnames=("limit", "block_n", "block_k", "num_warps", "num_stages", "interpret"))
 def slot_swiglu(xs, slot_expert, slot_live, slot_wts, w1, w3, *, limit: float, block_n: int, block_k: int,
                 num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
-    """xs [S, R, K]; slot_expert / slot_live int32 [S]; slot_wts float32 [S, R]; w1, w3 [E, F, K]
+    """xs [S, R, K], or [1, 1, K]: one row every slot reads (one token's picks: no broadcast copy of the token
+    before the kernel); slot_expert / slot_live int32 [S]; slot_wts float32 [S, R]; w1, w3 [E, F, K]
     -> act [S, R, F] in xs.dtype."""
-    s, r, k = xs.shape
+    s, r = slot_wts.shape
+    k = xs.shape[-1]
+    shared = xs.shape[:2] == (1, 1)
+    if not shared and xs.shape != (s, r, k):
+        raise ValueError(f"slot_swiglu: xs must be [{s}, {r}, K] (slot_wts' slots and rows) or [1, 1, K], got "
+                         f"{xs.shape}")
     _, f, _ = w1.shape
     bn, bk = block_n, block_k
     _check_blocks("slot_swiglu", r, k, f, bn, bk)
@@ -90,7 +96,10 @@ def slot_swiglu(xs, slot_expert, slot_live, slot_wts, w1, w3, *, limit: float, b
             def body(t, accs):
                 g, u = accs
                 k0 = t * bk
-                xc = x_ref[si, :, pl.ds(k0, bk)]
+                if shared:  # the one row, broadcast in registers to the tile's rows
+                    xc = jnp.broadcast_to(x_ref[0, pl.ds(0, 1), pl.ds(k0, bk)], (r, bk))
+                else:
+                    xc = x_ref[si, :, pl.ds(k0, bk)]
                 # a weight tile in another dtype is cast in registers (no converted copy of the stack)
                 g = g + _dot_nt(xc, w1_ref[ex, pl.ds(n0, bn), pl.ds(k0, bk)].astype(xc.dtype))
                 u = u + _dot_nt(xc, w3_ref[ex, pl.ds(n0, bn), pl.ds(k0, bk)].astype(xc.dtype))

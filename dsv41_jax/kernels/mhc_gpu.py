@@ -87,4 +87,79 @@ def sinkhorn_comb(logits, *, hc: int, eps: float, iters: int, block: int = BLOCK
     )(logits)
 
 
-__all__ = ["sinkhorn_comb"]
+def _sigmoid(v):
+    return 1.0 / (1.0 + jnp.exp(-v))
+
+
+@functools.partial(jax.jit, static_argnames=("hc", "hc_eps", "iters", "rms_k", "rms_eps", "block", "interpret"))
+def mhc_coefficients_kernel(x, scale, base, *, hc: int, hc_eps: float, iters: int, rms_k: int | None = None,
+                            rms_eps: float = 0.0, block: int = BLOCK_TOKENS, interpret: bool = False):
+    """All of an mHC site's coefficients from its projection in ONE kernel: (pre [N, hc], post [N, hc], comb
+    [N, hc * hc]), float32, as ``ops.mhc.mhc_coefficients`` computes them from ``mix``:
+    pre = sigmoid(mix[:hc] * scale[0] + base[:hc]) + hc_eps, post = 2 sigmoid(mix[hc:2hc] * scale[1] + base[hc:2hc]),
+    comb = softmax + Sinkhorn of mix[2hc:] * scale[2] + base[2hc:] (as :func:`sinkhorn_comb`).
+
+    ``x`` [N, n] float32 is ``mix`` (n = (2 + hc) hc); with ``rms_k`` it is the one-pass sums [N, n + 1] (the n raw
+    products and, last, the sum of squares of the K = ``rms_k`` flattened stream entries) and the RMS normalisation
+    mix = sums[:n] * rsqrt(sums[n] / K + rms_eps) is applied here too. Why: in a decode step the scale / bias of the
+    comb logits and the normalisation were one more small XLA kernel per site between the projection and the
+    Sinkhorn kernel (24 sites per step of the 12-layer bench model)."""
+    n_tok = x.shape[0]
+    n = (2 + hc) * hc
+    width = n + (1 if rms_k is not None else 0)
+    if x.shape != (n_tok, width):
+        raise ValueError(f"mhc_coefficients_kernel: x must be [tokens, {width}] for hc = {hc}"
+                         f"{' with the sum of squares last' if rms_k is not None else ''}, got {x.shape}")
+    if scale.shape != (3,) or base.shape != (n,):
+        raise ValueError(f"mhc_coefficients_kernel: scale must be [3] and base [{n}], got {scale.shape} and "
+                         f"{base.shape}")
+    if iters < 1:
+        raise ValueError(f"mhc_coefficients_kernel: iters must be >= 1, got {iters}")
+    m = hc * hc
+
+    # scale and base are read as they are (no cast or concatenation before the kernel: that would be one more
+    # small XLA kernel per site, the launch this kernel is here to save)
+    def kernel(x_ref, s_ref, b_ref, pre_ref, post_ref, comb_ref):
+        rows = pl.program_id(0) * block + jnp.arange(block)
+        ok = rows < n_tok
+        safe = jnp.minimum(rows, n_tok - 1)
+        mix = [pltr.load(x_ref.at[safe, j], mask=ok, other=0.0) for j in range(n)]
+        if rms_k is not None:
+            sq = pltr.load(x_ref.at[safe, n], mask=ok, other=0.0)
+            r = jax.lax.rsqrt(sq / rms_k + rms_eps)
+            mix = [v * r for v in mix]
+        sc = [s_ref[g].astype(jnp.float32) for g in range(3)]
+        group = [0] * hc + [1] * hc + [2] * m  # pre, post, comb columns
+        z = [mix[j] * sc[group[j]] + b_ref[j].astype(jnp.float32) for j in range(n)]
+        for i in range(hc):
+            pltr.store(pre_ref.at[rows, i], _sigmoid(z[i]) + hc_eps, mask=ok)
+            pltr.store(post_ref.at[rows, i], 2.0 * _sigmoid(z[hc + i]), mask=ok)
+        x_comb = z[2 * hc:]
+        c = []
+        for i in range(hc):  # softmax over j, + eps
+            row = x_comb[i * hc:(i + 1) * hc]
+            mx = row[0]
+            for v in row[1:]:
+                mx = jnp.maximum(mx, v)
+            e = [jnp.exp(v - mx) for v in row]
+            s = _sum(e)
+            c += [v / s + hc_eps for v in e]
+        c = _normalize_cols(c, hc, hc_eps)
+
+        def body(_, cc):
+            return tuple(_normalize_cols(_normalize_rows(list(cc), hc, hc_eps), hc, hc_eps))
+
+        c = jax.lax.fori_loop(0, iters - 1, body, tuple(c))
+        for k in range(m):
+            pltr.store(comb_ref.at[rows, k], c[k], mask=ok)
+
+    f32 = jnp.float32
+    return pl.pallas_call(
+        kernel, grid=(pl.cdiv(n_tok, block),),
+        out_shape=(jax.ShapeDtypeStruct((n_tok, hc), f32), jax.ShapeDtypeStruct((n_tok, hc), f32),
+                   jax.ShapeDtypeStruct((n_tok, m), f32)),
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1), interpret=interpret, name="mhc_coefficients",
+    )(x.astype(f32), scale, base)
+
+
+__all__ = ["sinkhorn_comb", "mhc_coefficients_kernel"]

@@ -35,6 +35,23 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
     of its chunks — fewer kernels, the same float32 maths up to the order of the additions.
     """
     hc = streams.shape[-2]
+    if comb_kernel is not None:
+        # every coefficient in one kernel after the projection (kernels.mhc_gpu.mhc_coefficients_kernel); with
+        # one_pass the kernel also applies the RMS normalisation to the raw one-pass sums
+        from dsv41_jax.kernels.mhc_gpu import mhc_coefficients_kernel  # lazy: ops does not need the kernels package
+
+        lead = streams.shape[:-2]
+        flat = streams.reshape(*lead, -1)
+        if one_pass:
+            x, rms_k = _project_sums_one_pass(flat, fn), flat.shape[-1]
+        else:
+            x = narrow_matmul_f32(rms_normalize(flat, rms_eps).reshape(-1, flat.shape[-1]), fn)
+            rms_k = None
+        pre, post, comb = mhc_coefficients_kernel(
+            x.reshape(-1, x.shape[-1]), scale, base, hc=hc,
+            hc_eps=float(hc_eps), iters=int(sinkhorn_iters), rms_k=rms_k, rms_eps=float(rms_eps),
+            interpret=comb_kernel.endswith("interpret"))
+        return pre.reshape(*lead, hc), post.reshape(*lead, hc), comb.reshape(*lead, hc, hc)
     if one_pass:
         mix = _project_rms_one_pass(streams.reshape(*streams.shape[:-2], -1), fn, rms_eps)
     else:
@@ -44,14 +61,6 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
     base = base.astype(jnp.float32)
     pre = jax.nn.sigmoid(mix[..., :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(mix[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    if comb_kernel is not None:
-        from dsv41_jax.kernels.mhc_gpu import sinkhorn_comb  # lazy: ops does not need the kernels package
-
-        lead = mix.shape[:-1]
-        flat_logits = (mix[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(-1, hc * hc)
-        comb = sinkhorn_comb(flat_logits, hc=hc, eps=float(hc_eps), iters=int(sinkhorn_iters),
-                             interpret=comb_kernel.endswith("interpret"))
-        return pre, post, comb.reshape(*lead, hc, hc)
     logits = (mix[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*mix.shape[:-1], hc, hc)
     comb = jax.nn.softmax(logits, axis=-1) + hc_eps
     comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
@@ -64,15 +73,21 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
     return pre, post, comb
 
 
-def _project_rms_one_pass(flat: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
-    """rms_normalize(flat) · fnᵀ as ONE reduction over the flattened streams: the N raw products and the sum of
-    squares are the N + 1 rows of a single sum over the contraction, and the normalisation (a per-token scalar)
-    is applied to the N sums afterwards. flat [..., K] (any float dtype), fn [N, K] -> [..., N] float32."""
+def _project_sums_one_pass(flat: jax.Array, fn: jax.Array) -> jax.Array:
+    """The N raw products flat · fnᵀ and the sum of squares of flat as the N + 1 rows of ONE sum over the
+    contraction: flat [..., K] (any float dtype), fn [N, K] -> [..., N + 1] float32."""
     x = flat.astype(jnp.float32)
     w = fn.astype(jnp.float32)
     rows = jnp.concatenate([x[..., None, :] * w, (x * x)[..., None, :]], axis=-2)  # [..., N + 1, K]
-    sums = jnp.sum(rows, axis=-1)
-    n, k = w.shape
+    return jnp.sum(rows, axis=-1)
+
+
+def _project_rms_one_pass(flat: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
+    """rms_normalize(flat) · fnᵀ as ONE reduction over the flattened streams (:func:`_project_sums_one_pass`), the
+    normalisation (a per-token scalar) applied to the N sums afterwards. flat [..., K], fn [N, K] -> [..., N]
+    float32."""
+    sums = _project_sums_one_pass(flat, fn)
+    n, k = fn.shape
     return sums[..., :n] * jax.lax.rsqrt(sums[..., n:] / k + eps)
 
 
