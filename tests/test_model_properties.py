@@ -126,6 +126,10 @@ def test_mhc_mixes_are_float32_exact_with_their_gradients():
     np.testing.assert_allclose(np.asarray(dx, np.float64), g[:90] @ w, rtol=0, atol=2e-6 * np.abs(g[:90] @ w).max())
     with mock.patch.object(linear_ops, "NARROW_DX_FORM", "sum"), pytest.raises(ValueError, match="NARROW_DX_FORM"):
         jax.vjp(_project, jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))[1](jnp.asarray(g, jnp.float32))
+    # the default: the cuBLAS float32 GEMM on a GPU (measured fastest there), the fused sum elsewhere
+    assert linear_ops.NARROW_DX_FORM == "auto" and linear_ops._narrow_dx_form() == "reduce"
+    with mock.patch.object(linear_ops.jax, "default_backend", lambda: "gpu"):
+        assert linear_ops._narrow_dx_form() == "dot"
     w3, g3 = rng.standard_normal((40, 2048)), rng.standard_normal((96, 40))  # N = 40: dx as a float32 GEMM
     _, vjp = jax.vjp(_project, jnp.asarray(x, jnp.float32), jnp.asarray(w3, jnp.float32))
     np.testing.assert_allclose(np.asarray(vjp(jnp.asarray(g3, jnp.float32))[0], np.float64), g3 @ w3,

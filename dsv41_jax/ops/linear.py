@@ -123,7 +123,8 @@ def narrow_dot_one_pass(x: jax.Array, w: jax.Array) -> jax.Array:
 
 # How _narrow_matmul's backward forms dx = g · w for N <= 32 outputs (read at trace time); the same float32 products,
 # only the order of the N additions differs:
-#   "reduce" (default) — one sum over the N axis of the [M, N, K] products: XLA:GPU emits a reduction over a middle
+#   "auto" (default) — "dot" on a GPU (measured fastest there), "reduce" elsewhere (CPU / TPU results unchanged);
+#   "reduce" — one sum over the N axis of the [M, N, K] products: XLA:GPU emits a reduction over a middle
 #       axis, fused with the RMS norm's backward; at the fullwidth4 train step on an H200 each mHC site's took
 #       0.755 ms for [4096, 24] x [24, 20480] (~4.7x the time of one read + one write of dx; benchmarks/RESULTS.md,
 #       2026-12-02 14:29);
@@ -132,12 +133,23 @@ def narrow_dot_one_pass(x: jax.Array, w: jax.Array) -> jax.Array:
 #   "minor" — the sum over a minor N axis of [M, K, N] products (a row reduction with w transposed once):
 #       not measured yet;
 #   "dot" — one float32 dot at Precision.HIGHEST (a GEMM with an N-long contraction: on a GPU a cuBLAS SGEMM on the
-#       CUDA cores, no TF32; the RMS norm's backward then runs in fusions of its own): not measured yet;
+#       CUDA cores, no TF32; the RMS norm's backward then runs in fusions of its own): the fullwidth4 train step
+#       1.8 ms faster than "reduce" on an H200 in one process (161.3 vs 163.1 ms; benchmarks/RESULTS.md, 2026-12-02
+#       15:15);
 #   "pallas_gpu" / "pallas_gpu_interpret" — the Pallas GPU kernel kernels.narrow_dx_gpu (one Triton dot at IEEE
 #       float32 per tile of dx, N zero-padded to 32; the interpret form for CPU tests); XLA's "dot" form where no
-#       tile divides dx: not measured yet.
-NARROW_DX_FORMS = ("reduce", "terms", "minor", "dot", "pallas_gpu", "pallas_gpu_interpret")
-NARROW_DX_FORM = "reduce"
+#       tile divides dx: 161.5 ms in the same run, as fast as "dot" within the noise, so "dot" (no kernel) is the
+#       GPU default.
+NARROW_DX_FORMS = ("auto", "reduce", "terms", "minor", "dot", "pallas_gpu", "pallas_gpu_interpret")
+NARROW_DX_FORM = "auto"
+
+
+def _narrow_dx_form() -> str:
+    if NARROW_DX_FORM not in NARROW_DX_FORMS:
+        raise ValueError(f"ops.linear.NARROW_DX_FORM = {NARROW_DX_FORM!r}: want one of {NARROW_DX_FORMS}")
+    if NARROW_DX_FORM == "auto":
+        return "dot" if jax.default_backend() == "gpu" else "reduce"
+    return NARROW_DX_FORM
 
 
 @jax.custom_vjp
@@ -163,22 +175,21 @@ def _narrow_matmul_bwd(res, g):
     n = w.shape[0]
     # dx [M, K] = g [M, N] · w [N, K]: a contraction over the few outputs; for N <= 32 a fused sum of products (an
     # elementwise pass over dx) rather than a GEMM whose contraction is N long. Its form: NARROW_DX_FORM.
-    if NARROW_DX_FORM not in NARROW_DX_FORMS:
-        raise ValueError(f"ops.linear.NARROW_DX_FORM = {NARROW_DX_FORM!r}: want one of {NARROW_DX_FORMS}")
-    if n <= 32 and NARROW_DX_FORM.startswith("pallas_gpu"):
+    form = _narrow_dx_form()
+    if n <= 32 and form.startswith("pallas_gpu"):
         from dsv41_jax.kernels import narrow_dx_gpu  # lazy: kernels import ops
 
         if narrow_dx_gpu.narrow_dx_tiles(m, k) is not None:
-            dx = narrow_dx_gpu.narrow_dx(g, w, interpret=NARROW_DX_FORM.endswith("interpret"))
+            dx = narrow_dx_gpu.narrow_dx(g, w, interpret=form.endswith("interpret"))
         else:
             dx = jnp.einsum("mn,nk->mk", g, w, precision=jax.lax.Precision.HIGHEST)
-    elif n <= 32 and NARROW_DX_FORM == "terms":
+    elif n <= 32 and form == "terms":
         dx = g[:, 0, None] * w[None, 0, :]
         for i in range(1, n):
             dx = dx + g[:, i, None] * w[None, i, :]
-    elif n <= 32 and NARROW_DX_FORM == "minor":
+    elif n <= 32 and form == "minor":
         dx = jnp.sum(g[:, None, :] * w.T[None, :, :], axis=-1)
-    elif n <= 32 and NARROW_DX_FORM == "reduce":
+    elif n <= 32 and form == "reduce":
         dx = jnp.sum(g[:, :, None] * w[None, :, :], axis=1)
     else:  # "dot", or N > 32
         dx = jnp.einsum("mn,nk->mk", g, w, precision=jax.lax.Precision.HIGHEST)
