@@ -83,7 +83,8 @@ def test_sigterm_saves_and_stops(cfg, corpus, straight, tmp_path):
 _CRASH_SCRIPT = textwrap.dedent("""
     import os, signal, sys
     import jax
-    jax.config.update("jax_compilation_cache_dir", sys.argv[4])
+    jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py: the same programs, so
+    jax.config.update("jax_compilation_cache_dir", sys.argv[4])   # the run's cache serves them
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     from dsv41_jax.checkpoint import orbax_ckpt
     from dsv41_jax.train import TrainConfig, train
@@ -142,7 +143,8 @@ def test_sigkill_during_save_leaves_previous_checkpoint_and_restart_continues(cf
 _BLOCKING_CLI = textwrap.dedent("""
     import sys, time
     import jax
-    jax.config.update("jax_compilation_cache_dir", sys.argv[3])
+    jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py: the same programs, so
+    jax.config.update("jax_compilation_cache_dir", sys.argv[3])   # the run's cache serves them
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     from dsv41_jax.train import trainer
 
