@@ -1,5 +1,5 @@
-"""Pallas GPU kernel (Triton lowering): mHC's ``comb`` coefficients — a row softmax of each token's hc x hc logits,
-then Sinkhorn normalisation — in one kernel.
+"""Pallas GPU kernel (Triton lowering): an mHC site's coefficients — ``pre`` / ``post`` (scales, biases, sigmoids)
+and ``comb`` (a row softmax of each token's hc x hc logits, then Sinkhorn normalisation) — in one kernel.
 
 ``ops.mhc.mhc_coefficients`` computes ``comb`` in float32 as softmax over j, + eps, a column normalisation, and
 ``sinkhorn_iters - 1`` (row, column) normalisation pairs. Written in XLA, every normalisation of the tiny hc x hc
@@ -47,44 +47,25 @@ def _normalize_cols(c, hc, eps):
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("hc", "eps", "iters", "block", "interpret"))
-def sinkhorn_comb(logits, *, hc: int, eps: float, iters: int, block: int = BLOCK_TOKENS, interpret: bool = False):
-    """logits float32 [N, hc * hc] (row i, column j at i * hc + j) -> comb float32 [N, hc * hc]."""
-    n, m = logits.shape
-    if m != hc * hc:
-        raise ValueError(f"sinkhorn_comb: logits must be [tokens, {hc * hc}] for hc = {hc}, got {logits.shape}")
-    if iters < 1:
-        raise ValueError(f"sinkhorn_comb: iters must be >= 1, got {iters}")
-    logits = logits.astype(jnp.float32)
+def _softmax_sinkhorn(x, hc, eps, iters):
+    """The hc x hc mixing logits (a list of hc * hc row-major values, each a vector over the block's tokens) ->
+    the Sinkhorn-projected matrix, as ``ops.mhc.mhc_coefficients``: a softmax over j plus eps, a column
+    normalisation, then ``iters - 1`` row + column normalisations."""
+    c = []
+    for i in range(hc):  # softmax over j, + eps
+        row = x[i * hc:(i + 1) * hc]
+        mx = row[0]
+        for v in row[1:]:
+            mx = jnp.maximum(mx, v)
+        e = [jnp.exp(v - mx) for v in row]
+        s = _sum(e)
+        c += [v / s + eps for v in e]
+    c = _normalize_cols(c, hc, eps)
 
-    def kernel(x_ref, o_ref):
-        rows = pl.program_id(0) * block + jnp.arange(block)
-        ok = rows < n
-        safe = jnp.minimum(rows, n - 1)
-        x = [pltr.load(x_ref.at[safe, k], mask=ok, other=0.0) for k in range(m)]
-        c = []
-        for i in range(hc):  # softmax over j, + eps
-            row = x[i * hc:(i + 1) * hc]
-            mx = row[0]
-            for v in row[1:]:
-                mx = jnp.maximum(mx, v)
-            e = [jnp.exp(v - mx) for v in row]
-            s = _sum(e)
-            c += [v / s + eps for v in e]
-        c = _normalize_cols(c, hc, eps)
+    def body(_, cc):
+        return tuple(_normalize_cols(_normalize_rows(list(cc), hc, eps), hc, eps))
 
-        def body(_, cc):
-            return tuple(_normalize_cols(_normalize_rows(list(cc), hc, eps), hc, eps))
-
-        c = jax.lax.fori_loop(0, iters - 1, body, tuple(c))
-        for k in range(m):
-            pltr.store(o_ref.at[rows, k], c[k], mask=ok)
-
-    return pl.pallas_call(
-        kernel, grid=(pl.cdiv(n, block),),
-        out_shape=jax.ShapeDtypeStruct((n, m), jnp.float32),
-        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1), interpret=interpret, name="mhc_sinkhorn",
-    )(logits)
+    return list(jax.lax.fori_loop(0, iters - 1, body, tuple(c)))
 
 
 def _sigmoid(v):
@@ -97,7 +78,7 @@ def mhc_coefficients_kernel(x, scale, base, *, hc: int, hc_eps: float, iters: in
     """All of an mHC site's coefficients from its projection in ONE kernel: (pre [N, hc], post [N, hc], comb
     [N, hc * hc]), float32, as ``ops.mhc.mhc_coefficients`` computes them from ``mix``:
     pre = sigmoid(mix[:hc] * scale[0] + base[:hc]) + hc_eps, post = 2 sigmoid(mix[hc:2hc] * scale[1] + base[hc:2hc]),
-    comb = softmax + Sinkhorn of mix[2hc:] * scale[2] + base[2hc:] (as :func:`sinkhorn_comb`).
+    comb = softmax + Sinkhorn of mix[2hc:] * scale[2] + base[2hc:] (:func:`_softmax_sinkhorn`).
 
     ``x`` [N, n] float32 is ``mix`` (n = (2 + hc) hc); with ``rms_k`` it is the one-pass sums [N, n + 1] (the n raw
     products and, last, the sum of squares of the K = ``rms_k`` flattened stream entries) and the RMS normalisation
@@ -134,22 +115,7 @@ def mhc_coefficients_kernel(x, scale, base, *, hc: int, hc_eps: float, iters: in
         for i in range(hc):
             pltr.store(pre_ref.at[rows, i], _sigmoid(z[i]) + hc_eps, mask=ok)
             pltr.store(post_ref.at[rows, i], 2.0 * _sigmoid(z[hc + i]), mask=ok)
-        x_comb = z[2 * hc:]
-        c = []
-        for i in range(hc):  # softmax over j, + eps
-            row = x_comb[i * hc:(i + 1) * hc]
-            mx = row[0]
-            for v in row[1:]:
-                mx = jnp.maximum(mx, v)
-            e = [jnp.exp(v - mx) for v in row]
-            s = _sum(e)
-            c += [v / s + hc_eps for v in e]
-        c = _normalize_cols(c, hc, hc_eps)
-
-        def body(_, cc):
-            return tuple(_normalize_cols(_normalize_rows(list(cc), hc, hc_eps), hc, hc_eps))
-
-        c = jax.lax.fori_loop(0, iters - 1, body, tuple(c))
+        c = _softmax_sinkhorn(z[2 * hc:], hc, hc_eps, iters)
         for k in range(m):
             pltr.store(comb_ref.at[rows, k], c[k], mask=ok)
 
@@ -162,4 +128,4 @@ def mhc_coefficients_kernel(x, scale, base, *, hc: int, hc_eps: float, iters: in
     )(x.astype(f32), scale, base)
 
 
-__all__ = ["sinkhorn_comb", "mhc_coefficients_kernel"]
+__all__ = ["mhc_coefficients_kernel"]
