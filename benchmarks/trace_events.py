@@ -27,6 +27,21 @@ def load_trace(path: str) -> tuple[list, dict, dict]:
     return events, pid_names, tid_names
 
 
+def read_text(path: str) -> str:
+    """A text file (an optimised HLO dump), gzip-compressed when its name ends in .gz."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return f.read()
+
+
+def stream_kernels(path: str) -> list:
+    """The complete ("X") events of a GPU trace's stream lines: one per kernel launch. A device's process also has
+    summary lines ("XLA Modules", "XLA Ops") that repeat the same time at coarser grain; they are left out."""
+    events, _, tids = load_trace(path)
+    streams = {k for k, n in tids.items() if n.lower().startswith("stream")}
+    return [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
+
+
 def union_length(intervals) -> float:
     """Total length covered by (start, end) intervals, overlaps counted once: a device's busy time."""
     total, end = 0.0, -float("inf")

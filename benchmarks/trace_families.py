@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import os
 import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from trace_events import load_trace, union_length  # noqa: E402
+from trace_events import read_text, stream_kernels, union_length  # noqa: E402
 
 
 def hlo_fusions(text: str) -> dict:
@@ -80,17 +79,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2, help="steps the trace holds")
     p.add_argument("--top", type=int, default=6, help="largest fusions shown per fusion family")
     args = p.parse_args(argv)
-    opener = gzip.open if args.hlo.endswith(".gz") else open
-    with opener(args.hlo, "rt") as f:
-        fusions = hlo_fusions(f.read())
-    events, pids, tids = load_trace(args.trace)
-    streams = {k for k, n in tids.items() if n.lower().startswith("stream")}
+    fusions = hlo_fusions(read_text(args.hlo))
     fam = collections.defaultdict(lambda: [0.0, 0])
     kernels = collections.defaultdict(lambda: [0.0, 0])
     intervals = []
-    for e in events:
-        if e.get("ph") != "X" or (e.get("pid"), e.get("tid")) not in streams:
-            continue
+    for e in stream_kernels(args.trace):
         dur = float(e.get("dur", 0.0))
         intervals.append((float(e["ts"]), float(e["ts"]) + dur))
         kernels[e["name"]][0] += dur

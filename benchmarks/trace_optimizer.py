@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import os
 import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from trace_events import load_trace  # noqa: E402
+from trace_events import read_text, stream_kernels  # noqa: E402
 
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
 
@@ -74,15 +73,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2, help="steps the trace holds")
     p.add_argument("--copy-tbps", type=float, default=4.3, help="copy bandwidth, TB/s (read + write)")
     args = p.parse_args(argv)
-    opener = gzip.open if args.hlo.endswith(".gz") else open
-    with opener(args.hlo, "rt") as f:
-        fusions = optimizer_fusions(f.read())
-    events, pids, tids = load_trace(args.trace)
-    streams = {k for k, n in tids.items() if n.lower().startswith("stream")}
+    fusions = optimizer_fusions(read_text(args.hlo))
     times = collections.defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
-            times[e["name"]].append(float(e.get("dur", 0.0)))
+    for e in stream_kernels(args.trace):
+        times[e["name"]].append(float(e.get("dur", 0.0)))
     rows = []
     for fu in fusions:
         kernel = next((k for k in fu["kernels"] if k in times), fu["kernels"][0])
