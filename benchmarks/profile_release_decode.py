@@ -110,6 +110,13 @@ FAMILIES = [  # (family, pattern on the device event's name), first match wins
 ]
 
 
+def bandwidth_pct(nbytes: float, dev_us: float, bw: dict) -> dict:
+    """A kernel's bytes over its device time as % of the H200's 4.8 TB/s datasheet bandwidth and of the read-only
+    bandwidth this process measured (``bw["read_bw"]``; the datasheet figure when it was not measured)."""
+    rate = nbytes / (dev_us * 1e-6)
+    return dict(pct_datasheet=100 * rate / DATASHEET_BW, pct_read=100 * rate / bw.get("read_bw", DATASHEET_BW))
+
+
 def log(*a):
     print(*a, flush=True)
 
@@ -226,8 +233,7 @@ def experts_part(bw, n_tilings=len(TILINGS)):
             log(f"experts {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
             continue
         row = dict(variant=name, tiling=tiling, bytes=nb, dev_us=dev, wall_us=wall, families_us=fams,
-                   rel_err_vs_grouped=err, pct_datasheet=100 * nb / (dev * 1e-6) / DATASHEET_BW,
-                   pct_read=100 * nb / (dev * 1e-6) / bw.get("read_bw", DATASHEET_BW))
+                   rel_err_vs_grouped=err, **bandwidth_pct(nb, dev, bw))
         if "before" in name:
             base = row
         OUT["experts"].append(row)
@@ -289,8 +295,7 @@ def grouped_part(bw, batch=32, n_tunings=len(GROUPED_TUNINGS)):
                 continue
             row = dict(shape=shape_name, n=n, k=k, rows=rows, experts=n_exp, used_experts=used, variant=label,
                        tuning=tuning, bytes=nbytes, dev_us=dev, rel_err=err,
-                       pct_datasheet=100 * nbytes / (dev * 1e-6) / DATASHEET_BW,
-                       pct_read=100 * nbytes / (dev * 1e-6) / bw.get("read_bw", DATASHEET_BW))
+                       **bandwidth_pct(nbytes, dev, bw))
             base = base or row
             row["speedup_vs_first"] = base["dev_us"] / dev
             OUT["grouped"].append(row)
@@ -334,8 +339,7 @@ def dense32_part(bw, m=32):
                 log(f"dense32 {n}x{k} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
                 continue
             row = dict(m=m, n=n, k=k, variant=label, tuning=tuning, bytes=nbytes, dev_us=dev, rel_err=err,
-                       pct_datasheet=100 * nbytes / (dev * 1e-6) / DATASHEET_BW,
-                       pct_read=100 * nbytes / (dev * 1e-6) / bw.get("read_bw", DATASHEET_BW))
+                       **bandwidth_pct(nbytes, dev, bw))
             base = base or row
             row["speedup_vs_first"] = base["dev_us"] / dev
             OUT["dense32"].append(row)
