@@ -261,7 +261,7 @@ GROUPED_TUNINGS = [("tokens form (the default before)", dict(mma_rows="tokens"))
 GROUPED_QUICK = 5  # --grouped-quick: the first five only
 
 
-def grouped_part(bw, batch=32, n_tunings=len(GROUPED_TUNINGS)):
+def grouped_part(bw, batch=32, picks=None):
     """One grouped FP4 GEMM as the bench model's batch-``batch`` decode step runs it: ``batch`` tokens x top-6 of
     16 experts (uniform random picks) = 192 rows sorted by expert, w1 / w3 (2304 x 5120) and w2 (5120 x 2304); each
     call runs R distinct weight stacks (> L2). Device µs per GEMM; bytes = the used experts' packed bytes + scales +
@@ -282,7 +282,7 @@ def grouped_part(bw, batch=32, n_tunings=len(GROUPED_TUNINGS)):
         want = jax.lax.ragged_dot(xs[0].astype(jnp.float32), jnp.swapaxes(ws[0].dequantize(jnp.float32), 1, 2),
                                   gss[0], precision=jax.lax.Precision.HIGHEST)
         base = None
-        for label, tuning in GROUPED_TUNINGS[:n_tunings]:
+        for label, tuning in (GROUPED_TUNINGS if picks is None else [GROUPED_TUNINGS[i] for i in picks]):
             try:
                 fn = jax.jit(lambda xs, gss, ws, tuning=tuning: [QG.fp4_grouped(x, g, w, backend=BE, tuning=tuning)
                                                                  for x, g, w in zip(xs, gss, ws)])
@@ -313,7 +313,7 @@ DENSE32_TUNINGS = [("tokens form (default)", {}),
 DENSE32_SHAPES = [(2304, 5120), (5120, 2304), (32768, 1280), (5120, 8192)]
 
 
-def dense32_part(bw, m=32):
+def dense32_part(bw, m=32, picks=None):
     """The FP8 dense GEMM (32 x 32 block scales) at M = ``m`` (the batch-32 decode step's dense projections) at each
     of DENSE32_TUNINGS: device µs per GEMM (each call runs R distinct weights, > L2), bytes = weight bytes + scales +
     activations + output, % of 4.8 TB/s and of the read-only bandwidth; checked against float32 (bf16 inputs)."""
@@ -327,7 +327,7 @@ def dense32_part(bw, m=32):
         nbytes = n * k + (-(-n // 32)) * (-(-k // 32)) + m * k * 2 + m * n * 2
         want = np.asarray(xs[0], np.float64) @ np.asarray(ws[0].dequantize(jnp.float32), np.float64).T
         base = None
-        for label, tuning in DENSE32_TUNINGS:
+        for label, tuning in (DENSE32_TUNINGS if picks is None else [DENSE32_TUNINGS[i] for i in picks]):
             try:
                 fn = jax.jit(lambda xs, ws, tuning=tuning: [QG.fp8_linear(x, w, backend=BE, tuning=tuning)
                                                             for x, w in zip(xs, ws)])
@@ -437,7 +437,7 @@ def time_and_profile(s, batch, form, out_dir, steps=10, profile_steps=3):
 
 
 def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False, no_grouped=False,
-                grouped_tunings: tuple = (), no_f16=False, fp8_tunings: tuple = ()):
+                grouped_tunings: tuple = (), no_f16=False, fp8_tunings: tuple = (), combine=False):
     """Per batch: every form's first call (trace + compile + one step) concurrently in threads (XLA compiles
     release the GIL; the forms' first-call times overlap, so each is an upper bound of its compile), then each
     form timed and profiled alone."""
@@ -462,6 +462,15 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
              ("release, one-token FP4 kernels", prel, InferenceOptions(**rel, fp4_one_token=True))]
     if not no_grouped:
         forms.append(("release, grouped FP4 kernel", prel, InferenceOptions(**rel, fp4_one_token=False)))
+    if combine:  # one form with both kernels' first tunings instead of a form per tuning (fewer concurrent compiles;
+        # the profile's kernel families still tell the two kernels' shares apart)
+        grouped_tunings, fp8_tunings = grouped_tunings[:1], fp8_tunings[:1]
+        forms.append((f"release, grouped FP4 {dict(grouped_tunings[0]) if grouped_tunings else {}} + FP8 GEMM kernel "
+                      f"{dict(fp8_tunings[0]) if fp8_tunings else {}}", prel,
+                      InferenceOptions(**rel, fp4_one_token=True,
+                                       fp4_grouped_tuning=grouped_tunings[0] if grouped_tunings else (),
+                                       fp8_gemm_tuning=fp8_tunings[0] if fp8_tunings else ())))
+        grouped_tunings = fp8_tunings = ()
     for tuning in grouped_tunings:  # batches > 1 only (one token takes the one-token kernels in every release form)
         forms.append((f"release, grouped FP4 kernel {dict(tuning)}", prel,
                       InferenceOptions(**rel, fp4_one_token=True, fp4_grouped_tuning=tuning)))
@@ -534,6 +543,11 @@ def main():
     ap.add_argument("--grouped", action="store_true",
                     help="the batch-32 grouped FP4 GEMMs at GROUPED_TUNINGS (kernel micro-benchmark) first")
     ap.add_argument("--grouped-quick", action="store_true", help="--grouped: the first GROUPED_QUICK tunings only")
+    ap.add_argument("--grouped-pick", default="", help="--grouped: these indices of GROUPED_TUNINGS only (e.g. 2,3)")
+    ap.add_argument("--dense32-pick", default="", help="--dense32: these indices of DENSE32_TUNINGS only (e.g. 0,1)")
+    ap.add_argument("--combine", action="store_true",
+                    help="decode: one release form with the first of --grouped-tunings and of --fp8-tunings together, "
+                         "instead of one form per tuning")
     ap.add_argument("--dense32", action="store_true",
                     help="the FP8 dense GEMM at M = 32 at DENSE32_TUNINGS (kernel micro-benchmark), after --grouped")
     args = ap.parse_args()
@@ -575,7 +589,8 @@ def main():
                             args.budget_s, args.out, save, args.wo_a_fp8, args.no_grouped,
                             tuple(tuple(sorted(t.items())) for t in json.loads(args.grouped_tunings or "[]")),
                             args.no_f16,
-                            tuple(tuple(sorted(t.items())) for t in json.loads(args.fp8_tunings or "[]")))
+                            tuple(tuple(sorted(t.items())) for t in json.loads(args.fp8_tunings or "[]")),
+                            args.combine)
             except Exception as e:  # noqa: BLE001
                 OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
                 log(f"decode FAILED: {type(e).__name__}: {str(e)[:300]}")
@@ -585,7 +600,9 @@ def main():
         log("\n| batch-32 grouped FP4 GEMM | variant | dev µs | % of 4.8 TB/s | % of read-only | × tokens form | "
             "rel err vs float32 |\n|---|---|---:|---:|---:|---:|---:|")
         try:
-            grouped_part(OUT["ceilings"], n_tunings=GROUPED_QUICK if args.grouped_quick else len(GROUPED_TUNINGS))
+            picks = [int(i) for i in args.grouped_pick.split(",")] if args.grouped_pick else \
+                (list(range(GROUPED_QUICK)) if args.grouped_quick else None)
+            grouped_part(OUT["ceilings"], picks=picks)
         except Exception as e:  # noqa: BLE001
             OUT["errors"].append(f"grouped: {type(e).__name__}: {str(e)[:400]}")
             log(f"grouped FAILED: {type(e).__name__}: {str(e)[:300]}")
@@ -594,7 +611,8 @@ def main():
         log("\n| FP8 GEMM at M = 32, N x K | variant | dev µs | % of 4.8 TB/s | % of read-only | × default | "
             "rel err vs float32 |\n|---|---|---:|---:|---:|---:|---:|")
         try:
-            dense32_part(OUT["ceilings"])
+            dense32_part(OUT["ceilings"], picks=[int(i) for i in args.dense32_pick.split(",")] if args.dense32_pick
+                         else None)
         except Exception as e:  # noqa: BLE001
             OUT["errors"].append(f"dense32: {type(e).__name__}: {str(e)[:400]}")
             log(f"dense32 FAILED: {type(e).__name__}: {str(e)[:300]}")
