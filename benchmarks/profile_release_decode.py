@@ -250,11 +250,12 @@ def experts_part(bw, n_tilings=len(TILINGS)):
 
 # (label, tuning of kernels.quant_gemm_gpu.fp4_grouped_gemm): the first, the kernel's form before the weights-as-rows
 # form became its decode default, is the same-run baseline (as measured on 2026-12-02 14:39 UTC, the labels then
-# named the tuning given: "tokens form (default)" = {}, "weights form, bf16x2 decode" = the third row's form)
+# named the tuning given: "tokens form (default)" = {}, "weights form, bf16x2 decode" = the third row's form; at
+# 18:39 UTC "weights form, bf16x2 decode (default)" = {} was the third row's form, "block_m 16" = dict(block_m=16))
 GROUPED_TUNINGS = [("tokens form (the default before)", dict(mma_rows="tokens")),
-                   ("weights form, f32 decode", dict(mma_rows="weights", decode="f32")),
-                   ("weights form, bf16x2 decode (default)", {}),
-                   ("weights form, bf16x2, block_m 16", dict(block_m=16)),
+                   ("weights form, f32 decode, block_m 32", dict(mma_rows="weights", decode="f32", block_m=32)),
+                   ("weights form, bf16x2 decode, block_m 32 (the default before)", dict(block_m=32)),
+                   ("weights form, bf16x2, block_m 16 (default)", {}),
                    ("weights form, bf16x2, block_k 128", dict(block_k=128)),
                    ("weights form, bf16x2, 4 stages", dict(num_stages=4)),
                    ("weights form, bf16x2, block_n 128, 8 warps", dict(block_n=128, num_warps=8))]
@@ -304,9 +305,10 @@ def grouped_part(bw, batch=32, picks=None):
                 f"{row['speedup_vs_first']:.2f}x | {err:.1e} |")
 
 
-# (label, tuning of kernels.quant_gemm_gpu.fp8_gemm) for --dense32: the first is the default (same-run baseline)
-DENSE32_TUNINGS = [("tokens form (default)", {}),
-                   ("weights form, bf16x2 e4m3 decode", dict(mma_rows="weights")),
+# (label, tuning of kernels.quant_gemm_gpu.fp8_gemm) for --dense32: the first, the default before 2026-12-02 18:39 UTC,
+# is the same-run baseline (in that run's labels "tokens form (default)" = {} then, the second row = mma_rows weights)
+DENSE32_TUNINGS = [("tokens form (the default before)", dict(mma_rows="tokens")),
+                   ("weights form, bf16x2 e4m3 decode (default)", {}),
                    ("weights form, block_m 16", dict(mma_rows="weights", block_m=16)),
                    ("weights form, block_n 128, 8 warps", dict(mma_rows="weights", block_n=128, num_warps=8))]
 # the bench model's FP8 projections at decode (N, K): shared expert w1 / w3 and w2, the attention's wq_b and wo_b

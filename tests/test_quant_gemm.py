@@ -119,6 +119,25 @@ def test_gpu_kernel_tilings_are_exact_on_the_contiguous_paths():
                                    atol=2 ** -8 * np.abs(want_b).max(), err_msg=str(tuning))
 
 
+def test_decode_defaults_pick_the_measured_forms():
+    """The decode defaults measured faster on an H200 (benchmarks/RESULTS.md, 2026-12-02 18:39 UTC): the FP8
+    weights-as-rows form for 1 < M <= 32 unless a tokens-form option is asked for, the gemv form at M = 1, the tokens
+    form above 32 rows; the grouped FP4 weights form's 16-row token tile up to 12 rows per expert on average."""
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    assert G.fp8_default_tiling(32, 2304, 5120)["mma_rows"] == "weights"
+    assert G.fp8_default_tiling(2, 2304, 5120)["mma_rows"] == "weights"
+    assert G.fp8_default_tiling(1, 2304, 5120)["gemv"]
+    assert G.fp8_default_tiling(33, 2304, 5120)["mma_rows"] == "tokens"
+    for tokens_option in (dict(block_n=16), dict(scale_side="w"), dict(prefetch=2), dict(group_view=True)):
+        assert G.fp8_default_tiling(32, 2304, 5120, **tokens_option)["mma_rows"] == "tokens", tokens_option
+    assert G.fp8_default_tiling(32, 2304, 5120, block_n=32)["mma_rows"] == "weights"
+    assert G.fp4_weight_rows_block_m(192, 16) == 16  # the batch-32 step: 12 rows per expert
+    assert G.fp4_weight_rows_block_m(193, 16) == 32
+    assert G.fp4_weight_rows_block_m(192, 256) == 16
+    assert G.fp4_weight_rows_block_m(2048, 16) == 64
+
+
 def test_bf16x2_e2m1_patterns_are_the_e2m1_values():
     """The bf16x2 decodes' bit arithmetic (``_e2m1_bf16x2_ptx`` / ``_e4m3_bf16x2_ptx``, run on the GPU only) on all
     256 bytes, in numpy (subnormals kept): the FP4 pattern of either nibble times 2^126 is the e2m1 value, the FP8

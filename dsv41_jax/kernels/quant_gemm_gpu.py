@@ -12,12 +12,12 @@
     [block_k] vector of multipliers, gathered from the few scale bytes), cast to the dot dtype (exact: <= 4
     significant bits times a power of two) and multiplied with the activations, float32 accumulation, in a loop
     left to the compiler's software pipelining. (The unrolled loads and the scale applied to the activation tile
-    are options of this form too; both measured far slower on an H200.) ``mma_rows="weights"`` (opt-in, not yet
-    measured on a device): the grouped FP4 kernel's decode form for FP8 — the [block_n, block_k] weight tile decoded
-    straight to bf16 by inline PTX (e4m3 bit pattern of value x 2^-120, two packed multiplies for 2^120 and the
-    block scale; exact) is the row side of Hopper's wgmma as a register operand, the activation rows its columns:
-    6.6 SASS instructions per weight byte in the K loop at M = 32 against 14.3 for the tokens form
-    (``benchmarks/kernel_sass.py fp8_m32``).
+    are options of this form too; both measured far slower on an H200.) ``mma_rows="weights"`` (the default for
+    M <= ``FP8_WEIGHT_ROWS_MAX`` = 32): the grouped FP4 kernel's decode form for FP8 — the [block_n, block_k] weight
+    tile decoded straight to bf16 by inline PTX (e4m3 bit pattern of value x 2^-120, two packed multiplies for 2^120
+    and the block scale; exact) is the row side of Hopper's wgmma as a register operand, the activation rows its
+    columns: 6.6 SASS instructions per weight byte in the K loop at M = 32 against 14.3 for the tokens form
+    (``benchmarks/kernel_sass.py fp8_m32``); on an H200 1.07-1.48x the tokens form at the batch-32 step's shapes.
   Rows past M and K past the end are masked in the kernel (no padded copy of x); without a K split the kernel
   writes the [M, N] output in x.dtype, with one the float32 partial sums are added by one small XLA reduction.
 * ``fp8_gemm_fused``: several ``fp8_gemm`` weights of one input in one launch (the attention's wq_a + wkv, the
@@ -40,7 +40,8 @@
   its columns, with the nibbles decoded straight to bf16 by inline PTX (``decode="bf16x2"``: bit patterns of value x
   2^-126 in 16-bit register halves, two packed bf16 multiplies for 2^126 and the scale; exact). Measured on an H200
   at the batch-32 decode step's shapes (192 rows, 16 experts of 2304 x 5120): 1.37-1.40x the tokens form, 29-32 % of
-  4.8 TB/s (benchmarks/RESULTS.md, 2026-12-02).
+  4.8 TB/s with 32-row token tiles; 16-row tiles (the default while experts hold <= 12 rows on average) 30-36 %
+  (benchmarks/RESULTS.md, 2026-12-02).
 
 Scales: e8m0 byte b -> 2^(b - 127) built from the exponent bits, 0xFF -> NaN, as ``checkpoint.quantized``. In the
 FP8 kernel the dequantised weight ``value * 2^(b - 127)`` is exact while it is a normal float32, i.e. for scale
@@ -118,9 +119,17 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
     each 32-column group in registers (instead of a [block_k] gather of repeated scale bytes); needs K % 32 == 0;
     mma_rows (tensor-core form only): "tokens" (the activation tile is the product's row side, one dot per 32 weight
     rows) or "weights" (the [block_n, block_k] weight tile, decoded to bf16 by inline PTX, is the row side and the
-    activation rows its columns — the grouped FP4 kernel's decode form; block_n 64 by default, a multiple of 32)."""
+    activation rows its columns — the grouped FP4 kernel's decode form; block_n 64 by default, a multiple of 32).
+    None: "weights" for 1 < M <= ``FP8_WEIGHT_ROWS_MAX`` unless a tokens-form option is given, else "tokens"."""
     gemv = (m == 1) if gemv is None else gemv
-    mma_rows = "tokens" if gemv else (mma_rows or "tokens")
+    if mma_rows is None and not gemv:
+        # the weights form for decode-sized M (measured faster at M = 32, alone and in the batch-32 decode step,
+        # FP8_WEIGHT_ROWS_MAX); the options only the tokens form has (a column block that is no multiple of 32, the
+        # activation-side scale, unrolled loads, the group view) select that form
+        tokens_only = (block_n is not None and block_n % SCALE_BLOCK) or scale_side is not None or bool(prefetch) \
+            or bool(group_view)
+        mma_rows = "weights" if m <= FP8_WEIGHT_ROWS_MAX and not tokens_only else "tokens"
+    mma_rows = "tokens" if gemv else mma_rows
     if mma_rows not in ("tokens", "weights"):
         raise ValueError(f"mma_rows must be 'tokens' or 'weights', got {mma_rows!r}")
     if gemv and m != 1:
@@ -147,6 +156,12 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
                 num_stages=num_stages or 3, prefetch=pf, gemv=gemv, scale_side=scale_side, group_view=group_view,
                 mma_rows=mma_rows)
 
+
+# Measured on an H200 (benchmarks/RESULTS.md, 2026-12-02 18:39 UTC) at M = 32, the batch-32 decode step's dense
+# projections: the weights form took 12.1 / 24.4 / 24.0 / 30.9 µs against the tokens form's 16.0 / 26.1 / 35.4 / 40.6
+# (shared expert w1, w2, wq_b, wo_b; 1.07-1.48x), and the step's FP8 kernels 1.55 ms against 1.95 (with the grouped
+# FP4 kernel's 16-row tiles: the step 7.77 vs 8.38 ms). Not measured above M = 32: larger calls keep the tokens form.
+FP8_WEIGHT_ROWS_MAX = 32
 
 _TILING_ARGS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "prefetch", "gemv",
                 "scale_side", "group_view", "mma_rows")
@@ -589,6 +604,18 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
 # Hopper's wgmma instead of an mma.sync operand staged through shared memory. Larger calls (prefill) keep the
 # "tokens" form: the new one was not measured there.
 FP4_GROUPED_WEIGHT_ROWS_MAX = 1024
+# The "weights" form's token tile (the wgmma's column side): 16 rows while the experts hold at most this many rows on
+# average (rows <= 12 x experts), else 32. Measured on an H200 (benchmarks/RESULTS.md, 2026-12-02 18:39 UTC) at the
+# batch-32 decode step's 192 rows over 16 experts (12 per expert): 70.6 / 60.1 µs for w1 / w3 and w2 against
+# 73.9 / 67.3 with 32-row tiles (the 14:39 run: 68.6 / 59.7 vs 73.5 / 66.9), the step's FP4 kernels 2.15 vs
+# 2.38 ms — although an expert with more than 16 rows then reads its weights twice. Not measured at more rows per
+# expert, where that re-read grows: those keep the 32-row tile.
+FP4_GROUPED_SMALL_TILE_ROWS_PER_EXPERT = 12
+
+
+def fp4_weight_rows_block_m(rows: int, experts: int) -> int:
+    """The "weights" form's default token tile for ``rows`` routed rows over ``experts`` experts."""
+    return 16 if rows <= FP4_GROUPED_SMALL_TILE_ROWS_PER_EXPERT * experts else 32 if rows <= 1024 else 64
 FP4_GROUPED_DECODES = ("f32", "bf16x2")
 FP4_GROUPED_DEFAULT_DECODE = "bf16x2"
 
@@ -687,7 +714,7 @@ def _fp4_grouped_weight_rows(x, group_sizes, values, scales, *, block_m, block_n
         raise ValueError(f"decode must be one of {FP4_GROUPED_DECODES}, got {decode!r}")
     a, k = x.shape
     e, n, kh = values.shape
-    bm = block_m or (32 if a <= 1024 else 64)
+    bm = block_m or fp4_weight_rows_block_m(a, e)
     bn = block_n or 64
     bk = max(SCALE_BLOCK, min(block_k or 256, _pow2(k)))
     if bk % SCALE_BLOCK or k % SCALE_BLOCK:
