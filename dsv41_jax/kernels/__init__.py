@@ -380,11 +380,17 @@ def sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, *, wi
         if win_ring is not None:
             ring = (win_ring[0].values, win_ring[0].scales, jnp.asarray(win_ring[1], jnp.int32))
             ring_fmt = win_ring[0].fmt
+        tun = _gpu_tuning(cfg, q, topk)
+        if b * c <= 4 and "num_warps" not in dict(cfg.tuning):
+            # the in-register decode of a [block_k, 512] tile of packed rows spills at 4 warps (255 registers, 1.6 KB
+            # of stack in the sm_90 SASS); 8 warps hold it without spills and ran the batch-1 kernel in 130.5 µs
+            # against 259.1 on an H200 (benchmarks/RESULTS.md, 2026-12-02 18:41 UTC; the same outputs)
+            tun["num_warps"] = 8
         out, _ = G.attention_fwd(q, q_pos.astype(jnp.int32), win_kv.astype(q.dtype), win_pos.astype(jnp.int32),
                                  wstart, _floor_vec(floor, b), ckv, None if topk is None else topk.astype(jnp.int32),
                                  sink, qseg, wseg, window=cfg.window, scale=cfg.scale, wspan=cfg.wspan,
                                  ckv_fmt=ckv_fmt, ring=ring, ring_fmt=ring_fmt, interpret=be.endswith("interpret"),
-                                 **_gpu_tuning(cfg, q, topk))
+                                 **tun)
         return out
     return _attention(cfg, q, q_pos.astype(jnp.int32), win_kv, win_pos.astype(jnp.int32), wstart,
                       _floor_vec(floor, b), compressed_kv, None if topk is None else topk.astype(jnp.int32), sink,
