@@ -9,7 +9,9 @@ the SASS opcode histogram, registers, stack (spills) and instructions per weight
 
 Kernels: ``fp4_up`` / ``fp4_down`` (``fp4_slot_swiglu`` / ``fp4_slot_down`` at the bench model's expert shape,
 16 experts of 2304 x 5120, 6 picks, bf16), ``fp8_fused`` (``fp8_gemm_fused`` at M = 1: the shared expert's
-w1 + w3, 2 x 2304 x 5120).
+w1 + w3, 2 x 2304 x 5120), ``fp8_m32`` (``fp8_gemm`` at M = 32), ``fp4_grouped`` (the batch-32 step's grouped
+FP4 GEMM), ``attn_packed`` / ``attn_bf16`` (the decode sparse attention of one bench40 layer at batch 1 on the
+packed cache / on bf16 rows; "per byte" there is per key-block value and thread).
 
 Why: the one-token FP4 kernels turned out bound by the CUDA cores, not HBM — 17.9 instructions per weight byte and
 255 registers with spills before the pair decode, 13.3 and 101 registers after (measured on an H200 1.35x faster,
@@ -168,12 +170,45 @@ def kernel_case(name: str, tuning: dict):
         bn, bk = tuning.get("block_n") or 64, tuning.get("block_k") or 256
         nw, ns = tuning.get("num_warps") or 4, tuning.get("num_stages") or 3
         return (lambda: fn.trace(*args).lower(**lower)), nw, ns, bn * bk / 2 / (32 * nw)
-    raise SystemExit(f"unknown kernel {name!r}: fp4_up, fp4_down, fp8_fused or fp4_grouped")
+    if name in ("attn_packed", "attn_bf16"):
+        # the decode sparse attention of one Full layer of bench40 at batch 1 (one query, 64 heads x 512, window ring
+        # of 128 rows + this step's row, top-512 compressed rows): on the packed cache (FP8 ring + ue8m0 scales, FP4
+        # KV + e4m3 scales, dequantised in registers) or on bf16 rows (the unpack-then-compute form's kernel)
+        from dsv41_jax import kernels as KN
+        from dsv41_jax.config import load_config
+        from dsv41_jax.inference import packed_cache as PC
+
+        c = load_config("bench40")
+        hd, h, w, kk, n = c.head_dim, c.num_attention_heads, c.sliding_window, c.index_topk, 4096
+        i32, bf = jnp.int32, jnp.bfloat16
+
+        def packed(rows, fmt):
+            block, per_byte = PC.FORMATS[fmt]
+            return PC.PackedRows(sds((1, rows, hd // per_byte), u8), sds((1, rows, hd // block), u8), fmt, hd, "bfloat16")
+
+        pk = name == "attn_packed"
+        ring = packed(w, PC.FP8_UE8M0_32) if pk else sds((1, w, hd), bf)
+        kv = packed(n, PC.FP4_E4M3_16) if pk else sds((1, n, hd), bf)
+        q, pos, new = sds((1, 1, h, hd), bf), sds((1, 1), i32), sds((1, 1, hd), bf)
+        wpos, topk, base = sds((1, w + 1), i32), sds((1, 1, kk), i32), sds((1,), i32)
+
+        def fn(q, pos, new, wpos, ring, kv, topk, base):
+            return KN.sparse_attention(q, pos, new, wpos, kv, topk, jnp.zeros((h,), jnp.float32), window=w,
+                                       backend="pallas_gpu", win_ring=(ring, base), tuning=tuning or None)
+
+        args = (q, pos, new, wpos, ring, kv, topk, base)
+        nw = tuning.get("num_warps") or (8 if pk else 4)  # kernels.sparse_attention's batch-1 defaults
+        # "per byte" here: per value of one 32-row key block, per thread
+        return (lambda: jax.jit(fn).trace(*args).lower(**lower)), nw, tuning.get("num_stages") or 3, \
+            32 * hd / (32 * nw)
+    raise SystemExit(f"unknown kernel {name!r}: fp4_up, fp4_down, fp8_fused, fp4_grouped, fp8_m32, attn_packed or "
+                     f"attn_bf16")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=("fp4_up", "fp4_down", "fp8_fused", "fp4_grouped", "fp8_m32"))
+    ap.add_argument("kernel", choices=("fp4_up", "fp4_down", "fp8_fused", "fp4_grouped", "fp8_m32", "attn_packed",
+                                       "attn_bf16"))
     ap.add_argument("--tuning", default="{}", help="JSON: the kernel's tiling / decode overrides")
     ap.add_argument("--keep", default=None, help="a folder to keep kernel.{ttir,ptx,cubin,sass} in")
     args = ap.parse_args()
