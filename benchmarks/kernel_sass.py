@@ -127,7 +127,7 @@ def loop_body(sass: str) -> list[str] | None:
     return None if best is None else lines[best[0]:best[1] + 1]
 
 
-def kernel_case(name: str, tuning: dict):
+def kernel_case(name: str, tuning: dict, nk: tuple[int, int] = (F, D)):
     """(trace-and-lower thunk, num_warps, num_stages, weight bytes one thread streams) of a named kernel."""
     sds, u8 = jax.ShapeDtypeStruct, jnp.uint8
     lower = dict(lowering_platforms=("cuda",))
@@ -155,10 +155,11 @@ def kernel_case(name: str, tuning: dict):
         per_thread = 2 * t["block_n"] * D / (32 * num_warps)
         return (lambda: fn.trace(*args).lower(**lower)), num_warps, tuning.get("num_stages", t["num_stages"]), \
             per_thread
-    if name == "fp8_m32":  # the batch-32 decode step's dense FP8 projections (tensor-core form), 2304 x 5120
+    if name == "fp8_m32":  # the batch-32 decode step's dense FP8 projections (tensor-core form), N x K = --nk
+        n, k = nk
         fn = jax.jit(lambda x, v, s: G.fp8_gemm(x, v, s, **tuning))
-        args = (sds((32, D), jnp.bfloat16), sds((F, D), u8), sds((F // 32, D // 32), u8))
-        t = G.fp8_default_tiling(32, F, D, **tuning)
+        args = (sds((32, k), jnp.bfloat16), sds((n, k), u8), sds((-(-n // 32), -(-k // 32)), u8))
+        t = G.fp8_default_tiling(32, n, k, **tuning)
         return ((lambda: fn.trace(*args).lower(**lower)), t["num_warps"], t["num_stages"],
                 t["block_n"] * t["block_k"] / (32 * t["num_warps"]))
     if name == "fp4_grouped":  # the batch-32 decode step's w1 / w3: 192 routed rows over 16 experts
@@ -210,10 +211,12 @@ def main():
     ap.add_argument("kernel", choices=("fp4_up", "fp4_down", "fp8_fused", "fp4_grouped", "fp8_m32", "attn_packed",
                                        "attn_bf16"))
     ap.add_argument("--tuning", default="{}", help="JSON: the kernel's tiling / decode overrides")
+    ap.add_argument("--nk", default=f"{F},{D}", help="fp8_m32: the weight's N,K (default: the shared expert's w1)")
     ap.add_argument("--keep", default=None, help="a folder to keep kernel.{ttir,ptx,cubin,sass} in")
     args = ap.parse_args()
     tuning = json.loads(args.tuning)
-    thunk, num_warps, num_stages, per_thread = kernel_case(args.kernel, tuning)
+    thunk, num_warps, num_stages, per_thread = kernel_case(args.kernel, tuning,
+                                                           tuple(int(v) for v in args.nk.split(",")))
     irs = capture_triton_ir(thunk)
     if len(irs) != 1:
         raise SystemExit(f"expected one Pallas kernel, lowered {len(irs)}")

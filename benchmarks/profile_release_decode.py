@@ -310,7 +310,11 @@ def grouped_part(bw, batch=32, picks=None):
 DENSE32_TUNINGS = [("tokens form (the default before)", dict(mma_rows="tokens")),
                    ("weights form, bf16x2 e4m3 decode (default)", {}),
                    ("weights form, block_m 16", dict(mma_rows="weights", block_m=16)),
-                   ("weights form, block_n 128, 8 warps", dict(mma_rows="weights", block_n=128, num_warps=8))]
+                   ("weights form, block_n 128, 8 warps", dict(mma_rows="weights", block_n=128, num_warps=8)),
+                   # K = 2304 (shared w2) has 9 K blocks: the default split_k 2 leaves a ragged split, which takes the
+                   # masked gather loads in every K step (196 LDG in the loop vs 8 + async copies at split_k 3,
+                   # kernel_sass.py fp8_m32 --nk 5120,2304); for the shapes whose blocks 3 does not divide, the reverse
+                   ("weights form, split_k 3", dict(split_k=3))]
 # the bench model's FP8 projections at decode (N, K): shared expert w1 / w3 and w2, the attention's wq_b and wo_b
 DENSE32_SHAPES = [(2304, 5120), (5120, 2304), (32768, 1280), (5120, 8192)]
 
