@@ -34,10 +34,12 @@ Recipe (``--smoke`` shrinks every size; the numbers below are the defaults):
    as wide as the prompts + greedy bytes to 512; what the drafter must predict at inference), the rest corpus
    rows.
 3. Decoding (bf16 weights, float32-only parameters in float32): held-out ``asyncio`` prompts of 96 characters,
-   ``--new-tokens`` greedy tokens, batch 1 and 16; plain decoding (the device loop, read back every 8 steps),
+   ``--new-tokens`` greedy tokens; at batch 1 each of ``--prompts`` prompts alone (every row kind per prompt,
+   then tokens / total time over all prompts and over the prompts whose plain continuation is not degenerate:
+   ``text_stats``), at batch 16 the first 16 together; plain decoding (the device loop, read back every 8 steps),
    then speculation with the schedule off on the device (``speculative_chain``, read back every 8 steps); with
    ``--variants``, also the same in the host loop (one read-back per step), the confidence threshold
-   (``--threshold``, default 0.5; on the device too), verifying only the first N drafts (``none:N``) and the
+   (``--threshold``, default 0.5, or ``threshold@X``; on the device too), verifying only the first N drafts (``none:N``) and the
    hardware-aware prefix scheduler (host loop) over a step-time table measured in the same process (every chunk
    width 1 .. γ + 1; ``--prefix-batches``). Rows run in that order of importance; ``--budget-s`` skips what would start too
    late. Prefill runs without CED (the drafter's target layers 1-2 are encoder layers); it is outside the timed
@@ -875,7 +877,7 @@ def main(argv=None):
                 cells.append("—" if r is None else f"{pr['decode_s'] / r['decode_s']:.2f}× "
                              f"({r['emitted'] / r['rows_verified']:.2f})")
                 same = same and (r is None or bool(r["same"]))
-            start = tok.decode(eval_sets[1][si][0])[1:25].replace("\n", "⏎").replace("|", "¦")
+            start = tok.decode(eval_sets[1][si][0][1:])[:24].replace("\n", "⏎").replace("|", "¦")  # after BOS
             print(f"| {si} | `{start}` | {t['distinct_fraction']:.2f} | {t['longest_run']} | "
                   f"{t['repeated_4gram_fraction']:.2f} | {'yes' if t['degenerate'] else 'no'} | "
                   f"{pr['tokens'] / pr['decode_s']:,.1f} | " + " | ".join(cells) + f" | {'yes' if same else 'NO'} |",
