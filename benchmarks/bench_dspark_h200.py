@@ -273,6 +273,30 @@ def train_loop(step_fn, state, loader, tc: TrainConfig, seconds: float, max_step
     return state, rec
 
 
+def stack_watchdog(every_s: float, file, t0: float) -> threading.Event:
+    """Every ``every_s`` seconds write every thread's Python stack to ``file`` (where a slow compile sits), from a
+    daemon thread that holds the GIL while it reads them (``sys._current_frames``). Not
+    ``faulthandler.dump_traceback_later``: its watchdog walks the other threads' frames without the GIL while they
+    run, and on an H200 (call 9a, benchmarks/RESULTS.md) the process died of a segmentation fault in the middle of
+    such a dump, the dump cut at a frame it could not read. Returns the event that stops it."""
+    import traceback
+
+    stop = threading.Event()
+
+    def loop():
+        while not stop.wait(every_s):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            frames = sys._current_frames()
+            parts = [f"--- stacks at {time.perf_counter() - t0:.0f} s ---"]
+            for ident, frame in frames.items():
+                parts.append(f"Thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)))
+            file.write("\n".join(parts) + "\n")
+            file.flush()
+
+    threading.Thread(target=loop, name="stack-watchdog", daemon=True).start()
+    return stop
+
+
 def zero_params(config, device) -> dict:
     """Zeros with the inference parameters' dtypes (bf16; the float32-only ones float32), committed to ``device``:
     the stand-ins the decoding and drafter-training programs are compiled with while the target trains — same
@@ -377,7 +401,7 @@ def main(argv=None):
     ap.add_argument("--variants", default="plain,none", help="decode rows, in this order per batch: plain (always), "
                     "none (DSpark, device loop), host (DSpark, host loop), threshold (confidence threshold 0.5, "
                     "device loop), prefix (prefix scheduler over a measured step-time table, --prefix-batches, host "
-                    "loop). none / threshold take ':N' to verify only the first N drafts (e.g. none:5 with "
+                    "loop). none / threshold take ':N' to verify only the first N drafts, threshold '@X' its threshold (e.g. none:5 with "
                     "--block-size 7). Each kind of row compiles its own programs: host the host loop's step (also "
                     "timed alone at full width), prefix one step program per chunk width")
     ap.add_argument("--block-size", type=int, default=5, help="the drafter's block size (drafts per step, γ)")
@@ -397,7 +421,7 @@ def main(argv=None):
                     "programs' compile times and the steps' costs in a short run; acceptance means nothing)")
     ap.add_argument("--no-warm", action="store_true", help="compile the decoding programs when first used instead "
                     "of beside the target's training")
-    ap.add_argument("--watchdog-s", type=float, default=None, help="dump every thread's stack to DIR/stacks.txt "
+    ap.add_argument("--watchdog-s", type=float, default=None, help="write every thread's stack to DIR/stacks.txt "
                     "every this many seconds (where a slow compile sits); 0 = off (default: 60 on an accelerator, "
                     "off on the CPU)")
     ap.add_argument("--log-compiles", action="store_true", help="log every compilation (jax_log_compiles)")
@@ -452,11 +476,13 @@ def main(argv=None):
 
     jax.monitoring.register_event_duration_secs_listener(on_compile)
     watchdog = args.watchdog_s if args.watchdog_s is not None else (0 if cpu else 60)
+    stop_watch = None
     if watchdog:
         import faulthandler
 
         stacks = open(os.path.join(out, "stacks.txt"), "w")
-        faulthandler.dump_traceback_later(watchdog, repeat=True, file=stacks)
+        faulthandler.enable(file=stacks)  # a real crash writes its thread's stack here
+        stop_watch = stack_watchdog(watchdog, stacks, t_start)
 
     config = target_config(smoke, args.block_size)
     counts = count_params(config)
@@ -894,8 +920,8 @@ def main(argv=None):
                   f"{t['repeated_4gram_fraction']:.2f} | {'yes' if t['degenerate'] else 'no'} | "
                   f"{pr['tokens'] / pr['decode_s']:,.1f} | " + " | ".join(cells) + f" | {'yes' if same else 'NO'} |",
                   flush=True)
-    if watchdog:
-        faulthandler.cancel_dump_traceback_later()
+    if stop_watch is not None:
+        stop_watch.set()
     record["warm_ups"] = {w.name: dict(seconds=w.seconds, error=w.error) for w in warmers.values()}
     record["wall_s"] = time.perf_counter() - t_start
     # every compile of the process, longest first (wall seconds: compiles in other threads and the training ran
