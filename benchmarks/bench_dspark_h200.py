@@ -25,7 +25,8 @@ Recipe (``--smoke`` shrinks every size; the numbers below are the defaults):
    1.52 B active per decoded token (≈ 3 GB of bf16 weights read per batch-1 step). Trained from random
    initialisation on the Python standard library's sources (``asyncio`` held out), rows of 512 bytes, batch 8,
    AdamW lr 5e-4 (warm-up 30, cosine to 10 %), bf16 compute / float32 masters, for as many steps as fit
-   ``--target-s`` seconds after compilation (measured on the first steps; the cosine schedule is fitted to them).
+   ``--target-s`` seconds after compilation (the step time measured on steps 2-6 and again at every logged
+   step; the cosine schedule follows the count).
 2. Drafter: one DSpark block (block size 5, fed by the residual entering layers 1-3, SWA-only attention, 8 routed
    experts top-1 + shared, Markov rank 64, noise token 258), trained against the frozen target with target-greedy
    labels (``DSparkTrainStep``, 32 anchors per row), same optimiser settings with lr 1e-3, for as many steps as fit
