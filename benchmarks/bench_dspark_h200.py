@@ -25,7 +25,8 @@ Recipe (``--smoke`` shrinks every size; the numbers below are the defaults):
    1.52 B active per decoded token (≈ 3 GB of bf16 weights read per batch-1 step). Trained from random
    initialisation on the Python standard library's sources (``asyncio`` held out), rows of 512 bytes, batch 8,
    AdamW lr 5e-4 (warm-up 30, cosine to 10 %), bf16 compute / float32 masters, for as many steps as fit
-   ``--target-s`` seconds after compilation (measured on the first steps; the cosine schedule is fitted to them).
+   ``--target-s`` seconds after compilation (the step time measured on steps 2-6 and again at every logged
+   step; the cosine schedule follows the count).
 2. Drafter: one DSpark block (block size 5, fed by the residual entering layers 1-3, SWA-only attention, 8 routed
    experts top-1 + shared, Markov rank 64, noise token 258), trained against the frozen target with target-greedy
    labels (``DSparkTrainStep``, 32 anchors per row), same optimiser settings with lr 1e-3, for as many steps as fit
@@ -34,10 +35,12 @@ Recipe (``--smoke`` shrinks every size; the numbers below are the defaults):
    as wide as the prompts + greedy bytes to 512; what the drafter must predict at inference), the rest corpus
    rows.
 3. Decoding (bf16 weights, float32-only parameters in float32): held-out ``asyncio`` prompts of 96 characters,
-   ``--new-tokens`` greedy tokens, batch 1 and 16; plain decoding (the device loop, read back every 8 steps),
+   ``--new-tokens`` greedy tokens; at batch 1 each of ``--prompts`` prompts alone (every row kind per prompt,
+   then tokens / total time over all prompts and over the prompts whose plain continuation is not degenerate:
+   ``text_stats``), at batch 16 the first 16 together; plain decoding (the device loop, read back every 8 steps),
    then speculation with the schedule off on the device (``speculative_chain``, read back every 8 steps); with
    ``--variants``, also the same in the host loop (one read-back per step), the confidence threshold
-   (``--threshold``, default 0.5; on the device too), verifying only the first N drafts (``none:N``) and the
+   (``--threshold``, default 0.5, or ``threshold@X``; on the device too), verifying only the first N drafts (``none:N``) and the
    hardware-aware prefix scheduler (host loop) over a step-time table measured in the same process (every chunk
    width 1 .. γ + 1; ``--prefix-batches``). Rows run in that order of importance; ``--budget-s`` skips what would start too
    late. Prefill runs without CED (the drafter's target layers 1-2 are encoder layers); it is outside the timed
@@ -115,6 +118,51 @@ def target_config(smoke: bool, block_size: int = 5):
                                         dspark_markov_rank=64)
 
 
+ROW_KINDS = ("plain", "none", "host", "threshold", "prefix")
+
+
+def parse_variant(v: str) -> tuple[str, int | None, float | None]:
+    """A decode row kind of --variants -> (kind, drafts verified or None = all, threshold or None = --threshold):
+    ``none:5`` verifies the first 5 drafts, ``threshold@0.3`` sets the survival threshold of that row. Raises
+    ValueError naming the bad entry."""
+    head, _, n = v.partition(":")
+    kind, _, thr = head.partition("@")
+    if kind not in ROW_KINDS:
+        raise ValueError(f"unknown row kind {v!r} (one of {', '.join(ROW_KINDS)})")
+    if n and (kind not in ("none", "threshold") or not n.isdigit() or int(n) < 1):
+        raise ValueError(f"{v!r}: ':N' (N >= 1 drafts verified) only goes with none / threshold")
+    if thr:
+        try:
+            t = float(thr)
+        except ValueError:
+            t = None
+        if kind != "threshold" or t is None:
+            raise ValueError(f"{v!r}: '@X' (a survival threshold) only goes with threshold, X a number")
+    return kind, int(n) if n else None, float(thr) if thr else None
+
+
+def text_stats(tokens) -> dict:
+    """How varied a continuation is: the fraction of distinct tokens, the longest run of one token, the fraction
+    of 4-grams that already occurred earlier in it (a loop). ``degenerate``: a run of one token over a quarter of
+    it or >= 60 % repeated 4-grams — text any drafter predicts, which must not carry a speed-up."""
+    t = [int(x) for x in tokens]
+    n = len(t)
+    if n == 0:
+        return dict(tokens=0, distinct_fraction=0.0, longest_run=0, repeated_4gram_fraction=0.0, degenerate=True)
+    run = best = 1
+    for i in range(1, n):
+        run = run + 1 if t[i] == t[i - 1] else 1
+        best = max(best, run)
+    seen, rep = set(), 0
+    grams = [tuple(t[i:i + 4]) for i in range(n - 3)]
+    for g in grams:
+        rep += g in seen
+        seen.add(g)
+    rep4 = rep / len(grams) if grams else 0.0
+    return dict(tokens=n, distinct_fraction=len(set(t)) / n, longest_run=best, repeated_4gram_fraction=rep4,
+                degenerate=bool(best >= max(n // 4, 2) or rep4 >= 0.6))
+
+
 def kernel_table(trace_dir: str, steps: int, top: int = 12) -> dict:
     """Device busy time per step and the kernels that take it, from a ``jax.profiler.trace`` of ``steps`` decoding
     steps (``benchmarks/trace_events.py``); {"error": ...} where the trace has no device events (the CPU)."""
@@ -174,16 +222,20 @@ def inference_params(train_params: dict, config) -> dict:
 
 
 def train_loop(step_fn, state, loader, tc: TrainConfig, seconds: float, max_steps: int, log, metrics_path: str,
-               say) -> tuple[dict, dict]:
+               say, first_batch=None) -> tuple[dict, dict]:
     """Steps until ``seconds`` after the first (compiling) step, the LR schedule fitted to the step count that
-    fits (measured over steps 2-6), at most ``max_steps``. Returns (state, record)."""
+    fits, at most ``max_steps``; ``first_batch``: the first step's batch (already drawn from ``loader``). The count
+    is estimated over steps 2-6 and estimated again at every logged step from the steps since the last one (the
+    warm-ups' compiles and runs share the device at first: on an H200 they made steps 2-6 take 407 ms against
+    ~145 ms later, and the target trained 20 of its 50 s), the cosine schedule following the new count. Returns
+    (state, record)."""
     t0 = time.perf_counter()
     total = max_steps
-    step, t_first, t_probe, last = 0, None, None, {}
+    step, t_first, t_probe, probe_step, last = 0, None, None, 0, {}
     history = []
     with open(metrics_path, "w") as f:
         while step < total:
-            batch = next(loader)
+            batch = first_batch if (step == 0 and first_batch is not None) else next(loader)
             state, m = step_fn(state, batch, lr_at(step, tc, total))
             step += 1
             if step == 1:
@@ -198,9 +250,18 @@ def train_loop(step_fn, state, loader, tc: TrainConfig, seconds: float, max_step
                 per = (time.perf_counter() - t_probe) / 4
                 total = max(7, min(max_steps, 6 + int((seconds - (time.perf_counter() - t0 - t_first)) / per)))
                 say(f"  {per * 1e3:.0f} ms / step: {total} steps fit")
+                t_probe, probe_step = time.perf_counter(), step
             if step % log == 0 or step == total:
-                last = {k: float(v) for k, v in jax.device_get(m).items()}
-                row = dict(step=step, elapsed_s=time.perf_counter() - t0, **last)
+                last = {k: float(v) for k, v in jax.device_get(m).items()}  # (waits for the step)
+                now = time.perf_counter()
+                if t_probe is not None and step > 6 and step < total and step - probe_step >= log:
+                    per = (now - t_probe) / (step - probe_step)
+                    fit = max(step + 1, min(max_steps, step + int((seconds - (now - t0 - t_first)) / per)))
+                    if fit != total:
+                        say(f"  {per * 1e3:.0f} ms / step now: {fit} steps fit (was {total})")
+                        total = fit
+                    t_probe, probe_step = now, step
+                row = dict(step=step, elapsed_s=now - t0, **last)
                 history.append(row)
                 f.write(json.dumps(row) + "\n")
                 f.flush()
@@ -211,6 +272,30 @@ def train_loop(step_fn, state, loader, tc: TrainConfig, seconds: float, max_step
     rec = dict(steps=step, compile_first_step_s=t_first, train_s=wall - t_first, tokens=step * tc.seq_len *
                tc.batch_size, final=last, train_config=tc.to_dict())
     return state, rec
+
+
+def stack_watchdog(every_s: float, file, t0: float) -> threading.Event:
+    """Every ``every_s`` seconds write every thread's Python stack to ``file`` (where a slow compile sits), from a
+    daemon thread that holds the GIL while it reads them (``sys._current_frames``). Not
+    ``faulthandler.dump_traceback_later``: its watchdog walks the other threads' frames without the GIL while they
+    run, and on an H200 (call 9a, benchmarks/RESULTS.md) the process died of a segmentation fault in the middle of
+    such a dump, the dump cut at a frame it could not read. Returns the event that stops it."""
+    import traceback
+
+    stop = threading.Event()
+
+    def loop():
+        while not stop.wait(every_s):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            frames = sys._current_frames()
+            parts = [f"--- stacks at {time.perf_counter() - t0:.0f} s ---"]
+            for ident, frame in frames.items():
+                parts.append(f"Thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)))
+            file.write("\n".join(parts) + "\n")
+            file.flush()
+
+    threading.Thread(target=loop, name="stack-watchdog", daemon=True).start()
+    return stop
 
 
 def zero_params(config, device) -> dict:
@@ -317,7 +402,7 @@ def main(argv=None):
     ap.add_argument("--variants", default="plain,none", help="decode rows, in this order per batch: plain (always), "
                     "none (DSpark, device loop), host (DSpark, host loop), threshold (confidence threshold 0.5, "
                     "device loop), prefix (prefix scheduler over a measured step-time table, --prefix-batches, host "
-                    "loop). none / threshold take ':N' to verify only the first N drafts (e.g. none:5 with "
+                    "loop). none / threshold take ':N' to verify only the first N drafts, threshold '@X' its threshold (e.g. none:5 with "
                     "--block-size 7). Each kind of row compiles its own programs: host the host loop's step (also "
                     "timed alone at full width), prefix one step program per chunk width")
     ap.add_argument("--block-size", type=int, default=5, help="the drafter's block size (drafts per step, γ)")
@@ -325,8 +410,11 @@ def main(argv=None):
                     "every step verifies the pending token alone, in the full-width chunk)")
     ap.add_argument("--trace-batches", default="", help="batches whose rows also run once under jax.profiler.trace: "
                     "device busy ms per step and the kernels taking it (JSON: trace)")
+    ap.add_argument("--trace-variants", default="plain,none", help="the row kinds --trace-batches traces")
     ap.add_argument("--triton-gemm", action="store_true", help="keep XLA's Triton GEMMs (and their autotuning; the "
                     "default turns them off: cuBLAS GEMMs, see the top of this file)")
+    ap.add_argument("--prompts", type=int, default=None, help="held-out prompts run one by one at batch 1 "
+                    "(default 12; --smoke 3)")
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--budget-s", type=float, default=None, help="skip what is left after this many seconds")
@@ -334,17 +422,21 @@ def main(argv=None):
                     "programs' compile times and the steps' costs in a short run; acceptance means nothing)")
     ap.add_argument("--no-warm", action="store_true", help="compile the decoding programs when first used instead "
                     "of beside the target's training")
-    ap.add_argument("--watchdog-s", type=float, default=None, help="dump every thread's stack to DIR/stacks.txt "
+    ap.add_argument("--watchdog-s", type=float, default=None, help="write every thread's stack to DIR/stacks.txt "
                     "every this many seconds (where a slow compile sits); 0 = off (default: 60 on an accelerator, "
                     "off on the CPU)")
     ap.add_argument("--log-compiles", action="store_true", help="log every compilation (jax_log_compiles)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
-    bad = sorted({v for v in variants if v.split(":")[0] not in ("plain", "none", "host", "threshold", "prefix")
-                  or (":" in v and (v.split(":")[0] not in ("none", "threshold") or not v.split(":")[1].isdigit()))})
+    bad = []
+    for v in variants:
+        try:
+            parse_variant(v)
+        except ValueError as e:
+            bad.append(str(e))
     if bad:
-        ap.error(f"--variants: unknown row kinds {bad}")
+        ap.error("--variants: " + "; ".join(bad))
     if "plain" not in variants:
         variants.insert(0, "plain")  # every speculative row is a ratio against it
     host_step = "host" in variants  # the host loop's step program is needed
@@ -357,6 +449,7 @@ def main(argv=None):
     reserve = args.decode_reserve_s if args.decode_reserve_s is not None else (0.0 if smoke else 50.0)
     new = args.new_tokens or (12 if smoke else 128)
     reps = args.reps if args.reps is not None else (1 if smoke else 2)
+    n_prompts = args.prompts or (3 if smoke else 12)
     out = args.out or "."
     os.makedirs(out, exist_ok=True)
     cpu = jax.default_backend() == "cpu"
@@ -384,11 +477,13 @@ def main(argv=None):
 
     jax.monitoring.register_event_duration_secs_listener(on_compile)
     watchdog = args.watchdog_s if args.watchdog_s is not None else (0 if cpu else 60)
+    stop_watch = None
     if watchdog:
         import faulthandler
 
         stacks = open(os.path.join(out, "stacks.txt"), "w")
-        faulthandler.dump_traceback_later(watchdog, repeat=True, file=stacks)
+        faulthandler.enable(file=stacks)  # a real crash writes its thread's stack here
+        stop_watch = stack_watchdog(watchdog, stacks, t_start)
 
     config = target_config(smoke, args.block_size)
     counts = count_params(config)
@@ -441,11 +536,11 @@ def main(argv=None):
     warmers = {}
 
     def decoder_kwargs(variant):
-        """SpeculativeDecoder arguments of a speculative row."""
-        kind, _, n = variant.partition(":")
-        kw = dict(num_draft=int(n)) if n else {}
+        """SpeculativeDecoder arguments of a speculative row (the prefix row's are set when its table is measured)."""
+        kind, n, thr = parse_variant(variant)
+        kw = dict(num_draft=n) if n else {}
         if kind == "threshold":
-            kw.update(schedule="threshold", threshold=args.threshold)
+            kw.update(schedule="threshold", threshold=args.threshold if thr is None else thr)
         elif kind == "host":  # the same speculation with one read-back per step
             kw.update(chain_every=0)
         return kw
@@ -457,7 +552,7 @@ def main(argv=None):
 
     def warm_spec(b):
         def fn(w):
-            kinds = [decoder_kwargs(v) for v in variants if v.split(":")[0] in ("none", "threshold", "host")]
+            kinds = [decoder_kwargs(v) for v in variants if parse_variant(v)[0] in ("none", "threshold", "host")]
             for kw in kinds:  # device loop (schedule off / threshold, each width); host loop
                 dec = SpeculativeDecoder(engines[b, "spec"], **kw)
                 # one run builds every program of the row (fresh rings are committed like those a step returns)
@@ -469,7 +564,7 @@ def main(argv=None):
             for other in batches:
                 warmers[other, "spec"].join()
             dec = SpeculativeDecoder(engines[b, "prefix"])
-            for width in range(1, gamma + 1):
+            for width in range(1, gamma + 2):
                 if w.stop.is_set():
                     break
                 dec.measure_step_times(widths=(width,), reps=1)  # fresh rings, then returned ones
@@ -497,10 +592,31 @@ def main(argv=None):
             del st, m
             zero_dstep.target = zero_dstep._target_as_given = None  # keep the program, not the zeros
         warmers["drafter"] = Warmer("drafter-train", warm_drafter, say)
+    # the target's train step: traced and lowered alone (Python, under the GIL: in call 7 beside five warm-up
+    # threads tracing their programs it took 61 s instead of ~20), then compiled by XLA (outside the GIL) while the
+    # warm-ups trace and compile theirs
+    target_job = None
+    if not args.no_train:
+        t0 = time.perf_counter()
+        step_fn = make_train_step(config, tc)
+        state = step_fn.init_state()
+        loader = DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=0))
+        first_batch = next(loader)
+        lowered = step_fn.lower(state, first_batch, 0.0)
+        target_job = dict(step_fn=step_fn, state=state, loader=loader, first_batch=first_batch,
+                          lower_s=time.perf_counter() - t0)
+        say(f"target train step traced + lowered alone in {target_job['lower_s']:.1f} s")
     if warmers:
         for w in warmers.values():
             w.start()
         say(f"warm-ups started: {', '.join(w.name for w in warmers.values())}")
+    if target_job is not None:
+        t0 = time.perf_counter()
+        compiled = lowered.compile()
+        del lowered
+        target_job["compile_s"] = time.perf_counter() - t0
+        target_job["compiled"] = compiled
+        say(f"target train step compiled in {target_job['compile_s']:.1f} s (beside the warm-ups)")
 
     if args.no_train:  # random weights: the programs' compile times and the steps' costs, no acceptance to speak of
         from dsv41_jax.model.params import init_from_specs, param_specs
@@ -519,13 +635,17 @@ def main(argv=None):
         say(f"target {config.name}: {counts.backbone / 1e9:.3f} B backbone parameters, "
             f"{counts.active_decode / 1e9:.3f} B "
             f"active per decoded token; training")
-        step_fn = make_train_step(config, tc)
-        state = step_fn.init_state()
-        loader = DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=0))
-        state, rec = train_loop(step_fn, state, loader, tc, target_s, 8 if smoke else 2000, 2 if smoke else 25,
-                                os.path.join(out, "train_target.jsonl"), say)
+        compiled, state, loader = target_job["compiled"], target_job["state"], target_job["loader"]
+
+        def target_step(st, batch, lr):
+            return compiled(st, batch, np.float32(lr))
+        state, rec = train_loop(target_step, state, loader, tc, target_s, 8 if smoke else 5000,
+                                2 if smoke else 25, os.path.join(out, "train_target.jsonl"), say,
+                                first_batch=target_job["first_batch"])
         loader.close()
+        rec.update(lower_s=target_job["lower_s"], compile_s=target_job["compile_s"])
         record["target_training"] = rec
+        step_fn = target_job = compiled = None
         target_params = state["params"]
         del state, step_fn
         stage("target_trained")
@@ -565,7 +685,7 @@ def main(argv=None):
                              seed=4)
         d_seconds = max(5.0, min(drafter_s, left() - reserve)) if not smoke else drafter_s
         say(f"  {k} of {bs} rows per batch from the target's generations; {d_seconds:.0f} s")
-        dstate, rec = train_loop(dstep, dstate, loader, tcd, d_seconds, 6 if smoke else 2000, 2 if smoke else 25,
+        dstate, rec = train_loop(dstep, dstate, loader, tcd, d_seconds, 6 if smoke else 10000, 2 if smoke else 25,
                                  os.path.join(out, "train_drafter.jsonl"), say)
         loader.close()
         record["drafter_training"] = dict(rec, options=opts_d.to_dict(), target_rows_per_batch=k)
@@ -585,13 +705,6 @@ def main(argv=None):
 
         bw = read_bandwidth(2.0)
     record["read_bandwidth_bytes_per_s"] = bw
-    print(f"# bench_dspark_h200: {config.name} ({counts.active_decode / 1e9:.3f} B active / token), "
-          f"{record['device']}, γ={gamma}, prompt {prompt_len} chars, {new} new tokens, greedy", flush=True)
-    print("| batch | decoding | tokens/s | × plain tokens/s | steps/s | × plain steps/s | tokens per step "
-          "(accepted + 1) | steps | rollbacks | step ms | floor GB / step | % of read BW | same tokens |", flush=True)
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
-    plain_step_ms = {}
-
     def timed(fn, steps_of):
         times, res, steps = [], None, None
         for i in range(reps + 1):  # the first run compiles what the warm-up did not
@@ -603,113 +716,213 @@ def main(argv=None):
                 f"decode loop {dt * 1e3:.1f} ms")
         return res, statistics.median(times[1:] if reps else times), steps
 
-    def row(b, name, tps, plain_tps, acc, steps, rollbacks, dt, floor_bytes, same, **extra):
-        """One table row. floor_bytes: what one step of this row must read (plain: the weights one step's tokens
-        touch; speculative: a full-width verification's + the drafter's block), as a fraction of the read
-        bandwidth measured in this process (and of the 4.8 TB/s datasheet) over the measured step time."""
-        step_ms = dt / steps * 1e3
-        plain_step_ms.setdefault(b, step_ms)
-        bw_frac = None if bw is None else floor_bytes / (step_ms / 1e3) / bw
-        r = dict(batch=b, decoding=name, tokens_per_s=tps, speedup=tps / plain_tps, accepted_length=acc,
-                 steps=steps, steps_per_s=1e3 / step_ms, steps_per_s_vs_plain=plain_step_ms[b] / step_ms,
-                 rollbacks=rollbacks, step_ms=step_ms, floor_bytes=floor_bytes,
-                 floor_ms=None if bw is None else floor_bytes / bw * 1e3, read_bw_fraction=bw_frac,
-                 datasheet_bw_fraction=floor_bytes / (step_ms / 1e3) / 4.8e12, same_tokens=same, **extra)
-        record["rows"].append(r)
-        save()
-        sf = "—" if bw_frac is None else f"{100 * bw_frac:.0f} %"
-        print(f"| {b} | {name} | {tps:,.1f} | {tps / plain_tps:.2f} | {1e3 / step_ms:,.1f} | "
-              f"{plain_step_ms[b] / step_ms:.2f} | {acc:.2f} | {steps} | {rollbacks} | {step_ms:.2f} | "
-              f"{floor_bytes / 1e9:.2f} | {sf} | {same} |", flush=True)
-
-    # the rows that matter most first (a run cut short by its limit keeps them): plain and speculation at every
-    # batch, then the schedulers
-    kind = lambda v: v.split(":")[0]  # noqa: E731
-    plan = [(b, v) for b in batches for v in variants if kind(v) in ("plain", "none")]
-    plan += [(b, v) for v in variants if kind(v) in ("host", "threshold") for b in batches]
-    plan += [(b, "prefix") for b in batches if b in prefix_batches]
-    plain_out, plain_tps = {}, {}
+    plain_out = {}  # (batch, prompt set) -> plain decoding's tokens per row
     trace_batches = {int(x) for x in args.trace_batches.split(",") if x}
+    trace_variants = set(args.trace_variants.split(","))
 
     def traced(b, variant, fn, steps_of) -> dict:
         """One more run under jax.profiler.trace (its prefill included): the kernel table of its steps."""
-        if b not in trace_batches:
+        if b not in trace_batches or variant not in trace_variants:
             return {}
-        d = os.path.join("/tmp", "bench_dspark_traces", f"b{b}_{variant.replace(':', '_')}")
+        d = os.path.join("/tmp", "bench_dspark_traces", f"b{b}_{variant.replace(':', '_').replace('@', '_')}")
         with jax.profiler.trace(d):
             fn()
         t = kernel_table(d, steps_of())
         say(f"  trace: {json.dumps({k: v for k, v in t.items() if k != 'events'})[:1500]}")
         return {"trace": t}
 
-    for b, variant in plan:
-        if left() < (20 if smoke else 15):
-            say(f"budget: skipping batch {b} {variant} ({left():.0f} s left)")
-            record.setdefault("skipped", []).append(f"batch {b} {variant}")
-            save()
-            continue
-        say(f"batch {b}: {variant}")
-        role = "plain" if variant == "plain" else "spec"
-        if (b, role) in warmers:
-            warmers[b, role].wait(say)
-        if (b, "prefix") in warmers:  # the prefix row waits for its widths; the others stop them
-            if variant != "prefix":
-                warmers[b, "prefix"].stop.set()
-            warmers[b, "prefix"].wait(say)
-        eng = engines[b, role]
-        sb = step_bytes(config, b)
-        if variant == "plain":
-            def run_plain():
-                res = eng.generate(prompts[b], max_new_tokens=new, stop_tokens=())
-                return res, eng.last_stats.decode_s
-            res, dt, _ = timed(run_plain, lambda: new - 1)
-            tr = traced(b, variant, run_plain, lambda: new - 1)
-            plain_out[b] = [r.tokens for r in res]
-            plain_tps[b] = b * new / dt
-            sample = tok.decode(res[0].tokens)
-            record.setdefault("samples", {})[str(b)] = dict(prompt=tok.decode(prompts[b][0]), plain=sample)
-            row(b, "plain", plain_tps[b], plain_tps[b], 1.0, new - 1, 0, dt, sb["total"], "—", **tr)
-            say(f"  sample: {sample[:160]!r}")
-            continue
-        if b not in plain_tps:
-            continue
-        kw, extra = decoder_kwargs(variant), {}
-        n_draft = kw.get("num_draft", gamma)
-        if variant == "prefix":
-            table = SpeculativeDecoder(eng).measure_step_times(reps=5)
-            extra["step_time_table_ms"] = {str(w): t * 1e3 for w, t in table.items()}
-            say("  step-time table: " + ", ".join(f"{w}: {t * 1e3:.2f} ms" for w, t in table.items()))
-            kw = dict(schedule="prefix", step_times=table)
-        dec = SpeculativeDecoder(eng, **kw)
+    # prompt sets: at batch 1 each of --prompts held-out prompts alone (one generate call each: acceptance and
+    # tokens/s per prompt, and over all of them); at batch b > 1 the b prompts together. Every set runs every row
+    # kind in turn (plain first), so a run cut short keeps whole sets.
+    eval_sets = {b: ([[p] for p in heldout_prompts(n_prompts, prompt_len, tok)] if b == 1 else [prompts[b]])
+                 for b in batches}
+    record["prompts"] = {str(b): [[tok.decode(p) for p in ps] for ps in sets] for b, sets in eval_sets.items()}
+    runs = record.setdefault("runs", [])  # one entry per (batch, prompt set, row kind)
+    decoders, step_tables = {}, {}
 
-        def run_spec():
-            res = dec.generate(prompts[b], max_new_tokens=new, stop_tokens=())
-            return res, dec.stats.decode_s
-        res, dt, _ = timed(run_spec, lambda: dec.stats.steps)
-        st = dec.stats
-        extra.update(traced(b, variant, run_spec, lambda: dec.stats.steps))
-        if variant == "none" and host_step:  # the host loop's step program alone at full width (its own program:
-            # the device loop's step is speculative_chain, a compile of its own; rows host / threshold build it)
-            t_round = dec.measure_step_times(widths=(gamma + 1,), reps=5)[gamma + 1]
-            extra["round_ms_full_width"] = t_round * 1e3
-            say(f"  one speculative step program at width {gamma + 1}: {t_round * 1e3:.2f} ms")
-        same = all(r.tokens == plain_out[b][s] for s, r in enumerate(res))
-        # rows whose tokens differ from plain decoding's, with the first differing position (bf16: near-tied
-        # logits round differently in a one-token step and a verification chunk; benchmarks/RESULTS.md)
-        extra["differing_rows"] = [
-            [s, next((j for j, (x, y) in enumerate(zip(r.tokens, plain_out[b][s])) if x != y),
-                     min(len(r.tokens), len(plain_out[b][s])))]
-            for s, r in enumerate(res) if r.tokens != plain_out[b][s]]
-        tps = b * new / dt
-        # a full-width verification reads the weights (b (γ + 1) tokens') and the drafter's block
-        floor_verify = step_bytes(config, b * (n_draft + 1))["total"] + 2 * counts.dspark
-        name = {"none": "DSpark (device loop)", "host": "DSpark (host loop)",
-                "threshold": f"DSpark + threshold {args.threshold:g} (device loop)",
-                "prefix": "DSpark + prefix (measured, host loop)"}[variant.split(":")[0]] + f", γ {n_draft}"
-        row(b, name, tps, plain_tps[b], st.mean_accepted_length, st.steps, st.rollbacks, dt, floor_verify,
-            "yes" if same else "NO", drafted=st.drafted, accepted=st.accepted, device_steps=st.device_steps, **extra)
-    if watchdog:
-        faulthandler.cancel_dump_traceback_later()
+    def run_one(b, si, variant) -> dict:
+        """Decode prompt set ``si`` of batch ``b`` with row kind ``variant``: the median decode time of ``reps``
+        runs after a first one, the counts, the tokens and their check against plain decoding."""
+        ps = eval_sets[b][si]
+        first = si == 0
+        if variant == "plain":
+            eng = engines[b, "plain"]
+
+            def fn():
+                res = eng.generate(ps, max_new_tokens=new, stop_tokens=())
+                return res, eng.last_stats.decode_s
+            res, dt, _ = timed(fn, lambda: new - 1)
+            toks = [r.tokens for r in res]
+            plain_out[b, si] = toks
+            r = dict(steps=new - 1, rows_verified=len(ps) * (new - 1), emitted=len(ps) * (new - 1), drafted=0,
+                     accepted=0, rollbacks=0, same=None, text=[text_stats(t) for t in toks],
+                     **(traced(b, variant, fn, lambda: new - 1) if first else {}))
+            if first:
+                sample = tok.decode(res[0].tokens)
+                record.setdefault("samples", {})[str(b)] = dict(prompt=tok.decode(ps[0]), plain=sample)
+                say(f"  sample: {sample[:160]!r}")
+        else:
+            eng = engines[b, "spec"]
+            kind, n_draft, thr = parse_variant(variant)
+            if (b, variant) not in decoders:
+                kw = dict(num_draft=n_draft) if n_draft else {}
+                if kind == "threshold":
+                    kw.update(schedule="threshold", threshold=args.threshold if thr is None else thr)
+                elif kind == "host":  # the same speculation with one read-back per step
+                    kw.update(chain_every=0)
+                elif kind == "prefix":
+                    kw.update(schedule="prefix", step_times=step_tables[b])
+                decoders[b, variant] = SpeculativeDecoder(eng, **kw)
+            dec = decoders[b, variant]
+
+            def fn():
+                res = dec.generate(ps, max_new_tokens=new, stop_tokens=())
+                return res, dec.stats.decode_s
+            res, dt, _ = timed(fn, lambda: dec.stats.steps)
+            st = dec.stats
+            toks = [x.tokens for x in res]
+            ref = plain_out.get((b, si))
+            diff = None if ref is None else [
+                [s, next((j for j, (x, y) in enumerate(zip(t, ref[s])) if x != y), min(len(t), len(ref[s])))]
+                for s, t in enumerate(toks) if t != ref[s]]
+            r = dict(steps=st.steps, rows_verified=st.rows_verified, emitted=st.emitted, drafted=st.drafted,
+                     accepted=st.accepted, rollbacks=st.rollbacks, device_steps=st.device_steps,
+                     same=None if ref is None else not diff, differing_rows=diff)
+            if first:
+                r.update(traced(b, variant, fn, lambda: dec.stats.steps))
+                if kind == "none" and host_step and not n_draft:  # the host loop's step program alone at full width
+                    t_round = dec.measure_step_times(widths=(gamma + 1,), reps=5)[gamma + 1]
+                    r["round_ms_full_width"] = t_round * 1e3
+                    say(f"  one speculative step program at width {gamma + 1}: {t_round * 1e3:.2f} ms")
+        r.update(batch=b, set=si, variant=variant, tokens=len(ps) * new, decode_s=dt)
+        return r
+
+    def aggregate(b, variant, sets, label) -> dict | None:
+        """One table row over the prompt sets ``sets`` of batch ``b``: tokens / total time, emitted / verified
+        rows, the step time, every set's check against plain decoding."""
+        rs = [r for r in runs if r["batch"] == b and r["variant"] == variant and r["set"] in sets and "error" not in r]
+        ps = {r["set"]: r for r in runs if r["batch"] == b and r["variant"] == "plain" and "error" not in r}
+        rs = [r for r in rs if r["set"] in ps]  # only sets with a plain row to compare with
+        if not rs:
+            return None
+        dt = sum(r["decode_s"] for r in rs)
+        plain_dt = sum(ps[r["set"]]["decode_s"] for r in rs)
+        tokens = sum(r["tokens"] for r in rs)
+        steps = sum(r["steps"] for r in rs)
+        plain_steps = sum(ps[r["set"]]["steps"] for r in rs)
+        tps, plain_tps = tokens / dt, tokens / plain_dt
+        step_ms, plain_step = dt / steps * 1e3, plain_dt / plain_steps * 1e3
+        acc = sum(r["emitted"] for r in rs) / sum(r["rows_verified"] for r in rs)
+        kind, n_draft, thr = parse_variant(variant)
+        if kind == "plain":
+            floor_bytes, same = step_bytes(config, b)["total"], "—"
+        else:  # a full-width verification reads the weights (b (γ + 1) tokens') and the drafter's block
+            floor_bytes = step_bytes(config, b * ((n_draft or gamma) + 1))["total"] + 2 * counts.dspark
+            bad = [r["set"] for r in rs if not r["same"]]
+            same = "yes" if not bad else (f"NO (sets {bad})" if b == 1 else
+                                          "NO (rows " + ", ".join(str(d[0]) for r in rs for d in r["differing_rows"])
+                                          + ")")
+        bw_frac = None if bw is None else floor_bytes / (step_ms / 1e3) / bw
+        name = {"plain": "plain (device loop)", "none": "DSpark (device loop)", "host": "DSpark (host loop)",
+                "threshold": f"DSpark + threshold {args.threshold if thr is None else thr:g} (device loop)",
+                "prefix": "DSpark + prefix (measured, host loop)"}[kind] + ("" if kind == "plain" else
+                                                                           f", γ {n_draft or gamma}")
+        texts = [t for r in rs for t in ps[r["set"]]["text"]]
+        row = dict(batch=b, prompts=label, decoding=name, variant=variant, sets=len(rs), tokens=tokens, decode_s=dt,
+                   tokens_per_s=tps, plain_tokens_per_s=plain_tps, speedup=tps / plain_tps, accepted_length=acc,
+                   steps=steps, step_ms=step_ms, step_vs_plain=step_ms / plain_step,
+                   rollbacks=sum(r["rollbacks"] for r in rs), drafted=sum(r["drafted"] for r in rs),
+                   accepted=sum(r["accepted"] for r in rs), floor_bytes=floor_bytes,
+                   floor_ms=None if bw is None else floor_bytes / bw * 1e3, read_bw_fraction=bw_frac,
+                   datasheet_bw_fraction=floor_bytes / (step_ms / 1e3) / 4.8e12, same_tokens=same,
+                   distinct_fraction=statistics.mean(t["distinct_fraction"] for t in texts))
+        record["rows"].append(row)
+        save()
+        sf = "—" if bw_frac is None else f"{100 * bw_frac:.0f} %"
+        print(f"| {b} | {label} | {name} | {tps:,.1f} | {tps / plain_tps:.2f} | {acc:.2f} | "
+              f"{row['drafted']} / {row['accepted']} | {steps} | {step_ms:.2f} | {step_ms / plain_step:.2f} | "
+              f"{floor_bytes / 1e9:.2f} | {sf} | {row['distinct_fraction']:.2f} | {same} |", flush=True)
+        return row
+
+    for bi, b in enumerate(batches):
+        later = 20 * (len(batches) - bi - 1)  # seconds kept for the later batches' rows
+        if (b, "spec") in warmers:
+            warmers[b, "spec"].wait(say)
+        if (b, "plain") in warmers:
+            warmers[b, "plain"].wait(say)
+        if b in prefix_batches:
+            if (b, "prefix") in warmers:
+                warmers[b, "prefix"].wait(say)
+            try:
+                table = SpeculativeDecoder(engines[b, "spec"]).measure_step_times(reps=5)
+                step_tables[b] = table
+                record.setdefault("step_time_tables_ms", {})[str(b)] = {str(w): t * 1e3 for w, t in table.items()}
+                say(f"  batch {b} step-time table: " + ", ".join(f"{w}: {t * 1e3:.2f} ms" for w, t in table.items()))
+            except Exception as e:  # noqa: BLE001 - the other rows still run
+                say(f"  batch {b} step-time table FAILED: {type(e).__name__}: {e}")
+        kinds = [v for v in variants if parse_variant(v)[0] != "prefix"]
+        if b in step_tables:
+            kinds.append("prefix")
+        for si in range(len(eval_sets[b])):
+            if left() < (20 if smoke else 15) + later:
+                say(f"budget: skipping batch {b} prompt sets {si}.. ({left():.0f} s left)")
+                record.setdefault("skipped", []).append(f"batch {b} sets {si}..{len(eval_sets[b]) - 1}")
+                save()
+                break
+            for variant in kinds:
+                say(f"batch {b}, prompt set {si}: {variant}")
+                try:
+                    runs.append(run_one(b, si, variant))
+                except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
+                    say(f"  FAILED: {type(e).__name__}: {e}")
+                    runs.append(dict(batch=b, set=si, variant=variant, error=f"{type(e).__name__}: {e}"))
+                save()
+
+    # ---- the table: every row kind over all prompt sets; at batch 1 also over the prompts whose plain
+    # continuation is not degenerate (text_stats) ---------------------------------------------------------------
+    print(f"# bench_dspark_h200: {config.name} ({counts.active_decode / 1e9:.3f} B active / token), "
+          f"{record['device']}, γ={gamma}, prompt {prompt_len} chars, {new} new tokens, greedy", flush=True)
+    print("| batch | prompts | decoding | tokens/s | × plain | tokens per verification step (accepted + 1) | "
+          "drafts verified / accepted | steps | step ms | × plain step | floor GB / step | % of read BW | "
+          "distinct-token fraction (plain) | same tokens as plain |", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    for b in batches:
+        plain_sets = {r["set"]: r for r in runs if r["batch"] == b and r["variant"] == "plain" and "error" not in r}
+        groups = [(sorted(plain_sets), f"{len(plain_sets)} prompts" if b == 1 else f"{b} prompts together")]
+        if b == 1:
+            ok = sorted(s for s, r in plain_sets.items() if not r["text"][0]["degenerate"])
+            groups.append((ok, f"{len(ok)} non-degenerate"))
+        kinds = [v for v in variants if parse_variant(v)[0] != "prefix"] + (["prefix"] if b in step_tables else [])
+        for sets, label in groups:
+            for variant in kinds:
+                aggregate(b, variant, set(sets), label)
+    if 1 in batches:  # per prompt
+        kinds = [v for v in variants if parse_variant(v)[0] not in ("plain", "prefix")] + (
+            ["prefix"] if 1 in step_tables else [])
+        print("# batch 1, per prompt: plain tokens/s; per row kind × plain (tokens per verification step)", flush=True)
+        print("| prompt | start | distinct-token fraction | longest run | repeated 4-grams | degenerate | plain tokens/s | "
+              + " | ".join(kinds) + " | same tokens |", flush=True)
+        print("|---" * (8 + len(kinds)) + "|", flush=True)
+        for si in range(len(eval_sets[1])):
+            pr = next((r for r in runs if r["batch"] == 1 and r["set"] == si and r["variant"] == "plain"
+                       and "error" not in r), None)
+            if pr is None:
+                continue
+            t = pr["text"][0]
+            cells, same = [], True
+            for v in kinds:
+                r = next((x for x in runs if x["batch"] == 1 and x["set"] == si and x["variant"] == v
+                          and "error" not in x), None)
+                cells.append("—" if r is None else f"{pr['decode_s'] / r['decode_s']:.2f}× "
+                             f"({r['emitted'] / r['rows_verified']:.2f})")
+                same = same and (r is None or bool(r["same"]))
+            start = tok.decode(eval_sets[1][si][0][1:])[:24].replace("\n", "⏎").replace("|", "¦")  # after BOS
+            print(f"| {si} | `{start}` | {t['distinct_fraction']:.2f} | {t['longest_run']} | "
+                  f"{t['repeated_4gram_fraction']:.2f} | {'yes' if t['degenerate'] else 'no'} | "
+                  f"{pr['tokens'] / pr['decode_s']:,.1f} | " + " | ".join(cells) + f" | {'yes' if same else 'NO'} |",
+                  flush=True)
+    if stop_watch is not None:
+        stop_watch.set()
     record["warm_ups"] = {w.name: dict(seconds=w.seconds, error=w.error) for w in warmers.values()}
     record["wall_s"] = time.perf_counter() - t_start
     # every compile of the process, longest first (wall seconds: compiles in other threads and the training ran

@@ -67,6 +67,7 @@ def main(argv=None):
     ap.add_argument("--programs", default="decode step,speculative step")
     ap.add_argument("--block-size", type=int, default=5)
     ap.add_argument("--out", default=".")
+    ap.add_argument("--save-hlo", action="store_true", help="also write each program's optimised HLO to OUT")
     args = ap.parse_args(argv)
     from benchmarks.deviceless_gpu import h200_device, on_device
 
@@ -85,6 +86,9 @@ def main(argv=None):
     for name in args.programs.split(","):
         fn, a, kw = progs[name]
         hlo = fn.trace(*on_device(a, dev), **kw).lower().compile().as_text()
+        if args.save_hlo:
+            with open(os.path.join(args.out, f"b{args.batch}_{name.replace(' ', '_')}.hlo.txt"), "w") as f:
+                f.write(hlo)
         reads = large_reads(hlo)
         print(f"# {config.name} batch {args.batch}, {name}: {len(reads)} large operands, "
               f"{sum(r[0] for r in reads) / 1e9:.3f} GB (stacked experts counted whole)")
