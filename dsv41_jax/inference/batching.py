@@ -59,18 +59,22 @@ completions with ``finish_reason == "error"`` instead and serves the rest.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import math
+import os
 import time
 from typing import Callable, Iterable, Iterator
 
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax.inference.decode import decode_chain
+from dsv41_jax.inference.decode import _decode_chain, _decode_opts, decode_chain
 from dsv41_jax.inference.engine import (EngineError, Request, Result, check_device_ends, finish_reason,
                                         stop_token_table)
-from dsv41_jax.inference.prefill import chunk_bucket, new_stash, refill_bucket, refill_buckets, refill_rows_jit
+from dsv41_jax.inference.prefill import (chunk_bucket, new_stash, refill_bucket, refill_buckets, refill_program,
+                                         refill_rows_jit)
+from dsv41_jax.inference.step import jit_for
 from dsv41_jax.ops.engram_hash import advance_history, device_history
 
 REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(Request))
@@ -270,16 +274,26 @@ class ContinuousBatcher:
         # chunk, else the whole prompt
         sizes = sorted({chunk_bucket(n, self.chunk) for n in range(1 if hi > self.chunk else lo, hi + 1)})
         self._ensure_samp()
-        for rows in self.row_buckets:
-            for size in sizes:
-                self._run_refill([], rows, size)
-        running = np.zeros((eng.max_batch,), bool)
-        state, tables = self._decode_state(running, np.zeros((eng.max_batch,), np.int32),
-                                           np.zeros((eng.max_batch,), np.int32))
         self._ensure_limits()
+        refills = [self._refill_args([], rows, size)[0] for rows in self.row_buckets for size in sizes]
+        idle = np.zeros((eng.max_batch,), np.int32)
+        state, tables = self._decode_state(np.zeros((eng.max_batch,), bool), idle, idle)
+        dopts = _decode_opts(eng.options)
+        decode_args = (eng.params, eng.cache, state, tables if eng.config.engram_layer_ids else None,
+                       *self._samp_dev, *self._limits_dev)
+        # build the programs concurrently where the program store keeps them (compiles release the GIL) ...
+        jobs = [lambda a=a: refill_program(eng.options).prepare(*a, config=eng.config, opts=eng.options)
+                for a in refills]
+        jobs.append(lambda: jit_for(_decode_chain, dopts).prepare(*decode_args, config=eng.config, opts=dopts))
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+            list(pool.map(lambda job: job(), jobs))
+        # ... then run each once on idle rows (compiling here what the store did not keep)
+        for args in refills:
+            eng.cache, self._stash, first = refill_rows_jit(*((eng.params, eng.cache, self._stash) + args[3:]),
+                                                            config=eng.config, opts=eng.options)
         _tok, state, eng.cache = decode_chain(eng.params, eng.cache, state, tables, *self._samp_dev,
                                               *self._limits_dev, config=eng.config, opts=eng.options)
-        np.asarray(state["readback"])
+        np.asarray(first), np.asarray(state["readback"])
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------------------------
@@ -351,6 +365,13 @@ class ContinuousBatcher:
     def _run_refill(self, slots: list[int], rows: int, size: int):
         """Dispatch the refill program of ``rows`` rows and chunk length ``size`` for ``slots`` (the next chunk of
         each one's prompt; padding rows are idle). Returns (first tokens [rows] on the device, n_valid)."""
+        eng = self.engine
+        args, n_valid = self._refill_args(slots, rows, size)
+        eng.cache, self._stash, first = refill_rows_jit(*args, config=eng.config, opts=eng.options)
+        return first, n_valid
+
+    def _refill_args(self, slots: list[int], rows: int, size: int):
+        """(the refill program's positional arguments, n_valid) for ``slots`` (see :meth:`_run_refill`)."""
         eng, c = self.engine, self.engine.config
         b = eng.max_batch
         idx = np.full((rows,), b, np.int32)  # padding rows: slot b, out of range (clamped read, dropped write)
@@ -377,10 +398,8 @@ class ContinuousBatcher:
                     n_seg = min(len(q.ids), self._replay)
                     seg_e[i, :n_seg] = q.engram_rows[len(q.ids) - n_seg:]
         as_dev = lambda a: None if a is None else jnp.asarray(a)  # noqa: E731
-        eng.cache, self._stash, first = refill_rows_jit(
-            eng.params, eng.cache, self._stash, as_dev(idx), as_dev(fresh), as_dev(tokens), as_dev(n_valid),
-            as_dev(eids), as_dev(n_new), as_dev(seg_e), *self._samp_dev, config=c, opts=eng.options)
-        return first, n_valid
+        return (eng.params, eng.cache, self._stash, as_dev(idx), as_dev(fresh), as_dev(tokens), as_dev(n_valid),
+                as_dev(eids), as_dev(n_new), as_dev(seg_e), *self._samp_dev), n_valid
 
     def _ensure_limits(self) -> None:
         if self._limits_dev is None:  # per-slot limits, as generate's device loop: stop tokens, max_new, room

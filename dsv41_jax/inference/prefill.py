@@ -324,11 +324,14 @@ def refill_rows(params, cache, stash, slots, fresh, tokens, n_valid, engram_ids,
     return scatter_rows(cache, sub, slots), stash, first
 
 
-def refill_rows_jit(*args, config: ModelConfig, opts: InferenceOptions):
+def refill_program(opts: InferenceOptions):
     """:func:`refill_rows` jitted (one program per row bucket and chunk length; cache and stash donated)."""
-    fn = jit_for(refill_rows, opts, static=("config", "opts"), donate=("cache", "stash"))
-    return fn(*args, config=config, opts=opts)
+    return jit_for(refill_rows, opts, static=("config", "opts"), donate=("cache", "stash"))
+
+
+def refill_rows_jit(*args, config: ModelConfig, opts: InferenceOptions):
+    return refill_program(opts)(*args, config=config, opts=opts)
 
 
 __all__ = ["PrefillError", "prefill", "chunk_bucket", "reset_slots", "new_stash", "refill_buckets", "refill_bucket",
-           "refill_rows", "refill_rows_jit", "gather_rows", "scatter_rows"]
+           "refill_rows", "refill_program", "refill_rows_jit", "gather_rows", "scatter_rows"]
