@@ -6,8 +6,10 @@ so both modes generate exactly the same tokens) are served twice in the same pro
 * **static**: the requests in submission order, ``max_batch`` at a time, through ``Engine.generate`` (a batch
   starts when the previous one has finished; every request is there at time 0, the baseline's best case);
 * **continuous**: a ``ContinuousBatcher`` fed by Poisson arrivals (``--rate`` requests/s; default ``--load`` x the
-  static run's request rate, i.e. a saturated server), one prefill chunk (every admitted request at once) and one
-  run of up to ``--decode-run`` decode steps per iteration (``inference.batching``).
+  static run's request rate, i.e. a saturated server), one refill chunk (the admitted requests together, its rows
+  bucketed to them) and one run of up to ``--decode-run`` decode steps per iteration (``inference.batching``);
+  once per admission policy in ``--refill-min`` (a comma list: each value a run of the same arrivals, in the
+  same process, after the static run; the ratio is reported for each).
 
 Reported per mode: output tokens/s over the whole run, requests/s, p50 / p99 time to first token (from the
 request's arrival) and inter-token latency (every gap between consecutive tokens of a request), decode steps and
@@ -84,9 +86,11 @@ def warm_up(engine, args, vocab: int, log) -> float:
         p = [3 + (i % (vocab - 3)) for i in range(size)]
         engine.generate([Request(p, max_new_tokens=2, stop_tokens=())] * engine.max_batch)  # a full batch, as timed
         log(f"  warm-up: static, chunk bucket {size}: {time.perf_counter() - t0:.1f} s")
-        list(engine.serve([Request(p, max_new_tokens=2, stop_tokens=())], prefill_lanes=args.lanes,
-                          decode_run=args.decode_run))
-        log(f"  warm-up: continuous, chunk bucket {size}: {time.perf_counter() - t0:.1f} s")
+    t1 = time.perf_counter()
+    batcher = engine.batcher(prefill_lanes=args.lanes, decode_run=args.decode_run)
+    batcher.precompile((lo, hi))  # every refill row bucket x chunk length, and the decode step
+    log(f"  warm-up: continuous ({len(batcher.row_buckets)} row buckets {list(batcher.row_buckets)} x chunk "
+        f"buckets {buckets}): {time.perf_counter() - t1:.1f} s")
     return time.perf_counter() - t0
 
 
@@ -142,8 +146,8 @@ def run_static(engine, reqs):
     return out, t1 - t0
 
 
-def run_continuous(engine, reqs, arrivals, lanes, decode_run=None):
-    batcher = engine.batcher(prefill_lanes=lanes, decode_run=decode_run)
+def run_continuous(engine, reqs, arrivals, lanes, decode_run=None, refill_min=None):
+    batcher = engine.batcher(prefill_lanes=lanes, decode_run=decode_run, refill_min=refill_min)
     c0, n0 = compile_seconds(), _compiles[0]
     times, ids = {}, {}
     t0 = time.perf_counter()
@@ -166,7 +170,9 @@ def run_continuous(engine, reqs, arrivals, lanes, decode_run=None):
     out.update(iterations=st.iterations, prefill_chunks=st.prefill_chunks, last_arrival_s=float(arrivals[-1]),
                readbacks=st.readbacks, prefill_s=st.prefill_s, decode_s=st.decode_s,
                host_other_s=(t1 - t0) - st.prefill_s - st.decode_s, lanes=batcher.lanes,
-               decode_run=batcher.decode_run, compiles_during_run=_compiles[0] - n0,
+               decode_run=batcher.decode_run, refill_min=batcher.refill_min, prefill_rows=st.prefill_rows,
+               prefill_rows_used=st.prefill_rows_used, refill_buckets=dict(sorted(st.refill_buckets.items())),
+               compiles_during_run=_compiles[0] - n0,
                compile_s_during_run=compile_seconds() - c0,
                ms_per_iteration=1e3 * (t1 - t0) / max(st.iterations, 1),
                ms_per_decode_step=1e3 * st.decode_s / max(st.decode_steps, 1),
@@ -186,9 +192,15 @@ def main(argv=None):
     ap.add_argument("--lanes", type=int, default=None, help="prefill lanes (default: the batcher's)")
     ap.add_argument("--decode-run", type=int, default=None,
                     help="decode steps per continuous iteration, read back together (default: the batcher's)")
+    ap.add_argument("--refill-min", default="",
+                    help="admission policies to run, comma-separated refill_min values (default: the batcher's); "
+                         "each is a continuous run of the same arrivals")
     ap.add_argument("--rate", type=float, default=None, help="Poisson arrival rate, requests/s")
     ap.add_argument("--load", type=float, default=2.0,
                     help="without --rate: the arrival rate as a multiple of the static run's requests/s")
+    ap.add_argument("--wait-file", default=None,
+                    help="before the timed runs, wait (at most 300 s) until this file exists: another job sharing the "
+                         "machine (compiling in another process) then finishes before anything is timed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="directory for bench_serving.json (default $OUT or .)")
     args = ap.parse_args(argv)
@@ -223,34 +235,51 @@ def main(argv=None):
     meta["warmup_s"] = warm_up(engine, args, vocab, log)
     log(f"warm-up (compiles) {meta['warmup_s']:.1f} s")
     path = os.path.join(out_dir, "bench_serving.json")
+    if args.wait_file:
+        t_wait = time.perf_counter()
+        while not os.path.exists(args.wait_file) and time.perf_counter() - t_wait < 300:
+            time.sleep(0.5)
+        meta["waited_s"] = time.perf_counter() - t_wait
+        log(f"waited {meta['waited_s']:.1f} s for {args.wait_file} (exists: {os.path.exists(args.wait_file)})")
     static, static_wall = run_static(engine, reqs)
     log(f"static: {static['tokens_per_s']:.1f} tok/s")
     with open(path, "w") as f:  # the baseline alone, in case the continuous run does not finish
         json.dump(dict(meta=meta, static=static), f, indent=1, default=_plain)
     rate = args.rate or args.load * args.n / static_wall
     meta["rate_per_s"] = rate
-    cont = run_continuous(engine, reqs, unit_arrivals / rate, args.lanes, args.decode_run)
-    log(f"continuous: {cont['tokens_per_s']:.1f} tok/s")
-    ratio = cont["tokens_per_s"] / static["tokens_per_s"]
-    result = dict(meta=meta, static=static, continuous=cont, throughput_ratio=ratio)
+    policies = [int(x) for x in args.refill_min.split(",") if x.strip()] or [None]
+    conts = []
+    for rmin in policies:
+        cont = run_continuous(engine, reqs, unit_arrivals / rate, args.lanes, args.decode_run, rmin)
+        cont["throughput_ratio"] = cont["tokens_per_s"] / static["tokens_per_s"]
+        conts.append(cont)
+        log(f"continuous (refill_min {cont['refill_min']}): {cont['tokens_per_s']:.1f} tok/s, "
+            f"x{cont['throughput_ratio']:.3f} of static")
+    result = dict(meta=meta, static=static, continuous=conts[0], throughput_ratio=conts[0]["throughput_ratio"],
+                  continuous_runs=conts)
 
-    cols = [("mode", "{}"), ("tokens_per_s", "{:.1f}"), ("requests_per_s", "{:.2f}"), ("ttft_p50_ms", "{:.1f}"),
-            ("ttft_p99_ms", "{:.1f}"), ("itl_p50_ms", "{:.2f}"), ("itl_p99_ms", "{:.2f}"), ("decode_steps", "{}"),
-            ("occupancy", "{:.2f}"), ("wall_s", "{:.2f}")]
+    cols = [("mode", "{}"), ("refill_min", "{}"), ("tokens_per_s", "{:.1f}"), ("throughput_ratio", "{:.3f}"),
+            ("requests_per_s", "{:.2f}"), ("ttft_p50_ms", "{:.1f}"), ("ttft_p99_ms", "{:.1f}"),
+            ("itl_p50_ms", "{:.2f}"), ("itl_p99_ms", "{:.2f}"), ("decode_steps", "{}"), ("occupancy", "{:.2f}"),
+            ("prefill_chunks", "{}"), ("ms_per_prefill_chunk", "{:.2f}"), ("prefill_s", "{:.3f}"),
+            ("wall_s", "{:.2f}")]
     print(f"\n{args.n} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-"
           f"{args.output_len[1]} tokens, max_batch {args.max_batch}, Poisson arrivals at {rate:.2f} req/s "
           f"(continuous; static: all at t=0)")
     print("| " + " | ".join(c for c, _ in cols) + " |")
     print("|" + "---|" * len(cols))
-    for row in (static, cont):
-        print("| " + " | ".join(f.format(row[c]) for c, f in cols) + " |")
-    print(f"continuous / static throughput: {ratio:.3f}")
-    print(f"continuous: {cont['iterations']} iterations ({cont['ms_per_iteration']:.2f} ms each), "
-          f"{cont['prefill_chunks']} prefill chunks ({cont['ms_per_prefill_chunk']:.2f} ms each, first-token "
-          f"sampling and read-back included), {cont['decode_steps']} decode steps ({cont['ms_per_decode_step']:.2f} "
-          f"ms each, read-back included), {cont['readbacks']} read-backs, host time outside both "
-          f"{cont['host_other_s']:.3f} s; compiles during the timed runs: static {static['compiles_during_run']}, "
-          f"continuous {cont['compiles_during_run']}")
+    static_row = dict(static, refill_min="-", throughput_ratio=1.0, prefill_chunks="-")
+    for row in [static_row] + conts:
+        print("| " + " | ".join(f.format(row[c]) if row.get(c, "-") != "-" else "-" for c, f in cols) + " |")
+    for cont in conts:
+        print(f"continuous, refill_min {cont['refill_min']}: ratio {cont['throughput_ratio']:.3f}; "
+              f"{cont['iterations']} iterations ({cont['ms_per_iteration']:.2f} ms each), "
+              f"{cont['prefill_chunks']} refill chunks ({cont['ms_per_prefill_chunk']:.2f} ms each, first-token "
+              f"sampling and read-back included; rows by bucket {cont['refill_buckets']}, {cont['prefill_rows_used']}"
+              f" of {cont['prefill_rows']} rows used), {cont['decode_steps']} decode steps "
+              f"({cont['ms_per_decode_step']:.2f} ms each, read-back included), {cont['readbacks']} read-backs, host "
+              f"time outside both {cont['host_other_s']:.3f} s; compiles during the timed runs: static "
+              f"{static['compiles_during_run']}, continuous {cont['compiles_during_run']}")
     with open(path, "w") as f:
         json.dump(result, f, indent=1, default=_plain)
     log(f"wrote {path}")

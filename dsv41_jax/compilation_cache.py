@@ -216,17 +216,37 @@ class ProgramStore:
                 return last[2](*args, **dynamic)
             except TypeError:
                 pass
+        compiled = self._lookup(directory, static, args, dynamic, kwargs)
+        if compiled is None:
+            return self.jitted(*args, **kwargs)
+        self._last = (directory, static, compiled)
+        return compiled(*args, **dynamic)
+
+    def prepare(self, *args, **kwargs) -> bool:
+        """Build (or load) the program a call with these arguments runs, without running it, so that the call then
+        finds it (several threads may prepare programs of other shapes at once: compiles release the GIL).
+        False where the store keeps nothing (off, or a program it cannot store): the caller then compiles by
+        calling."""
+        directory = _program_dir[0]
+        if directory is None or not self.storable:
+            return False
+        static = tuple((k, v) for k, v in kwargs.items() if k in self.static)
+        dynamic = {k: v for k, v in kwargs.items() if k not in self.static}
+        return self._lookup(directory, static, args, dynamic, kwargs) is not None
+
+    def _lookup(self, directory, static, args, dynamic, kwargs):
+        """The compiled program for these arguments (built or loaded once), or None if they cannot be stored."""
         leaves, treedef = jax.tree_util.tree_flatten((args, dynamic))
         shardings: set = set()
         try:
             leaf_keys = tuple(_leaf_key(x, shardings) for x in leaves)
         except _NotStorable:
-            return self.jitted(*args, **kwargs)
+            return None
         if not all(isinstance(sh, jax.sharding.SingleDeviceSharding) for sh in shardings):
-            return self.jitted(*args, **kwargs)  # sharded programs: plain jit (their keys would need the mesh)
+            return None  # sharded programs: plain jit (their keys would need the mesh)
         devices = tuple(sorted({d.id for sh in shardings for d in sh.device_set}))
         if len(devices) > 1:
-            return self.jitted(*args, **kwargs)
+            return None
         sig = (tuple(sorted(static, key=lambda kv: kv[0])), treedef, leaf_keys, devices)
         compiled = self._programs.get(sig)
         if compiled is None:
@@ -238,8 +258,7 @@ class ProgramStore:
                     compiled = self._program(directory, sig, args, kwargs)
                     with self._lock:
                         self._programs[sig] = compiled
-        self._last = (directory, static, compiled)
-        return compiled(*args, **dynamic)
+        return compiled
 
     def _disk_key(self, sig) -> str | None:
         static, treedef, leaves, devices = sig

@@ -84,8 +84,8 @@ def test_every_request_gets_its_tokens_alone_and_slots_are_reused():
 
 
 def test_default_batcher_refills_every_free_slot_and_decodes_in_runs():
-    """The default batcher: every free slot refilled by one chunk program over the whole cache (generate's own
-    programs), decode steps in runs of readback_every read back at once; each request still gets its tokens."""
+    """The default batcher: free slots refilled together by one refill program (its rows bucketed to the slots
+    it fills), decode steps in runs of readback_every read back at once; each request still gets its tokens."""
     eng = _engine()
     reqs, alone = _requests_and_alone()
     streamed = {}
@@ -103,6 +103,29 @@ def test_default_batcher_refills_every_free_slot_and_decodes_in_runs():
     assert s.max_prefilling == 3 and s.new_tokens == sum(len(a.tokens) for a in alone)
     # runs: fewer iterations than decode steps, and no more steps than one per token plus a run's slack per request
     assert s.iterations < s.decode_steps <= sum(len(a.tokens) for a in alone) + eng.readback_every * len(reqs)
+
+
+def test_refill_min_refills_slots_together_in_row_buckets():
+    """Admission waiting for two free slots (``refill_min=2``): refills of two slots run the 2-row program, a lone
+    prompt the 1-row one, the first the 3-row one (the programs of the tests above: no new compile); every request
+    still gets exactly its tokens alone, and while others decode no request is admitted alone with two waiting
+    (unless it joins the chunk of a prompt already mid-prefill)."""
+    eng = _engine()
+    reqs, alone = _requests_and_alone()
+    batcher = eng.batcher(refill_min=2)
+    ids = [batcher.submit(r) for r in reqs]
+    done, lone = {}, 0
+    while batcher.busy:
+        decoding, waiting, mid = int(batcher._decoding().sum()), batcher.waiting, bool(batcher._prefilling)
+        for c in batcher.step():
+            done[c.id] = c
+        if decoding and waiting >= 2 and not mid and waiting - batcher.waiting == 1:
+            lone += 1
+    for i, r in zip(ids, alone):
+        assert done[i].tokens == r.tokens and done[i].finish_reason == r.finish_reason, f"request {i}"
+    s = batcher.stats
+    assert lone == 0 and set(s.refill_buckets) <= {1, 2, 3} and s.refill_buckets.get(2, 0) >= 1
+    assert s.prefill_rows == sum(p * k for p, k in s.refill_buckets.items()) < eng.max_batch * s.prefill_chunks
 
 
 def test_serve_reports_bad_requests_and_serves_the_rest():

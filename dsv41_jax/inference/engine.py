@@ -573,17 +573,18 @@ class Engine:
     # Continuous batching (dsv41_jax.inference.batching)
     # ------------------------------------------------------------------------------------------------------
     def batcher(self, *, prefill_lanes: int | None = None, prefill_chunk: int | None = None, on_token=None,
-                decode_run: int | None = None):
+                decode_run: int | None = None, refill_min: int | None = None):
         """A :class:`~dsv41_jax.inference.batching.ContinuousBatcher` over this engine's slots: ``submit()``
-        requests at any time, ``step()`` runs one iteration (one bounded prefill chunk + a run of up to
-        ``decode_run`` decode steps, default ``readback_every``)."""
+        requests at any time, ``step()`` runs one iteration (one bounded refill chunk + a run of up to
+        ``decode_run`` decode steps, default ``readback_every``); ``refill_min``: the admission policy (see
+        :mod:`dsv41_jax.inference.batching`)."""
         from dsv41_jax.inference.batching import ContinuousBatcher
 
         return ContinuousBatcher(self, prefill_lanes=prefill_lanes, prefill_chunk=prefill_chunk, on_token=on_token,
-                                 decode_run=decode_run)
+                                 decode_run=decode_run, refill_min=refill_min)
 
     def serve(self, requests, *, on_token: Callable[[int, int], None] | None = None, prefill_lanes: int | None = None,
-              prefill_chunk: int | None = None, decode_run: int | None = None):
+              prefill_chunk: int | None = None, decode_run: int | None = None, refill_min: int | None = None):
         """Serve any number of requests by continuous batching: an iterator of ``Completion``s in the order they
         finish (``completion.id`` = the request's index; ``on_token(index, token)`` streams). A finished sequence
         frees its slot at once and the next waiting request is prefilled into it, chunk by chunk, between decode
@@ -591,7 +592,7 @@ class Engine:
         from dsv41_jax.inference.batching import serve
 
         return serve(self, requests, on_token=on_token, prefill_lanes=prefill_lanes, prefill_chunk=prefill_chunk,
-                     decode_run=decode_run)
+                     decode_run=decode_run, refill_min=refill_min)
 
     def _check_free(self) -> None:
         if self._owner is not None and self._owner.busy:

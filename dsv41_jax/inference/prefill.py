@@ -30,6 +30,7 @@ import numpy as np
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.inference.cache import check_capacity
+from dsv41_jax.inference.sampling import sample
 from dsv41_jax.inference.step import (InferenceOptions, check_ced_plan, embed, emit_decoder_source, head,
                                       jit_for, ring_read, ring_write, run_layers)
 
@@ -252,49 +253,85 @@ def prefill(params: dict, cache: dict, tokens, lengths=None, engram_ids=None, *,
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Prefill lanes: a few slots prefilled while the others decode (continuous batching, ``inference.batching``)
+# Refill: a few slots prefilled while the others decode (continuous batching, ``inference.batching``)
 # ----------------------------------------------------------------------------------------------------------
 #
-# A lane is a row of a small prefill batch [P] bound to one cache slot. The lane programs gather their slots' cache
-# rows, run the ordinary chunk / CED decoder pass on that P-row sub-cache, and scatter the rows back in place (the
-# cache is donated), so a prefill chunk costs P rows of work however many slots decode meanwhile. An idle lane
-# points at slot index B (out of range): it reads a clamped row and its write-back is dropped.
+# A refill program runs P rows, each bound to one cache slot: it gathers those slots' cache rows (and their CED
+# stash rows), runs the ordinary chunk (and, for the rows whose prompt completes, the CED decoder pass and the
+# first token's sampling) on that P-row sub-cache, and scatters the rows back in place (cache and stash donated),
+# so a refill costs P rows of work however many slots decode meanwhile. P is bucketed (``refill_buckets``) so
+# that a refill of two slots runs a 2-row program, not a max_batch-row one, and few programs are compiled. A
+# padding row points at slot index B (out of range): it reads a clamped row and its write-back is dropped.
 
-def gather_rows(cache: dict, slots: jax.Array) -> dict:
-    """The cache rows of ``slots`` [P] (every cache leaf is batch-leading); out-of-range slots read the last row."""
-    return jax.tree.map(lambda x: jnp.take(x, slots, axis=0, mode="clip"), cache)
+def refill_buckets(max_rows: int) -> tuple[int, ...]:
+    """The row counts refill programs are compiled for: powers of two below ``max_rows``, and ``max_rows``."""
+    if not isinstance(max_rows, int) or max_rows < 1:
+        raise PrefillError(f"max_rows must be a positive integer, got {max_rows!r}")
+    out, p = [], 1
+    while p < max_rows:
+        out.append(p)
+        p *= 2
+    return tuple(out) + (max_rows,)
 
 
-def scatter_rows(cache: dict, rows: dict, slots: jax.Array) -> dict:
-    """``cache`` with rows ``slots`` [P] replaced by ``rows``; out-of-range slots are dropped (idle lanes)."""
-    return jax.tree.map(lambda x, r: x.at[slots].set(r, mode="drop"), cache, rows)
+def refill_bucket(n: int, max_rows: int) -> int:
+    """The smallest refill row bucket holding n rows."""
+    return next(p for p in refill_buckets(max_rows) if p >= n)
 
 
-def lanes_chunk(params, cache, stash, slots, fresh, tokens, n_valid, engram_ids, *, config: ModelConfig,
-                opts: InferenceOptions):
-    """One prefill chunk of every lane: lane i appends ``tokens[i, :n_valid[i]]`` to slot ``slots[i]``
-    (``fresh[i]``: the slot starts a new sequence, length and floor set to 0 first). Returns ``(cache, stash,
-    last_logits [P, V] or None)``: under CED the stash (per lane, as in :func:`prefill`) keeps the encoder output
-    for the decoder pass (:func:`lanes_finish`); under full replay the logits of each lane's last valid token."""
+def gather_rows(tree: dict, slots: jax.Array) -> dict:
+    """The rows ``slots`` [P] of a batch-leading tree (the cache, the stash); out-of-range slots read the last row."""
+    return jax.tree.map(lambda x: jnp.take(x, slots, axis=0, mode="clip"), tree)
+
+
+def scatter_rows(tree: dict, rows: dict, slots: jax.Array) -> dict:
+    """``tree`` with rows ``slots`` [P] replaced by ``rows``; out-of-range slots (padding rows) are dropped."""
+    return jax.tree.map(lambda x, r: x.at[slots].set(r, mode="drop"), tree, rows)
+
+
+def refill_rows(params, cache, stash, slots, fresh, tokens, n_valid, engram_ids, n_new, seg_engram_ids, temperature,
+                top_k, top_p, seeds, *, config: ModelConfig, opts: InferenceOptions):
+    """One prefill chunk of P slots: row i appends ``tokens[i, :n_valid[i]]`` to slot ``slots[i]`` (``fresh[i]``: the
+    slot starts a new sequence, its length and floor set to 0 first). ``stash``: the CED stash of every slot
+    (``new_stash`` with max_batch rows; None under full replay).
+
+    The rows whose prompt completes here (``n_new[i]`` = their prompt length, 0 for the others) also get the CED
+    decoder pass (``seg_engram_ids`` [P, replay_len, ...]: the row ids of each one's last min(replay_len, n_new)
+    prompt tokens, left-aligned) and their first new token is sampled with the slots' parameters (``temperature``
+    ... ``seeds``: [max_batch], gathered here; generation step 0). Under CED a chunk where no prompt completes
+    skips the decoder pass at run time (a conditional: one program serves both, half the compiles). Returns
+    ``(cache, stash, first tokens [P] int32)`` (meaningful for completing rows only); cache and stash are
+    updated in place (donated)."""
     sub = gather_rows(cache, slots)
     sub = dict(sub, length=jnp.where(fresh, 0, sub["length"]), floor=jnp.where(fresh, 0, sub["floor"]))
-    last = None
+    samp = [jnp.take(a, slots, mode="clip") for a in (temperature, top_k, top_p, seeds)]
+    steps = jnp.zeros_like(slots)
     if opts.ced:
-        sub, stash = _ced_chunk(params, sub, stash, tokens, n_valid, engram_ids, config=config, opts=opts)
+        sub_stash = gather_rows(stash, slots)
+        sub, sub_stash = _ced_chunk(params, sub, sub_stash, tokens, n_valid, engram_ids, config=config, opts=opts)
+        stash = scatter_rows(stash, sub_stash, slots)
+
+        def finish(sub):
+            last, _, sub = _ced_decoder(params, sub, sub_stash, n_new, seg_engram_ids, config=config, opts=opts,
+                                        all_logits=False)
+            return sample(last, *samp, steps), sub
+
+        first, sub = jax.lax.cond(jnp.any(n_new > 0), finish, lambda sub: (jnp.zeros_like(slots), sub), sub)
     else:
         last, _, sub = _full_chunk(params, sub, tokens, n_valid, engram_ids, config=config, opts=opts,
                                    all_logits=False)
-    return scatter_rows(cache, sub, slots), stash, last
+        first = sample(last, *samp, steps)
+    return scatter_rows(cache, sub, slots), stash, first
 
 
-def lanes_finish(params, cache, stash, slots, n_new, engram_ids, *, config: ModelConfig, opts: InferenceOptions):
-    """The CED decoder pass of the lanes whose prompt is complete (``n_new[i]`` = its prompt length; 0 leaves a
-    lane's slot untouched): ``(last_logits [P, V], cache)``. ``engram_ids`` [P, replay_len, ...]: the row ids of
-    each lane's last min(replay_len, n_new) prompt tokens, left-aligned."""
-    sub = gather_rows(cache, slots)
-    last, _, sub = _ced_decoder(params, sub, stash, n_new, engram_ids, config=config, opts=opts, all_logits=False)
-    return last, scatter_rows(cache, sub, slots)
+def refill_program(opts: InferenceOptions):
+    """:func:`refill_rows` jitted (one program per row bucket and chunk length; cache and stash donated)."""
+    return jit_for(refill_rows, opts, static=("config", "opts"), donate=("cache", "stash"))
 
 
-__all__ = ["PrefillError", "prefill", "chunk_bucket", "reset_slots", "lanes_chunk", "lanes_finish", "gather_rows",
-           "scatter_rows"]
+def refill_rows_jit(*args, config: ModelConfig, opts: InferenceOptions):
+    return refill_program(opts)(*args, config=config, opts=opts)
+
+
+__all__ = ["PrefillError", "prefill", "chunk_bucket", "reset_slots", "new_stash", "refill_buckets", "refill_bucket",
+           "refill_rows", "refill_program", "refill_rows_jit", "gather_rows", "scatter_rows"]
