@@ -15,7 +15,7 @@ from dsv41_jax.inference import (FAST_COMPILE, EngineError, InferenceOptions, Re
                                  init_cache)
 from dsv41_jax.inference.cache import abstract_cache, tree_bytes
 from dsv41_jax.inference.decode import _decode_chain, _decode_opts
-from dsv41_jax.inference.sampling import SamplingError, SamplingParams, filter_logits, sample
+from dsv41_jax.inference.sampling import SamplingError, SamplingParams, filter_logits, sample, sampler_for
 from dsv41_jax.inference.step import jit_for
 from dsv41_jax.inference.weights import host_random_params
 from dsv41_jax.tokenizer import ByteTokenizer
@@ -231,6 +231,26 @@ def test_sampling_filters_match_a_float64_reference():
         want = np.zeros(v, bool)
         want[kept] = True
         np.testing.assert_array_equal(got[r], want, err_msg=f"row {r}: top_k {top_k[r]}, top_p {top_p[r]}")
+
+
+def test_lighter_samplers_give_the_filtered_samplers_tokens():
+    """``sampler_for`` picks the least sampler for a batch's rows, and on rows it admits each lighter sampler
+    draws exactly the tokens ``"filtered"`` draws (same keys, same logits)."""
+    assert sampler_for([0, 0], [5, 0], [0.3, 1]) == "greedy"  # filters on greedy rows do not count
+    assert sampler_for([0, 0.7], [5, 0], [0.3, 1]) == "unfiltered"
+    assert sampler_for([0, 0.7], [0, 2], [1, 1]) == "filtered"
+    assert sampler_for([0.7], [0], [0.9]) == "filtered"
+    rng = np.random.default_rng(3)
+    b, v = 64, 50
+    logits = jnp.asarray(rng.standard_normal((b, v)).astype(np.float32) * 2)
+    logits = logits.at[3, 7].set(-jnp.inf)  # a masked vocabulary entry stays masked either way
+    seeds, steps = jnp.arange(b), jnp.full((b,), 5)
+    for temp, sampler in ((np.zeros(b), "greedy"), (rng.choice([0.0, 0.6, 1.3], b), "unfiltered")):
+        args = (logits, jnp.asarray(temp, jnp.float32), jnp.zeros((b,), jnp.int32), jnp.ones((b,)), seeds, steps)
+        assert sampler_for(temp, np.zeros(b), np.ones(b)) == sampler
+        np.testing.assert_array_equal(np.asarray(sample(*args, sampler)), np.asarray(sample(*args, "filtered")))
+    with pytest.raises(SamplingError, match="sampler"):
+        sample(*args, "nucleus")
 
 def test_cli_generate(capsys):
     rc = main(["generate", "--config", "tiny", "--prompt", "Hello", "--max-new-tokens", "4", "--seed", "1"])

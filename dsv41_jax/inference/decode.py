@@ -24,7 +24,7 @@ import numpy as np
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.inference.cache import cache_capacity, check_capacity
-from dsv41_jax.inference.sampling import sample
+from dsv41_jax.inference.sampling import check_sampler, sample
 from dsv41_jax.inference.step import InferenceOptions, embed, head, jit_for, run_layers
 from dsv41_jax.ops.engram_hash import DeviceEngramHash, engram_row_ids_step_device
 
@@ -57,9 +57,9 @@ def _decode(params, cache, tokens, engram_ids, active, *, config: ModelConfig, o
 
 
 def _decode_sample(params, cache, tokens, engram_ids, active, temperature, top_k, top_p, seeds, steps, *,
-                   config: ModelConfig, opts: InferenceOptions, return_logits: bool):
+                   config: ModelConfig, opts: InferenceOptions, return_logits: bool, sampler: str = "filtered"):
     logits, cache, full = _step(params, cache, tokens, engram_ids, active, config, opts)
-    nxt = jnp.where(full, -1, sample(logits, temperature, top_k, top_p, seeds, steps))
+    nxt = jnp.where(full, -1, sample(logits, temperature, top_k, top_p, seeds, steps, sampler))
     if return_logits:
         return nxt, cache, logits
     return nxt, cache
@@ -74,17 +74,19 @@ def decode_step_jit(params, cache, tokens, engram_ids, active, *, config: ModelC
 
 
 def decode_and_sample(params, cache, tokens, engram_ids, active, temperature, top_k, top_p, seeds, steps, *,
-                      config: ModelConfig, opts: InferenceOptions = InferenceOptions(), return_logits: bool = False):
+                      config: ModelConfig, opts: InferenceOptions = InferenceOptions(), return_logits: bool = False,
+                      sampler: str = "filtered"):
     """One decode step fused with sampling: (next tokens [B] int32, cache[, logits]); the cache is donated. An
-    active slot already at the cache's capacity is not fed: its next token is -1 and its cache untouched."""
+    active slot already at the cache's capacity is not fed: its next token is -1 and its cache untouched.
+    ``sampler``: ``sampling.sampler_for`` of the rows' parameters, to leave out work no row needs."""
     opts = _decode_opts(opts)
-    fn = jit_for(_decode_sample, opts, static=("config", "opts", "return_logits"))
+    fn = jit_for(_decode_sample, opts, static=("config", "opts", "return_logits", "sampler"))
     return fn(params, cache, tokens, engram_ids, active, temperature, top_k, top_p, seeds, steps, config=config,
-              opts=opts, return_logits=return_logits)
+              opts=opts, return_logits=return_logits, sampler=check_sampler(sampler))
 
 
 def _decode_chain(params, cache, state, engram_hash, temperature, top_k, top_p, seeds, stops, max_new, room, *,
-                  config: ModelConfig, opts: InferenceOptions):
+                  config: ModelConfig, opts: InferenceOptions, sampler: str = "filtered"):
     tokens, active = state["tokens"], state["active"]
     eids, new_state = None, {}
     if config.engram_layer_ids:
@@ -94,7 +96,7 @@ def _decode_chain(params, cache, state, engram_hash, temperature, top_k, top_p, 
     step = state["step"] + 1
     # each slot's k-th new token (0-based: the prefill's is k = 0) samples with fold_in(seed, k), k = the tokens it
     # has generated so far: slots that started at different times (continuous batching) each keep their own stream
-    nxt = jnp.where(full, -1, sample(logits, temperature, top_k, top_p, seeds, state["generated"]))
+    nxt = jnp.where(full, -1, sample(logits, temperature, top_k, top_p, seeds, state["generated"], sampler))
     generated = state["generated"] + active.astype(jnp.int32)
     # the Engine's finish_reason, evaluated where the token is: stop token, max_new_tokens, cache room
     done = jnp.any(nxt[:, None] == stops, axis=-1) | (generated >= max_new) | (generated > room)
@@ -107,7 +109,8 @@ def _decode_chain(params, cache, state, engram_hash, temperature, top_k, top_p, 
 
 
 def decode_chain(params, cache, state: dict, engram_hash: DeviceEngramHash | None, temperature, top_k, top_p,
-                 seeds, stops, max_new, room, *, config: ModelConfig, opts: InferenceOptions = InferenceOptions()):
+                 seeds, stops, max_new, room, *, config: ModelConfig, opts: InferenceOptions = InferenceOptions(),
+                 sampler: str = "filtered"):
     """One decode step that feeds itself: (next tokens [B] int32, next state, cache); the cache is donated.
 
     Unlike ``decode_and_sample`` it needs nothing from the host between steps, so any number of steps can be
@@ -124,14 +127,16 @@ def decode_chain(params, cache, state: dict, engram_hash: DeviceEngramHash | Non
     state: ``tokens`` int32 [B], ``active`` bool [B], ``generated`` int32 [B], ``step`` int32 [] (+
     ``engram_history`` int32 [B, N-1]; + optionally ``readback`` int32 [R + 1, B]: each step writes its tokens to
     row (step - 1) mod R and the active slots to row R, so that a run of up to R steps comes back in one transfer
-    without any other program). An active slot at the cache's capacity is not fed and samples -1."""
+    without any other program). An active slot at the cache's capacity is not fed and samples -1. ``sampler``:
+    ``sampling.sampler_for`` of the rows' parameters, to leave out work no row needs (a greedy batch's steps
+    skip the vocabulary sort)."""
     opts = _decode_opts(opts)
     if config.engram_layer_ids and (engram_hash is None or "engram_history" not in state):
         raise DecodeError("this config has Engram layers: decode_chain needs engram_hash (hasher.device_tables()) "
                           "and state['engram_history'] (ops.engram_hash.device_history)")
-    fn = jit_for(_decode_chain, opts)
+    fn = jit_for(_decode_chain, opts, static=("config", "opts", "sampler"))
     return fn(params, cache, state, engram_hash if config.engram_layer_ids else None, temperature, top_k, top_p,
-              seeds, stops, max_new, room, config=config, opts=opts)
+              seeds, stops, max_new, room, config=config, opts=opts, sampler=check_sampler(sampler))
 
 
 def decode_step(params: dict, cache: dict, tokens, engram_ids=None, active=None, *, config: ModelConfig,

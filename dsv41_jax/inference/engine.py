@@ -36,7 +36,7 @@ from dsv41_jax.config import ModelConfig
 from dsv41_jax.inference.cache import CacheFootprint, abstract_cache, cache_footprint, init_cache, tree_bytes
 from dsv41_jax.inference.decode import decode_and_sample, decode_chain, decode_step_jit
 from dsv41_jax.inference.prefill import prefill as _prefill
-from dsv41_jax.inference.sampling import SamplingError, SamplingParams, sample_jit
+from dsv41_jax.inference.sampling import SamplingError, SamplingParams, sample_jit, sampler_for
 from dsv41_jax.inference.step import InferenceOptions, check_ced_plan
 from dsv41_jax.model.params import validate_params
 from dsv41_jax.ops.engram_hash import EngramHistory, advance_history, device_history, engram_row_ids_step_device
@@ -441,12 +441,13 @@ class Engine:
             s = slot_of[i]
             temp[s], topk[s], topp[s], seeds[s] = sp.temperature, sp.top_k, sp.top_p, sp.seed
         samp = tuple(jnp.asarray(a) for a in (temp, topk, topp, seeds))
+        sampler = sampler_for(temp, topk, topp)  # empty slots are greedy rows: they never widen the choice
 
         c0 = compile_seconds()
         t0 = time.perf_counter()
         last = self.prefill([ids for _, ids, *_ in ok], [slot_of[i] for i, *_ in ok], progress=progress)
         full_last = jnp.zeros((b, last.shape[-1]), last.dtype).at[jnp.asarray([slot_of[i] for i, *_ in ok])].set(last)
-        nxt = np.asarray(sample_jit(full_last, *samp, jnp.zeros((b,), jnp.int32)))
+        nxt = np.asarray(sample_jit(full_last, *samp, jnp.zeros((b,), jnp.int32), sampler=sampler))
         stats.prefill_s = time.perf_counter() - t0
         stats.prompt_tokens = sum(len(ids) for _, ids, *_ in ok)
         stats.prefill_sequences = len(ok)
@@ -473,7 +474,7 @@ class Engine:
         t1 = time.perf_counter()
         account(nxt)  # the prefill's tokens
         if self.decode_loop == "device":
-            step = self._decode_on_device(nxt, active, out, info, samp, account, stats, t1)
+            step = self._decode_on_device(nxt, active, out, info, samp, sampler, account, stats, t1)
         else:
             step = 0
             while active.any():
@@ -481,7 +482,8 @@ class Engine:
                 eids = self._engram_step(nxt, active)
                 res = decode_and_sample(self.params, self.cache, jnp.asarray(nxt.astype(np.int32)),
                                         None if eids is None else jnp.asarray(eids), jnp.asarray(active), *samp,
-                                        jnp.full((b,), step, jnp.int32), config=self.config, opts=self.options)
+                                        jnp.full((b,), step, jnp.int32), config=self.config, opts=self.options,
+                                        sampler=sampler)
                 nxt_dev, self.cache = res
                 nxt = np.asarray(nxt_dev)
                 if step == 1:
@@ -494,7 +496,7 @@ class Engine:
         stats.new_tokens = sum(len(v) for v in out.values())
         return results  # type: ignore[return-value]
 
-    def _decode_on_device(self, nxt, active, out, info, samp, account, stats, t0) -> int:
+    def _decode_on_device(self, nxt, active, out, info, samp, sampler, account, stats, t0) -> int:
         """The decode loop of ``generate`` with nothing read back between steps (``decode_chain``: each step
         hashes its Engram n-grams and feeds its own samples on the device, and ends slots by their limits there).
         Steps are dispatched in runs of up to ``readback_every`` (the first run is one step, so that
@@ -526,7 +528,7 @@ class Engine:
             fed = int(active.sum())
             for _ in range(n):
                 _tok, state, self.cache = decode_chain(self.params, self.cache, state, tables, *samp, *limits,
-                                                       config=self.config, opts=self.options)
+                                                       config=self.config, opts=self.options, sampler=sampler)
             # one transfer for the run: its tokens and the slots the device still feeds (decode_chain's readback)
             buf = np.asarray(state["readback"])
             rows = [buf[(steps + i) % self.readback_every] for i in range(n)]
