@@ -12,7 +12,8 @@ whether the autotuned tilings make the step faster.
 A case is ``BATCH:LEVEL[:FLAG...]``: LEVEL ``default`` (XLA's autotuning) or ``atN`` (``xla_gpu_autotune_level=N``;
 0 = no autotuning: each GEMM fusion gets XLA's default tiling); FLAGs: ``host`` (also the host loop's program,
 ``decode_and_sample``), ``cublas`` (``xla_gpu_enable_triton_gemm=false``: GEMMs by cuBLAS), ``onepass``
-(``InferenceOptions.mhc_one_pass`` + ``router_one_pass``), ``mhc``, ``router`` (one of them). Per case: the device
+(``InferenceOptions.mhc_one_pass`` + ``router_one_pass``), ``mhc``, ``router`` (one of them), ``greedy`` (the device
+loop with ``sampler="greedy"``: no vocabulary sort, as ``Engine.generate`` runs a greedy batch). Per case: the device
 loop's program (``decode_chain``, the step ``Engine.generate`` runs) and the host loop's are lowered and compiled
 concurrently (their compile seconds and, for autotuned compiles, the number of fusions XLA autotuned are recorded),
 then timed exactly as ``profile_decode.py --loops`` times them (bf16 parameters and cache, ``--context`` tokens per
@@ -80,11 +81,13 @@ class Case:
     flags: tuple
     host: bool
     cublas: bool = False  # xla_gpu_enable_triton_gemm=false
+    greedy: bool = False  # the device loop with sampler="greedy" (no vocabulary sort), as Engine.generate runs greedy
 
     @property
     def name(self) -> str:
         lvl = "default autotuning" if self.level is None else f"autotune level {self.level}"
-        return f"B{self.batch} {lvl}" + " cuBLAS GEMMs" * self.cublas + "".join(f" +{f}" for f in self.flags)
+        return (f"B{self.batch} {lvl}" + " cuBLAS GEMMs" * self.cublas + "".join(f" +{f}" for f in self.flags)
+                + " greedy sampler" * self.greedy)
 
 
 def parse_cases(spec: str) -> list:
@@ -94,17 +97,20 @@ def parse_cases(spec: str) -> list:
         if len(parts) < 2 or not parts[0].isdigit() or not (parts[1] == "default" or parts[1].startswith("at")):
             raise SystemExit(f"--cases: {item!r} is not BATCH:default|atN[:host|cublas|onepass|mhc|router...]")
         level = None if parts[1] == "default" else int(parts[1][2:])
-        flags, host, cublas = [], False, False
+        flags, host, cublas, greedy = [], False, False, False
         for f in parts[2:]:
             if f == "host":
                 host = True
             elif f == "cublas":
                 cublas = True
+            elif f == "greedy":
+                greedy = True
             elif f in FLAGS:
                 flags += FLAGS[f]
             else:
-                raise SystemExit(f"--cases: unknown flag {f!r} in {item!r} (host, cublas, {', '.join(FLAGS)})")
-        out.append(Case(int(parts[0]), level, tuple(dict.fromkeys(flags)), host, cublas))
+                raise SystemExit(f"--cases: unknown flag {f!r} in {item!r} (host, cublas, greedy, "
+                                 f"{', '.join(FLAGS)})")
+        out.append(Case(int(parts[0]), level, tuple(dict.fromkeys(flags)), host, cublas, greedy))
     return out
 
 
@@ -117,11 +123,12 @@ def compile_programs(config, params, opts, s, case: Case, dump_dir: str) -> tupl
     b = s["batch"]
     lowered, stats = {}, {}
     t0 = time.perf_counter()
-    key = (b, case.flags)  # a case that differs only in its compiler options reuses the lowering
+    key = (b, case.flags, case.greedy)  # a case that differs only in its compiler options reuses the lowering
     if "device loop" not in LOWERED.get(key, {}):
-        chain = jit_for(_decode_chain, dopts).jitted
+        chain = jit_for(_decode_chain, dopts, static=("config", "opts", "sampler")).jitted
         LOWERED.setdefault(key, {})["device loop"] = chain.lower(
-            params, s["cache"], s["state"], s["tables"], *s["samp"], *s["limits"], config=config, opts=dopts)
+            params, s["cache"], s["state"], s["tables"], *s["samp"], *s["limits"], config=config, opts=dopts,
+            sampler="greedy" if case.greedy else "filtered")
     lowered["device loop"] = LOWERED[key]["device loop"]
     if case.host:
         if "host loop" not in LOWERED[key]:
