@@ -20,14 +20,15 @@ from dsv41_jax.ops.norms import rms_normalize
 
 
 # How the train step's ``comb`` (softmax + Sinkhorn, differentiable) runs when no ``comb_kernel`` is asked for:
-#   "loop" (default) — XLA: a rolled loop of row / column normalisations (about ten tiny kernels per iteration
-#       forward and two backward on a GPU: ~1,800 launches per fullwidth4 step on an H200, ≈ 2.3 ms);
+#   "auto" (default) — "pallas_gpu" on a GPU (measured faster there), "loop" elsewhere (CPU / TPU results unchanged);
+#   "loop" — XLA: a rolled loop of row / column normalisations (about ten tiny kernels per iteration forward and two
+#       backward on a GPU: ~1,800 launches per fullwidth4 step on an H200, ≈ 2.3 ms);
 #   "pallas_gpu" / "pallas_gpu_interpret" — ``kernels.mhc_gpu.sinkhorn_comb``: one kernel forward and one backward
-#       per site, the same float32 maths (sums left to right: the last bits may differ); the interpret form for CPU
-#       tests;
-#   "auto" — "pallas_gpu" on a GPU, "loop" elsewhere.
+#       per site, the same float32 maths (sums left to right: the last bits may differ); the fullwidth4 train step
+#       2.4 ms faster than "loop" on an H200 in one process (158.0 vs 160.4 ms; loop-body launches per step ~1,800 -> 138;
+#       benchmarks/RESULTS.md, 2026-12-02 19:22); the interpret form for CPU tests (slow: minutes for 19 iterations).
 SINKHORN_FORMS = ("auto", "loop", "pallas_gpu", "pallas_gpu_interpret")
-SINKHORN_FORM = "loop"
+SINKHORN_FORM = "auto"
 
 
 def _sinkhorn_form() -> str:
