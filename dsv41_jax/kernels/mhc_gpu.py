@@ -50,22 +50,9 @@ def _normalize_cols(c, hc, eps):
 def _softmax_sinkhorn(x, hc, eps, iters):
     """The hc x hc mixing logits (a list of hc * hc row-major values, each a vector over the block's tokens) ->
     the Sinkhorn-projected matrix, as ``ops.mhc.mhc_coefficients``: a softmax over j plus eps, a column
-    normalisation, then ``iters - 1`` row + column normalisations."""
-    c = []
-    for i in range(hc):  # softmax over j, + eps
-        row = x[i * hc:(i + 1) * hc]
-        mx = row[0]
-        for v in row[1:]:
-            mx = jnp.maximum(mx, v)
-        e = [jnp.exp(v - mx) for v in row]
-        s = _sum(e)
-        c += [v / s + eps for v in e]
-    c = _normalize_cols(c, hc, eps)
-
-    def body(_, cc):
-        return tuple(_normalize_cols(_normalize_rows(list(cc), hc, eps), hc, eps))
-
-    return list(jax.lax.fori_loop(0, iters - 1, body, tuple(c)))
+    normalisation, then ``iters - 1`` row + column normalisations (:func:`sinkhorn_fwd_math`, the training kernel's
+    forward)."""
+    return sinkhorn_fwd_math(x, hc, eps, iters)
 
 
 def _sigmoid(v):
