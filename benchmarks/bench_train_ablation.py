@@ -20,11 +20,15 @@ instead of the blocked XLA form) or ``+mgpu`` (``moe_impl="grouped_mgpu"``: JAX'
 tiles from ``--mgpu-tiles``), optionally ``+gbnB`` (B = 1, 2, 4, 8: the Mosaic kernels' ``grid_block_n`` ceiling for
 all three products, lowered per product and shape by ``grouped_gemm_mgpu.product_tiles`` to a band that divides the
 output columns; the tiles each product got are in the row), ``+qstages1`` / ``+qstages2`` (the attention backward's
-dQ kernel pipelined over 1 or 2 stages; 2 is the default since 2026-12-02 14:29), ``+kstages2`` (its dKV kernels over
-2 stages), ``+dxterms`` / ``+dxreduce`` / ``+dxminor`` / ``+dxdot`` / ``+dxpallas`` (``ops.linear.NARROW_DX_FORM``:
+dQ kernel pipelined over 1 or 2 stages; 2 is the default since 2026-12-02 14:29), ``+kstages1`` / ``+kstages2`` (its
+dKV kernels over 1 or 2 stages), ``+skloop`` / ``+skpallas`` (``ops.mhc.SINKHORN_FORM``: the mHC Sinkhorn as XLA's
+loop or as ``kernels.mhc_gpu.sinkhorn_comb``, one kernel forward and one backward per site), ``+dxterms`` / ``+dxreduce`` / ``+dxminor`` / ``+dxdot`` / ``+dxpallas`` (``ops.linear.NARROW_DX_FORM``:
 the form of the narrow float32 projections' input gradient — the mHC coefficients, the router; ``+dxpallas`` is the
 ``kernels.narrow_dx_gpu`` kernel, in interpret mode on a CPU). Each row also times the same steps dispatched back to
-back (``step_ms_pipelined``). ``--profile VARIANTS`` profiles those variants after it is timed (``--profile-steps``
+back (``step_ms_pipelined``: how the trainer runs them, reading metrics every few steps). The MFU denominator is
+``profile_train.matmul_probe`` (the best of four large bf16 GEMM shapes after 2 s of warm-up each), measured first;
+every row is also given against ``--ref-matmul`` (797 TFLOP/s, what earlier calls measured) and the 989 TFLOP/s
+datasheet peak. ``--profile VARIANTS`` profiles those variants after it is timed (``--profile-steps``
 steps, device time summed by kernel and category as ``profile_train.py`` does), writes their optimised HLO beside the
 trace (``hlo_<variant>.txt.gz``: kernel names are fusion names there) and the trace's time by kernel family
 (``families_<variant>.txt``, ``trace_families.py``).
@@ -54,7 +58,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_train import model_flops_per_token, preset  # noqa: E402
-from profile_train import hlo_stats, matmul_rate, summarize_trace  # noqa: E402
+from profile_train import H200_BF16_DATASHEET, hlo_stats, matmul_probe, summarize_trace  # noqa: E402
 import trace_families  # noqa: E402
 
 from dsv41_jax import kernels as KN  # noqa: E402
@@ -62,6 +66,7 @@ from dsv41_jax.kernels import grouped_gemm_gpu as GG  # noqa: E402
 from dsv41_jax.kernels import grouped_gemm_mgpu as GM  # noqa: E402
 from dsv41_jax.model.model import default_hasher  # noqa: E402
 from dsv41_jax.ops import linear as LIN  # noqa: E402
+from dsv41_jax.ops import mhc as MHC  # noqa: E402
 from dsv41_jax.train.testing import random_batch  # noqa: E402
 from dsv41_jax.train.config import TrainConfig  # noqa: E402
 from dsv41_jax.train.step import make_train_step  # noqa: E402
@@ -82,23 +87,29 @@ def parse_variant(name: str) -> dict:
     bands = [f for f in flags if f in ("gbn1", "gbn2", "gbn4", "gbn8")]
     dx_forms = {"dxterms": "terms", "dxreduce": "reduce", "dxminor": "minor", "dxdot": "dot",
                 "dxpallas": "pallas_gpu" if jax.default_backend() == "gpu" else "pallas_gpu_interpret"}
-    known = {"copy", "atomic", "grouped", "mgpu", "qstages1", "qstages2", "kstages2", *dx_forms, *bands}
+    sk_forms = {"skloop": "loop", "skpallas": "pallas_gpu" if jax.default_backend() == "gpu" else "pallas_gpu_interpret"}
+    known = {"copy", "atomic", "grouped", "mgpu", "qstages1", "qstages2", "kstages1", "kstages2", *dx_forms,
+             *sk_forms, *bands}
     if (base not in ("before", "tiles") or set(flags) - known or len(bands) > 1
-            or len(set(flags) & set(dx_forms)) > 1):
+            or len(set(flags) & set(dx_forms)) > 1 or len(set(flags) & set(sk_forms)) > 1):
         raise ValueError(f"variant {name!r}: want before|tiles, then optional +copy, +atomic, +grouped, +mgpu, "
-                         "+gbn1|2|4|8, one of +dxterms|+dxreduce|+dxminor|+dxdot|+dxpallas, +qstages1|2, +kstages2")
+                         "+gbn1|2|4|8, one of +dxterms|+dxreduce|+dxminor|+dxdot|+dxpallas, +qstages1|2, +kstages1|2, "
+                         "+skloop|+skpallas")
     tiles = dict(TILES_BEFORE if base == "before" else KN.GPU_BWD_DEFAULTS["16bit"])
     if "atomic" in flags:
         tiles.update(dkv="atomic", dkv_selected="atomic")
     for stages in (1, 2):
         if f"qstages{stages}" in flags:
             tiles.update(num_stages=stages)
-    if "kstages2" in flags:
-        tiles.update(key_stages=2)
+    for stages in (1, 2):
+        if f"kstages{stages}" in flags:
+            tiles.update(key_stages=stages)
     moe_impl = "grouped" if "grouped" in flags else "grouped_mgpu" if "mgpu" in flags else "blocked"
     dx_form = next((dx_forms[f] for f in flags if f in dx_forms), None)
+    sk_form = next((sk_forms[f] for f in flags if f in sk_forms), None)
     return {"name": name, "tiles": tiles, "copy": "copy" in flags, "moe_impl": moe_impl,
-            "grid_block_n": int(bands[0][3:]) if bands else None, "narrow_dx_form": dx_form}
+            "grid_block_n": int(bands[0][3:]) if bands else None, "narrow_dx_form": dx_form,
+            "sinkhorn_form": sk_form}
 
 
 def main(argv=None) -> int:
@@ -117,6 +128,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default=None, help="variants (comma-separated) to profile after timing them")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--out", default=".")
+    p.add_argument("--ref-matmul", type=float, default=797e12,
+                   help="a second MFU denominator, FLOP/s (default: the 797 TFLOP/s earlier H200 calls measured)")
     args = p.parse_args(argv)
     smoke = SMOKE or args.smoke
     if smoke:
@@ -131,13 +144,18 @@ def main(argv=None) -> int:
             f.write(json.dumps(rec) + "\n")
 
     dev = jax.devices()[0]
-    peak = matmul_rate(512 if smoke else 8192)
+    t_probe = time.perf_counter()
+    probe = (matmul_probe(((512, 512, 512),), warm_s=0.0) if smoke else matmul_probe())
+    peak = probe["best"]
     head = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__, "preset": args.preset,
             "batch": args.batch, "seq": args.seq, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "matmul_bf16_flops_measured": peak,
+            "matmul_probe_by_shape": probe["by_shape"], "matmul_probe_s": round(time.perf_counter() - t_probe, 1),
+            "matmul_ref_flops": args.ref_matmul, "matmul_datasheet_flops": H200_BF16_DATASHEET,
             "tiles_before": TILES_BEFORE, "tiles_now": dict(KN.GPU_BWD_DEFAULTS["16bit"])}
     emit(head)
-    log(f"{head['device']}: bf16 matmul {peak / 1e12:.1f} TFLOP/s")
+    log(f"{head['device']}: bf16 matmul {peak / 1e12:.1f} TFLOP/s (best of "
+        + ", ".join(f"{k} {x / 1e12:.1f}" for k, x in probe["by_shape"].items()) + ")")
 
     config = preset(args.preset)
     variants = [parse_variant(v) for v in args.variants.split(",") if v]
@@ -145,6 +163,7 @@ def main(argv=None) -> int:
     saved_grouped = {k: (dict(v) if isinstance(v, dict) else v) for k, v in GG.GROUPED_TILES.items()}
     saved_mgpu = {k: dict(v) for k, v in GM.MGPU_TILES.items()}
     saved_dx_form = LIN.NARROW_DX_FORM
+    saved_sk_form = MHC.SINKHORN_FORM
     grouped_tiles = saved_grouped
     if args.grouped_tiles:
         with open(args.grouped_tiles) as f:
@@ -174,6 +193,9 @@ def main(argv=None) -> int:
         if v["narrow_dx_form"] is not None:
             LIN.NARROW_DX_FORM = v["narrow_dx_form"]
         v["narrow_dx_form"] = LIN.NARROW_DX_FORM
+        if v["sinkhorn_form"] is not None:
+            MHC.SINKHORN_FORM = v["sinkhorn_form"]
+        v["sinkhorn_form"] = MHC.SINKHORN_FORM
         jax.clear_caches()
         try:
             tc = TrainConfig(seq_len=args.seq, batch_size=args.batch, steps=1000, warmup_steps=10, lr=1e-4,
@@ -191,6 +213,7 @@ def main(argv=None) -> int:
             GG.GROUPED_TILES.update(saved_grouped)
             GM.MGPU_TILES.update({k: dict(x) for k, x in saved_mgpu.items()})
             LIN.NARROW_DX_FORM = saved_dx_form
+            MHC.SINKHORN_FORM = saved_sk_form
         log(f"lowered {v['name']}" + (f": {v['error']}" if "error" in v else f" in {v['lower_s']:.1f} s"))
 
     # 2. compile them all at once
@@ -219,7 +242,7 @@ def main(argv=None) -> int:
     for v in variants:
         row = {"what": "train", "variant": v["name"], "tiles": v["tiles"], "compute_copy": v["copy"],
                "moe_impl": v["moe_impl"], "mgpu_tiles": v.get("mgpu_tiles"), "narrow_dx_form": v["narrow_dx_form"],
-               "batch": args.batch, "seq": args.seq}
+               "sinkhorn_form": v["sinkhorn_form"], "batch": args.batch, "seq": args.seq}
         if "error" in v:
             row["error"] = v["error"]
         elif time.time() - _T0 > args.deadline_s:
@@ -252,7 +275,11 @@ def main(argv=None) -> int:
             row["step_ms_pipelined"] = (time.perf_counter() - t0) / args.steps * 1e3
             row.update({"step_ms": [round(t * 1e3, 2) for t in times], "step_ms_median": med * 1e3,
                         "tokens_per_s": tokens / med, "model_flops_per_token": flops,
-                        "mfu_measured_matmul": flops * tokens / med / peak})
+                        "mfu_measured_matmul": flops * tokens / med / peak,
+                        "mfu_ref_matmul": flops * tokens / med / args.ref_matmul,
+                        "mfu_datasheet": flops * tokens / med / H200_BF16_DATASHEET,
+                        "mfu_pipelined_measured_matmul": flops * tokens / (row["step_ms_pipelined"] / 1e3) / peak,
+                        "mfu_pipelined_ref_matmul": flops * tokens / (row["step_ms_pipelined"] / 1e3) / args.ref_matmul})
             if v["name"] in (args.profile or "").split(","):
                 tag = v["name"].replace("+", "_")
                 with gzip.open(os.path.join(args.out, f"hlo_{tag}.txt.gz"), "wt") as f:  # kernels -> HLO -> source
@@ -291,17 +318,19 @@ def main(argv=None) -> int:
         log(json.dumps({k: x for k, x in row.items() if k != "profile"}))
 
     print(f"\n{head['device']}, {args.preset}, batch {args.batch} x {args.seq}, bf16; matmul measured "
-          f"{peak / 1e12:.0f} TFLOP/s; tiles before {TILES_BEFORE}, now {head['tiles_now']}")
-    print("| variant | step ms (median) | tokens/s | MFU vs measured | back-to-back step ms | temporaries GiB | "
-          "arguments GiB | fusions |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"{peak / 1e12:.1f} TFLOP/s (best of {len(probe['by_shape'])} GEMM shapes), ref {args.ref_matmul / 1e12:.0f}, "
+          f"datasheet {H200_BF16_DATASHEET / 1e12:.0f}; tiles before {TILES_BEFORE}, now {head['tiles_now']}")
+    print("| variant | step ms (median) | tokens/s | MFU vs measured | vs ref | vs datasheet | back-to-back step ms | "
+          "b2b MFU vs measured | b2b vs ref | temporaries GiB | fusions |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['variant']} | {r['error'][:200]} |")
             continue
         print(f"| {r['variant']} | {r['step_ms_median']:.1f} | {r['tokens_per_s']:,.0f} | "
-              f"{r['mfu_measured_matmul']:.1%} | {r['step_ms_pipelined']:.1f} | {r['temp_size_in_bytes'] / 2 ** 30:.2f} | "
-              f"{r['argument_size_in_bytes'] / 2 ** 30:.2f} | {r['hlo_fusions']} |")
+              f"{r['mfu_measured_matmul']:.1%} | {r['mfu_ref_matmul']:.1%} | {r['mfu_datasheet']:.1%} | "
+              f"{r['step_ms_pipelined']:.1f} | {r['mfu_pipelined_measured_matmul']:.1%} | "
+              f"{r['mfu_pipelined_ref_matmul']:.1%} | {r['temp_size_in_bytes'] / 2 ** 30:.2f} | {r['hlo_fusions']} |")
     return 0
 
 

@@ -77,6 +77,39 @@ def test_mhc_comb_kernel_equals_the_xla_sinkhorn():
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
 
 
+def test_mhc_trainable_sinkhorn_kernel_maths_equal_the_xla_loop_and_its_gradient():
+    """The train step's Sinkhorn kernels (kernels.mhc_gpu.sinkhorn_comb: ops.mhc.SINKHORN_FORM "pallas_gpu"): their
+    forward and backward maths — the backward recomputing each step's input instead of saving it — run here on
+    plain arrays (the Pallas interpret mode takes minutes for 19 iterations), against ops.mhc's XLA loop and its
+    autodiff gradient, for ordinary and extreme logits: within 2e-6 of the largest value."""
+    from unittest import mock
+
+    from dsv41_jax.kernels.mhc_gpu import sinkhorn_bwd_math, sinkhorn_fwd_math
+    from dsv41_jax.ops import mhc as mhc_ops
+
+    hc, iters, eps, n = 4, 20, 1e-6, 37
+    base = jnp.zeros((2 + hc) * hc)
+    scale = jnp.ones(3)
+    kw = dict(hc_eps=eps, rms_eps=1e-20, sinkhorn_iters=iters)
+    fwd = jax.jit(lambda x: jnp.stack(sinkhorn_fwd_math(list(x.T), hc, eps, iters), 1))
+    bwd = jax.jit(lambda x, g: jnp.stack(sinkhorn_bwd_math(list(x.T), list(g.T), hc, eps, iters), 1))
+
+    def loop(logits):  # ops.mhc's comb from these logits: mix = [0 (pre), 0 (post), logits], unit scales, no bias
+        mix = jnp.concatenate([jnp.zeros((n, 2 * hc)), logits], axis=1)
+        with mock.patch.object(mhc_ops, "narrow_matmul_f32", lambda x, w: mix), \
+                mock.patch.object(mhc_ops, "rms_normalize", lambda x, e: x):
+            return mhc_ops.mhc_coefficients(jnp.zeros((n, hc, 1)), jnp.zeros((24, hc)), base, scale,
+                                             **kw)[2].reshape(n, hc * hc)
+
+    g = jax.random.normal(jax.random.PRNGKey(1), (n, hc * hc))
+    for mult in (1.0, 10.0):
+        x = mult * jax.random.normal(jax.random.PRNGKey(0), (n, hc * hc))
+        want, vjp = jax.vjp(loop, x)
+        for got, ref in ((fwd(x), want), (bwd(x, g), vjp(g)[0])):
+            err = float(jnp.max(jnp.abs(got - ref)))
+            assert err <= 2e-6 * float(jnp.max(jnp.abs(ref))), (mult, err)
+
+
 def test_mhc_sinkhorn_runs_in_its_kernel_by_default_on_the_gpu_backend(tiny_config):
     """Inference on the Pallas GPU backend computes the mHC Sinkhorn in kernels.mhc_gpu unless told otherwise: XLA's
     unrolled form made XLA:GPU's priority fusion search Triton tilings for minutes per program (batch-32 decode,

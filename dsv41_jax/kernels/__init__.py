@@ -94,9 +94,12 @@ class _AttnCfg:
 # (decode-sized backward passes) are unmeasured with these. The dQ kernel's loop over its rows pipelined over 2
 # stages (``num_stages``; attention_bwd's own default is 1): the fullwidth4 train step 4.6 ms (2.7 %) faster on an
 # H200 in one process (benchmarks/RESULTS.md, 2026-12-02 14:29), first-step loss bit-identical, gradient norm
-# within 1.1e-5 (the pipelined kernel's float32 accumulation order).
+# within 1.1e-5 (the pipelined kernel's float32 accumulation order). The dKV kernels' loops pipelined over 2 stages
+# too (``key_stages``): the dKV family 17.0 ms per fullwidth4 step (18.2 in the 15:15 profile), the step 0.3 ms
+# faster alone and 1.2 ms faster beside the Sinkhorn kernel in one process — within the run's noise alone, so a small
+# gain (benchmarks/RESULTS.md, 2026-12-02 19:22); first-step loss and gradient norm bit-identical (same sums).
 GPU_BWD_DEFAULTS = {
-    "16bit": {"block_h": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "key_warps": 4},
+    "16bit": {"block_h": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "key_warps": 4, "key_stages": 2},
     "float32": {"block_h": 16, "block_k": 16, "num_warps": 4},  # fp32 tiles are twice the registers
 }
 

@@ -50,22 +50,9 @@ def _normalize_cols(c, hc, eps):
 def _softmax_sinkhorn(x, hc, eps, iters):
     """The hc x hc mixing logits (a list of hc * hc row-major values, each a vector over the block's tokens) ->
     the Sinkhorn-projected matrix, as ``ops.mhc.mhc_coefficients``: a softmax over j plus eps, a column
-    normalisation, then ``iters - 1`` row + column normalisations."""
-    c = []
-    for i in range(hc):  # softmax over j, + eps
-        row = x[i * hc:(i + 1) * hc]
-        mx = row[0]
-        for v in row[1:]:
-            mx = jnp.maximum(mx, v)
-        e = [jnp.exp(v - mx) for v in row]
-        s = _sum(e)
-        c += [v / s + eps for v in e]
-    c = _normalize_cols(c, hc, eps)
-
-    def body(_, cc):
-        return tuple(_normalize_cols(_normalize_rows(list(cc), hc, eps), hc, eps))
-
-    return list(jax.lax.fori_loop(0, iters - 1, body, tuple(c)))
+    normalisation, then ``iters - 1`` row + column normalisations (:func:`sinkhorn_fwd_math`, the training kernel's
+    forward)."""
+    return sinkhorn_fwd_math(x, hc, eps, iters)
 
 
 def _sigmoid(v):
@@ -128,4 +115,124 @@ def mhc_coefficients_kernel(x, scale, base, *, hc: int, hc_eps: float, iters: in
     )(x.astype(f32), scale, base)
 
 
-__all__ = ["mhc_coefficients_kernel"]
+# ----------------------------------------------------------------------------------------------------------------
+# The softmax + Sinkhorn with a gradient (training)
+# ----------------------------------------------------------------------------------------------------------------
+#
+# In the train step XLA runs the Sinkhorn as a rolled loop whose body is ~10 tiny kernels forward (the row and
+# column sums as reductions, the divisions, the residuals stacked for the backward) and ~2 backward, per iteration:
+# 19 iterations x 8 mHC sites gave ~1,800 launches of ~1.25 us in a fullwidth4 step on an H200 (≈ 2.3 ms;
+# benchmarks/RESULTS.md, 2026-12-02 14:29). Here the forward is one kernel per site, and the backward another that
+# saves nothing but the logits: it recomputes each iteration's input from the first normalised matrix (a loop of k
+# iterations for the k-th step back, ~iters² / 2 cheap 4 x 4 steps per token, all in registers) and applies that
+# step's vector-Jacobian product, traced from the same float32 code as the forward.
+
+def _softmax_cols(x, hc, eps):
+    """Row softmax (+ eps) of the hc x hc logits, then one column normalisation: the Sinkhorn's starting matrix.
+    The softmax's shift is a constant to the gradient (as in ``jax.nn.softmax``)."""
+    c = []
+    for i in range(hc):
+        row = x[i * hc:(i + 1) * hc]
+        mx = row[0]
+        for v in row[1:]:
+            mx = jnp.maximum(mx, v)
+        mx = jax.lax.stop_gradient(mx)
+        e = [jnp.exp(v - mx) for v in row]
+        s = _sum(e)
+        c += [v / s + eps for v in e]
+    return _normalize_cols(c, hc, eps)
+
+
+def _sinkhorn_step(c, hc, eps):
+    return _normalize_cols(_normalize_rows(c, hc, eps), hc, eps)
+
+
+def sinkhorn_fwd_math(x, hc, eps, iters):
+    """The kernel's forward on a list of hc * hc vectors (any arrays: the kernel's registers, or plain arrays)."""
+    c = _softmax_cols(list(x), hc, eps)
+    return list(jax.lax.fori_loop(0, iters - 1, lambda _, cc: tuple(_sinkhorn_step(list(cc), hc, eps)), tuple(c)))
+
+
+def sinkhorn_bwd_math(x, ct, hc, eps, iters):
+    """The backward kernel's maths on lists of hc * hc vectors: the logits ``x`` and comb's cotangent ``ct`` -> the
+    logits' cotangent. Nothing of the forward is kept: the k-th step's input is recomputed from the first
+    normalised matrix by a loop of k steps, then that step's vector-Jacobian product is applied (k = iters - 2 .. 0)."""
+    c1, start_vjp = jax.vjp(lambda v: tuple(_softmax_cols(list(v), hc, eps)), tuple(x))
+    step = lambda _, cc: tuple(_sinkhorn_step(list(cc), hc, eps))  # noqa: E731
+
+    def back(j, ct):  # one step back: k = iters - 2 - j (loops, not unrolled code: the kernel compiles in seconds)
+        ck = jax.lax.fori_loop(0, iters - 2 - j, step, c1)
+        _, step_vjp = jax.vjp(lambda cc: step(0, cc), ck)
+        return step_vjp(ct)[0]
+
+    (dx,) = start_vjp(jax.lax.fori_loop(0, iters - 1, back, tuple(ct)))
+    return list(dx)
+
+
+def _comb_call(kernel, n_tok, m, block, interpret, name):
+    return pl.pallas_call(kernel, grid=(pl.cdiv(n_tok, block),),
+                          out_shape=jax.ShapeDtypeStruct((n_tok, m), jnp.float32),
+                          compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+                          name=name)
+
+
+def _sinkhorn_fwd_kernel(logits, hc, eps, iters, block, interpret):
+    n_tok, m = logits.shape
+
+    def kernel(x_ref, o_ref):
+        rows = pl.program_id(0) * block + jnp.arange(block)
+        ok = rows < n_tok
+        safe = jnp.minimum(rows, n_tok - 1)
+        c = sinkhorn_fwd_math([pltr.load(x_ref.at[safe, k], mask=ok, other=0.0) for k in range(m)], hc, eps, iters)
+        for k in range(m):
+            pltr.store(o_ref.at[rows, k], c[k], mask=ok)
+
+    return _comb_call(kernel, n_tok, m, block, interpret, "mhc_sinkhorn_fwd")(logits)
+
+
+def _sinkhorn_bwd_kernel(logits, g, hc, eps, iters, block, interpret):
+    n_tok, m = logits.shape
+
+    def kernel(x_ref, g_ref, o_ref):
+        rows = pl.program_id(0) * block + jnp.arange(block)
+        ok = rows < n_tok
+        safe = jnp.minimum(rows, n_tok - 1)
+        x = [pltr.load(x_ref.at[safe, k], mask=ok, other=0.0) for k in range(m)]
+        ct = [pltr.load(g_ref.at[safe, k], mask=ok, other=0.0) for k in range(m)]
+        dx = sinkhorn_bwd_math(x, ct, hc, eps, iters)
+        for k in range(m):
+            pltr.store(o_ref.at[rows, k], dx[k], mask=ok)
+
+    return _comb_call(kernel, n_tok, m, block, interpret, "mhc_sinkhorn_bwd")(logits, g)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def sinkhorn_comb(logits, hc: int, eps: float, iters: int, block: int = BLOCK_TOKENS, interpret: bool = False):
+    """comb [N, hc * hc] from its logits [N, hc * hc] (float32, row-major i -> j) as ``ops.mhc.mhc_coefficients``
+    computes it — softmax over j + eps, a column normalisation, ``iters - 1`` (row, column) normalisation pairs —
+    in one kernel, differentiable (its backward one kernel too, saving only the logits)."""
+    _check_comb(logits, hc, iters)
+    return _sinkhorn_fwd_kernel(logits, hc, eps, iters, block, interpret)
+
+
+def _check_comb(logits, hc, iters):
+    if logits.ndim != 2 or logits.shape[1] != hc * hc or logits.dtype != jnp.float32:
+        raise ValueError(f"sinkhorn_comb: logits must be float32 [tokens, {hc * hc}] for hc = {hc}, got "
+                         f"{logits.dtype} {logits.shape}")
+    if iters < 1:
+        raise ValueError(f"sinkhorn_comb: iters must be >= 1, got {iters}")
+
+
+def _sinkhorn_comb_fwd(logits, hc, eps, iters, block, interpret):
+    _check_comb(logits, hc, iters)
+    return _sinkhorn_fwd_kernel(logits, hc, eps, iters, block, interpret), logits
+
+
+def _sinkhorn_comb_bwd(hc, eps, iters, block, interpret, logits, g):
+    return (_sinkhorn_bwd_kernel(logits, g.astype(jnp.float32), hc, eps, iters, block, interpret),)
+
+
+sinkhorn_comb.defvjp(_sinkhorn_comb_fwd, _sinkhorn_comb_bwd)
+
+
+__all__ = ["mhc_coefficients_kernel", "sinkhorn_comb"]

@@ -19,6 +19,26 @@ from dsv41_jax.ops.linear import narrow_matmul_f32
 from dsv41_jax.ops.norms import rms_normalize
 
 
+# How the train step's ``comb`` (softmax + Sinkhorn, differentiable) runs when no ``comb_kernel`` is asked for:
+#   "auto" (default) — "pallas_gpu" on a GPU (measured faster there), "loop" elsewhere (CPU / TPU results unchanged);
+#   "loop" — XLA: a rolled loop of row / column normalisations (about ten tiny kernels per iteration forward and two
+#       backward on a GPU: ~1,800 launches per fullwidth4 step on an H200, ≈ 2.3 ms);
+#   "pallas_gpu" / "pallas_gpu_interpret" — ``kernels.mhc_gpu.sinkhorn_comb``: one kernel forward and one backward
+#       per site, the same float32 maths (sums left to right: the last bits may differ); the fullwidth4 train step
+#       2.4 ms faster than "loop" on an H200 in one process (158.0 vs 160.4 ms; loop-body launches per step ~1,800 -> 138;
+#       benchmarks/RESULTS.md, 2026-12-02 19:22); the interpret form for CPU tests (slow: minutes for 19 iterations).
+SINKHORN_FORMS = ("auto", "loop", "pallas_gpu", "pallas_gpu_interpret")
+SINKHORN_FORM = "auto"
+
+
+def _sinkhorn_form() -> str:
+    if SINKHORN_FORM not in SINKHORN_FORMS:
+        raise ValueError(f"ops.mhc.SINKHORN_FORM = {SINKHORN_FORM!r}: want one of {SINKHORN_FORMS}")
+    if SINKHORN_FORM == "auto":
+        return "pallas_gpu" if jax.default_backend() == "gpu" else "loop"
+    return SINKHORN_FORM
+
+
 def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, hc_eps: float,
                      rms_eps: float, sinkhorn_iters: int, unroll: bool = False,
                      comb_kernel: str | None = None, one_pass: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -62,6 +82,13 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
     pre = jax.nn.sigmoid(mix[..., :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(mix[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     logits = (mix[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*mix.shape[:-1], hc, hc)
+    form = _sinkhorn_form()
+    if form.startswith("pallas_gpu") and not unroll:
+        from dsv41_jax.kernels.mhc_gpu import sinkhorn_comb  # lazy: ops does not need the kernels package
+
+        comb = sinkhorn_comb(logits.reshape(-1, hc * hc), hc, float(hc_eps), int(sinkhorn_iters),
+                             interpret=form.endswith("interpret"))
+        return pre, post, comb.reshape(logits.shape)
     comb = jax.nn.softmax(logits, axis=-1) + hc_eps
     comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
 
