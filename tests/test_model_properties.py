@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax import ForwardOptions, forward, init_params, load_config
+from dsv41_jax import ForwardOptions, forward, init_params
 from dsv41_jax.inference.step import FAST_COMPILE
 from dsv41_jax.model.model import default_hasher
 from dsv41_jax.ops.attention import sequence_sparse_attention, sparse_attention
@@ -280,7 +280,10 @@ def test_moe_routing_semantics():
 def test_packed_documents_equal_separate_runs(quant):
     """segment_ids: windows, compressor groups (ratio 2 groups realign at each document start), indexer, HSI blocks
     and Engram n-grams restart per document, so a packed row equals each document run alone."""
-    config = load_config("tiny").replace(candidate_topk_blocks=2)
+    # the 6-layer cut with every layer role once (SWA, Full ratio 2 + Engram, Reuse, Full ratio 1 / HSI candidate
+    # source, Reindex): each restarts per document on its own, so one layer of each kind shows it; its programs
+    # compile in about half the time of the 12-layer tiny's
+    config = every_role_config(candidate_topk_blocks=2)
     params = init_params(config, jax.random.PRNGKey(0), std=0.1)
     hasher = default_hasher(config)
     rng = np.random.default_rng(0)
