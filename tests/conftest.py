@@ -137,8 +137,11 @@ def pytest_xdist_make_scheduler(config, log):
             if "@" in nodeid:  # a pytest where xdist's own suffix works
                 return super()._split_scope(nodeid)
             if self.groups is None:  # read once all workers have collected (the scheduler starts after that)
-                with open(XDIST_GROUPS) as f:
-                    self.groups = json.load(f)
+                try:
+                    with open(XDIST_GROUPS) as f:
+                        self.groups = json.load(f)
+                except FileNotFoundError:  # no worker got as far as writing them (a collection error): no groups
+                    self.groups = {}
             return self.groups.get(nodeid, nodeid)
 
     return Scheduling(config, log)
