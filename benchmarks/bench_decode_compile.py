@@ -52,7 +52,7 @@ import numpy as np  # noqa: E402
 
 import profile_decode as pd  # noqa: E402  (its argument parser reads nothing when imported)
 from ceilings import read_bandwidth  # noqa: E402
-from dsv41_jax.inference.decode import _decode_chain, _decode_opts, _decode_sample  # noqa: E402
+from dsv41_jax.inference.decode import _decode_opts, _decode_sample, decode_chain_program  # noqa: E402
 from dsv41_jax.inference.step import InferenceOptions, jit_for  # noqa: E402
 
 FLAGS = {"onepass": ("mhc_one_pass", "router_one_pass"), "mhc": ("mhc_one_pass",), "router": ("router_one_pass",)}
@@ -125,7 +125,7 @@ def compile_programs(config, params, opts, s, case: Case, dump_dir: str) -> tupl
     t0 = time.perf_counter()
     key = (b, case.flags, case.greedy)  # a case that differs only in its compiler options reuses the lowering
     if "device loop" not in LOWERED.get(key, {}):
-        chain = jit_for(_decode_chain, dopts, static=("config", "opts", "sampler")).jitted
+        chain = decode_chain_program(dopts).jitted
         LOWERED.setdefault(key, {})["device loop"] = chain.lower(
             params, s["cache"], s["state"], s["tables"], *s["samp"], *s["limits"], config=config, opts=dopts,
             sampler="greedy" if case.greedy else "filtered")

@@ -332,7 +332,7 @@ def loop_programs(config, params, opts, s) -> dict:
     """{name: thunk} lowering and compiling each program the loops of setup ``s`` run, with exactly the arguments
     (shapes, placement, donation) of their first call, so that the call finds the compiled program in jit's
     cache. Each thunk returns its lowering / compile seconds and the size of the optimised program."""
-    from dsv41_jax.inference.decode import _decode_chain, _decode_opts, _decode_sample
+    from dsv41_jax.inference.decode import _decode_opts, _decode_sample, decode_chain_program
     from dsv41_jax.inference.step import jit_for
 
     dopts = _decode_opts(opts)
@@ -351,7 +351,7 @@ def loop_programs(config, params, opts, s) -> dict:
                         hlo_custom_calls=text.count(" custom-call("), hlo_while=text.count(" while("))
         return run
 
-    chain = jit_for(_decode_chain, dopts).jitted
+    chain = decode_chain_program(dopts).jitted
     jobs[f"B{b} device loop (decode_chain)"] = job(lambda: chain.lower(
         params, s["cache"], s["state"], s["tables"], *s["samp"], *s["limits"], config=config, opts=dopts))
     if s["host_loop"]:
@@ -440,13 +440,12 @@ def diagnose_compile(config, params, opts, batch, context, readback, profile_ste
     """The device loop's program at ``batch`` compiled alone with XLA's GEMM autotuning off
     (``xla_gpu_autotune_level=0``; a new program: other compile options are another cache entry), against its
     compile with the default autotuning (the precompile): how much of the compile time is autotuning."""
-    from dsv41_jax.inference.decode import _decode_chain, _decode_opts
-    from dsv41_jax.inference.step import jit_for
+    from dsv41_jax.inference.decode import _decode_opts, decode_chain_program
 
     s = loop_setup(config, batch, context, opts, readback, profile_steps, False)
     dopts = _decode_opts(opts)
     t0 = time.perf_counter()
-    lowered = jit_for(_decode_chain, dopts).jitted.lower(params, s["cache"], s["state"], s["tables"], *s["samp"],
+    lowered = decode_chain_program(dopts).jitted.lower(params, s["cache"], s["state"], s["tables"], *s["samp"],
                                                         *s["limits"], config=config, opts=dopts)
     t1 = time.perf_counter()
     out = {f"B{batch} device loop lowering alone, s": t1 - t0}

@@ -160,8 +160,7 @@ def test_a_program_already_in_jax_cache_is_stored_from_a_fresh_compile(program_d
 def test_the_engine_compiles_one_decode_program_and_reloads_every_program(program_dir):
     from dsv41_jax import Engine
     from dsv41_jax.inference import FAST_COMPILE, InferenceOptions
-    from dsv41_jax.inference.decode import _decode_chain
-    from dsv41_jax.inference.step import _jit
+    from dsv41_jax.inference.decode import _decode_opts, decode_chain_program
     from dsv41_jax.inference.weights import host_random_params
     from dsv41_jax.train.testing import every_role_config
 
@@ -173,8 +172,8 @@ def test_the_engine_compiles_one_decode_program_and_reloads_every_program(progra
                     options=opts, compilation_cache=False)
     first = [r.tokens for r in engine.generate([[5, 6, 7], list(range(3, 30))], max_new_tokens=4)]
     first.append(engine.generate([[9] * 20], max_new_tokens=6)[0].tokens)  # another prompt length, batch fill
-    decode = _jit(_decode_chain, ("config", "opts"), ("cache",), FAST_COMPILE)
-    assert decode.built == 1 and len(decode._programs) == 1  # one decode program for every call
+    decode = decode_chain_program(_decode_opts(opts))
+    assert decode.built == 1 and len(decode._programs) == 1  # one decode program for every (greedy) call
     stored = sorted(os.listdir(program_dir))
 
     CC.clear_program_stores()  # a later process: every program from disk, none traced or lowered again

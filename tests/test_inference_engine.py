@@ -14,9 +14,8 @@ from dsv41_jax.cli import main
 from dsv41_jax.inference import (FAST_COMPILE, EngineError, InferenceOptions, Request, cache_footprint, decode_step,
                                  init_cache)
 from dsv41_jax.inference.cache import abstract_cache, tree_bytes
-from dsv41_jax.inference.decode import _decode_chain, _decode_opts
+from dsv41_jax.inference.decode import _decode_opts, decode_chain_program
 from dsv41_jax.inference.sampling import SamplingError, SamplingParams, filter_logits, sample, sampler_for
-from dsv41_jax.inference.step import jit_for
 from dsv41_jax.inference.weights import host_random_params
 from dsv41_jax.tokenizer import ByteTokenizer
 from dsv41_jax.train.testing import every_role_config
@@ -105,7 +104,10 @@ def test_device_decode_loop_equals_the_host_loop():
             Request(p[1], temperature=1.0, top_k=20, seed=3, max_new_tokens=11, stop_tokens=()),
             Request(p[2], max_new_tokens=10, stop_tokens=())]  # ends by max_len
     got = {}
-    chain = jit_for(_decode_chain, _decode_opts(eng.options)).jitted
+    chain = decode_chain_program(_decode_opts(eng.options)).jitted
+    # the filtered sampler's k = 8 step (a top-k row: sampling.sampler_for), with another run length and no stop
+    # token, so that the counts below see whether the runs reuse it; the greedy call above ran the greedy sampler's
+    eng.generate([Request(p[1], temperature=1.0, top_k=20, seed=5, max_new_tokens=2, stop_tokens=())])
     programs = {}
     try:
         for loop, every in (("host", 1), ("device", 3), ("device", 8)):
@@ -117,8 +119,9 @@ def test_device_decode_loop_equals_the_host_loop():
             got[loop, every] = ([(r.tokens, r.finish_reason) for r in res], hist)
     finally:
         eng.decode_loop, eng.readback_every = "device", 8
-    # One compiled step per read-back interval (the ring's shape), whatever the run lengths and the number of stop
-    # tokens (bucketed): a run dispatches the same program k times. The first generate above ran k = 8 with no stop.
+    # One compiled step per read-back interval (the ring's shape) and sampler, whatever the run lengths and the number
+    # of stop tokens (bucketed): a run dispatches the same program k times. The generates above ran k = 8 with no
+    # stop, greedy and filtered.
     assert programs["device", 3] == programs["device", 8] == programs["host", 1] + 1
     eng.generate([Request(p[0], max_new_tokens=3, stop_tokens=(1, 2, 3))])  # k = 8, three stop tokens
     assert chain._cache_size() == programs["device", 8]

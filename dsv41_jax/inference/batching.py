@@ -72,12 +72,11 @@ from typing import Callable, Iterable, Iterator
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax.inference.decode import _decode_chain, _decode_opts, decode_chain
+from dsv41_jax.inference.decode import _decode_opts, decode_chain, decode_chain_program
 from dsv41_jax.inference.engine import (EngineError, Request, Result, check_device_ends, finish_reason,
                                         stop_token_table)
 from dsv41_jax.inference.prefill import (chunk_bucket, new_stash, refill_bucket, refill_buckets, refill_program,
                                          refill_rows_jit)
-from dsv41_jax.inference.step import jit_for
 from dsv41_jax.ops.engram_hash import advance_history, device_history
 
 REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(Request))
@@ -287,7 +286,8 @@ class ContinuousBatcher:
         # build the programs concurrently where the program store keeps them (compiles release the GIL) ...
         jobs = [lambda a=a: refill_program(eng.options).prepare(*a, config=eng.config, opts=eng.options)
                 for a in refills]
-        jobs.append(lambda: jit_for(_decode_chain, dopts).prepare(*decode_args, config=eng.config, opts=dopts))
+        jobs.append(lambda: decode_chain_program(dopts).prepare(*decode_args, config=eng.config, opts=dopts,
+                                                                sampler="filtered"))
         with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
             list(pool.map(lambda job: job(), jobs))
         # ... then run each once on idle rows (compiling here what the store did not keep)

@@ -108,6 +108,12 @@ def _decode_chain(params, cache, state, engram_hash, temperature, top_k, top_p, 
     return nxt, new_state, cache
 
 
+def decode_chain_program(opts: InferenceOptions):
+    """The program store ``decode_chain`` runs for these (decode-normalised) options: for callers that prepare
+    (compile ahead) or count its programs. Its static arguments: config, opts, sampler."""
+    return jit_for(_decode_chain, opts, static=("config", "opts", "sampler"))
+
+
 def decode_chain(params, cache, state: dict, engram_hash: DeviceEngramHash | None, temperature, top_k, top_p,
                  seeds, stops, max_new, room, *, config: ModelConfig, opts: InferenceOptions = InferenceOptions(),
                  sampler: str = "filtered"):
@@ -134,7 +140,7 @@ def decode_chain(params, cache, state: dict, engram_hash: DeviceEngramHash | Non
     if config.engram_layer_ids and (engram_hash is None or "engram_history" not in state):
         raise DecodeError("this config has Engram layers: decode_chain needs engram_hash (hasher.device_tables()) "
                           "and state['engram_history'] (ops.engram_hash.device_history)")
-    fn = jit_for(_decode_chain, opts, static=("config", "opts", "sampler"))
+    fn = decode_chain_program(opts)
     return fn(params, cache, state, engram_hash if config.engram_layer_ids else None, temperature, top_k, top_p,
               seeds, stops, max_new, room, config=config, opts=opts, sampler=check_sampler(sampler))
 
