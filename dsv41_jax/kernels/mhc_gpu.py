@@ -47,14 +47,6 @@ def _normalize_cols(c, hc, eps):
     return out
 
 
-def _softmax_sinkhorn(x, hc, eps, iters):
-    """The hc x hc mixing logits (a list of hc * hc row-major values, each a vector over the block's tokens) ->
-    the Sinkhorn-projected matrix, as ``ops.mhc.mhc_coefficients``: a softmax over j plus eps, a column
-    normalisation, then ``iters - 1`` row + column normalisations (:func:`sinkhorn_fwd_math`, the training kernel's
-    forward)."""
-    return sinkhorn_fwd_math(x, hc, eps, iters)
-
-
 def _sigmoid(v):
     return 1.0 / (1.0 + jnp.exp(-v))
 
@@ -65,7 +57,7 @@ def mhc_coefficients_kernel(x, scale, base, *, hc: int, hc_eps: float, iters: in
     """All of an mHC site's coefficients from its projection in ONE kernel: (pre [N, hc], post [N, hc], comb
     [N, hc * hc]), float32, as ``ops.mhc.mhc_coefficients`` computes them from ``mix``:
     pre = sigmoid(mix[:hc] * scale[0] + base[:hc]) + hc_eps, post = 2 sigmoid(mix[hc:2hc] * scale[1] + base[hc:2hc]),
-    comb = softmax + Sinkhorn of mix[2hc:] * scale[2] + base[2hc:] (:func:`_softmax_sinkhorn`).
+    comb = softmax + Sinkhorn of mix[2hc:] * scale[2] + base[2hc:] (:func:`sinkhorn_fwd_math`).
 
     ``x`` [N, n] float32 is ``mix`` (n = (2 + hc) hc); with ``rms_k`` it is the one-pass sums [N, n + 1] (the n raw
     products and, last, the sum of squares of the K = ``rms_k`` flattened stream entries) and the RMS normalisation
@@ -102,7 +94,7 @@ def mhc_coefficients_kernel(x, scale, base, *, hc: int, hc_eps: float, iters: in
         for i in range(hc):
             pltr.store(pre_ref.at[rows, i], _sigmoid(z[i]) + hc_eps, mask=ok)
             pltr.store(post_ref.at[rows, i], 2.0 * _sigmoid(z[hc + i]), mask=ok)
-        c = _softmax_sinkhorn(z[2 * hc:], hc, hc_eps, iters)
+        c = sinkhorn_fwd_math(z[2 * hc:], hc, hc_eps, iters)
         for k in range(m):
             pltr.store(comb_ref.at[rows, k], c[k], mask=ok)
 
