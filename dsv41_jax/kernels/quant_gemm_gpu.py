@@ -616,6 +616,8 @@ FP4_GROUPED_SMALL_TILE_ROWS_PER_EXPERT = 12
 def fp4_weight_rows_block_m(rows: int, experts: int) -> int:
     """The "weights" form's default token tile for ``rows`` routed rows over ``experts`` experts."""
     return 16 if rows <= FP4_GROUPED_SMALL_TILE_ROWS_PER_EXPERT * experts else 32 if rows <= 1024 else 64
+
+
 FP4_GROUPED_DECODES = ("f32", "bf16x2")
 FP4_GROUPED_DEFAULT_DECODE = "bf16x2"
 
