@@ -88,7 +88,6 @@ def plan(config, preset_name: str, chips_per_process: int):
         rb = stored_row_bytes(fmt, shape[-1])
         if rb is None:  # float tensor: stored bf16 / f32
             rb = (4 if spec.dtype == FP32 else 2) * (math.prod(shape[1:]) if len(shape) > 1 else 1)
-            rows_total = shape[0] if len(shape) > 1 else 1
             if len(shape) <= 1:
                 rb = (4 if spec.dtype == FP32 else 2) * (shape[0] if shape else 1)
         dev_q_bytes += per_dev * (rb / (shape[-1] if len(shape) > 1 else (shape[0] if shape else 1))

@@ -22,7 +22,7 @@ def main() -> None:
     a = ap.parse_args()
     c = load_config(a.config)
     rel, bf = weight_footprint(c, "release", jnp.bfloat16), weight_footprint(c, "bf16", jnp.bfloat16)
-    print(f"| component | bf16 GB | release GB | ratio |\n|---|---:|---:|---:|")
+    print("| component | bf16 GB | release GB | ratio |\n|---|---:|---:|---:|")
     for k in sorted(bf, key=lambda k: -bf[k]):
         print(f"| {k} | {bf[k] / 1e9:,.1f} | {rel[k] / 1e9:,.1f} | {bf[k] / max(rel[k], 1):.2f} |")
     tot_b, tot_r = sum(bf.values()), sum(rel.values())

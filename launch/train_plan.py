@@ -67,7 +67,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from aot_compile import GIB, HBM_PER_CHIP, _parse_override, _shard_bytes  # noqa: E402
+from aot_compile import GIB, HBM_PER_CHIP, _parse_override  # noqa: E402
 
 # v5p-N: N TensorCores = N / 2 chips
 V5P_TOPOLOGIES = {"v5p-8": "v5p:2x2x1", "v5p-16": "v5p:2x2x2", "v5p-32": "v5p:2x2x4", "v5p-64": "v5p:2x4x4",

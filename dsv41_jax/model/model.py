@@ -9,7 +9,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
