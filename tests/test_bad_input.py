@@ -15,7 +15,9 @@ from dsv41_jax.model.model import default_hasher
 from conftest import FIXTURES
 
 
-@pytest.fixture(scope="module")
+# session scope (read-only for its tests): a shuffled order interleaves modules, and a module-scoped fixture is
+# then built again each time its module comes back
+@pytest.fixture(scope="session")
 def setup():
     config = load_config("tiny")
     params = init_params(config, jax.random.PRNGKey(0))

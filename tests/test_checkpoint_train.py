@@ -24,17 +24,19 @@ STD = dict(seq_len=32, batch_size=2, weight_decay=0.0, warmup_steps=2)  # the pr
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
+# session scope (read-only for its tests): a shuffled order interleaves modules, and a module-scoped fixture is
+# then built again each time its module comes back
+@pytest.fixture(scope="session")
 def cfg():
     return small_config()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     return write_corpus(str(tmp_path_factory.mktemp("corpus")))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def straight(cfg, corpus):
     """6 steps without interruption: the reference for every resume test."""
     tc = TrainConfig(steps=6, lr=3e-3, **STD)

@@ -92,7 +92,9 @@ def _cli(argv, capsys):
     return rc, out.out, out.err
 
 
-@pytest.fixture(scope="module")
+# session scope (read-only for its tests): a shuffled order interleaves modules, and a module-scoped fixture is
+# then built again each time its module comes back
+@pytest.fixture(scope="session")
 def drafter_export(tmp_path_factory):
     """`dsv41 train --dspark` against a small random target: 2 steps with checkpoints and an export (target +
     drafter as safetensors), then the same command again, which resumes from the checkpoint (and, its schedule

@@ -16,7 +16,9 @@ from dsv41_jax.ops.moe import moe
 from dsv41_jax.train.testing import every_role_config
 
 
-@pytest.fixture(scope="module")
+# session scope (read-only for its tests): a shuffled order interleaves modules, and a module-scoped fixture is
+# then built again each time its module comes back
+@pytest.fixture(scope="session")
 def setup():
     config = every_role_config()
     params = init_params(config, jax.random.PRNGKey(0), std=0.1)

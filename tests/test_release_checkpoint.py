@@ -84,7 +84,9 @@ def _config():
     return small_config().replace(vocab_size=264, num_attention_heads=8, o_groups=8)
 
 
-@pytest.fixture(scope="module")
+# session scope (read-only for its tests): a shuffled order interleaves modules, and a module-scoped fixture is
+# then built again each time its module comes back
+@pytest.fixture(scope="session")
 def release(tmp_path_factory):
     cfg = _config()
     params = dsv41_jax.init_params(cfg, jax.random.PRNGKey(3), std=0.1)

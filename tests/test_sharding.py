@@ -29,14 +29,16 @@ def _small():
     return small_config()
 
 
-@pytest.fixture(scope="module")
+# session scope (read-only for its tests): a shuffled order interleaves modules, and a module-scoped fixture is
+# then built again each time its module comes back
+@pytest.fixture(scope="session")
 def sharding_config():
     # with a vocabulary, head count and output-group count that 8 devices divide (tiny has vocab 259, 4 heads and
     # 2 groups). The Engram row count (660) stays: tables are padded to a multiple of the row-shard count.
     return _small().replace(vocab_size=264, num_attention_heads=8, o_groups=8)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def setup(sharding_config):
     cfg = sharding_config
     params = dsv41_jax.init_params(cfg, jax.random.PRNGKey(1))
