@@ -316,9 +316,13 @@ DENSE32_TUNINGS = [("tokens form (the default before)", dict(mma_rows="tokens"))
                    # K = 2304 (shared w2) has 9 K blocks: the default split_k 2 leaves a ragged split, which takes the
                    # masked gather loads in every K step (196 LDG in the loop vs 8 + async copies at split_k 3,
                    # kernel_sass.py fp8_m32 --nk 5120,2304); for the shapes whose blocks 3 does not divide, the reverse
-                   ("weights form, split_k 3", dict(split_k=3))]
-# the bench model's FP8 projections at decode (N, K): shared expert w1 / w3 and w2, the attention's wq_b and wo_b
-DENSE32_SHAPES = [(2304, 5120), (5120, 2304), (32768, 1280), (5120, 8192)]
+                   ("weights form, split_k 3", dict(split_k=3)),
+                   # the default split before it divided the K blocks (the same as the default where they divide)
+                   ("weights form, split_k 2 (the default before for K = 2304)", dict(split_k=2))]
+# the bench model's FP8 projections at decode (N, K): shared expert w1 / w3 and w2, the attention's wq_b and wo_b,
+# and the Engram layers' 25600 x 6144 (2 launches per step; 400 column blocks of 64 rows and no K split by default:
+# 1.5 waves of two programs per multiprocessor)
+DENSE32_SHAPES = [(2304, 5120), (5120, 2304), (32768, 1280), (5120, 8192), (25600, 6144)]
 
 
 def dense32_part(bw, m=32, picks=None):
