@@ -260,7 +260,10 @@ GROUPED_TUNINGS = [("tokens form (the default before)", dict(mma_rows="tokens"))
                    ("weights form, bf16x2, block_m 16 (default)", {}),
                    ("weights form, bf16x2, block_k 128", dict(block_k=128)),
                    ("weights form, bf16x2, 4 stages", dict(num_stages=4)),
-                   ("weights form, bf16x2, block_n 128, 8 warps", dict(block_n=128, num_warps=8))]
+                   ("weights form, bf16x2, block_n 128, 8 warps", dict(block_n=128, num_warps=8)),
+                   # 512-wide K steps: twice the bytes per step and per stage in flight (219 registers against 119,
+                   # 9.8 SASS instructions per weight byte in the K loop against 10.5: kernel_sass.py fp4_grouped)
+                   ("weights form, bf16x2, block_k 512", dict(block_k=512))]
 GROUPED_QUICK = 5  # --grouped-quick: the first five only
 
 
@@ -320,9 +323,10 @@ DENSE32_TUNINGS = [("tokens form (the default before)", dict(mma_rows="tokens"))
                    # the default split before it divided the K blocks (the same as the default where they divide)
                    ("weights form, split_k 2 (the default before for K = 2304)", dict(split_k=2))]
 # the bench model's FP8 projections at decode (N, K): shared expert w1 / w3 and w2, the attention's wq_b and wo_b,
-# and the Engram layers' 25600 x 6144 (2 launches per step; 400 column blocks of 64 rows and no K split by default:
-# 1.5 waves of two programs per multiprocessor)
-DENSE32_SHAPES = [(2304, 5120), (5120, 2304), (32768, 1280), (5120, 8192), (25600, 6144)]
+# the Engram layers' 25600 x 6144 (2 launches per step; 400 column blocks of 64 rows and no K split by default:
+# 1.5 waves of two programs per multiprocessor), and the fused launches' shapes as one weight
+DENSE32_SHAPES = [(2304, 5120), (5120, 2304), (32768, 1280), (5120, 8192), (25600, 6144),
+                  (4608, 5120), (1792, 5120)]  # the last two: the fused w1 + w3 and wq_a + wkv's total N
 
 
 def dense32_part(bw, m=32, picks=None):
