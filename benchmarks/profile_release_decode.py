@@ -457,7 +457,7 @@ def time_and_profile(s, batch, form, out_dir, steps=10, profile_steps=3):
 
 def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False, no_grouped=False,
                 grouped_tunings: tuple = (), no_f16=False, fp8_tunings: tuple = (), combine=False,
-                engram_host=False):
+                engram_host=False, no_bf16=False):
     """Per batch: every form's first call (trace + compile + one step) concurrently in threads (XLA compiles
     release the GIL; the forms' first-call times overlap, so each is an upper bound of its compile), then each
     form timed and profiled alone. ``engram_host``: after every batch's rows are saved, the release form with the
@@ -480,8 +480,8 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
     # code serves it; the stored form keeps wo_a FP8 and dequantises it inside every step (--wo-a-fp8)
     prel = jax.block_until_ready(dequantize_wo_a(stored, jnp.bfloat16))
     rel = dict(base, gemm_input_fp8=True, quantized_gemm=BE)
-    forms = [("bf16", p16, InferenceOptions(**base)),
-             ("release, one-token FP4 kernels", prel, InferenceOptions(**rel, fp4_one_token=True))]
+    forms = [("bf16", p16, InferenceOptions(**base))] * (not no_bf16) + [
+        ("release, one-token FP4 kernels", prel, InferenceOptions(**rel, fp4_one_token=True))]
     if not no_grouped:
         forms.append(("release, grouped FP4 kernel", prel, InferenceOptions(**rel, fp4_one_token=False)))
     if combine:  # one form with both kernels' first tunings instead of a form per tuning (fewer concurrent compiles;
@@ -618,6 +618,7 @@ def main():
     ap.add_argument("--combine", action="store_true",
                     help="decode: one release form with the first of --grouped-tunings and of --fp8-tunings together, "
                          "instead of one form per tuning")
+    ap.add_argument("--no-bf16", action="store_true", help="decode: leave out the bf16 form")
     ap.add_argument("--engram-host", action="store_true",
                     help="decode: also the release form with the Engram tables in host memory, after the other rows")
     ap.add_argument("--dense32", action="store_true",
@@ -662,7 +663,7 @@ def main():
                             tuple(tuple(sorted(t.items())) for t in json.loads(args.grouped_tunings or "[]")),
                             args.no_f16,
                             tuple(tuple(sorted(t.items())) for t in json.loads(args.fp8_tunings or "[]")),
-                            args.combine, args.engram_host)
+                            args.combine, args.engram_host, args.no_bf16)
             except Exception as e:  # noqa: BLE001
                 OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
                 log(f"decode FAILED: {type(e).__name__}: {str(e)[:300]}")
