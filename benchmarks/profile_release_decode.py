@@ -27,7 +27,9 @@ Parts (in this order; each guarded, results saved after each):
             queued step (10 dispatched back to back), then 3 steps under ``jax.profiler.trace(...,
             create_perfetto_trace=True)``: device events summed by kernel family (time and launches per step), busy
             (union of device intervals) vs the profiled wall time. XLA runs the step's command buffers as separate
-            launches while profiling, so busy and launch counts are those of the ungraphed step.
+            launches while profiling, so busy and launch counts are those of the ungraphed step. Greedy rows, with
+            the sampler ``Engine.generate`` picks for them (``sampling.sampler_for``: the argmax, no vocabulary sort).
+            ``--engram-host``: then the release form with the Engram tables in host memory at each batch (item 4).
   grouped   (--grouped, first) the grouped FP4 expert GEMM as the batch-32 decode step runs it (192 rows over 16
             experts, w1 / w3 2304 x 5120 and w2 5120 x 2304) at each of GROUPED_TUNINGS (the "tokens" form first:
             the same-run baseline): device µs, % of 4.8 TB/s and of the read-only bandwidth, error against float32.
@@ -258,7 +260,10 @@ GROUPED_TUNINGS = [("tokens form (the default before)", dict(mma_rows="tokens"))
                    ("weights form, bf16x2, block_m 16 (default)", {}),
                    ("weights form, bf16x2, block_k 128", dict(block_k=128)),
                    ("weights form, bf16x2, 4 stages", dict(num_stages=4)),
-                   ("weights form, bf16x2, block_n 128, 8 warps", dict(block_n=128, num_warps=8))]
+                   ("weights form, bf16x2, block_n 128, 8 warps", dict(block_n=128, num_warps=8)),
+                   # 512-wide K steps: twice the bytes per step and per stage in flight (219 registers against 119,
+                   # 9.8 SASS instructions per weight byte in the K loop against 10.5: kernel_sass.py fp4_grouped)
+                   ("weights form, bf16x2, block_k 512", dict(block_k=512))]
 GROUPED_QUICK = 5  # --grouped-quick: the first five only
 
 
@@ -314,9 +319,14 @@ DENSE32_TUNINGS = [("tokens form (the default before)", dict(mma_rows="tokens"))
                    # K = 2304 (shared w2) has 9 K blocks: the default split_k 2 leaves a ragged split, which takes the
                    # masked gather loads in every K step (196 LDG in the loop vs 8 + async copies at split_k 3,
                    # kernel_sass.py fp8_m32 --nk 5120,2304); for the shapes whose blocks 3 does not divide, the reverse
-                   ("weights form, split_k 3", dict(split_k=3))]
-# the bench model's FP8 projections at decode (N, K): shared expert w1 / w3 and w2, the attention's wq_b and wo_b
-DENSE32_SHAPES = [(2304, 5120), (5120, 2304), (32768, 1280), (5120, 8192)]
+                   ("weights form, split_k 3", dict(split_k=3)),
+                   # the default split before it divided the K blocks (the same as the default where they divide)
+                   ("weights form, split_k 2 (the default before for K = 2304)", dict(split_k=2))]
+# the bench model's FP8 projections at decode (N, K): shared expert w1 / w3 and w2, the attention's wq_b and wo_b,
+# the Engram layers' 25600 x 6144 (2 launches per step; 400 column blocks of 64 rows and no K split by default:
+# 1.5 waves of two programs per multiprocessor), and the fused launches' shapes as one weight
+DENSE32_SHAPES = [(2304, 5120), (5120, 2304), (32768, 1280), (5120, 8192), (25600, 6144),
+                  (4608, 5120), (1792, 5120)]  # the last two: the fused w1 + w3 and wq_a + wkv's total N
 
 
 def dense32_part(bw, m=32, picks=None):
@@ -399,28 +409,31 @@ def decode_setup(config, params, opts, batch, context):
     from bench_inference import decode_inputs, fill_cache
     from dsv41_jax.inference.cache import init_cache
     from dsv41_jax.inference.decode import decode_and_sample
+    from dsv41_jax.inference.sampling import sampler_for
 
     cache = init_cache(config, batch, context + 64, jnp.bfloat16)
     cache = jax.jit(fill_cache, static_argnums=(1,), donate_argnums=(0,))(cache, context, jax.random.PRNGKey(1))
     samp, eids, tok, act = decode_inputs(config, batch)
+    # the sampler Engine.generate chooses on the host for these rows (greedy: the argmax alone, no vocabulary sort)
+    sampler = sampler_for(*(np.asarray(a) for a in samp[:3]))
 
     def step(cache, i, read_back=True):
         nxt, cache = decode_and_sample(params, cache, tok, eids, act, *samp, jnp.full((batch,), i, jnp.int32),
-                                       config=config, opts=opts)
+                                       config=config, opts=opts, sampler=sampler)
         if read_back:
             np.asarray(nxt)
         return cache
 
     t0 = time.perf_counter()
     cache = step(cache, 0)
-    return dict(step=step, cache=cache, first_call_s=time.perf_counter() - t0)
+    return dict(step=step, cache=cache, first_call_s=time.perf_counter() - t0, sampler=sampler)
 
 
 def time_and_profile(s, batch, form, out_dir, steps=10, profile_steps=3):
     step, cache = s.pop("step"), s.pop("cache")
     from profile_decode import time_steps
 
-    row = dict(first_call_s=s["first_call_s"])
+    row = dict(first_call_s=s["first_call_s"], sampler=s.get("sampler"))
     cache, ts, queued_ms = time_steps(step, cache, steps)
     row.update(step_ms=statistics.median(ts) * 1e3, queued_ms=queued_ms)
     if SMOKE:
@@ -443,10 +456,13 @@ def time_and_profile(s, batch, form, out_dir, steps=10, profile_steps=3):
 
 
 def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False, no_grouped=False,
-                grouped_tunings: tuple = (), no_f16=False, fp8_tunings: tuple = (), combine=False):
+                grouped_tunings: tuple = (), no_f16=False, fp8_tunings: tuple = (), combine=False,
+                engram_host=False, no_bf16=False):
     """Per batch: every form's first call (trace + compile + one step) concurrently in threads (XLA compiles
     release the GIL; the forms' first-call times overlap, so each is an upper bound of its compile), then each
-    form timed and profiled alone."""
+    form timed and profiled alone. ``engram_host``: after every batch's rows are saved, the release form with the
+    Engram tables in host memory (``inference.host_tables.place_engram_tables``) at each batch — compiled last, on
+    its own, so a failure of the host gather's compile cannot take the other rows with it."""
     import concurrent.futures
 
     from bench_fused_fp8 import random_release_params
@@ -464,8 +480,8 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
     # code serves it; the stored form keeps wo_a FP8 and dequantises it inside every step (--wo-a-fp8)
     prel = jax.block_until_ready(dequantize_wo_a(stored, jnp.bfloat16))
     rel = dict(base, gemm_input_fp8=True, quantized_gemm=BE)
-    forms = [("bf16", p16, InferenceOptions(**base)),
-             ("release, one-token FP4 kernels", prel, InferenceOptions(**rel, fp4_one_token=True))]
+    forms = [("bf16", p16, InferenceOptions(**base))] * (not no_bf16) + [
+        ("release, one-token FP4 kernels", prel, InferenceOptions(**rel, fp4_one_token=True))]
     if not no_grouped:
         forms.append(("release, grouped FP4 kernel", prel, InferenceOptions(**rel, fp4_one_token=False)))
     if combine:  # one form with both kernels' first tunings instead of a form per tuning (fewer concurrent compiles;
@@ -519,6 +535,54 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
             log(json.dumps({k: v for k, v in row.items() if k != "top"}, default=str))
             save()
         del setups
+    if engram_host:
+        engram_host_part(config, prel, InferenceOptions(**rel, fp4_one_token=True), batches, context, budget_s,
+                         out_dir, save)
+
+
+def engram_host_part(config, prel, opts, batches, context, budget_s, out_dir, save):
+    """The release form (one-token FP4 kernels at one token, the grouped kernel above) with every Engram table in
+    pinned host memory, at each batch: the step's rows gathered on the host and moved to the device (issue item 4);
+    its same-run baseline is the release form with the tables in HBM, timed before."""
+    import concurrent.futures
+
+    from dsv41_jax.inference.host_tables import engram_table_bytes, place_engram_tables
+    from dsv41_jax.model.release_weights import weight_bytes
+
+    if time.time() - T0 > budget_s:
+        OUT["errors"].append("engram host: skipped (budget)")
+        log("engram host: skipped (budget)")
+        return
+    form = "release, one-token FP4 kernels, Engram tables in host memory"
+    try:
+        phost = place_engram_tables(prel)
+        tbytes = {k: v / 1e9 for k, v in engram_table_bytes(phost).items()}
+    except Exception as e:  # noqa: BLE001
+        OUT["errors"].append(f"engram host: placing the tables: {type(e).__name__}: {str(e)[:400]}")
+        log(f"engram host: placing the tables FAILED: {type(e).__name__}: {str(e)[:300]}")
+        return
+    log(f"engram host: tables {tbytes} GB; first calls at batches {batches}, concurrently ({time.time() - T0:.0f} s)")
+
+    def first(b):
+        try:
+            return decode_setup(config, phost, opts, b, context)
+        except Exception as e:  # noqa: BLE001
+            return dict(error=f"{type(e).__name__}: {str(e)[:400]}")
+
+    with concurrent.futures.ThreadPoolExecutor(len(batches)) as ex:
+        setups = list(ex.map(first, batches))
+    for b, s in zip(batches, setups):
+        row = dict(model=config.name, batch=b, context=context, weights=form, weight_gb=weight_bytes(phost) / 1e9,
+                   engram_tables_gb=tbytes)
+        try:
+            if "error" in s:
+                raise RuntimeError(s["error"])
+            row.update(time_and_profile(s, b, form, out_dir))
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        OUT["decode"].append(row)
+        log(json.dumps({k: v for k, v in row.items() if k != "top"}, default=str))
+        save()
 
 
 def main():
@@ -554,6 +618,9 @@ def main():
     ap.add_argument("--combine", action="store_true",
                     help="decode: one release form with the first of --grouped-tunings and of --fp8-tunings together, "
                          "instead of one form per tuning")
+    ap.add_argument("--no-bf16", action="store_true", help="decode: leave out the bf16 form")
+    ap.add_argument("--engram-host", action="store_true",
+                    help="decode: also the release form with the Engram tables in host memory, after the other rows")
     ap.add_argument("--dense32", action="store_true",
                     help="the FP8 dense GEMM at M = 32 at DENSE32_TUNINGS (kernel micro-benchmark), after --grouped")
     args = ap.parse_args()
@@ -596,7 +663,7 @@ def main():
                             tuple(tuple(sorted(t.items())) for t in json.loads(args.grouped_tunings or "[]")),
                             args.no_f16,
                             tuple(tuple(sorted(t.items())) for t in json.loads(args.fp8_tunings or "[]")),
-                            args.combine)
+                            args.combine, args.engram_host, args.no_bf16)
             except Exception as e:  # noqa: BLE001
                 OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
                 log(f"decode FAILED: {type(e).__name__}: {str(e)[:300]}")

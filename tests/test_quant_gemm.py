@@ -132,6 +132,12 @@ def test_decode_defaults_pick_the_measured_forms():
     for tokens_option in (dict(block_n=16), dict(scale_side="w"), dict(prefetch=2), dict(group_view=True)):
         assert G.fp8_default_tiling(32, 2304, 5120, **tokens_option)["mma_rows"] == "tokens", tokens_option
     assert G.fp8_default_tiling(32, 2304, 5120, block_n=32)["mma_rows"] == "weights"
+    # the K split divides the K blocks where it can (K = 2304: 9 blocks of 256, 3 + 3 + 3, not 5 + 4, which takes the
+    # masked loads in every K step); an asked-for split is kept, and a K with a partial block keeps the wanted split
+    assert G.fp8_default_tiling(32, 5120, 2304)["split_k"] == 3
+    assert G.fp8_default_tiling(32, 5120, 2304, split_k=2)["split_k"] == 2
+    assert G.fp8_default_tiling(32, 5120, 8192)["split_k"] == 4
+    assert G.fp8_default_tiling(32, 5120, 2300)["split_k"] == 2
     assert G.fp4_weight_rows_block_m(192, 16) == 16  # the batch-32 step: 12 rows per expert
     assert G.fp4_weight_rows_block_m(193, 16) == 32
     assert G.fp4_weight_rows_block_m(192, 256) == 16

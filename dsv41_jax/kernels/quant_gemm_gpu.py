@@ -146,6 +146,14 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
     nmn = -(-m // bm) * -(-n // bn)
     if split_k is None:
         split_k = 1 if gemv else max(1, min(n_kb // 4, -(-264 // nmn)))
+        if k % bk == 0 and n_kb % split_k:
+            # a split that leaves the K ranges unequal sends every K step down the masked path (gather loads through
+            # clamped indices): K = 2304 (9 blocks of 256, split 5 + 4) compiled to 14.3 instructions per weight
+            # byte against 6.5 at split 3 (3 + 3 + 3, kernel_sass.py fp8_m32 --nk 5120,2304), and took 24.5 µs
+            # against 10.8 at M = 32, N = 5120 on an H200 (9.4 µs in the batch-32 decode step, was 23.3;
+            # benchmarks/RESULTS.md, 2026-12-02 22:15 UTC). The divisor of the block count nearest the wanted split
+            # instead (the larger on a tie: more programs at decode)
+            split_k = min((d for d in range(1, n_kb + 1) if n_kb % d == 0), key=lambda d: (abs(d - split_k), -d))
     split_k = max(1, min(split_k, n_kb))
     split_k = -(-n_kb // -(-n_kb // split_k))  # no split without K blocks
     kb_per = -(-n_kb // split_k)

@@ -75,10 +75,25 @@ def take_rows_from_host(table: jax.Array, ids: jax.Array) -> jax.Array:
 
     Why: the release's Engram tables (≈ 200 GB FP8) do not fit the devices' memory with the rest of the model; a
     decode step reads a few KB of them per token."""
-    from jax.experimental.compute_on import compute_on
-
     ids = jnp.clip(ids, 0, table.shape[0] - 1)  # clamped on the device: the host gather may then promise bounds
     ids_host = jax.device_put(ids, jax.memory.Space.Host)
-    with compute_on("device_host"):
-        rows = table.at[ids_host].get(mode="promise_in_bounds")
-    return jax.device_put(rows, jax.memory.Space.Device)
+    gather = _on_host(lambda t, i: t.at[i].get(mode="promise_in_bounds"))
+    return jax.device_put(gather(table, ids_host), jax.memory.Space.Device)
+
+
+def _on_host(fn):
+    """``fn`` run on the host (XLA's ``_xla_compute_type = "host"``), its results left in host memory. The
+    function form of JAX's ``compute_on``: named ``compute_on2`` in JAX 0.10 (whose ``compute_on`` is a context
+    manager), ``compute_on`` itself in JAX 0.11 (found on an NVIDIA H200's JAX 0.11.2: the context-manager call
+    failed there with a missing ``compute_type``)."""
+    import inspect
+
+    from jax.experimental import compute_on as C
+
+    form = getattr(C, "compute_on2", None)
+    if form is None:
+        form = C.compute_on
+        if "out_memory_spaces" not in inspect.signature(form).parameters:
+            raise RuntimeError("this JAX's compute_on has neither the function form (compute_on2) nor "
+                               "out_memory_spaces: host-memory gathers need JAX 0.10 or later")
+    return form(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
