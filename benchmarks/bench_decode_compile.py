@@ -12,7 +12,8 @@ whether the autotuned tilings make the step faster.
 A case is ``BATCH:LEVEL[:FLAG...]``: LEVEL ``default`` (XLA's autotuning) or ``atN`` (``xla_gpu_autotune_level=N``;
 0 = no autotuning: each GEMM fusion gets XLA's default tiling); FLAGs: ``host`` (also the host loop's program,
 ``decode_and_sample``), ``cublas`` (``xla_gpu_enable_triton_gemm=false``: GEMMs by cuBLAS), ``onepass``
-(``InferenceOptions.mhc_one_pass`` + ``router_one_pass``), ``mhc``, ``router`` (one of them), ``greedy`` (the device
+(``InferenceOptions.mhc_one_pass`` + ``router_one_pass``), ``mhc``, ``router`` (one of them), ``nonorm``
+(``InferenceOptions.norm_kernel=False``: each site's collapse + RMS norm as XLA's kernels), ``greedy`` (the device
 loop with ``sampler="greedy"``: no vocabulary sort, as ``Engine.generate`` runs a greedy batch), ``ctxN`` / ``ctxNk``
 (this case's context: N tokens, or N x 1024; default ``--context``). Per case: the device
 loop's program (``decode_chain``, the step ``Engine.generate`` runs) and the host loop's are lowered and compiled
@@ -58,7 +59,8 @@ from ceilings import read_bandwidth  # noqa: E402
 from dsv41_jax.inference.decode import _decode_opts, _decode_sample, decode_chain_program  # noqa: E402
 from dsv41_jax.inference.step import InferenceOptions, jit_for  # noqa: E402
 
-FLAGS = {"onepass": ("mhc_one_pass", "router_one_pass"), "mhc": ("mhc_one_pass",), "router": ("router_one_pass",)}
+FLAGS = {"onepass": ("mhc_one_pass", "router_one_pass"), "mhc": ("mhc_one_pass",), "router": ("router_one_pass",),
+         "nonorm": ("norm_kernel=0",)}  # name (True) or name=0 (False): InferenceOptions booleans
 
 
 def _args(argv=None):
@@ -296,7 +298,8 @@ def main(argv=None):
 def setup_case(args, config, params, bw, case, ks):
     """(options, loop setup with a filled cache, the row with its floor) of one case."""
     context = case.context or args.context
-    opts = InferenceOptions(quant_sim=False, index_block_elems=1 << 28, **{f: True for f in case.flags})
+    flags = {f.partition("=")[0]: f.partition("=")[2] != "0" for f in case.flags}
+    opts = InferenceOptions(quant_sim=False, index_block_elems=1 << 28, **flags)
     s = pd.loop_setup(config, case.batch, context, opts, ks, args.profile_steps, case.host)
     parts = pd.step_bytes(config, params, case.batch, context)
     row = dict(case=case.name, batch=case.batch, context=context, autotune_level=case.level, flags=list(case.flags),

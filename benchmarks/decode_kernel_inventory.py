@@ -133,6 +133,8 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--flags", default="", help="comma-separated InferenceOptions booleans to set: name (True) or name=0, e.g. mhc_one_pass=0")
+    ap.add_argument("--sampler", default="filtered", help="decode_chain's sampler (greedy: as Engine.generate runs "
+                    "a greedy batch)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--hlo", action="store_true", help="also write the optimised HLO text")
     args = ap.parse_args(argv)
@@ -157,7 +159,7 @@ def main(argv=None):
     results = {}
     for b in (int(x) for x in args.batches.split(",")):
         fn, fargs = decode_program(config, b, args.context + 512, opts=opts, chained=True,
-                                   hasher=synthetic_hasher(config))
+                                   hasher=synthetic_hasher(config), sampler=args.sampler)
         t0 = time.perf_counter()
         compiled = jax.jit(fn, donate_argnums=(1,)).lower(*on_device(fargs, device)).compile()
         compile_s = time.perf_counter() - t0
@@ -195,7 +197,7 @@ def main(argv=None):
                     f.write(text)
     if args.out:
         with open(os.path.join(args.out, "decode_kernel_inventory.json"), "w") as f:
-            json.dump(dict(config=config.name, context=args.context, flags=flags, results=results), f,
+            json.dump(dict(config=config.name, context=args.context, flags=flags, sampler=args.sampler, results=results), f,
                       indent=1)
     return results
 
