@@ -71,6 +71,9 @@ def mhc_coefficients_kernel(x, scale, base, *, hc: int, hc_eps: float, iters: in
     n = (2 + hc) * hc
     width = n + (1 if rms_k is not None else 0)
     parts = x.shape[2] if x.ndim == 3 else None
+    # a decode step's few tokens: a block no larger than the tokens (the partial sums are loaded as [block, P]
+    # tiles, masked rows included: a 128-row block at batch 1 would issue 128x the loads it needs)
+    block = min(block, 1 << max(n_tok - 1, 0).bit_length())
     if x.shape[:2] != (n_tok, width) or x.ndim not in (2, 3) or (parts is not None and parts & (parts - 1)):
         raise ValueError(f"mhc_coefficients_kernel: x must be [tokens, {width}] or [tokens, {width}, P] (P a power "
                          f"of two) for hc = {hc}{' with the sum of squares last' if rms_k is not None else ''}, "
