@@ -62,16 +62,19 @@ def test_mhc_comb_kernel_equals_the_xla_sinkhorn():
     InferenceOptions(mhc_kernel=True) on a GPU: scales, biases, sigmoids, softmax + Sinkhorn, and with one_pass the
     RMS normalisation of the raw sums) compute ops.mhc's pre / post / comb in float32 (left-to-right sums of the 4
     entries: last-bit differences), for ordinary and extreme logits and a token count that is not a block
-    multiple, after either projection form."""
+    multiple, after either projection form, and for one token (the one-pass projection's partial sums added in the
+    kernel)."""
     hc, d = 4, 16
     streams = jax.random.normal(jax.random.PRNGKey(0), (3, 50, hc, d))
     fn = 0.1 * jax.random.normal(jax.random.PRNGKey(1), ((2 + hc) * hc, hc * d))
     base = jax.random.normal(jax.random.PRNGKey(2), ((2 + hc) * hc,))
     scale = jnp.array([0.5, 1.0, 2.0])
     kw = dict(hc_eps=1e-6, rms_eps=1e-20, sinkhorn_iters=20)
-    for f, sc, one_pass in ((fn, scale, False), (10 * fn, 4 * scale, False), (fn, scale, True)):
-        want = mhc_coefficients(streams, f, base, sc, one_pass=one_pass, **kw)
-        got = mhc_coefficients(streams, f, base, sc, comb_kernel="pallas_gpu_interpret", one_pass=one_pass, **kw)
+    # the last case is one token (a batch-1 decode step): the kernel then adds the projection's partial sums
+    for f, sc, one_pass, x in ((fn, scale, False, streams), (10 * fn, 4 * scale, False, streams),
+                               (fn, scale, True, streams), (fn, scale, True, streams[:1, :1])):
+        want = mhc_coefficients(x, f, base, sc, one_pass=one_pass, **kw)
+        got = mhc_coefficients(x, f, base, sc, comb_kernel="pallas_gpu_interpret", one_pass=one_pass, **kw)
         for g, w in zip(got, want):
             assert g.shape == w.shape
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)

@@ -12,6 +12,8 @@ sums of products that XLA fuses with their neighbours instead of batched GEMMs w
 stays exact float32 arithmetic (only the order of the float32 additions differs from one long dot).
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -62,8 +64,9 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
 
         lead = streams.shape[:-2]
         flat = streams.reshape(*lead, -1)
-        if one_pass:  # the kernel adds the partial sums (one XLA reduction kernel before it, not two)
-            x, rms_k = _project_sums_one_pass(flat, fn, parts=_KERNEL_PARTS), flat.shape[-1]
+        if one_pass:  # one token: the kernel adds the partial sums (one XLA reduction kernel before it, not two)
+            parts = _KERNEL_PARTS if math.prod(lead) <= _KERNEL_PARTS_MAX_TOKENS else 1
+            x, rms_k = _project_sums_one_pass(flat, fn, parts=parts), flat.shape[-1]
         else:
             x = narrow_matmul_f32(rms_normalize(flat, rms_eps).reshape(-1, flat.shape[-1]), fn)
             rms_k = None
@@ -101,8 +104,12 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
 
 
 # partial sums per entry handed to the coefficient kernel (a power of two): XLA's own split of the K-long
-# reduction (K = hc * d = 20,480 at the release's width) used 128 partials in a separate kernel
+# reduction (K = hc * d = 20,480 at the release's width) used 128 partials in a separate kernel. Only for steps of
+# at most _KERNEL_PARTS_MAX_TOKENS tokens: measured on an H200 (2026-12-02 22:27, bench-h200-12L), the kernel's
+# [tokens, 128] tiles of partials made it 0.105 -> 0.280 ms per batch-1 step (24 calls; the step no slower: 24 final-
+# sum kernels fewer) but 1.36 ms per batch-32 step (+1.25 ms; likely the tiles' registers spilling)
 _KERNEL_PARTS = 128
+_KERNEL_PARTS_MAX_TOKENS = 1
 
 
 def _project_sums_one_pass(flat: jax.Array, fn: jax.Array, parts: int = 1) -> jax.Array:
