@@ -78,6 +78,8 @@ def _args(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--ahead", action="store_true", help="set up every case, compile all their programs "
                     "concurrently, then time them in turn (see run_ahead)")
+    ap.add_argument("--setup-until-s", type=float, default=None, help="with --ahead: seconds from the start after "
+                    "which no further case is set up (default: half of --deadline-s)")
     return ap.parse_args(argv)
 
 
@@ -313,9 +315,15 @@ def run_ahead(args, config, params, bw, cases, ks, dump_dir, rows, save):
     compile at once in threads (XLA's compiles release the GIL; the device machine's cores run them side by side,
     so the compile phase costs about the longest compile instead of their sum), then each case is timed in turn
     on its own cache (freed after it). Every case's cache is resident during the compiles: the cases must fit the
-    device together beside the parameters."""
+    device together beside the parameters. Cases not set up by ``--setup-until-s`` are skipped; compiles are waited
+    for until ``--reserve-s`` before the deadline, and the cases compiled by then are timed (a row records how many
+    compiles still ran while it was timed: they share the host's cores, not the device, as long as none autotunes)."""
     setups = []
+    setup_until = args.setup_until_s if args.setup_until_s is not None else DEADLINE / 2
     for case in cases:
+        if time.perf_counter() - T_START > setup_until:
+            rows.append(dict(case=case.name, skipped=f"not set up: past --setup-until-s {setup_until:.0f}"))
+            continue
         opts, s, row = setup_case(args, config, params, bw, case, ks)
         _, row["lower_s"] = lower_programs(config, params, opts, s, case)  # tracing holds the GIL: one by one
         setups.append((case, opts, s, row))
@@ -331,7 +339,7 @@ def run_ahead(args, config, params, bw, cases, ks, dump_dir, rows, save):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=max(1.0, DEADLINE - (time.perf_counter() - T_START)))
+        t.join(timeout=max(1.0, DEADLINE - args.reserve_s - (time.perf_counter() - T_START)))
     compile_wall = time.perf_counter() - t0
     print(json.dumps(dict(all_compiles_wall_s=compile_wall, done_s=time.perf_counter() - T_START)), flush=True)
     for i, (case, opts, s, row) in enumerate(setups):
@@ -345,6 +353,7 @@ def run_ahead(args, config, params, bw, cases, ks, dump_dir, rows, save):
         stats["all cases' compiles, wall s"] = compile_wall
         row["compile"] = stats
         if "device loop" in compiled and time.perf_counter() - T_START < DEADLINE - args.reserve_s / 2:
+            row["compiles_running_while_timed"] = sum(t.is_alive() for t in threads)
             try:
                 row.update(time_case(config, params, compiled, s, args.steps, args.profile_steps, ks))
             except Exception as e:  # noqa: BLE001

@@ -3,7 +3,7 @@ machine (no GPU: ``benchmarks/deviceless_gpu.py``), so that glue between the rea
 without device time.
 
     PYTHONPATH=$PWD:/path/to/cuda-plugin-links JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 \\
-        python benchmarks/decode_kernel_inventory.py --batches 1,32 [--context 32768] [--out DIR]
+        python benchmarks/decode_kernel_inventory.py --batches 1,32 [--model 12L|bench40] [--context 32768] [--out DIR]
 
 The program is the one ``Engine.generate``'s device loop runs (``decode_chain``: decode, sampling, the Engram hash
 on the device; ``bench-h200-12L``, bf16, ``kernel_backend="pallas_gpu"``). Every instruction of the optimised HLO
@@ -133,6 +133,7 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--flags", default="", help="comma-separated InferenceOptions booleans to set: name (True) or name=0, e.g. mhc_one_pass=0")
+    ap.add_argument("--model", default="12L", choices=("12L", "bench40"), help="bench-h200-12L or configs/bench40.py")
     ap.add_argument("--sampler", default="filtered", help="decode_chain's sampler (greedy: as Engine.generate runs "
                     "a greedy batch)")
     ap.add_argument("--out", default=None)
@@ -148,7 +149,12 @@ def main(argv=None):
     from dsv41_jax.inference.decode import _decode_opts
     from dsv41_jax.inference.step import InferenceOptions
 
-    config = h200_config()
+    if args.model == "bench40":
+        from profile_decode import bench40  # (imported, it parses no arguments)
+
+        config = bench40()
+    else:
+        config = h200_config()
     flags = {}
     for f in filter(None, args.flags.split(",")):  # name (True) or name=0 / name=1
         name, _, value = f.partition("=")
