@@ -12,8 +12,10 @@ whether the autotuned tilings make the step faster.
 A case is ``BATCH:LEVEL[:FLAG...]``: LEVEL ``default`` (XLA's autotuning) or ``atN`` (``xla_gpu_autotune_level=N``;
 0 = no autotuning: each GEMM fusion gets XLA's default tiling); FLAGs: ``host`` (also the host loop's program,
 ``decode_and_sample``), ``cublas`` (``xla_gpu_enable_triton_gemm=false``: GEMMs by cuBLAS), ``onepass``
-(``InferenceOptions.mhc_one_pass`` + ``router_one_pass``), ``mhc``, ``router`` (one of them), ``greedy`` (the device
-loop with ``sampler="greedy"``: no vocabulary sort, as ``Engine.generate`` runs a greedy batch). Per case: the device
+(``InferenceOptions.mhc_one_pass`` + ``router_one_pass``), ``mhc``, ``router`` (one of them), ``nonorm``
+(``InferenceOptions.norm_kernel=False``: each site's collapse + RMS norm as XLA's kernels), ``greedy`` (the device
+loop with ``sampler="greedy"``: no vocabulary sort, as ``Engine.generate`` runs a greedy batch), ``ctxN`` / ``ctxNk``
+(this case's context: N tokens, or N x 1024; default ``--context``). Per case: the device
 loop's program (``decode_chain``, the step ``Engine.generate`` runs) and the host loop's are lowered and compiled
 concurrently (their compile seconds and, for autotuned compiles, the number of fusions XLA autotuned are recorded),
 then timed exactly as ``profile_decode.py --loops`` times them (bf16 parameters and cache, ``--context`` tokens per
@@ -25,7 +27,9 @@ Cases run in order; the programs are called as the compiled executables (``jax.s
 compiler options apply to exactly its programs. XLA keeps autotuning results for the process, so a later autotuned
 compile reuses the fusions an earlier one tuned (the order is part of the result). With ``--deadline-s`` a compile
 that would end past the deadline is abandoned (reported as "not finished after N s") and the process ends after
-writing what it has. Prints a Markdown table; writes ``DIR/bench_decode_compile.json`` after every case.
+writing what it has. With ``--ahead`` every case is set up and lowered first and all programs compile concurrently
+(the contexts and batches of one model in one call, e.g. ``--model bench40 --ahead --cases
+1:default:greedy:ctx8k,1:default:greedy:ctx128k,32:default:greedy:ctx32k``). Prints a Markdown table; writes ``DIR/bench_decode_compile.json`` after every case.
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ from ceilings import read_bandwidth  # noqa: E402
 from dsv41_jax.inference.decode import _decode_opts, _decode_sample, decode_chain_program  # noqa: E402
 from dsv41_jax.inference.step import InferenceOptions, jit_for  # noqa: E402
 
-FLAGS = {"onepass": ("mhc_one_pass", "router_one_pass"), "mhc": ("mhc_one_pass",), "router": ("router_one_pass",)}
+FLAGS = {"onepass": ("mhc_one_pass", "router_one_pass"), "mhc": ("mhc_one_pass",), "router": ("router_one_pass",),
+         "nonorm": ("norm_kernel=0",)}  # name (True) or name=0 (False): InferenceOptions booleans
 
 
 def _args(argv=None):
@@ -71,6 +76,10 @@ def _args(argv=None):
     ap.add_argument("--reserve-s", type=float, default=20.0, help="seconds kept after a compile for timing it")
     ap.add_argument("--floor-gib", type=float, default=4.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--ahead", action="store_true", help="set up every case, compile all their programs "
+                    "concurrently, then time them in turn (see run_ahead)")
+    ap.add_argument("--setup-until-s", type=float, default=None, help="with --ahead: seconds from the start after "
+                    "which no further case is set up (default: half of --deadline-s)")
     return ap.parse_args(argv)
 
 
@@ -82,12 +91,13 @@ class Case:
     host: bool
     cublas: bool = False  # xla_gpu_enable_triton_gemm=false
     greedy: bool = False  # the device loop with sampler="greedy" (no vocabulary sort), as Engine.generate runs greedy
+    context: int | None = None  # tokens per slot; None = --context
 
     @property
     def name(self) -> str:
         lvl = "default autotuning" if self.level is None else f"autotune level {self.level}"
         return (f"B{self.batch} {lvl}" + " cuBLAS GEMMs" * self.cublas + "".join(f" +{f}" for f in self.flags)
-                + " greedy sampler" * self.greedy)
+                + " greedy sampler" * self.greedy + (f" context {self.context}" if self.context else ""))
 
 
 def parse_cases(spec: str) -> list:
@@ -97,9 +107,11 @@ def parse_cases(spec: str) -> list:
         if len(parts) < 2 or not parts[0].isdigit() or not (parts[1] == "default" or parts[1].startswith("at")):
             raise SystemExit(f"--cases: {item!r} is not BATCH:default|atN[:host|cublas|onepass|mhc|router...]")
         level = None if parts[1] == "default" else int(parts[1][2:])
-        flags, host, cublas, greedy = [], False, False, False
+        flags, host, cublas, greedy, context = [], False, False, False, None
         for f in parts[2:]:
-            if f == "host":
+            if f.startswith("ctx") and f[3:].rstrip("k").isdigit():
+                context = int(f[3:].rstrip("k")) * (1024 if f.endswith("k") else 1)
+            elif f == "host":
                 host = True
             elif f == "cublas":
                 cublas = True
@@ -108,22 +120,20 @@ def parse_cases(spec: str) -> list:
             elif f in FLAGS:
                 flags += FLAGS[f]
             else:
-                raise SystemExit(f"--cases: unknown flag {f!r} in {item!r} (host, cublas, greedy, "
+                raise SystemExit(f"--cases: unknown flag {f!r} in {item!r} (host, cublas, greedy, ctxN, ctxNk, "
                                  f"{', '.join(FLAGS)})")
-        out.append(Case(int(parts[0]), level, tuple(dict.fromkeys(flags)), host, cublas, greedy))
+        out.append(Case(int(parts[0]), level, tuple(dict.fromkeys(flags)), host, cublas, greedy, context))
     return out
 
 
-def compile_programs(config, params, opts, s, case: Case, dump_dir: str) -> tuple:
-    """({name: compiled}, {name: stats}): the case's programs lowered, then compiled concurrently in threads."""
+def lower_programs(config, params, opts, s, case: Case) -> tuple:
+    """({name: lowered}, lowering seconds) of the case's programs, kept in LOWERED for a case that differs only in
+    its compiler options."""
     dopts = _decode_opts(opts)
-    copts = {} if case.level is None else {"xla_gpu_autotune_level": case.level}
-    if case.cublas:
-        copts["xla_gpu_enable_triton_gemm"] = False
     b = s["batch"]
-    lowered, stats = {}, {}
+    lowered = {}
     t0 = time.perf_counter()
-    key = (b, case.flags, case.greedy)  # a case that differs only in its compiler options reuses the lowering
+    key = (b, case.flags, case.greedy, case.context)  # a case that differs only in its compiler options reuses it
     if "device loop" not in LOWERED.get(key, {}):
         chain = decode_chain_program(dopts).jitted
         LOWERED.setdefault(key, {})["device loop"] = chain.lower(
@@ -137,7 +147,16 @@ def compile_programs(config, params, opts, s, case: Case, dump_dir: str) -> tupl
                 params, s["cache"], jnp.asarray(np.full((b,), 5, np.int32)), s["host_eids"], s["act"], *s["samp"],
                 jnp.full((b,), 1, jnp.int32), config=config, opts=dopts, return_logits=False)
         lowered["host loop"] = LOWERED[key]["host loop"]
-    stats["lower_s"] = time.perf_counter() - t0
+    return lowered, time.perf_counter() - t0
+
+
+def compile_programs(config, params, opts, s, case: Case, dump_dir: str) -> tuple:
+    """({name: compiled}, {name: stats}): the case's programs lowered, then compiled concurrently in threads."""
+    copts = {} if case.level is None else {"xla_gpu_autotune_level": case.level}
+    if case.cublas:
+        copts["xla_gpu_enable_triton_gemm"] = False
+    lowered, lower_s = lower_programs(config, params, opts, s, case)
+    stats = {"lower_s": lower_s}
     compiled = {}
 
     def work(name):
@@ -248,16 +267,13 @@ def main(argv=None):
         with open(path, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
-    for case in cases:
+    if args.ahead:
+        run_ahead(args, config, params, bw, cases, ks, dump_dir, rows, save)
+    for case in [] if args.ahead else cases:
         if time.perf_counter() - T_START > DEADLINE - args.reserve_s:
             rows.append(dict(case=case.name, skipped="deadline"))
             continue
-        opts = InferenceOptions(quant_sim=False, index_block_elems=1 << 28, **{f: True for f in case.flags})
-        s = pd.loop_setup(config, case.batch, args.context, opts, ks, args.profile_steps, case.host)
-        parts = pd.step_bytes(config, params, case.batch, args.context)
-        row = dict(case=case.name, batch=case.batch, autotune_level=case.level, flags=list(case.flags),
-                   floor_ms=sum(parts.values()) / bw * 1e3, step_gb=sum(parts.values()) / 1e9,
-                   started_s=time.perf_counter() - T_START)
+        opts, s, row = setup_case(args, config, params, bw, case, ks)
         compiled, stats = compile_programs(config, params, opts, s, case, dump_dir)
         row["compile"] = stats
         print(json.dumps(row), flush=True)
@@ -281,6 +297,76 @@ def main(argv=None):
     os._exit(0)  # an abandoned compile thread must not keep the process alive
 
 
+def setup_case(args, config, params, bw, case, ks):
+    """(options, loop setup with a filled cache, the row with its floor) of one case."""
+    context = case.context or args.context
+    flags = {f.partition("=")[0]: f.partition("=")[2] != "0" for f in case.flags}
+    opts = InferenceOptions(quant_sim=False, index_block_elems=1 << 28, **flags)
+    s = pd.loop_setup(config, case.batch, context, opts, ks, args.profile_steps, case.host)
+    parts = pd.step_bytes(config, params, case.batch, context)
+    row = dict(case=case.name, batch=case.batch, context=context, autotune_level=case.level, flags=list(case.flags),
+               floor_ms=sum(parts.values()) / bw * 1e3, step_gb=sum(parts.values()) / 1e9,
+               floor_parts_gb={k: v / 1e9 for k, v in parts.items()}, started_s=time.perf_counter() - T_START)
+    return opts, s, row
+
+
+def run_ahead(args, config, params, bw, cases, ks, dump_dir, rows, save):
+    """--ahead: every case's cache is allocated and filled and its programs lowered first, then all the programs
+    compile at once in threads (XLA's compiles release the GIL; the device machine's cores run them side by side,
+    so the compile phase costs about the longest compile instead of their sum), then each case is timed in turn
+    on its own cache (freed after it). Every case's cache is resident during the compiles: the cases must fit the
+    device together beside the parameters. Cases not set up by ``--setup-until-s`` are skipped; compiles are waited
+    for until ``--reserve-s`` before the deadline, and the cases compiled by then are timed (a row records how many
+    compiles still ran while it was timed: they share the host's cores, not the device, as long as none autotunes)."""
+    setups = []
+    setup_until = args.setup_until_s if args.setup_until_s is not None else DEADLINE / 2
+    for case in cases:
+        if time.perf_counter() - T_START > setup_until:
+            rows.append(dict(case=case.name, skipped=f"not set up: past --setup-until-s {setup_until:.0f}"))
+            continue
+        opts, s, row = setup_case(args, config, params, bw, case, ks)
+        _, row["lower_s"] = lower_programs(config, params, opts, s, case)  # tracing holds the GIL: one by one
+        setups.append((case, opts, s, row))
+        print(json.dumps(dict(case=case.name, set_up_and_lowered_s=time.perf_counter() - T_START)), flush=True)
+    results = [None] * len(setups)
+
+    def work(i):
+        case, opts, s, _ = setups[i]
+        results[i] = compile_programs(config, params, opts, s, case, dump_dir)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(setups))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=max(1.0, DEADLINE - args.reserve_s - (time.perf_counter() - T_START)))
+    compile_wall = time.perf_counter() - t0
+    print(json.dumps(dict(all_compiles_wall_s=compile_wall, done_s=time.perf_counter() - T_START)), flush=True)
+    for i, (case, opts, s, row) in enumerate(setups):
+        if results[i] is None:
+            row.update(compile={"device loop compile_s": f"not finished after {compile_wall:.0f} s"},
+                       skipped="compile not finished")
+            rows.append(row)
+            s.clear()
+            continue
+        compiled, stats = results[i]
+        stats["all cases' compiles, wall s"] = compile_wall
+        row["compile"] = stats
+        if "device loop" in compiled and time.perf_counter() - T_START < DEADLINE - args.reserve_s / 2:
+            row["compiles_running_while_timed"] = sum(t.is_alive() for t in threads)
+            try:
+                row.update(time_case(config, params, compiled, s, args.steps, args.profile_steps, ks))
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)[:400]
+        elif "device loop" in compiled:
+            row["skipped"] = "deadline"
+        s.clear()
+        results[i] = None
+        rows.append(row)
+        save()
+        print(json.dumps(row), flush=True)
+
+
 def init_params_bf16(config):
     from dsv41_jax.model.params import init_params
 
@@ -292,7 +378,7 @@ def init_params_bf16(config):
 def print_table(meta, rows, ks):
     print(f"\n{meta['model']}, context {meta['context']}, bf16, {meta['device']}, JAX {meta['jax']}, read-only "
           f"kernel {meta['read_bandwidth_tb_s']:.2f} TB/s")
-    head = ["case", "floor ms", "host loop ms (x floor)"] + [f"device loop k={k} ms (x floor)" for k in ks]
+    head = ["case", "batch", "context", "floor ms", "host loop ms (x floor)"] + [f"device loop k={k} ms (x floor)" for k in ks]
     head += ["launches/layer", "D2H/step", "busy %", "device loop compile s", "host loop compile s",
              "autotuned fusions"]
     print("| " + " | ".join(head) + " |")
@@ -302,11 +388,11 @@ def print_table(meta, rows, ks):
         return f"{v:.1f}" if isinstance(v, float) else (v or "-")
 
     for r in rows:
-        if "floor_ms" not in r:
+        if "floor_ms" not in r or r.get("skipped"):
             print(f"| {r['case']} | {r.get('skipped', r.get('error'))} |")
             continue
         f = r["floor_ms"]
-        cells = [r["case"], f"{f:.2f}"]
+        cells = [r["case"], str(r["batch"]), str(r.get("context", meta["context"])), f"{f:.2f}"]
         h = r.get("host_loop_step_ms")
         cells.append(f"{h:.2f} ({h / f:.2f}x)" if h else "-")
         for k in ks:

@@ -3,7 +3,7 @@ machine (no GPU: ``benchmarks/deviceless_gpu.py``), so that glue between the rea
 without device time.
 
     PYTHONPATH=$PWD:/path/to/cuda-plugin-links JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 \\
-        python benchmarks/decode_kernel_inventory.py --batches 1,32 [--context 32768] [--out DIR]
+        python benchmarks/decode_kernel_inventory.py --batches 1,32 [--model 12L|bench40] [--context 32768] [--out DIR]
 
 The program is the one ``Engine.generate``'s device loop runs (``decode_chain``: decode, sampling, the Engram hash
 on the device; ``bench-h200-12L``, bf16, ``kernel_backend="pallas_gpu"``). Every instruction of the optimised HLO
@@ -133,6 +133,9 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--flags", default="", help="comma-separated InferenceOptions booleans to set: name (True) or name=0, e.g. mhc_one_pass=0")
+    ap.add_argument("--model", default="12L", choices=("12L", "bench40"), help="bench-h200-12L or configs/bench40.py")
+    ap.add_argument("--sampler", default="filtered", help="decode_chain's sampler (greedy: as Engine.generate runs "
+                    "a greedy batch)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--hlo", action="store_true", help="also write the optimised HLO text")
     args = ap.parse_args(argv)
@@ -146,7 +149,12 @@ def main(argv=None):
     from dsv41_jax.inference.decode import _decode_opts
     from dsv41_jax.inference.step import InferenceOptions
 
-    config = h200_config()
+    if args.model == "bench40":
+        from profile_decode import bench40  # (imported, it parses no arguments)
+
+        config = bench40()
+    else:
+        config = h200_config()
     flags = {}
     for f in filter(None, args.flags.split(",")):  # name (True) or name=0 / name=1
         name, _, value = f.partition("=")
@@ -157,7 +165,7 @@ def main(argv=None):
     results = {}
     for b in (int(x) for x in args.batches.split(",")):
         fn, fargs = decode_program(config, b, args.context + 512, opts=opts, chained=True,
-                                   hasher=synthetic_hasher(config))
+                                   hasher=synthetic_hasher(config), sampler=args.sampler)
         t0 = time.perf_counter()
         compiled = jax.jit(fn, donate_argnums=(1,)).lower(*on_device(fargs, device)).compile()
         compile_s = time.perf_counter() - t0
@@ -195,7 +203,7 @@ def main(argv=None):
                     f.write(text)
     if args.out:
         with open(os.path.join(args.out, "decode_kernel_inventory.json"), "w") as f:
-            json.dump(dict(config=config.name, context=args.context, flags=flags, results=results), f,
+            json.dump(dict(config=config.name, context=args.context, flags=flags, sampler=args.sampler, results=results), f,
                       indent=1)
     return results
 

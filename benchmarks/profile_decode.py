@@ -94,7 +94,7 @@ import numpy as np  # noqa: E402
 import dsv41_jax  # noqa: E402,F401  (first: the version under --code wins over this directory's)
 
 sys.path.insert(1, HERE)
-from bench_inference import decode_inputs, fill_cache, h200_config, synthetic_hasher  # noqa: E402
+from bench_inference import decode_inputs, fill_cache_program, h200_config, synthetic_hasher  # noqa: E402
 from ceilings import read_bandwidth  # noqa: E402
 from trace_events import load_trace, newest_trace, union_length  # noqa: E402
 from dsv41_jax.config import ModelConfig  # noqa: E402
@@ -254,7 +254,7 @@ def time_steps(step, cache, steps):
 
 def profile_one(config, params, batch, context, opts, steps, profile_steps, out_dir):
     cache = init_cache(config, batch, context + 64, jnp.bfloat16)
-    cache = jax.jit(fill_cache, static_argnums=(1,), donate_argnums=(0,))(cache, context, jax.random.PRNGKey(1))
+    cache = fill_cache_program(cache, context, jax.random.PRNGKey(1))
     samp, eids, tok, act = decode_inputs(config, batch)
 
     def step(cache, i, read_back=True):
@@ -308,7 +308,7 @@ def loop_setup(config, batch, context, opts, readback, profile_steps, host_loop)
     from dsv41_jax.ops.engram_hash import device_history
 
     cache = init_cache(config, batch, context + 512, jnp.bfloat16)
-    cache = jax.jit(fill_cache, static_argnums=(1,), donate_argnums=(0,))(cache, context, jax.random.PRNGKey(1))
+    cache = fill_cache_program(cache, context, jax.random.PRNGKey(1))
     samp, _, tok, act = decode_inputs(config, batch)
     hasher = synthetic_hasher(config)
     ring = max(max(readback), profile_steps, 2)  # decode_chain's readback rows: a run of <= ring steps

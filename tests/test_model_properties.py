@@ -64,19 +64,44 @@ def test_mhc_comb_kernel_equals_the_xla_sinkhorn():
     InferenceOptions(mhc_kernel=True) on a GPU: scales, biases, sigmoids, softmax + Sinkhorn, and with one_pass the
     RMS normalisation of the raw sums) compute ops.mhc's pre / post / comb in float32 (left-to-right sums of the 4
     entries: last-bit differences), for ordinary and extreme logits and a token count that is not a block
-    multiple, after either projection form."""
+    multiple, after either projection form, and for one token (the one-pass projection's partial sums added in the
+    kernel)."""
     hc, d = 4, 16
     streams = jax.random.normal(jax.random.PRNGKey(0), (3, 50, hc, d))
     fn = 0.1 * jax.random.normal(jax.random.PRNGKey(1), ((2 + hc) * hc, hc * d))
     base = jax.random.normal(jax.random.PRNGKey(2), ((2 + hc) * hc,))
     scale = jnp.array([0.5, 1.0, 2.0])
     kw = dict(hc_eps=1e-6, rms_eps=1e-20, sinkhorn_iters=20)
-    for f, sc, one_pass in ((fn, scale, False), (10 * fn, 4 * scale, False), (fn, scale, True)):
-        want = mhc_coefficients(streams, f, base, sc, one_pass=one_pass, **kw)
-        got = mhc_coefficients(streams, f, base, sc, comb_kernel="pallas_gpu_interpret", one_pass=one_pass, **kw)
+    # the last case is one token (a batch-1 decode step): the kernel then adds the projection's partial sums
+    for f, sc, one_pass, x in ((fn, scale, False, streams), (10 * fn, 4 * scale, False, streams),
+                               (fn, scale, True, streams), (fn, scale, True, streams[:1, :1])):
+        want = mhc_coefficients(x, f, base, sc, one_pass=one_pass, **kw)
+        got = mhc_coefficients(x, f, base, sc, comb_kernel="pallas_gpu_interpret", one_pass=one_pass, **kw)
         for g, w in zip(got, want):
             assert g.shape == w.shape
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
+
+
+def test_collapse_rms_norm_kernel_equals_the_xla_forms():
+    """A decode step's collapse + RMS norm in one kernel (kernels.mhc_gpu.collapse_rms_norm_kernel, Pallas interpret
+    mode here; InferenceOptions.norm_kernel on a GPU) equals rms_norm(collapse(...)) in float32 (the streams summed
+    left to right: last-bit differences) and in bfloat16 (the collapse rounded to the streams' dtype as collapse
+    rounds it), for a width that is not a power of two (read as pieces 32 + 8); and the same kernel without the
+    collapse as ops.norms.rms_norm's kernel form (the decode step's q-LoRA norm)."""
+    from dsv41_jax.ops.mhc import collapse_rms_norm
+    from dsv41_jax.ops.norms import rms_norm
+
+    for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):
+        streams = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 4, 40)).astype(dtype)
+        pre = jax.random.uniform(jax.random.PRNGKey(1), (3, 2, 4))
+        weight = (1 + 0.1 * jax.random.normal(jax.random.PRNGKey(2), (40,))).astype(dtype)
+        want = collapse_rms_norm(streams, pre, weight, 1e-6)
+        got = collapse_rms_norm(streams, pre, weight, 1e-6, kernel="pallas_gpu_interpret")
+        assert got.shape == want.shape and got.dtype == want.dtype == dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+        want, got = (rms_norm(streams[:, :, 0], weight, 1e-6, kernel=k) for k in (None, "pallas_gpu_interpret"))
+        assert got.shape == want.shape == (3, 2, 40) and got.dtype == dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
 
 
 def test_mhc_trainable_sinkhorn_kernel_maths_equal_the_xla_loop_and_its_gradient():
@@ -127,6 +152,16 @@ def test_mhc_sinkhorn_runs_in_its_kernel_by_default_on_the_gpu_backend(tiny_conf
     assert comb(kernel_backend="pallas_gpu_interpret", mhc_kernel=True) == "pallas_gpu_interpret"
     assert comb(kernel_backend="reference") is None
     assert comb(kernel_backend="reference", mhc_kernel=True) is None
+    # the collapse + RMS norm kernel (ops.mhc.collapse_rms_norm): decode-sized steps on the GPU backend by default
+    from dsv41_jax.inference.step import _norm_kernel
+
+    assert _norm_kernel(InferenceOptions(kernel_backend="pallas_gpu"), small=True) == "pallas_gpu"
+    assert _norm_kernel(InferenceOptions(kernel_backend="pallas_gpu"), small=False) is None
+    assert _norm_kernel(InferenceOptions(kernel_backend="pallas_gpu", norm_kernel=False), small=True) is None
+    assert _norm_kernel(InferenceOptions(kernel_backend="pallas_gpu_interpret"), small=True) is None
+    assert _norm_kernel(InferenceOptions(kernel_backend="pallas_gpu_interpret", norm_kernel=True),
+                        small=False) == "pallas_gpu_interpret"
+    assert _norm_kernel(InferenceOptions(kernel_backend="reference", norm_kernel=True), small=True) is None
 
 
 def test_mhc_mixes_are_float32_exact_with_their_gradients():

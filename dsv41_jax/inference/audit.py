@@ -113,11 +113,12 @@ def audit_jaxpr(jaxpr, big_bytes: int) -> GraphAudit:
 
 def decode_program(config: ModelConfig, batch: int, max_len: int, *, dtype=jnp.bfloat16,
                    opts: InferenceOptions = InferenceOptions(), chained: bool = False, readback: int = 8,
-                   hasher=None):
+                   hasher=None, sampler: str = "filtered"):
     """(function, abstract arguments) of a decode step, ready for ``jax.make_jaxpr`` / ``jax.jit(...).lower``:
     ``decode_and_sample`` (decode + sampling, the Engram rows given), or with ``chained`` the step ``Engine.generate``
     runs, ``decode_chain`` (the Engram hash on the device, its tokens fed to the next step, a ``readback`` ring;
-    its tables' shapes from ``hasher``, default ``model.hasher.default_hasher(config)``)."""
+    its tables' shapes from ``hasher``, default ``model.hasher.default_hasher(config)``); ``sampler`` as
+    ``decode_chain``'s (``sampling.sampler_for``)."""
     from dsv41_jax.inference.decode import _decode_chain, _decode_opts, _decode_sample
 
     opts = _decode_opts(opts)
@@ -141,7 +142,7 @@ def decode_program(config: ModelConfig, batch: int, max_len: int, *, dtype=jnp.b
 
         def chain(params, cache, state, tables, temperature, top_k, top_p, seeds, stops, max_new, room):
             return _decode_chain(params, cache, state, tables, temperature, top_k, top_p, seeds, stops, max_new,
-                                 room, config=config, opts=opts)
+                                 room, config=config, opts=opts, sampler=sampler)
 
         return chain, args
     eids = None

@@ -35,7 +35,7 @@ from dsv41_jax.ops.attention import attention_inputs, attention_output
 from dsv41_jax.ops.compressor import compressed_entries, pool_groups, project_compressor_inputs
 from dsv41_jax.ops.engram import engram_write
 from dsv41_jax.ops.indexer import indexer_queries, indexer_scores, mask_invisible, select_topk, visible_counts
-from dsv41_jax.ops.mhc import collapse, expand, mhc_coefficients
+from dsv41_jax.ops.mhc import collapse, collapse_rms_norm, expand, mhc_coefficients
 from dsv41_jax.inference import packed_cache as PC
 from dsv41_jax.inference.moe import moe_inference
 from dsv41_jax.ops.moe import moe
@@ -77,6 +77,10 @@ class InferenceOptions:
     #                             the "pallas_gpu" backend, where the coefficient kernel then also applies the RMS
     #                             (kernels.mhc_gpu): 4 launches fewer per layer in the H200 decode step
     #                             (benchmarks/decode_kernel_inventory.py), the same float32 maths
+    norm_kernel: bool | None = None  # each site's mHC collapse and RMS norm in one Pallas GPU kernel (ops.mhc.
+    #                             collapse_rms_norm; XLA runs them as 3 kernels), the q-LoRA norm in one (XLA: 2);
+    #                             None: steps of at most 64 tokens on the "pallas_gpu" backend (not its interpret
+    #                             mode): 5 launches fewer per layer in the H200 decode step (decode_kernel_inventory)
     router_one_pass: bool | None = None  # steps of at most 64 tokens: the MoE router's logits as one reduction
     #                                (ops.moe.route) instead of a split-K float32 GEMM + the sum of its chunks; None:
     #                                on the "pallas_gpu" backend
@@ -450,11 +454,11 @@ class _Shared:
 
 def attention_step(p: dict, x: jax.Array, spec: LayerSpec, pos: jax.Array, pos0: jax.Array, n_valid: jax.Array,
                    cache: dict, shared: _Shared, config: ModelConfig, rope: dict, opts: InferenceOptions,
-                   quant_on: bool, emit: bool):
+                   quant_on: bool, emit: bool, norm_kernel: str | None = None):
     c = config
     b, t, _ = x.shape
     cos, sin = cos_sin(rope[spec.rope], pos)
-    q_res, q, kv = attention_inputs(p, x, cos, sin, c, quant_on)
+    q_res, q, kv = attention_inputs(p, x, cos, sin, c, quant_on, norm_kernel=norm_kernel)
 
     ring = cache["swa"][spec.index]
     valid = jnp.arange(t)[None, :] < n_valid[:, None]
@@ -526,6 +530,14 @@ def _mhc_kw(c: ModelConfig, opts: InferenceOptions) -> dict:
                 comb_kernel=backend if use_kernel and backend.startswith("pallas_gpu") else None)
 
 
+def _norm_kernel(opts: InferenceOptions, small: bool) -> str | None:
+    """ops.mhc.collapse_rms_norm's ``kernel`` for a step (``small``: at most 64 tokens)."""
+    backend = kernels.resolve_backend(opts.kernel_backend)
+    if not backend.startswith("pallas_gpu"):
+        return None
+    return backend if _auto(opts.norm_kernel, backend == "pallas_gpu" and small) else None
+
+
 def embed(params: dict, tokens: jax.Array, config: ModelConfig):
     """tokens [B, C] -> (streams [B, C, hc, d], pre_mix [B, C, hc]) entering layer 0."""
     b, t = tokens.shape
@@ -564,6 +576,7 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
     few = _auto(opts.mhc_one_pass, on_gpu) and small  # fewer, fused mHC kernels (ops.mhc one_pass)
     if few:
         mhc_kw = dict(mhc_kw, one_pass=True)
+    norm_kernel = _norm_kernel(opts, small)
     for spec in c.plan.layers[lo:hi]:
         lp = params["layers"][spec.index]
         if spec.engram_slot is not None:
@@ -572,14 +585,14 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
         if spec.index in capture:
             captured[spec.index] = jnp.mean(streams, axis=2)
         a_pre, a_post, a_comb = mhc_coefficients(streams, **lp["hc_attn"], **mhc_kw)
-        h = rms_norm(collapse(streams, pre_mix, unrolled=few), lp["attn_norm"], c.rms_norm_eps)
+        h = collapse_rms_norm(streams, pre_mix, lp["attn_norm"], c.rms_norm_eps, unrolled=few, kernel=norm_kernel)
         if return_compressor_inputs and spec.mode == FULL:
             compressor_inputs[spec.index] = h
         y, cache, shared = attention_step(lp["attn"], h, spec, pos, pos0, n_valid, cache, shared, c, rope, opts,
-                                          quant_on, emit=spec.index not in no_emit)
+                                          quant_on, emit=spec.index not in no_emit, norm_kernel=norm_kernel)
         streams = expand(streams, y, a_post, a_comb, unrolled=few)
         f_pre, f_post, f_comb = mhc_coefficients(streams, **lp["hc_ffn"], **mhc_kw)
-        h = rms_norm(collapse(streams, a_pre, unrolled=few), lp["ffn_norm"], c.rms_norm_eps)
+        h = collapse_rms_norm(streams, a_pre, lp["ffn_norm"], c.rms_norm_eps, unrolled=few, kernel=norm_kernel)
         if opts.moe_impl == "tiled":
             y = moe_inference(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp,
                               scaling=c.routed_scaling_factor, limit=c.swiglu_limit, normalize=c.norm_topk_prob,

@@ -63,13 +63,21 @@ def mhc_coefficients_kernel(x, scale, base, *, hc: int, hc_eps: float, iters: in
     products and, last, the sum of squares of the K = ``rms_k`` flattened stream entries) and the RMS normalisation
     mix = sums[:n] * rsqrt(sums[n] / K + rms_eps) is applied here too. Why: in a decode step the scale / bias of the
     comb logits and the normalisation were one more small XLA kernel per site between the projection and the
-    Sinkhorn kernel (24 sites per step of the 12-layer bench model)."""
+    Sinkhorn kernel (24 sites per step of the 12-layer bench model). ``x`` may also be [N, width, P] (P a power of
+    two): P partial sums of each entry over slices of the contraction, added here (left to right). Why: XLA split
+    the one-pass reduction over K = hc * d (20,480) into a partial-sums kernel and a final-sum kernel; given the
+    partials as one explicit reduction, the final sums join this kernel — one launch fewer per site."""
     n_tok = x.shape[0]
     n = (2 + hc) * hc
     width = n + (1 if rms_k is not None else 0)
-    if x.shape != (n_tok, width):
-        raise ValueError(f"mhc_coefficients_kernel: x must be [tokens, {width}] for hc = {hc}"
-                         f"{' with the sum of squares last' if rms_k is not None else ''}, got {x.shape}")
+    parts = x.shape[2] if x.ndim == 3 else None
+    # a decode step's few tokens: a block no larger than the tokens (the partial sums are loaded as [block, P]
+    # tiles, masked rows included: a 128-row block at batch 1 would issue 128x the loads it needs)
+    block = min(block, 1 << max(n_tok - 1, 0).bit_length())
+    if x.shape[:2] != (n_tok, width) or x.ndim not in (2, 3) or (parts is not None and parts & (parts - 1)):
+        raise ValueError(f"mhc_coefficients_kernel: x must be [tokens, {width}] or [tokens, {width}, P] (P a power "
+                         f"of two) for hc = {hc}{' with the sum of squares last' if rms_k is not None else ''}, "
+                         f"got {x.shape}")
     if scale.shape != (3,) or base.shape != (n,):
         raise ValueError(f"mhc_coefficients_kernel: scale must be [3] and base [{n}], got {scale.shape} and "
                          f"{base.shape}")
@@ -83,9 +91,17 @@ def mhc_coefficients_kernel(x, scale, base, *, hc: int, hc_eps: float, iters: in
         rows = pl.program_id(0) * block + jnp.arange(block)
         ok = rows < n_tok
         safe = jnp.minimum(rows, n_tok - 1)
-        mix = [pltr.load(x_ref.at[safe, j], mask=ok, other=0.0) for j in range(n)]
+
+        def entry(j):
+            if parts is None:
+                return pltr.load(x_ref.at[safe, j], mask=ok, other=0.0)
+            v = pltr.load(x_ref.at[safe[:, None], j, jnp.arange(parts)[None, :]], mask=ok[:, None],
+                          other=0.0)  # [block, P]
+            return jnp.sum(v, axis=1)
+
+        mix = [entry(j) for j in range(n)]
         if rms_k is not None:
-            sq = pltr.load(x_ref.at[safe, n], mask=ok, other=0.0)
+            sq = entry(n)
             r = jax.lax.rsqrt(sq / rms_k + rms_eps)
             mix = [v * r for v in mix]
         sc = [s_ref[g].astype(jnp.float32) for g in range(3)]
@@ -105,6 +121,53 @@ def mhc_coefficients_kernel(x, scale, base, *, hc: int, hc_eps: float, iters: in
                    jax.ShapeDtypeStruct((n_tok, m), f32)),
         compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1), interpret=interpret, name="mhc_coefficients",
     )(x.astype(f32), scale, base)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "dtype", "interpret"))
+def collapse_rms_norm_kernel(streams, pre, weight, *, eps: float, dtype=None, interpret: bool = False):
+    """``ops.norms.rms_norm(ops.mhc.collapse(streams, pre), weight, eps)`` in ONE kernel, one program per token:
+    streams [N, hc, D], pre [N, hc], weight [D] -> [N, D] in ``dtype`` (default the streams' dtype). The collapse is
+    the sum over the hc streams left to right (``collapse(..., unrolled=True)``), rounded to ``dtype`` as
+    ``collapse`` rounds it to the streams' dtype, then x * rsqrt(sum(x²) / D + eps), times the weight in float32,
+    rounded once. (bf16 streams may be given as their float32 values: XLA then hands over the float32 buffer its
+    mHC expand already wrote, instead of a separate conversion kernel.)
+
+    Why: XLA ran each site's collapse, the norm's sum of squares and the normalisation as three kernels (the
+    collapse feeds both the reduction and the element-wise pass after it, which XLA does not fuse across a
+    reduction): 2 sites per layer, 6 launches where this is 2 (the decode step of the 12-layer bench model,
+    benchmarks/decode_kernel_inventory.py). A token's hc x D entries (80 KB at D = 5120, float32) fit one program:
+    it reads them once and keeps the collapsed row in registers for the second pass. D need not be a power of two
+    (the row is read as power-of-two pieces, e.g. 4096 + 1024: static slices, no masks)."""
+    n_tok, hc, d = streams.shape
+    if (pre is not None and pre.shape != (n_tok, hc)) or (pre is None and hc != 1) or weight.shape != (d,):
+        raise ValueError(f"collapse_rms_norm_kernel: want streams [N, hc, D], pre [N, hc] (or None with hc = 1: "
+                         f"a plain RMS norm of each row), weight [D]; got {streams.shape}, "
+                         f"{None if pre is None else pre.shape}, {weight.shape}")
+    pieces = [(d >> b << b) - (1 << b) for b in reversed(range(d.bit_length())) if d >> b & 1]  # offsets
+    pieces = [(off, d - off if i == len(pieces) - 1 else pieces[i + 1] - off) for i, off in enumerate(pieces)]
+    dtype = streams.dtype if dtype is None else jnp.dtype(dtype)
+
+    def kernel(s_ref, *refs):
+        p_ref, w_ref, o_ref = refs if pre is not None else (None, *refs)
+        t = pl.program_id(0)
+        xs = []
+        for off, size in pieces:
+            if p_ref is None:  # no collapse: the row itself
+                xs.append(s_ref[t, 0, pl.ds(off, size)].astype(jnp.float32))
+                continue
+            x = _sum([p_ref[t, i].astype(jnp.float32) * s_ref[t, i, pl.ds(off, size)].astype(jnp.float32)
+                      for i in range(hc)])
+            xs.append(x.astype(dtype).astype(jnp.float32))  # collapse returns the streams' dtype
+        r = jax.lax.rsqrt(_sum([jnp.sum(x * x) for x in xs]) / d + eps)
+        for (off, size), x in zip(pieces, xs):
+            w = w_ref[pl.ds(off, size)].astype(jnp.float32)
+            o_ref[t, pl.ds(off, size)] = (w * (x * r)).astype(dtype)
+
+    return pl.pallas_call(
+        kernel, grid=(n_tok,), out_shape=jax.ShapeDtypeStruct((n_tok, d), dtype),
+        compiler_params=pltr.CompilerParams(num_warps=8, num_stages=1), interpret=interpret,
+        name="collapse_rms_norm" if pre is not None else "rms_norm",
+    )(*(streams, pre, weight) if pre is not None else (streams, weight))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -20,14 +20,16 @@ from dsv41_jax.ops.rope import apply_rope
 _HI = jax.lax.Precision.HIGHEST
 
 
-def attention_inputs(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, config, quant_on: bool):
+def attention_inputs(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, config, quant_on: bool,
+                     norm_kernel: str | None = None):
     """An attention site's projections of its normalised input x [B, T, d]: (q LoRA residual q_res [B, T, r_q],
     rotated queries q [B, T, H, D], the rotated K=V latent kv [B, T, D], FP8-rounded under fake quantisation).
-    cos / sin [B, T, r/2] are the layer's RoPE tables at the tokens' positions."""
+    cos / sin [B, T, r/2] are the layer's RoPE tables at the tokens' positions. ``norm_kernel``: the q-LoRA norm
+    in one Pallas kernel (``ops.norms.rms_norm``'s ``kernel``; a decode step)."""
     c = config
     b, t, _ = x.shape
     q_low, kv_low = linear_many(x, (p["wq_a"], p["wkv"]))  # one FP8 launch for both on the release's GPU path
-    q_res = rms_norm(q_low, p["q_norm"], c.rms_norm_eps)
+    q_res = rms_norm(q_low, p["q_norm"], c.rms_norm_eps, kernel=norm_kernel)
     q = linear(q_res, p["wq_b"]).reshape(b, t, c.num_attention_heads, c.head_dim)
     q = apply_rope(q, cos[:, :, None], sin[:, :, None])
     kv = apply_rope(rms_norm(kv_low, p["kv_norm"], c.rms_norm_eps), cos, sin)

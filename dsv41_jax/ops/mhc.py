@@ -12,11 +12,13 @@ sums of products that XLA fuses with their neighbours instead of batched GEMMs w
 stays exact float32 arithmetic (only the order of the float32 additions differs from one long dot).
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from dsv41_jax.ops.linear import narrow_matmul_f32
-from dsv41_jax.ops.norms import rms_normalize
+from dsv41_jax.ops.norms import rms_norm, rms_normalize
 
 
 # How the train step's ``comb`` (softmax + Sinkhorn, differentiable) runs when no ``comb_kernel`` is asked for:
@@ -62,13 +64,14 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
 
         lead = streams.shape[:-2]
         flat = streams.reshape(*lead, -1)
-        if one_pass:
-            x, rms_k = _project_sums_one_pass(flat, fn), flat.shape[-1]
+        if one_pass:  # one token: the kernel adds the partial sums (one XLA reduction kernel before it, not two)
+            parts = _KERNEL_PARTS if math.prod(lead) <= _KERNEL_PARTS_MAX_TOKENS else 1
+            x, rms_k = _project_sums_one_pass(flat, fn, parts=parts), flat.shape[-1]
         else:
             x = narrow_matmul_f32(rms_normalize(flat, rms_eps).reshape(-1, flat.shape[-1]), fn)
             rms_k = None
         pre, post, comb = mhc_coefficients_kernel(
-            x.reshape(-1, x.shape[-1]), scale, base, hc=hc,
+            x.reshape(-1, *(x.shape[len(lead):] if one_pass else x.shape[-1:])), scale, base, hc=hc,
             hc_eps=float(hc_eps), iters=int(sinkhorn_iters), rms_k=rms_k, rms_eps=float(rms_eps),
             interpret=comb_kernel.endswith("interpret"))
         return pre.reshape(*lead, hc), post.reshape(*lead, hc), comb.reshape(*lead, hc, hc)
@@ -100,13 +103,30 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
     return pre, post, comb
 
 
-def _project_sums_one_pass(flat: jax.Array, fn: jax.Array) -> jax.Array:
+# partial sums per entry handed to the coefficient kernel (a power of two): XLA's own split of the K-long
+# reduction (K = hc * d = 20,480 at the release's width) used 128 partials in a separate kernel. Only for steps of
+# at most _KERNEL_PARTS_MAX_TOKENS tokens: measured on an H200 (2026-12-02 22:27, bench-h200-12L), the kernel's
+# [tokens, 128] tiles of partials made it 0.105 -> 0.280 ms per batch-1 step (24 calls; the step no slower: 24 final-
+# sum kernels fewer) but 1.36 ms per batch-32 step (+1.25 ms; likely the tiles' registers spilling)
+_KERNEL_PARTS = 128
+_KERNEL_PARTS_MAX_TOKENS = 1
+
+
+def _project_sums_one_pass(flat: jax.Array, fn: jax.Array, parts: int = 1) -> jax.Array:
     """The N raw products flat · fnᵀ and the sum of squares of flat as the N + 1 rows of ONE sum over the
-    contraction: flat [..., K] (any float dtype), fn [N, K] -> [..., N + 1] float32."""
+    contraction: flat [..., K] (any float dtype), fn [N, K] -> [..., N + 1] float32. ``parts`` > 1: the sums over
+    ``P`` equal slices of the contraction instead, [..., N + 1, P] (P the largest power of two <= ``parts`` that
+    divides K), for a consumer that adds them."""
     x = flat.astype(jnp.float32)
     w = fn.astype(jnp.float32)
     rows = jnp.concatenate([x[..., None, :] * w, (x * x)[..., None, :]], axis=-2)  # [..., N + 1, K]
-    return jnp.sum(rows, axis=-1)
+    if parts <= 1:
+        return jnp.sum(rows, axis=-1)
+    k = rows.shape[-1]
+    p = 1 << (parts.bit_length() - 1)
+    while k % p:
+        p //= 2
+    return jnp.sum(rows.reshape(*rows.shape[:-1], p, k // p), axis=-1)
 
 
 def _project_rms_one_pass(flat: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
@@ -135,6 +155,25 @@ def collapse(streams: jax.Array, pre: jax.Array, *, unrolled: bool = False) -> j
     else:
         out = jnp.sum(p32[..., None] * s32, axis=-2)
     return out.astype(streams.dtype)
+
+
+def collapse_rms_norm(streams: jax.Array, pre: jax.Array, weight: jax.Array, eps: float, *, unrolled: bool = False,
+                      kernel: str | None = None) -> jax.Array:
+    """``rms_norm(collapse(streams, pre), weight, eps)``: a site's normalised input, [..., hc, D] -> [..., D] in the
+    streams' dtype. ``kernel`` (``"pallas_gpu"``, or ``"pallas_gpu_interpret"`` on a CPU): both in one Pallas
+    kernel (``kernels.mhc_gpu.collapse_rms_norm_kernel``; a decode step's few tokens: one launch instead of XLA's
+    three per site), the same float32 maths with the streams summed left to right."""
+    if kernel is None:
+        return rms_norm(collapse(streams, pre, unrolled=unrolled), weight, eps)
+    from dsv41_jax.kernels.mhc_gpu import collapse_rms_norm_kernel  # lazy: ops does not need the kernels package
+
+    lead, (hc, d) = streams.shape[:-2], streams.shape[-2:]
+    # the streams as float32 (exact): XLA's mHC expand keeps them in float32 before rounding to the streams' dtype,
+    # so the kernel reads that buffer rather than one more conversion kernel's output
+    out = collapse_rms_norm_kernel(streams.reshape(-1, hc, d).astype(jnp.float32),
+                                   pre.reshape(-1, hc).astype(jnp.float32), weight, eps=float(eps),
+                                   dtype=streams.dtype, interpret=kernel.endswith("interpret"))
+    return out.reshape(*lead, d)
 
 
 def expand(streams: jax.Array, y: jax.Array, post: jax.Array, comb: jax.Array, *,
