@@ -31,9 +31,9 @@ Recipe (``--smoke`` shrinks every size; the numbers below are the defaults):
    experts top-1 + shared, Markov rank 64, noise token 258), trained against the frozen target with target-greedy
    labels (``DSparkTrainStep``, 32 anchors per row), same optimiser settings with lr 1e-3, for as many steps as fit
    ``--drafter-s`` seconds (cut so that ``--decode-reserve-s`` remain). Its rows: ``--gen-rows`` (half) of every
-   batch are the target's own greedy continuations (``--gen-s`` seconds of generating at batch 16: a corpus stretch
-   as wide as the prompts + greedy bytes to 512; what the drafter must predict at inference), the rest corpus
-   rows.
+   batch are the target's own continuations (``--gen-s`` seconds of generating at batch 16: a corpus stretch
+   as wide as the prompts + bytes to 512, greedy or sampled at ``--gen-temperature``; what the drafter must
+   predict at inference), the rest corpus rows.
 3. Decoding (bf16 weights, float32-only parameters in float32): held-out ``asyncio`` prompts of 96 characters,
    ``--new-tokens`` greedy tokens; at batch 1 each of ``--prompts`` prompts alone (every row kind per prompt,
    then tokens / total time over all prompts and over the prompts whose plain continuation is not degenerate:
@@ -45,7 +45,10 @@ Recipe (``--smoke`` shrinks every size; the numbers below are the defaults):
    width 1 .. γ + 1; ``--prefix-batches``). Rows run in that order of importance; ``--budget-s`` skips what would start too
    late. Prefill runs without CED (the drafter's target layers 1-2 are encoder layers); it is outside the timed
    decode loop. Every speculative row checks that its tokens equal plain decoding's (bf16: near-tied logits may
-   round differently in the one-token step and the verification chunk).
+   round differently in the one-token step and the verification chunk). Sampled rows (``plain~T`` / ``none~T``,
+   at ``--sample-batches``): plain sampling and speculative sampling (lossless in distribution; the device loop),
+   each prompt with the same seed; the speculative row's own continuation is judged by ``text_stats`` too, and
+   a prompt counts among the non-degenerate ones only when neither continuation is degenerate.
    Floor: the bytes a step must read (active bf16 weights: batch 1 = attention / shared / top-6 of 16 routed
    experts per layer + head; batch b = the routed experts b tokens are expected to touch under uniform routing; a
    speculative step = a full-width verification of b (γ + 1) tokens + the drafter's block), as a fraction of a
@@ -121,10 +124,33 @@ def target_config(smoke: bool, block_size: int = 5):
 ROW_KINDS = ("plain", "none", "host", "threshold", "prefix")
 
 
+def plain_of(v: str) -> str:
+    """The baseline row of row ``v``: plain decoding, sampled at ``v``'s temperature (``none~0.7`` -> ``plain~0.7``)."""
+    return "plain" + v[v.index("~"):] if "~" in v else "plain"
+
+
+def variant_temperature(v: str) -> tuple[str, float]:
+    """A row of --variants -> (the row without its temperature, the sampling temperature; 0 = greedy):
+    ``plain~1.0`` / ``none~0.7`` sample at that temperature (plain sampling / speculative sampling, the same
+    seed per prompt). Raises ValueError naming the bad entry."""
+    base, sep, t = v.partition("~")
+    if not sep:
+        return v, 0.0
+    try:
+        temp = float(t)
+    except ValueError:
+        temp = -1.0
+    if not temp > 0 or base not in ("plain", "none"):
+        raise ValueError(f"{v!r}: '~T' (a sampling temperature T > 0) only goes with plain / none")
+    return base, temp
+
+
 def parse_variant(v: str) -> tuple[str, int | None, float | None]:
     """A decode row kind of --variants -> (kind, drafts verified or None = all, threshold or None = --threshold):
-    ``none:5`` verifies the first 5 drafts, ``threshold@0.3`` sets the survival threshold of that row. Raises
-    ValueError naming the bad entry."""
+    ``none:5`` verifies the first 5 drafts, ``threshold@0.3`` sets the survival threshold of that row; a
+    ``~T`` suffix (sampling, :func:`variant_temperature`) is checked and left out. Raises ValueError naming the
+    bad entry."""
+    v, _ = variant_temperature(v)
     head, _, n = v.partition(":")
     kind, _, thr = head.partition("@")
     if kind not in ROW_KINDS:
@@ -339,10 +365,11 @@ class Warmer(threading.Thread):
             say(f"  waited {time.perf_counter() - t0:.1f} s for warm-up {self.name}")
 
 
-def target_rows(engine: Engine, corpus, width: int, seq: int, seconds: float, seed: int, say) -> np.ndarray:
+def target_rows(engine: Engine, corpus, width: int, seq: int, seconds: float, seed: int, say,
+                temperature: float = 0.0) -> np.ndarray:
     """Rows of ``seq`` tokens = a ``width``-token stretch of the training corpus (BOS first, like the prompts)
-    + the target's greedy continuation: what the drafter must predict at inference. Batches of the engine's size
-    until ``seconds`` have passed (at least one)."""
+    + the target's continuation, greedy or sampled at ``temperature``: what the drafter must predict at
+    inference. Batches of the engine's size until ``seconds`` have passed (at least one)."""
     rng = np.random.default_rng(seed)
     b, new = engine.max_batch, seq - width
     rows, t0 = [], time.perf_counter()
@@ -351,7 +378,8 @@ def target_rows(engine: Engine, corpus, width: int, seq: int, seconds: float, se
     while not rows or time.perf_counter() - t0 < seconds:
         starts = rng.integers(0, len(toks) - width, b)
         prompts = [[bos] + [int(t) for t in toks[s:s + width - 1]] for s in starts]
-        res = engine.generate(prompts, max_new_tokens=new, stop_tokens=())
+        res = engine.generate(prompts, max_new_tokens=new, stop_tokens=(), temperature=temperature,
+                              seed=int(rng.integers(0, 2 ** 31)))
         for p, r in zip(prompts, res):
             row = (p + list(r.tokens))[:seq]
             rows.append(row + [0] * (seq - len(row)))
@@ -391,6 +419,8 @@ def main(argv=None):
     ap.add_argument("--target-s", type=float, default=None, help="seconds of target training after compiling")
     ap.add_argument("--gen-s", type=float, default=None, help="seconds of target generation (batch = the largest "
                     "of --batches) for the drafter's training rows; 0: train on the corpus alone")
+    ap.add_argument("--gen-temperature", type=float, default=0.0, help="the target's generations for the drafter: "
+                    "greedy (0) or sampled at this temperature")
     ap.add_argument("--gen-rows", type=float, default=0.5, help="fraction of each drafter batch's rows taken from "
                     "the target's generations")
     ap.add_argument("--drafter-s", type=float, default=None, help="seconds of drafter training after compiling "
@@ -403,8 +433,11 @@ def main(argv=None):
                     "none (DSpark, device loop), host (DSpark, host loop), threshold (confidence threshold 0.5, "
                     "device loop), prefix (prefix scheduler over a measured step-time table, --prefix-batches, host "
                     "loop). none / threshold take ':N' to verify only the first N drafts, threshold '@X' its threshold (e.g. none:5 with "
-                    "--block-size 7). Each kind of row compiles its own programs: host the host loop's step (also "
+                    "--block-size 7); plain~T / none~T sample at temperature T (plain sampling and speculative "
+                    "sampling, seed = the prompt's index). Each kind of row compiles its own programs: host the host "
+                    "loop's step (also "
                     "timed alone at full width), prefix one step program per chunk width")
+    ap.add_argument("--sample-batches", default="1", help="batches that run the sampled rows (~T) of --variants")
     ap.add_argument("--block-size", type=int, default=5, help="the drafter's block size (drafts per step, γ)")
     ap.add_argument("--threshold", type=float, default=0.5, help="the threshold rows' survival threshold (> 1: "
                     "every step verifies the pending token alone, in the full-width chunk)")
@@ -439,6 +472,9 @@ def main(argv=None):
         ap.error("--variants: " + "; ".join(bad))
     if "plain" not in variants:
         variants.insert(0, "plain")  # every speculative row is a ratio against it
+    for v in list(variants):  # and every sampled row against plain sampling at its temperature
+        if variant_temperature(v)[1] > 0 and plain_of(v) not in variants:
+            variants.insert(variants.index(v), plain_of(v))
     host_step = "host" in variants  # the host loop's step program is needed
     t_start = time.perf_counter()
     smoke = args.smoke
@@ -524,6 +560,7 @@ def main(argv=None):
     prompt_len = 96
     batches = [int(x) for x in args.batches.split(",")]
     prefix_batches = {int(x) for x in args.prefix_batches.split(",") if x} if "prefix" in variants else set()
+    sample_batches = {int(x) for x in args.sample_batches.split(",") if x}
     gen_batch = max(batches)
     max_len = max(2 * prompt_len + new + 16, seq)  # seq: the target's generations for the drafter's rows
     zeros = zero_params(config, device)
@@ -545,18 +582,28 @@ def main(argv=None):
             kw.update(chain_every=0)
         return kw
 
+    def batch_variants(b):
+        """The rows batch ``b`` runs: the sampled ones (~T) only at --sample-batches."""
+        return [v for v in variants if variant_temperature(v)[1] == 0 or b in sample_batches]
+
     def warm_plain(b):
         def fn(w):
             engines[b, "plain"].generate(prompts[b], max_new_tokens=3, stop_tokens=())
+            # the sampler's programs (one for every temperature > 0): sampled rows, sampled generations
+            if any(variant_temperature(v)[1] > 0 for v in batch_variants(b)) or (
+                    b == gen_batch and args.gen_temperature > 0):
+                engines[b, "plain"].generate(prompts[b], max_new_tokens=3, stop_tokens=(), temperature=1.0)
         return fn
 
     def warm_spec(b):
         def fn(w):
-            kinds = [decoder_kwargs(v) for v in variants if parse_variant(v)[0] in ("none", "threshold", "host")]
-            for kw in kinds:  # device loop (schedule off / threshold, each width); host loop
-                dec = SpeculativeDecoder(engines[b, "spec"], **kw)
+            kinds = {(json.dumps(decoder_kwargs(v), sort_keys=True), variant_temperature(v)[1] > 0): v
+                     for v in batch_variants(b) if parse_variant(v)[0] in ("none", "threshold", "host")}
+            for (_, sampled), v in kinds.items():  # device loop (schedule off / threshold, each width); host loop
+                dec = SpeculativeDecoder(engines[b, "spec"], **decoder_kwargs(v))
                 # one run builds every program of the row (fresh rings are committed like those a step returns)
-                dec.generate(prompts[b], max_new_tokens=2 * gamma + 2, stop_tokens=())
+                dec.generate(prompts[b], max_new_tokens=2 * gamma + 2, stop_tokens=(),
+                             temperature=1.0 if sampled else 0.0)
         return fn
 
     def warm_prefix(b):
@@ -664,11 +711,13 @@ def main(argv=None):
                 warmers[gen_batch, "plain"].wait(say)
             width = max(len(p) for p in prompts[gen_batch])  # the prompts' width: the prefill program already built
             say(f"target generations for the drafter: batch {gen_batch}, {width}-token corpus stretches + "
-                f"{seq - width} greedy tokens, {gen_s:.0f} s")
-            rows = target_rows(engines[gen_batch, "plain"], corpus, width, seq, gen_s, seed=3, say=say)
+                f"{seq - width} tokens at temperature {args.gen_temperature:g}, {gen_s:.0f} s")
+            rows = target_rows(engines[gen_batch, "plain"], corpus, width, seq, gen_s, seed=3, say=say,
+                               temperature=args.gen_temperature)
             np.save(os.path.join(out, "target_rows.npy"), rows)
             sample = tok.decode(rows[0, width:].tolist())
-            record["generations"] = dict(rows=int(len(rows)), prompt_width=width, seq=seq, sample=sample[:400])
+            record["generations"] = dict(rows=int(len(rows)), prompt_width=width, seq=seq, sample=sample[:400],
+                                         temperature=args.gen_temperature)
             say(f"  sample continuation: {sample[:200]!r}")
             stage("generated")
         say(f"drafter: {counts.dspark / 1e9:.3f} B parameters ({config.num_nextn_predict_layers} block); training")
@@ -716,7 +765,7 @@ def main(argv=None):
                 f"decode loop {dt * 1e3:.1f} ms")
         return res, statistics.median(times[1:] if reps else times), steps
 
-    plain_out = {}  # (batch, prompt set) -> plain decoding's tokens per row
+    plain_out = {}  # (batch, prompt set, temperature) -> plain decoding's tokens per row
     trace_batches = {int(x) for x in args.trace_batches.split(",") if x}
     trace_variants = set(args.trace_variants.split(","))
 
@@ -745,21 +794,23 @@ def main(argv=None):
         runs after a first one, the counts, the tokens and their check against plain decoding."""
         ps = eval_sets[b][si]
         first = si == 0
-        if variant == "plain":
+        base, temp = variant_temperature(variant)
+        samp = dict(temperature=temp, seed=si)  # sampled rows: plain and speculative with the same seed
+        if base == "plain":
             eng = engines[b, "plain"]
 
             def fn():
-                res = eng.generate(ps, max_new_tokens=new, stop_tokens=())
+                res = eng.generate(ps, max_new_tokens=new, stop_tokens=(), **samp)
                 return res, eng.last_stats.decode_s
             res, dt, _ = timed(fn, lambda: new - 1)
             toks = [r.tokens for r in res]
-            plain_out[b, si] = toks
+            plain_out[b, si, temp] = toks
             r = dict(steps=new - 1, rows_verified=len(ps) * (new - 1), emitted=len(ps) * (new - 1), drafted=0,
                      accepted=0, rollbacks=0, same=None, text=[text_stats(t) for t in toks],
                      **(traced(b, variant, fn, lambda: new - 1) if first else {}))
             if first:
                 sample = tok.decode(res[0].tokens)
-                record.setdefault("samples", {})[str(b)] = dict(prompt=tok.decode(ps[0]), plain=sample)
+                record.setdefault("samples", {})[f"{b}{variant[5:]}"] = dict(prompt=tok.decode(ps[0]), plain=sample)
                 say(f"  sample: {sample[:160]!r}")
         else:
             eng = engines[b, "spec"]
@@ -776,18 +827,23 @@ def main(argv=None):
             dec = decoders[b, variant]
 
             def fn():
-                res = dec.generate(ps, max_new_tokens=new, stop_tokens=())
+                res = dec.generate(ps, max_new_tokens=new, stop_tokens=(), **samp)
                 return res, dec.stats.decode_s
             res, dt, _ = timed(fn, lambda: dec.stats.steps)
             st = dec.stats
             toks = [x.tokens for x in res]
-            ref = plain_out.get((b, si))
+            # sampled rows: other draws than plain sampling's (the same distribution), nothing to compare token
+            # for token; their own text is judged as plain's is
+            ref = plain_out.get((b, si, 0.0)) if temp == 0 else None
             diff = None if ref is None else [
                 [s, next((j for j, (x, y) in enumerate(zip(t, ref[s])) if x != y), min(len(t), len(ref[s])))]
                 for s, t in enumerate(toks) if t != ref[s]]
             r = dict(steps=st.steps, rows_verified=st.rows_verified, emitted=st.emitted, drafted=st.drafted,
                      accepted=st.accepted, rollbacks=st.rollbacks, device_steps=st.device_steps,
-                     same=None if ref is None else not diff, differing_rows=diff)
+                     same=None if ref is None else not diff, differing_rows=diff,
+                     **({"text": [text_stats(t) for t in toks]} if temp > 0 else {}))
+            if first and temp > 0:
+                say(f"  sample: {tok.decode(toks[0])[:160]!r}")
             if first:
                 r.update(traced(b, variant, fn, lambda: dec.stats.steps))
                 if kind == "none" and host_step and not n_draft:  # the host loop's step program alone at full width
@@ -801,7 +857,7 @@ def main(argv=None):
         """One table row over the prompt sets ``sets`` of batch ``b``: tokens / total time, emitted / verified
         rows, the step time, every set's check against plain decoding."""
         rs = [r for r in runs if r["batch"] == b and r["variant"] == variant and r["set"] in sets and "error" not in r]
-        ps = {r["set"]: r for r in runs if r["batch"] == b and r["variant"] == "plain" and "error" not in r}
+        ps = {r["set"]: r for r in runs if r["batch"] == b and r["variant"] == plain_of(variant) and "error" not in r}
         rs = [r for r in rs if r["set"] in ps]  # only sets with a plain row to compare with
         if not rs:
             return None
@@ -814,11 +870,15 @@ def main(argv=None):
         step_ms, plain_step = dt / steps * 1e3, plain_dt / plain_steps * 1e3
         acc = sum(r["emitted"] for r in rs) / sum(r["rows_verified"] for r in rs)
         kind, n_draft, thr = parse_variant(variant)
+        temp = variant_temperature(variant)[1]
         if kind == "plain":
             floor_bytes, same = step_bytes(config, b)["total"], "—"
         else:  # a full-width verification reads the weights (b (γ + 1) tokens') and the drafter's block
             floor_bytes = step_bytes(config, b * ((n_draft or gamma) + 1))["total"] + 2 * counts.dspark
             bad = [r["set"] for r in rs if not r["same"]]
+        if kind != "plain" and temp > 0:
+            same = "— (sampled: the same distribution, other draws)"
+        elif kind != "plain":
             same = "yes" if not bad else (f"NO (sets {bad})" if b == 1 else
                                           "NO (rows " + ", ".join(str(d[0]) for r in rs for d in r["differing_rows"])
                                           + ")")
@@ -827,7 +887,9 @@ def main(argv=None):
                 "threshold": f"DSpark + threshold {args.threshold if thr is None else thr:g} (device loop)",
                 "prefix": "DSpark + prefix (measured, host loop)"}[kind] + ("" if kind == "plain" else
                                                                            f", γ {n_draft or gamma}")
+        name += f", sampled T {temp:g}" if temp > 0 else ", greedy"
         texts = [t for r in rs for t in ps[r["set"]]["text"]]
+        own = [t for r in rs for t in r.get("text", [])] if kind != "plain" and temp > 0 else []
         row = dict(batch=b, prompts=label, decoding=name, variant=variant, sets=len(rs), tokens=tokens, decode_s=dt,
                    tokens_per_s=tps, plain_tokens_per_s=plain_tps, speedup=tps / plain_tps, accepted_length=acc,
                    steps=steps, step_ms=step_ms, step_vs_plain=step_ms / plain_step,
@@ -835,13 +897,15 @@ def main(argv=None):
                    accepted=sum(r["accepted"] for r in rs), floor_bytes=floor_bytes,
                    floor_ms=None if bw is None else floor_bytes / bw * 1e3, read_bw_fraction=bw_frac,
                    datasheet_bw_fraction=floor_bytes / (step_ms / 1e3) / 4.8e12, same_tokens=same,
-                   distinct_fraction=statistics.mean(t["distinct_fraction"] for t in texts))
+                   temperature=temp, distinct_fraction=statistics.mean(t["distinct_fraction"] for t in texts),
+                   own_distinct_fraction=statistics.mean(t["distinct_fraction"] for t in own) if own else None)
         record["rows"].append(row)
         save()
         sf = "—" if bw_frac is None else f"{100 * bw_frac:.0f} %"
         print(f"| {b} | {label} | {name} | {tps:,.1f} | {tps / plain_tps:.2f} | {acc:.2f} | "
               f"{row['drafted']} / {row['accepted']} | {steps} | {step_ms:.2f} | {step_ms / plain_step:.2f} | "
-              f"{floor_bytes / 1e9:.2f} | {sf} | {row['distinct_fraction']:.2f} | {same} |", flush=True)
+              f"{floor_bytes / 1e9:.2f} | {sf} | {row['distinct_fraction']:.2f}"
+              + (f" / {row['own_distinct_fraction']:.2f}" if own else "") + f" | {same} |", flush=True)
         return row
 
     for bi, b in enumerate(batches):
@@ -860,7 +924,7 @@ def main(argv=None):
                 say(f"  batch {b} step-time table: " + ", ".join(f"{w}: {t * 1e3:.2f} ms" for w, t in table.items()))
             except Exception as e:  # noqa: BLE001 - the other rows still run
                 say(f"  batch {b} step-time table FAILED: {type(e).__name__}: {e}")
-        kinds = [v for v in variants if parse_variant(v)[0] != "prefix"]
+        kinds = [v for v in batch_variants(b) if parse_variant(v)[0] != "prefix"]
         if b in step_tables:
             kinds.append("prefix")
         for si in range(len(eval_sets[b])):
@@ -879,48 +943,73 @@ def main(argv=None):
                 save()
 
     # ---- the table: every row kind over all prompt sets; at batch 1 also over the prompts whose plain
-    # continuation is not degenerate (text_stats) ---------------------------------------------------------------
+    # continuation is not degenerate (text_stats) and, for a sampled speculative row, whose own continuation is not
+    # either; greedy rows first, then each sampling temperature against plain sampling at it ----------------------
     print(f"# bench_dspark_h200: {config.name} ({counts.active_decode / 1e9:.3f} B active / token), "
-          f"{record['device']}, γ={gamma}, prompt {prompt_len} chars, {new} new tokens, greedy", flush=True)
+          f"{record['device']}, γ={gamma}, prompt {prompt_len} chars, {new} new tokens", flush=True)
     print("| batch | prompts | decoding | tokens/s | × plain | tokens per verification step (accepted + 1) | "
           "drafts verified / accepted | steps | step ms | × plain step | floor GB / step | % of read BW | "
-          "distinct-token fraction (plain) | same tokens as plain |", flush=True)
+          "distinct-token fraction (plain / sampled row) | same tokens as plain |", flush=True)
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+
+    def run_of(b, si, v):
+        return next((x for x in runs if x["batch"] == b and x["set"] == si and x["variant"] == v
+                     and "error" not in x), None)
+
+    def not_degenerate(b, si, v) -> bool:
+        """The prompt counts for row ``v``: its plain continuation is not degenerate, nor (sampled rows) the row's."""
+        pr, r = run_of(b, si, plain_of(v)), run_of(b, si, v)
+        return (pr is not None and not pr["text"][0]["degenerate"]
+                and (r is None or not any(t["degenerate"] for t in r.get("text", []))))
+
+    groups_of = {}  # batch -> [(temperature, row kinds)]
     for b in batches:
-        plain_sets = {r["set"]: r for r in runs if r["batch"] == b and r["variant"] == "plain" and "error" not in r}
-        groups = [(sorted(plain_sets), f"{len(plain_sets)} prompts" if b == 1 else f"{b} prompts together")]
-        if b == 1:
-            ok = sorted(s for s, r in plain_sets.items() if not r["text"][0]["degenerate"])
-            groups.append((ok, f"{len(ok)} non-degenerate"))
-        kinds = [v for v in variants if parse_variant(v)[0] != "prefix"] + (["prefix"] if b in step_tables else [])
-        for sets, label in groups:
-            for variant in kinds:
-                aggregate(b, variant, set(sets), label)
+        kinds = [v for v in batch_variants(b) if parse_variant(v)[0] != "prefix"] + (
+            ["prefix"] if b in step_tables else [])
+        groups_of[b] = [(t, [v for v in kinds if variant_temperature(v)[1] == t])
+                        for t in sorted({variant_temperature(v)[1] for v in kinds})]
+        for temp, vs in groups_of[b]:
+            plain_sets = sorted(r["set"] for r in runs if r["batch"] == b and r["variant"] == plain_of(vs[0])
+                                and "error" not in r)
+            for v in vs:
+                aggregate(b, v, set(plain_sets), f"{len(plain_sets)} prompts" if b == 1 else f"{b} prompts together")
+            if b == 1:
+                for v in vs:
+                    ok = [si for si in plain_sets if not_degenerate(b, si, v)]
+                    if not aggregate(b, v, set(ok), f"{len(ok)} non-degenerate"):
+                        print(f"| {b} | 0 non-degenerate | {v} | — | — | — | — | — | — | — | — | — | — | — |",
+                              flush=True)
     if 1 in batches:  # per prompt
-        kinds = [v for v in variants if parse_variant(v)[0] not in ("plain", "prefix")] + (
-            ["prefix"] if 1 in step_tables else [])
-        print("# batch 1, per prompt: plain tokens/s; per row kind × plain (tokens per verification step)", flush=True)
-        print("| prompt | start | distinct-token fraction | longest run | repeated 4-grams | degenerate | plain tokens/s | "
-              + " | ".join(kinds) + " | same tokens |", flush=True)
-        print("|---" * (8 + len(kinds)) + "|", flush=True)
-        for si in range(len(eval_sets[1])):
-            pr = next((r for r in runs if r["batch"] == 1 and r["set"] == si and r["variant"] == "plain"
-                       and "error" not in r), None)
-            if pr is None:
-                continue
-            t = pr["text"][0]
-            cells, same = [], True
-            for v in kinds:
-                r = next((x for x in runs if x["batch"] == 1 and x["set"] == si and x["variant"] == v
-                          and "error" not in x), None)
-                cells.append("—" if r is None else f"{pr['decode_s'] / r['decode_s']:.2f}× "
-                             f"({r['emitted'] / r['rows_verified']:.2f})")
-                same = same and (r is None or bool(r["same"]))
-            start = tok.decode(eval_sets[1][si][0][1:])[:24].replace("\n", "⏎").replace("|", "¦")  # after BOS
-            print(f"| {si} | `{start}` | {t['distinct_fraction']:.2f} | {t['longest_run']} | "
-                  f"{t['repeated_4gram_fraction']:.2f} | {'yes' if t['degenerate'] else 'no'} | "
-                  f"{pr['tokens'] / pr['decode_s']:,.1f} | " + " | ".join(cells) + f" | {'yes' if same else 'NO'} |",
-                  flush=True)
+        for temp, vs in groups_of[1]:
+            kinds = [v for v in vs if parse_variant(v)[0] != "plain"]
+            head = "greedy" if temp == 0 else f"sampled at T {temp:g} (seed = prompt index; sampled rows: × plain " \
+                                              f"(tokens per step) [their own repeated 4-grams, longest run])"
+            print(f"# batch 1, per prompt, {head}: plain tokens/s; per row kind × plain (tokens per verification "
+                  f"step)", flush=True)
+            print("| prompt | start | distinct-token fraction | longest run | repeated 4-grams | degenerate | "
+                  "plain tokens/s | " + " | ".join(kinds) + " | same tokens |", flush=True)
+            print("|---" * (8 + len(kinds)) + "|", flush=True)
+            for si in range(len(eval_sets[1])):
+                pr = run_of(1, si, plain_of(vs[0]))
+                if pr is None:
+                    continue
+                t = pr["text"][0]
+                cells, same = [], True
+                for v in kinds:
+                    r = run_of(1, si, v)
+                    cell = "—" if r is None else (f"{pr['decode_s'] / r['decode_s']:.2f}× "
+                                                  f"({r['emitted'] / r['rows_verified']:.2f})")
+                    if r is not None and r.get("text"):
+                        o = r["text"][0]
+                        cell += (f" [{o['repeated_4gram_fraction']:.2f}, {o['longest_run']}"
+                                 + (", degenerate]" if o["degenerate"] else "]"))
+                    cells.append(cell)
+                    same = same and (r is None or r["same"] is None or bool(r["same"]))
+                start = tok.decode(eval_sets[1][si][0][1:])[:24].replace("\n", "⏎").replace("|", "¦")  # after BOS
+                print(f"| {si} | `{start}` | {t['distinct_fraction']:.2f} | {t['longest_run']} | "
+                      f"{t['repeated_4gram_fraction']:.2f} | {'yes' if t['degenerate'] else 'no'} | "
+                      f"{pr['tokens'] / pr['decode_s']:,.1f} | " + " | ".join(cells)
+                      + f" | {'yes' if same else 'NO'}{'' if temp == 0 else ' (greedy rows only)'} |", flush=True)
     if stop_watch is not None:
         stop_watch.set()
     record["warm_ups"] = {w.name: dict(seconds=w.seconds, error=w.error) for w in warmers.values()}

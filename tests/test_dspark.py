@@ -321,17 +321,26 @@ def test_speculative_sampling_is_lossless_on_a_small_vocabulary():
 
 def test_speculative_sampling_in_the_engine_keeps_greedy_rows_exact():
     """A batch mixing a greedy row and sampled rows: the greedy row reproduces plain greedy decoding token for
-    token, the sampled rows produce valid tokens (deterministic per seed) and the acceptance paths run."""
+    token, the sampled rows produce valid tokens (deterministic per seed) and the acceptance paths run; the device
+    loop (speculative_chain, read back every 3 steps) draws what the host loop draws: the same tokens and steps."""
     eng = _engine(True)
     prompts = [_prompt(3, 10), _prompt(11, 11), _prompt(20, 12)]
     plain = _plain(eng, prompts, 20)
     reqs = [Request(prompts[0], max_new_tokens=20, stop_tokens=()),
             Request(prompts[1], max_new_tokens=20, temperature=0.7, top_k=20, seed=3, stop_tokens=()),
             Request(prompts[2], max_new_tokens=20, temperature=1.0, top_p=0.9, seed=4, stop_tokens=())]
-    spec = SpeculativeDecoder(eng)
+    spec = SpeculativeDecoder(eng, chain_every=3)
     a = spec.generate(reqs)
     assert a[0].tokens == plain[0]
     assert all(r.ok and len(r.tokens) == 20 and all(0 <= t < 259 for t in r.tokens) for r in a)
+    d = spec.stats
+    assert d.device_steps == d.steps > 0 and d.rollbacks > 0  # on the device, with rejections
+    host = SpeculativeDecoder(eng, chain_every=0)
+    assert [r.tokens for r in host.generate(reqs)] == [r.tokens for r in a]
+    h = host.stats
+    assert h.device_steps == 0
+    assert (h.steps, h.drafted, h.accepted, h.emitted, h.rollbacks) == (d.steps, d.drafted, d.accepted, d.emitted,
+                                                                        d.rollbacks)
     assert spec.generate(reqs)[1].tokens == a[1].tokens  # seeded
 
 

@@ -305,9 +305,12 @@ def speculative_round(params: dict, cache: dict, rings, tokens: jax.Array, n_val
 
 def speculative_chain(params: dict, cache: dict, rings, state: dict, engram_hash, *, config: ModelConfig,
                       opts: InferenceOptions):
-    """One greedy DSpark speculative step that feeds itself (cf. ``decode_chain``): verify ``state["drafts"]``
-    after ``state["pending"]``, accept, roll back, draft the next block — :func:`speculative_round` — and update the
+    """One DSpark speculative step that feeds itself (cf. ``decode_chain``): verify ``state["drafts"]`` after
+    ``state["pending"]``, accept, roll back, draft the next block — :func:`speculative_round` — and update the
     state on the device, so that any number of steps run back to back and their tokens are read back later.
+    Greedy, or with the state entries ``temperature`` / ``top_p`` float32 [B], ``top_k`` / ``seeds`` int32 [B] and
+    ``draft_logits`` float32 [B, K, V] (what the pending drafts were drawn from) speculative sampling, whose
+    random keys are the host loop's (``step`` is the host loop's step count): the same draws, the same tokens.
 
     state: ``pending`` int32 [B], ``drafts`` int32 [B, K], ``active`` bool [B], ``generated`` int32 [B] (tokens
     emitted so far, the first one included), ``max_new`` / ``n_prompt`` int32 [B], ``stops`` int32 [B, S] (padded
@@ -339,9 +342,12 @@ def speculative_chain(params: dict, cache: dict, rings, state: dict, engram_hash
             rows.append(r)
             hists.append(hist)
         eids = jnp.stack(rows, axis=1)
-    n_acc, nxt, cache, rings, nd = speculative_round(params, cache, rings, tokens, n_valid, eids, None, None,
-                                                     state["step"], config=c, opts=opts, greedy=True, rerun=False,
-                                                     draft_next=True)
+    greedy = "temperature" not in state
+    sampling = None if greedy else (state["temperature"], state["top_k"], state["top_p"], state["seeds"])
+    n_acc, nxt, cache, rings, nd = speculative_round(params, cache, rings, tokens, n_valid, eids,
+                                                     None if greedy else state["draft_logits"], sampling,
+                                                     state["step"], config=c, opts=opts, greedy=greedy,
+                                                     rerun=False, draft_next=True)
     n_acc = jnp.where(n_valid > 0, n_acc, 0)
     n_keep = jnp.where(n_valid > 0, n_acc + 1, 0).astype(jnp.int32)
     col = jnp.arange(k + 1)[None]
@@ -360,6 +366,7 @@ def speculative_chain(params: dict, cache: dict, rings, state: dict, engram_hash
     new.update(pending=jnp.where(n_keep > 0, nxt, pending), drafts=nd.tokens[:, :k].astype(jnp.int32),
                active=active & ~ended, generated=state["generated"] + n_keep, step=step,
                **({"confidence": nd.confidence[:, :k].astype(jnp.float32)} if "threshold" in state else {}),
+               **({} if greedy else {"draft_logits": nd.logits[:, :k]}),
                out=state["out"].at[(step - 1) % r].set(jnp.where(live, kept, -1).astype(jnp.int32)),
                kept=state["kept"].at[(step - 1) % r].set(n_keep), valid=state["valid"].at[(step - 1) % r].set(n_valid))
     return {**state, **new}, cache, rings
@@ -503,9 +510,10 @@ class SpeculativeDecoder:
     masked) or the table ``step_times`` {chunk width: seconds} (:meth:`measure_step_times`; each step's chunk is
     then as wide as its widest row, the cost the table measured).
 
-    ``chain_every``: greedy DSpark speculation without a schedule or with the threshold schedule runs on the
-    device (:func:`speculative_chain`: each step feeds the next, nothing read back between steps) and reads its
-    tokens back every this many steps; 0 = the host loop (one read-back per step, as every other mode).
+    ``chain_every``: DSpark speculation (greedy or sampled) without a schedule or with the threshold schedule runs
+    on the device (:func:`speculative_chain`: each step feeds the next, nothing read back between steps) and reads
+    its tokens back every this many steps; 0 = the host loop (one read-back per step, as every other mode). Both
+    loops draw the same random numbers: the same tokens.
     """
 
     def __init__(self, engine: Engine, drafter: Drafter | None = None, *, num_draft: int | None = None,
@@ -735,6 +743,9 @@ class SpeculativeDecoder:
                  "max_len": jnp.asarray(e.max_len, jnp.int32), "step": jnp.zeros((), jnp.int32),
                  "out": jnp.zeros((r, b, k + 1), jnp.int32), "kept": jnp.zeros((r, b), jnp.int32),
                  "valid": jnp.zeros((r, b), jnp.int32)}
+        if self.sampling is not None:  # speculative sampling against the distribution each draft was drawn from
+            state.update(zip(("temperature", "top_k", "top_p", "seeds"), self.sampling))
+            state["draft_logits"] = jnp.asarray(self.last_draft.logits)[:, :k]
         if self.schedule == "threshold":
             state["threshold"] = jnp.asarray(self.threshold, jnp.float32)
             state["confidence"] = jnp.asarray(np.asarray(self.last_draft.confidence)[:, :k], jnp.float32)
@@ -838,7 +849,7 @@ class SpeculativeDecoder:
         length = e.lengths().astype(np.int64)
         if fused and active.any():
             self.drafter(self, pending, active.copy())
-        if fused and active.any() and self.sampling is None and self.schedule in (None, "threshold") \
+        if fused and active.any() and self.schedule in (None, "threshold") \
                 and self.chain_every > 0 \
                 and self.num_draft + 1 <= c.sliding_window:
             self._chain(pending, active, info, out, account)
