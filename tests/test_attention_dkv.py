@@ -9,7 +9,6 @@ import pytest
 
 from dsv41_jax import kernels as KN
 from dsv41_jax.kernels import pallas_gpu as G
-from dsv41_jax.ops import attention as RA
 
 
 def _rel(got, want) -> float:

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from dsv41_jax import kernels
-from dsv41_jax.model.params import init_params
 
 BOUND = 1e-2
 BF16 = jnp.bfloat16

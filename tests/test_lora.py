@@ -152,7 +152,7 @@ def test_only_adapters_train_and_the_base_is_untouched(cfg, setup):
 
 
 def test_save_resume_is_exact_and_export_loads(tmp_path, cfg):
-    from dsv41_jax.checkpoint.orbax_ckpt import load_checkpoint, write_config_json
+    from dsv41_jax.checkpoint.orbax_ckpt import load_checkpoint
 
     corpus = write_corpus(str(tmp_path / "corpus"))
     base_dir = tmp_path / "base"
