@@ -318,6 +318,28 @@ def test_speculative_sampling_is_lossless_on_a_small_vocabulary():
     assert float(chi2.sf(stat, keep.sum() - 1)) > 1e-3, stat
 
 
+def test_unfiltered_speculative_sampling_equals_the_filtered_form_without_filters():
+    """top_k / top_p None (the sampler without the vocabulary sort, chosen when no sampled row filters) accepts and
+    draws exactly what top-k 0 / top-p 1 through ``filter_logits`` do; one of them None alone is an error."""
+    from dsv41_jax.inference.sampling import SamplingError, sampling_logits
+    from dsv41_jax.inference.speculative import speculative_accept
+
+    b, k, v = 16, 3, 11
+    rng = np.random.default_rng(5)
+    target = jnp.asarray(rng.standard_normal((b, k + 1, v)) * 2, jnp.float32)
+    draft_logits = jnp.asarray(rng.standard_normal((b, k, v)) * 2, jnp.float32)
+    drafts = jnp.asarray(rng.integers(0, v, (b, k)), jnp.int32)
+    temp = jnp.asarray(rng.choice([0.0, 0.7, 1.0], b), jnp.float32)
+    keys = jax.random.split(jax.random.PRNGKey(2), b)
+    n_valid = jnp.full((b,), k + 1, jnp.int32)
+    acc = jax.jit(speculative_accept)
+    filtered = acc(target, draft_logits, drafts, n_valid, temp, jnp.zeros((b,), jnp.int32), jnp.ones((b,)), keys)
+    unfiltered = acc(target, draft_logits, drafts, n_valid, temp, None, None, keys)
+    for f, u in zip(filtered, unfiltered):
+        np.testing.assert_array_equal(np.asarray(f), np.asarray(u))
+    with pytest.raises(SamplingError, match="both None"):
+        sampling_logits(target[:, 0], temp, None, jnp.ones((b,)))
+
 
 def test_speculative_sampling_in_the_engine_keeps_greedy_rows_exact():
     """A batch mixing a greedy row and sampled rows: the greedy row reproduces plain greedy decoding token for
@@ -341,7 +363,14 @@ def test_speculative_sampling_in_the_engine_keeps_greedy_rows_exact():
     assert h.device_steps == 0
     assert (h.steps, h.drafted, h.accepted, h.emitted, h.rollbacks) == (d.steps, d.drafted, d.accepted, d.emitted,
                                                                         d.rollbacks)
-    assert spec.generate(reqs)[1].tokens == a[1].tokens  # seeded
+    # no row filters: the device loop samples without the vocabulary sort (top-k / top-p None), still seeded
+    unfiltered = [reqs[0], Request(prompts[1], max_new_tokens=20, temperature=0.7, seed=3, stop_tokens=()),
+                  Request(prompts[2], max_new_tokens=20, temperature=1.0, seed=4, stop_tokens=())]
+    u = spec.generate(unfiltered)
+    assert spec.sampling[1] is None and spec.sampling[2] is None
+    assert u[0].tokens == plain[0] and all(r.ok and len(r.tokens) == 20 for r in u)
+    assert spec.stats.device_steps == spec.stats.steps > 0
+    assert [r.tokens for r in spec.generate(unfiltered)] == [r.tokens for r in u]  # seeded
 
 
 def test_confidence_schedules():

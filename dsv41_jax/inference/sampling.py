@@ -62,6 +62,18 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     return jnp.where((z < threshold) & (top_p[:, None] < 1), -jnp.inf, z)
 
 
+def sampling_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array | None,
+                    top_p: jax.Array | None) -> jax.Array:
+    """The float32 logits [B, V] a sampled row draws from: :func:`filter_logits` or, with ``top_k`` and ``top_p``
+    both None (the ``"unfiltered"`` sampler: the host knows no sampled row filters), only the temperature scaling,
+    which gives the same values without the vocabulary sort."""
+    if (top_k is None) != (top_p is None):
+        raise SamplingError("top_k and top_p are both given (filtered) or both None (unfiltered), not one of them")
+    if top_k is None:
+        return logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    return filter_logits(logits, temperature, top_k, top_p)
+
+
 # What a batch's rows need from the sampler, least first. The choice is the host's (it knows every request's
 # parameters), so a step never branches on the device: XLA:GPU reads a conditional's predicate back to the host.
 # An H200 profile of a 7.8 ms batch-32 decode step holds one 0.87 ms segmented sort, by its size the vocabulary
@@ -100,10 +112,7 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if check_sampler(sampler) == "greedy":
         return greedy
-    if sampler == "unfiltered":
-        z = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    else:
-        z = filter_logits(logits, temperature, top_k, top_p)
+    z = sampling_logits(logits, temperature, *((None, None) if sampler == "unfiltered" else (top_k, top_p)))
     keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(seeds.astype(jnp.uint32),
                                                                                steps.astype(jnp.uint32))
     drawn = jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
@@ -112,5 +121,5 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
 
 sample_jit = jax.jit(sample, static_argnames=("sampler",))
 
-__all__ = ["SAMPLERS", "SamplingError", "SamplingParams", "check_sampler", "filter_logits", "sample", "sample_jit",
+__all__ = ["SAMPLERS", "SamplingError", "SamplingParams", "check_sampler", "filter_logits", "sample", "sample_jit", "sampling_logits",
            "sampler_for"]

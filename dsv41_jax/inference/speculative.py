@@ -51,7 +51,7 @@ import numpy as np
 from dsv41_jax.config import ModelConfig, ceil_div
 from dsv41_jax.inference.engine import (Engine, EngineError, Request, Result, check_device_ends, finish_reason,
                                         stop_token_table)
-from dsv41_jax.inference.sampling import filter_logits, sample_jit
+from dsv41_jax.inference.sampling import sample_jit, sampler_for, sampling_logits
 from dsv41_jax.inference.step import (InferenceOptions, embed, emit_entries, head, jit_for, ring_read, ring_write,
                                       run_layers)
 from dsv41_jax.model.dspark import Draft, check_dspark, context_kvs, draft
@@ -101,14 +101,15 @@ def draft_from_rings(params: dict, rings: list, length: jax.Array, floor: jax.Ar
                      gemm_input_fp8: bool = False) -> Draft:
     """Drafts after the pending tokens ``first`` [B] (at positions ``length``): greedy, or with ``sampling`` =
     (temperature, top_k, top_p [B], keys [B, S]) drawn from the filtered Markov-corrected logits like the
-    target's sampler (``sampling.filter_logits``; temperature 0 rows stay greedy)."""
+    target's sampler (``sampling.sampling_logits``; top_k / top_p None: no filter; temperature 0 rows stay
+    greedy)."""
     params = _drafter_view(params, config, gemm_input_fp8)
     ctx, ctx_pos = ring_context(rings, length, floor)
     kw = {}
     if sampling is not None:
         temperature, top_k, top_p, keys = sampling
         kw = dict(temperature=temperature, keys=keys,
-                  filter_fn=lambda z: filter_logits(z, temperature, top_k, top_p))
+                  filter_fn=lambda z: sampling_logits(z, temperature, top_k, top_p))
     return draft(params, first, length, ctx, ctx_pos, config=config, quant_on=quant_on, moe_impl=moe_impl, **kw)
 
 
@@ -218,12 +219,13 @@ def greedy_acceptance(drafts: np.ndarray, target: np.ndarray, n_valid: np.ndarra
 
 
 def speculative_accept(target_logits: jax.Array, draft_logits: jax.Array, drafts: jax.Array, n_valid: jax.Array,
-                       temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Array):
+                       temperature: jax.Array, top_k: jax.Array | None, top_p: jax.Array | None, keys: jax.Array):
     """Lossless acceptance of verified chunks (standard speculative sampling; greedy rows: exact argmax match).
 
     target_logits [B, K + 1, V]: the target's logits after each chunk token; draft_logits [B, K, V]: the logits
     the drafts [B, K] were drawn from (DSpark: base + Markov bias), through the same sampling filter
-    (``sampling.filter_logits`` with the row's temperature / top-k / top-p) as the target's; n_valid [B]: chunk
+    (``sampling.sampling_logits`` with the row's temperature / top-k / top-p; both None when no row filters: no
+    vocabulary sort) as the target's; n_valid [B]: chunk
     tokens verified (1 + drafts); keys [B] PRNG keys. Draft k is accepted with probability min(1, p_k(x)/q_k(x));
     at the first rejection the next token is drawn from normalise(max(p - q, 0)) (p where that is empty), after
     all accepted from the target's next distribution: the emitted tokens are distributed as plain sampling's.
@@ -234,8 +236,8 @@ def speculative_accept(target_logits: jax.Array, draft_logits: jax.Array, drafts
 
     def probs(z):
         n = z.shape[1]
-        rep = lambda a: jnp.repeat(a, n)  # noqa: E731
-        f = filter_logits(z.reshape(b * n, v), rep(temperature), rep(top_k), rep(top_p))
+        rep = lambda a: None if a is None else jnp.repeat(a, n)  # noqa: E731
+        f = sampling_logits(z.reshape(b * n, v), rep(temperature), rep(top_k), rep(top_p))
         return jax.nn.softmax(f, axis=-1).reshape(b, n, v)
 
     greedy = (temperature <= 0)[:, None, None]
@@ -308,7 +310,8 @@ def speculative_chain(params: dict, cache: dict, rings, state: dict, engram_hash
     """One DSpark speculative step that feeds itself (cf. ``decode_chain``): verify ``state["drafts"]`` after
     ``state["pending"]``, accept, roll back, draft the next block — :func:`speculative_round` — and update the
     state on the device, so that any number of steps run back to back and their tokens are read back later.
-    Greedy, or with the state entries ``temperature`` / ``top_p`` float32 [B], ``top_k`` / ``seeds`` int32 [B] and
+    Greedy, or with the state entries ``temperature`` / ``top_p`` float32 [B], ``top_k`` / ``seeds`` int32 [B]
+    (``top_k`` / ``top_p`` left out when no row filters: sampling without the vocabulary sort) and
     ``draft_logits`` float32 [B, K, V] (what the pending drafts were drawn from) speculative sampling, whose
     random keys are the host loop's (``step`` is the host loop's step count): the same draws, the same tokens.
 
@@ -343,7 +346,7 @@ def speculative_chain(params: dict, cache: dict, rings, state: dict, engram_hash
             hists.append(hist)
         eids = jnp.stack(rows, axis=1)
     greedy = "temperature" not in state
-    sampling = None if greedy else (state["temperature"], state["top_k"], state["top_p"], state["seeds"])
+    sampling = None if greedy else (state["temperature"], state.get("top_k"), state.get("top_p"), state["seeds"])
     n_acc, nxt, cache, rings, nd = speculative_round(params, cache, rings, tokens, n_valid, eids,
                                                      None if greedy else state["draft_logits"], sampling,
                                                      state["step"], config=c, opts=opts, greedy=greedy,
@@ -502,8 +505,8 @@ class SpeculativeDecoder:
     [B, γ], or (drafts, draft logits [B, γ, V]) — the logits they were drawn from, needed when sampling; by
     default the DSpark drafter of ``engine.params["dspark"]``. With any drafter greedy output is identical to
     plain greedy decoding and sampled output is distributed as plain sampling; a good drafter needs fewer target
-    passes. ``self.sampling`` (temperature, top_k, top_p, seeds: [B] arrays, set by :meth:`generate`) selects
-    sampling; None is greedy.
+    passes. ``self.sampling`` (temperature, top_k, top_p, seeds: [B] arrays, set by :meth:`generate`; top_k and
+    top_p None when no sampled row filters) selects sampling; None is greedy.
 
     ``schedule``: None (verify every draft), "threshold" (survival >= ``threshold``) or "prefix" (the
     hardware-aware scheduler), whose step rate is ``steps_per_s(n_tokens)`` (the chunk keeps its full width, rows
@@ -561,7 +564,7 @@ class SpeculativeDecoder:
         self.schedule, self.threshold, self.steps_per_s, self.early_stop = schedule, threshold, steps_per_s, early_stop
         self.stats = SpeculativeStats()
         self.last_draft: Draft | None = None
-        self.sampling = None  # (temperature, top_k, top_p, seeds) device arrays [B], or None: greedy
+        self.sampling = None  # (temperature, top_k | None, top_p | None, seeds) device arrays [B], or None: greedy
 
     # ------------------------------------------------------------------------------------------------------
     def prefill(self, prompts: Sequence[Sequence[int]], slots: Sequence[int] | None = None):
@@ -744,7 +747,8 @@ class SpeculativeDecoder:
                  "out": jnp.zeros((r, b, k + 1), jnp.int32), "kept": jnp.zeros((r, b), jnp.int32),
                  "valid": jnp.zeros((r, b), jnp.int32)}
         if self.sampling is not None:  # speculative sampling against the distribution each draft was drawn from
-            state.update(zip(("temperature", "top_k", "top_p", "seeds"), self.sampling))
+            state.update((n, a) for n, a in zip(("temperature", "top_k", "top_p", "seeds"), self.sampling)
+                         if a is not None)
             state["draft_logits"] = jnp.asarray(self.last_draft.logits)[:, :k]
         if self.schedule == "threshold":
             state["threshold"] = jnp.asarray(self.threshold, jnp.float32)
@@ -818,7 +822,10 @@ class SpeculativeDecoder:
             for a, v in zip(samp, (sp.temperature, sp.top_k, sp.top_p, sp.seed)):
                 a[slot_of[i]] = v
         samp = tuple(jnp.asarray(a) for a in samp)
-        self.sampling = samp if (samp[0] > 0).any() else None
+        self.sampling = None
+        if (samp[0] > 0).any():  # top-k / top-p None when no sampled row filters: no vocabulary sort per step
+            t, k, p, seeds = samp
+            self.sampling = (t, None, None, seeds) if sampler_for(t, k, p) == "unfiltered" else samp
         last = self.prefill([ids for _, ids, *_ in ok], [slot_of[i] for i, *_ in ok])
         full_last = jnp.zeros((b, last.shape[-1]), last.dtype).at[jnp.asarray([slot_of[i] for i, *_ in ok])].set(last)
         # the first token as the plain engine samples it (same key: step 0 of the row's seed)
