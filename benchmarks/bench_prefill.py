@@ -1,6 +1,6 @@
 """CED prefill of one long prompt: time, model FLOPs utilisation against a matmul probe, and where the time goes.
 
-    python benchmarks/bench_prefill.py --model 12L --tokens 32768 [--moe-impls tiled,grouped_mgpu] [--full] [--out DIR]
+    python benchmarks/bench_prefill.py --model 12L --tokens 32768 [--moe-impls engine,tiled] [--full engine] [--out DIR]
     python benchmarks/bench_prefill.py --smoke            # the same code path on the CPU at toy size (seconds)
 
 In one process:
@@ -8,9 +8,10 @@ In one process:
      denominator measured on the same chip in the same run;
   2. CED prefill (``inference.prefill``) of one prompt of ``--tokens`` tokens (batch 1, random token ids, bf16
      parameters and cache, fake quantisation off) in chunks of ``--chunk`` tokens (default 512, the Engine's
-     ``prefill_chunk``): median of ``--reps`` runs after a compiling run, for every MoE implementation of
-     ``--moe-impls`` (an A/B switch: ``tiled`` is the engine's default, ``grouped_mgpu`` / ``grouped`` the training
-     step's grouped GEMM kernels through ``ops.moe``);
+     ``prefill_chunk``): median of ``--reps`` runs after a compiling run, for every MoE variant of ``--moe-impls``
+     (an A/B switch: ``engine`` the default options — on a Hopper GPU the prefill chunks' routed experts run the
+     Mosaic GPU grouped GEMM, ``InferenceOptions.grouped_prefill_moe`` —, ``tiled`` the tiled expert loop,
+     ``grouped_mgpu`` / ``grouped`` the training step's grouped GEMM kernels through ``ops.moe``);
   3. the FLOPs of that prefill counted from the config (``model.counting.prefill_flops``, whose docstring states
      the rules): GEMM FLOPs = 2 x the active matrix parameters of every layer a token passes — the encoder layers for
      every prompt token, the decoder's KV source's compressor and indexer keys for every prompt token, every decoder
@@ -22,7 +23,7 @@ In one process:
      families (expert GEMMs, dense GEMMs, sparse attention, indexer, top-k / sort, mHC, copies, other fusions) from
      the kernel names and, for XLA's fusions and library calls, the source file of the HLO instruction that launched
      them (the optimised HLO is dumped for the prefill programs); busy time (the union of kernel intervals) vs wall;
-  5. with ``--full``: full replay (every layer over every token) of the same prompt, for the CED speed-up.
+  5. with ``--full VARIANTS``: full replay (every layer over every token) of the same prompt, for the CED speed-up.
 Prints a Markdown table; writes ``DIR/bench_prefill.json``.
 """
 
@@ -49,8 +50,10 @@ def _args(argv):
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (the Engine's prefill_chunk default: 512)")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--moe-impls", default="tiled",
-                    help="comma-separated InferenceOptions.moe_impl values, each measured (A/B)")
+    ap.add_argument("--moe-impls", default="engine,tiled",
+                    help="comma-separated MoE variants, each measured (A/B): engine (the default InferenceOptions), "
+                         "tiled (the tiled expert loop: moe_impl='tiled', grouped_prefill_moe=False) or an "
+                         "ops.moe impl (moe_impl=NAME, e.g. grouped_mgpu)")
     ap.add_argument("--full", default="", help="comma-separated MoE impls for which full replay is timed too")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--probe-shapes", default="8192x8192x8192,16384x8192x8192",
@@ -233,7 +236,8 @@ def kernel_kind(kernel: str) -> str:
 
 # the project's Pallas kernels by name (kernels.pallas_gpu, mhc_gpu, expert_gemm_gpu)
 PALLAS_COMPONENTS = (("csa2_sparse_attention", "sparse attention"), ("indexer", "indexer"), ("topk_select", "indexer"),
-                     ("mhc", "mHC"), ("collapse_rms_norm", "mHC"), ("slot_", "routed experts"))
+                     ("mhc", "mHC"), ("collapse_rms_norm", "mHC"), ("slot_", "routed experts"),
+                     ("body_mosaic_gpu", "routed experts"))  # the Mosaic GPU grouped GEMM (kernels.grouped_gemm_mgpu)
 
 
 def family(kernel: str, info, nxt=None) -> str:
@@ -255,19 +259,26 @@ def family(kernel: str, info, nxt=None) -> str:
 
 
 def coarse(fam: str) -> str:
-    """The issue's families from a 'component: kind' family."""
+    """The issue's families from a 'component: kind' family: library / kernel GEMMs by kind first (the trace names
+    a GEMM after its library, so the component of a cuBLAS GEMM is only approximate), then the model's parts."""
     comp, kind = fam.split(": ", 1)
-    gemm = kind.startswith(("cuBLAS", "Triton", "Mosaic")) or "slot_" in kind
-    if comp.startswith("routed experts"):
-        return "expert GEMMs" if gemm else "expert routing / loop / gather-scatter (non-GEMM)"
-    if gemm:
-        return "dense GEMMs (projections, shared expert, router, head)"
+    if kind.startswith("Mosaic"):
+        return "expert GEMMs (Mosaic GPU grouped GEMM)"
+    if kind.startswith("cuBLAS float32"):
+        return "float32 GEMMs (cuBLAS: mHC projections, compressor, router)"
+    if kind.startswith(("cuBLAS", "Triton")):
+        return "expert GEMMs (cuBLAS, tiled loop)" if comp.startswith("routed experts (tiled") else \
+            "dense bf16 GEMMs (cuBLAS: projections, shared expert, Engram, head)"
+    if comp == "routed experts (tiled loop)":
+        return "tiled expert loop: weight slices, searchsorted, updates"
+    if kind == "copy / memset":
+        return "copies / memsets"
     if kind in ("sort", "topk_select (Pallas)"):
         return "top-k / sort"
     if comp in ("sparse attention", "indexer", "mHC"):
-        return comp
-    if kind == "copy / memset":
-        return "copies / memsets"
+        return f"{comp} (kernels + XLA fusions)"
+    if comp.startswith("routed experts") or comp in ("router", "shared expert", "MoE (other)"):
+        return "MoE routing / gather / scatter / SwiGLU (non-GEMM)"
     return "other fusions"
 
 
@@ -313,6 +324,8 @@ def summarize_trace(trace_dir: str, hlo: dict, bases: tuple) -> dict:
         op = args.get("hlo_op") or enclosing(ops, op_ts, ts + dur / 2)
         mod = args.get("hlo_module") or enclosing(modules, mod_ts, ts + dur / 2) or ""
         info = hlo[mod]["instr"].get(op) if op and mod in hlo else None
+        if info is None and op:  # the module named without its id: its instruction in the module kernel_lookup chose
+            info = by_kernel.get(op.replace(".", "_"))
         infos.append(info if info is not None else by_kernel.get(e["name"]))
     by_name = collections.defaultdict(lambda: [0.0, 0, None])
     fam = collections.defaultdict(lambda: [0.0, 0])
@@ -365,6 +378,16 @@ def profile_prefill(params, config, opts, hasher, tokens, chunk, max_len, dtype,
 
 # ---------------------------------------------------------------------------------------------------------------
 
+def moe_variant(opts: InferenceOptions, name: str) -> InferenceOptions:
+    """``--moe-impls`` entry -> options: "engine" the defaults; "tiled" the tiled expert loop (not the grouped
+    GEMM a Hopper GPU takes for prefill chunks by default); any other name an ``ops.moe`` implementation."""
+    if name == "engine":
+        return opts
+    if name == "tiled":
+        return dataclasses.replace(opts, moe_impl="tiled", grouped_prefill_moe=False)
+    return dataclasses.replace(opts, moe_impl=name)
+
+
 def main() -> int:
     args = ARGS
     os.makedirs(OUT, exist_ok=True)
@@ -405,7 +428,7 @@ def main() -> int:
     jax.block_until_ready(params)
     log(f"params ready: {tree_bytes(params) / 2 ** 30:.2f} GiB [{peak_memory()}]")
     hasher = synthetic_hasher(config)
-    variants = {impl: dataclasses.replace(opts, moe_impl=impl) for impl in impls}
+    variants = {impl: moe_variant(opts, impl) for impl in impls}
 
     # compile (warm-up runs at the chunk length: the same programs as the long prompt), concurrently
     jobs = {f"ced:{i}": (lambda o=o: time_prefill(params, config, o, hasher, chunk, chunk, max_len, 0, dtype, log))
