@@ -381,6 +381,33 @@ def test_slot_kernels_equal_the_model_moe():
     assert err.max() <= 2e-2 * np.abs(np.asarray(want)).max(), err.max()
 
 
+def test_grouped_prefill_moe_equals_the_model_moe():
+    """Prefill-size chunks with ``grouped`` (InferenceOptions.grouped_prefill_moe; on by default on a Hopper GPU,
+    where the Mosaic GPU grouped GEMM runs — its jax.lax reference here) compute ops.moe without the tiled loop's
+    data-dependent loop, within bf16 rounding of float32 on the same inputs; float32 weights (not for the kernels)
+    keep the tiled loop."""
+    from dsv41_jax.inference.moe import moe_inference
+    from dsv41_jax.ops.moe import moe
+
+    d, f, n_exp, k, m = 128, 128, 16, 6, 256  # tiles of the kernels divide d and f; 256 tokens: past the static paths
+    ks = iter(jax.random.split(jax.random.PRNGKey(3), 12))
+    nrm = lambda *shape: 0.05 * jax.random.normal(next(ks), shape, jnp.float32)  # noqa: E731
+    p = {"gate": {"weight": nrm(n_exp, d), "bias": jnp.zeros((n_exp,), jnp.float32)},
+         "experts": {"w1": nrm(n_exp, f, d), "w2": nrm(n_exp, d, f), "w3": nrm(n_exp, f, d)},
+         "shared_experts": {"w1": nrm(f, d), "w2": nrm(d, f), "w3": nrm(f, d)}}
+    x = jax.random.normal(next(ks), (m, d), jnp.float32)
+    kw = dict(top_k=k, temp=1.0, scaling=1.5, limit=10.0)
+    p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
+    x16 = x.astype(jnp.bfloat16)
+    grouped = lambda x, p: moe_inference(x, p, grouped=True, **kw)  # noqa: E731
+    assert "while[" not in str(jax.make_jaxpr(grouped)(x16, p16))  # no tiled loop
+    assert "while[" in str(jax.make_jaxpr(grouped)(x, p))  # float32: the tiled loop
+    got = np.asarray(jax.jit(grouped)(x16, p16), np.float32)
+    want = np.asarray(moe(x16.astype(jnp.float32), jax.tree.map(lambda a: a.astype(jnp.float32), p16), impl="dense",
+                          **kw)[0])
+    assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max(), np.abs(got - want).max()
+
+
 def test_tiled_moe_equals_the_model_moe():
     """The engine's tiled grouped-matmul MoE computes ops.moe exactly (up to float32 summation order), from one
     token (decode) to many (prefill chunks), with experts that get no tokens: the static expert-slot loop (few

@@ -19,7 +19,12 @@ loop (``kernels.expert_gemm_gpu``): the loop's ``w[e]`` is a dynamic slice that 
 weights before each GEMM, the kernels read the stacked weights in place and skip spare slots; one token uses its
 top-k picks as the slots directly. Larger token counts (prefill chunks, the CED decoder replay) keep the tiled loop,
 except where every expert gets a slot and the padded rows stay few (``STATIC_MAX_ROWS``: a verification chunk on 16
-experts). With many
+experts), and except on a Hopper GPU (``grouped``, ``InferenceOptions.grouped_prefill_moe``), where prefill chunks run
+the Mosaic GPU grouped GEMM (``kernels.grouped_gemm_mgpu``, the train step's): the tiled loop's trip count is data
+dependent, so on a GPU every tile costs a host round-trip, and its ``w[e]`` slices are copied out of the stacked
+weights — on an H200 (2026-12-03, the 12-layer bench model, one 32K-token prompt in chunks of 512) the CED prefill
+took 2.05 s on the tiled loop (the device idle 57 % of a profiled prefill; weight-slice copies and loop bookkeeping
+0.41 s of device time against 0.24 s of expert GEMMs) and 0.81 s on the grouped GEMM (benchmarks/RESULTS.md). With many
 experts (the release's 384) and a large batch, fewer distinct experts than slots are picked (batch 64: ~243 of 384)
 and the spare slots' weight reads are wasted. With release FP4 experts marked for a quantised-GEMM kernel
 (``InferenceOptions.quantized_gemm``), :func:`moe_inference` runs the grouped Pallas GEMM instead
@@ -275,11 +280,24 @@ def _static_trip_count(m: int, k: int, w1, w2, w3) -> bool:
             and all(is_plain_weight(w) for w in (w1, w2, w3)))
 
 
+def _grouped_fits(x, w1, w2, w3) -> bool:
+    """Whether the routed experts can take the Mosaic GPU grouped GEMM (``grouped`` in :func:`moe_inference`):
+    plain 16-bit weights and input, and tiles that divide both products (``kernels.grouped_gemm_mgpu.mgpu_fits``)."""
+    from dsv41_jax.kernels.grouped_gemm_mgpu import mgpu_fits
+
+    if not all(is_plain_weight(w) for w in (w1, w2, w3)):
+        return False
+    if any(jnp.dtype(a.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) for a in (x, w1, w2, w3)):
+        return False
+    n_exp, f, d = w1.shape
+    return mgpu_fits(x.shape[0], d, f, n_exp) and mgpu_fits(x.shape[0], f, d, n_exp)
+
+
 def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scaling: float, limit: float,
                   normalize: bool = True, tile: int | None = None, backend: str = "auto",
                   router_one_pass: bool = False, fp4_one_token: bool = True,
                   fp4_slot_decode: str | None = None, fp4_grouped_tuning: tuple = (),
-                  live: jax.Array | None = None) -> jax.Array:
+                  live: jax.Array | None = None, grouped: bool = False) -> jax.Array:
     """x [..., d] -> y [..., d] in x.dtype (router + tiled routed experts + the shared expert). ``backend`` (a
     ``dsv41_jax.kernels`` backend) picks the decode path's slot kernels on a GPU (:func:`routed_slots`);
     ``router_one_pass``: the router logits as one reduction (``ops.moe.route``); ``fp4_one_token``: one token's
@@ -288,7 +306,11 @@ def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scalin
     (None: their default); ``fp4_grouped_tuning``: (name, value) pairs for the grouped FP4 kernel (empty: its
     defaults); ``live`` (x's leading shape, bool): the tokens whose output is used (a chunk's unmasked rows) — on
     the slot / tiled paths the others' routed output is 0 and the experts only they picked are not read; the release
-    FP4 paths ignore it. The live tokens' outputs do not depend on it."""
+    FP4 and grouped paths ignore it. The live tokens' outputs do not depend on it. ``grouped``: token counts past the
+    static paths (prefill chunks) run the routed experts as one grouped GEMM per projection through the Mosaic GPU
+    kernels (``ops.moe.routed_ragged`` with ``grouped_mgpu``: each expert's weights read in place, no loop) instead
+    of the tiled loop, where the weights and tiles suit them (:func:`_grouped_fits`; off GPUs the kernels'
+    ``jax.lax`` reference runs)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, idx, _ = route(flat, params["gate"]["weight"], params["gate"]["bias"], top_k=top_k, temp=temp,
@@ -306,6 +328,10 @@ def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scalin
     elif tile is None and _static_trip_count(flat.shape[0], top_k, e["w1"], e["w2"], e["w3"]):
         # decode (and short verification chunks on few experts): a loop with a static trip count
         y = routed_slots(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, backend, live=live_rows)
+    elif tile is None and grouped and _grouped_fits(flat, e["w1"], e["w2"], e["w3"]):
+        # prefill chunks on a Hopper GPU: one Mosaic GPU grouped GEMM per projection (module docstring); every row
+        # is computed, masked ones too (their outputs are not used: ``live`` only saves work on the other paths)
+        y = routed_ragged(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, grouped_impl="grouped_mgpu")
     else:
         y = routed_tiled(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, tile, live=live_rows)
     s = params["shared_experts"]

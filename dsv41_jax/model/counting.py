@@ -112,14 +112,40 @@ def per_layer_params(config: ModelConfig) -> list[dict[str, tuple[int, int]]]:
     return [{k: (v[0], v[1]) for k, v in layer.items()} for layer in layers]
 
 
-def _matmul_flops_per_token(config: ModelConfig) -> tuple[list[float], list[float]]:
-    """Per layer: (2 × active matrix parameters applied once per token, of which the KV source's compressor and
-    indexer keys). Vectors (norms, sinks, biases) and the Engram table reads (lookups) are not FLOPs; the indexer
-    key projection runs once per compressed entry (1 / ratio per token)."""
+# The GEMM groups a prefill's weight FLOPs are reported in (:func:`prefill_flops`' ``by_component``)
+GEMM_COMPONENTS = ("q LoRA (wq_a, wq_b)", "KV projection (wkv)", "output LoRA (wo_a, wo_b)", "compressor",
+                   "indexer projections", "router", "shared expert", "routed experts (top-k)", "mHC projections",
+                   "Engram projections", "head")
+
+
+def _gemm_component(parts: list[str]) -> str:
+    """The :data:`GEMM_COMPONENTS` entry of a layer's matrix parameter (path split at '/')."""
+    if parts[2] == "attn":
+        if parts[3] in ("wq_a", "wq_b"):
+            return GEMM_COMPONENTS[0]
+        if parts[3] == "wkv":
+            return GEMM_COMPONENTS[1]
+        if parts[3] in ("wo_a", "wo_b"):
+            return GEMM_COMPONENTS[2]
+        return {"compressor": GEMM_COMPONENTS[3], "indexer": GEMM_COMPONENTS[4]}[parts[3]]
+    if parts[2] == "ffn":
+        return {"gate": GEMM_COMPONENTS[5], "shared_experts": GEMM_COMPONENTS[6],
+                "experts": GEMM_COMPONENTS[7]}[parts[3]]
+    if parts[2] in ("hc_attn", "hc_ffn"):
+        return GEMM_COMPONENTS[8]
+    if parts[2] == "engram":
+        return GEMM_COMPONENTS[9]
+    raise ValueError(f"no GEMM component for parameter {'/'.join(parts)}")
+
+
+def _matmul_flops_per_token(config: ModelConfig) -> tuple[list[dict], list[dict]]:
+    """Per layer: ({component: 2 × active matrix parameters applied once per token}, the same for the KV source's
+    compressor and indexer keys alone). Vectors (norms, sinks, biases) and the Engram table reads (lookups) are
+    not FLOPs; the indexer key projection runs once per compressed entry (1 / ratio per token)."""
     c = config
     plan = c.plan
-    per_layer = [0.0] * c.num_hidden_layers
-    source_part = [0.0] * c.num_hidden_layers
+    per_layer = [dict.fromkeys(GEMM_COMPONENTS[:-1], 0.0) for _ in range(c.num_hidden_layers)]
+    source_part = [dict.fromkeys(GEMM_COMPONENTS[:-1], 0.0) for _ in range(c.num_hidden_layers)]
     for path, s in flat_specs(c):
         parts = path.split("/")
         if parts[0] != "layers" or len(s.shape) < 2 or (parts[2] == "engram" and parts[3] == "embed"):
@@ -130,14 +156,15 @@ def _matmul_flops_per_token(config: ModelConfig) -> tuple[list[float], list[floa
             n = n * c.num_experts_per_tok / c.n_routed_experts
         if parts[2] == "attn" and parts[3] == "indexer" and parts[-1] == "wk":
             n = n / plan[layer].ratio
-        per_layer[layer] += 2 * n
+        comp = _gemm_component(parts)
+        per_layer[layer][comp] += 2 * n
         if parts[2] == "attn" and (parts[3] == "compressor" or parts[-1] == "wk"):
-            source_part[layer] += 2 * n
+            source_part[layer][comp] += 2 * n
     return per_layer, source_part
 
 
 def prefill_flops(config: ModelConfig, prompt_len: int, *, ced: bool = True,
-                  replay_len: int | None = None) -> dict[str, float]:
+                  replay_len: int | None = None, by_component_out: bool = False) -> dict:
     """FLOPs to prefill one prompt of ``prompt_len`` tokens, counted from the config (multiply-add = 2 FLOPs):
 
     * ``weights``: 2 × the active matrix parameters of every layer a token passes (experts × top-k / n), plus the
@@ -151,7 +178,8 @@ def prefill_flops(config: ModelConfig, prompt_len: int, *, ced: bool = True,
 
     ``ced=True`` (SPEC §8): the encoder over the whole prompt, the decoder's KV source compressor and indexer keys
     over the whole prompt, the decoder over the last min(replay_len, prompt_len) tokens only (replay_len defaults
-    to the sliding window). ``ced=False``: every layer over every token (full replay)."""
+    to the sliding window). ``ced=False``: every layer over every token (full replay). ``by_component_out``: also
+    ``by_component``, the ``weights`` FLOPs split into :data:`GEMM_COMPONENTS` (they sum to ``weights``)."""
     c = config
     t_all = int(prompt_len)
     if t_all <= 0:
@@ -159,15 +187,19 @@ def prefill_flops(config: ModelConfig, prompt_len: int, *, ced: bool = True,
     replay = c.sliding_window if replay_len is None else replay_len
     plan = c.plan
     per_layer, source_part = _matmul_flops_per_token(c)
-    out = {"weights": 2.0 * c.hidden_size * c.vocab_size, "attention": 0.0, "indexer": 0.0}
+    head = 2.0 * c.hidden_size * c.vocab_size
+    out = {"weights": head, "attention": 0.0, "indexer": 0.0}
+    by_component = dict.fromkeys(GEMM_COMPONENTS, 0.0)
+    by_component["head"] = head
     pool_cap = c.candidate_topk_blocks * c.candidate_block_size
     for spec in plan:
         decoder = spec.stack == "decoder"
         start = t_all - min(replay, t_all) if (ced and decoder) else 0
         q = np.arange(start, t_all, dtype=np.float64)  # the query positions this layer runs
-        weights = per_layer[spec.index] * len(q)
-        if ced and decoder and source_part[spec.index]:  # the KV source's compressor / keys see every token
-            weights += source_part[spec.index] * (t_all - len(q))
+        for comp, f in per_layer[spec.index].items():
+            by_component[comp] += f * len(q)
+            if ced and decoder:  # the KV source's compressor / keys see every token
+                by_component[comp] += source_part[spec.index][comp] * (t_all - len(q))
         keys = np.minimum(c.sliding_window, q + 1 - start)
         if spec.ratio:
             visible = np.floor((q + 1) / spec.ratio)
@@ -175,7 +207,9 @@ def prefill_flops(config: ModelConfig, prompt_len: int, *, ced: bool = True,
             if spec.runs_indexer:
                 scored = np.minimum(visible, pool_cap) if spec.uses_candidates else visible
                 out["indexer"] += float(2 * c.index_n_heads * (c.index_head_dim + 1) * scored.sum())
-        out["weights"] += weights
         out["attention"] += float(4 * c.num_attention_heads * c.head_dim * keys.sum())
+    out["weights"] = sum(by_component.values())
     out["total"] = out["weights"] + out["attention"] + out["indexer"]
+    if by_component_out:
+        out["by_component"] = by_component
     return out
