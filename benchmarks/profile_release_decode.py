@@ -30,6 +30,16 @@ Parts (in this order; each guarded, results saved after each):
             launches while profiling, so busy and launch counts are those of the ungraphed step. Greedy rows, with
             the sampler ``Engine.generate`` picks for them (``sampling.sampler_for``: the argmax, no vocabulary sort).
             ``--engram-host``: then the release form with the Engram tables in host memory at each batch (item 4).
+            ``--device-loop``: each form runs the Engine's device loop instead (``decode_chain``: tokens fed back and
+            Engram rows hashed on the device, read back every k of ``--readback`` steps; the step = the largest
+            k's; one run of ``--profile-steps`` steps profiled: families, launches per layer, busy %).
+            ``--release-cache kernels,unpack``: release-weight forms with the release's packed KV cache (FP8 window,
+            FP4 compressed KV and indexer keys), read packed by the attention / indexer kernels
+            (``packed_cache_kernels``) or unpacked to bf16 every step. ``--ahead``: every batch's programs compiled
+            at once. Every row: its floor (``profile_decode.step_bytes`` of its weights and cache over this
+            process's read-only bandwidth) and its speed-up over the bf16 row of its batch.
+            For ``--model bench40`` (58.4 GiB of bf16 parameters beside ≈ 21 GB of release weights) set
+            ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.92``.
   grouped   (--grouped, first) the grouped FP4 expert GEMM as the batch-32 decode step runs it (192 rows over 16
             experts, w1 / w3 2304 x 5120 and w2 5120 x 2304) at each of GROUPED_TUNINGS (the "tokens" form first:
             the same-run baseline): device µs, % of 4.8 TB/s and of the read-only bandwidth, error against float32.
