@@ -491,12 +491,15 @@ def loop_setup_form(config, params, opts, batch, context, packed, readback, prof
     return dict(run=run, box=box, first_call_s=time.perf_counter() - t0, sampler=sampler)
 
 
-def time_and_profile_loop(s, batch, form, out_dir, layers, readback, profile_steps, steps=10, trace_max_mb=15.0):
+def time_and_profile_loop(s, batch, form, out_dir, layers, readback, profile_steps, steps=10, trace_max_mb=15.0,
+                          profile=True):
     """The device loop of setup ``s``: per read-back interval k, runs of k steps (at least 2 runs and ``steps``
-    steps), wall ms per step; then one run of ``profile_steps`` steps profiled (kernel families, launches per
-    layer, busy = union of device intervals against the profiled wall). The step is the largest k's."""
+    steps), wall ms per step; then (``profile``) one run of ``profile_steps`` steps profiled (kernel families,
+    launches per layer, busy = union of device intervals against the profiled wall). The step is the largest k's.
+    The row records the wall seconds of its timing and of its profile (trace + summary)."""
     run = s.pop("run")
     row = dict(first_call_s=s["first_call_s"], sampler=s.get("sampler"), readback_every=max(readback))
+    t_start = time.perf_counter()
     run(2)
     for k in readback:
         n = -(-max(2 * k, steps) // k) * k
@@ -505,7 +508,11 @@ def time_and_profile_loop(s, batch, form, out_dir, layers, readback, profile_ste
             run(k)
         row[f"device_loop_k{k}_step_ms"] = (time.perf_counter() - t0) / n * 1e3
     row["step_ms"] = row[f"device_loop_k{max(readback)}_step_ms"]
-    if not SMOKE:
+    row["timing_wall_s"] = time.perf_counter() - t_start
+    if not profile:
+        row["profile"] = "skipped (past --profile-until-s)"
+    if profile and not SMOKE:
+        t_start = time.perf_counter()
         log_dir = tempfile.mkdtemp(prefix="release_loop_trace_")
         try:
             with jax.profiler.trace(log_dir, create_perfetto_trace=True):
@@ -522,6 +529,7 @@ def time_and_profile_loop(s, batch, form, out_dir, layers, readback, profile_ste
                 shutil.copy(perf[0], os.path.join(out_dir, f"perfetto_{slug}_b{batch}.json.gz"))
         finally:
             shutil.rmtree(log_dir, ignore_errors=True)
+        row["profile_wall_s"] = time.perf_counter() - t_start
     s["box"].clear()  # the cache and state go now (the next form's rows are timed without them)
     return row
 
@@ -530,7 +538,7 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
                 grouped_tunings: tuple = (), no_f16=False, fp8_tunings: tuple = (), combine=False,
                 engram_host=False, no_bf16=False, device_loop=False, release_cache: tuple = (), ahead=False,
                 readback: tuple = (1, 8, 32), profile_steps: int = 3, trace_max_mb: float = 15.0,
-                no_release_bf16_cache=False):
+                no_release_bf16_cache=False, profile_until_s: float | None = None):
     """Per batch: every form's first call (trace + compile + one step) concurrently in threads (XLA compiles
     release the GIL; the forms' first-call times overlap, so each is an upper bound of its compile), then each
     form timed and profiled alone. ``engram_host``: after every batch's rows are saved, the release form with the
@@ -541,6 +549,8 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
     ``release_cache``: release-weight forms with the release's packed cache ("kernels": the attention and indexer
     kernels read it packed, ``packed_cache_kernels``; "unpack": unpacked to bf16 every step, the option's default).
     ``ahead``: every batch's forms set up and first-called at once (all their caches resident), then timed in turn.
+    ``profile_until_s``: device-loop rows timed after this many seconds are not profiled (the profile of a 40-layer
+    program costs tens of seconds; the step times still come).
     Each row's floor: ``profile_decode.step_bytes`` of its weights and cache over the read-only bandwidth measured
     in this process."""
     import concurrent.futures
@@ -634,14 +644,17 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
             row.update(step_gb=sum(parts.values()) / 1e9, floor_parts_gb={k: v / 1e9 for k, v in parts.items()})
             if read_bw:
                 row["floor_ms"] = sum(parts.values()) / read_bw * 1e3
+            if "first_call_s" in s:  # recorded even when the row is not timed
+                row["first_call_s"] = s["first_call_s"]
             try:
                 if "error" in s:
                     raise RuntimeError(s["error"])
                 if time.time() - T0 > budget_s:
                     raise RuntimeError(f"not timed: past the budget ({time.time() - T0:.0f} s > {budget_s:.0f} s)")
                 if device_loop:
+                    profile = profile_until_s is None or time.time() - T0 < profile_until_s
                     row.update(time_and_profile_loop(s, b, form, out_dir, config.num_hidden_layers, readback,
-                                                     profile_steps, trace_max_mb=trace_max_mb))
+                                                     profile_steps, trace_max_mb=trace_max_mb, profile=profile))
                 else:
                     row.update(time_and_profile(s, b, form, out_dir, profile_steps=profile_steps))
             except Exception as e:  # noqa: BLE001
@@ -767,6 +780,8 @@ def main():
     ap.add_argument("--ahead", action="store_true",
                     help="decode: every batch's forms set up and compiled at once (their caches resident together), "
                          "then timed in turn (default: batch by batch)")
+    ap.add_argument("--profile-until-s", type=float, default=None,
+                    help="decode, --device-loop: rows timed after this many seconds are not profiled")
     ap.add_argument("--trace-max-mb", type=float, default=15.0,
                     help="decode: keep a form's perfetto trace in --out when under this size (0: none)")
     ap.add_argument("--dense32", action="store_true",
@@ -815,7 +830,7 @@ def main():
                             tuple(filter(None, args.release_cache.split(","))), args.ahead,
                             tuple(int(k) for k in args.readback.split(",")),
                             args.profile_steps or (8 if args.device_loop else 3), args.trace_max_mb,
-                            args.no_release_bf16_cache)
+                            args.no_release_bf16_cache, args.profile_until_s)
             except Exception as e:  # noqa: BLE001
                 OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
                 log(f"decode FAILED: {type(e).__name__}: {str(e)[:300]}")
