@@ -133,12 +133,29 @@ def _random_fill(key, shape, dtype):
     return jnp.resize(jax.random.normal(key, (FILL_BLOCK,), dtype), shape)
 
 
+def _random_packed_fill(key, buf):
+    """A packed (release-format) cache buffer holding normals packed by ``packed_cache.pack``, so every code and
+    scale byte is one the format produces (random bytes could be NaN codes); the packed rows repeat every
+    ``FILL_BLOCK // dim`` rows, as ``_random_fill``'s normals do."""
+    from dsv41_jax.inference import packed_cache as PC
+
+    n_rows = int(np.prod(buf.shape[:-1]))
+    rows = max(1, min(n_rows, FILL_BLOCK // buf.dim))
+    values, scales = PC.pack(jax.random.normal(key, (rows, buf.dim), jnp.float32), buf.fmt)
+    return dataclasses.replace(buf, values=jnp.resize(values, (n_rows, values.shape[-1])).reshape(buf.values.shape),
+                               scales=jnp.resize(scales, (n_rows, scales.shape[-1])).reshape(buf.scales.shape))
+
+
 def fill_cache(cache, length, key):
     """Random cache contents with every slot at ``length`` tokens (decode cost does not depend on the values; the
-    normals of each leaf repeat every ``FILL_BLOCK`` entries)."""
-    leaves, treedef = jax.tree.flatten(cache)
+    normals of each leaf repeat every ``FILL_BLOCK`` entries); a packed cache (``init_cache(packed=True)``) gets
+    packed normals."""
+    from dsv41_jax.inference.packed_cache import PackedRows
+
+    leaves, treedef = jax.tree.flatten(cache, is_leaf=lambda x: isinstance(x, PackedRows))
     keys = jax.random.split(key, len(leaves))
-    out = [jnp.full_like(x, length) if x.dtype == jnp.int32 else _random_fill(k, x.shape, x.dtype)
+    out = [_random_packed_fill(k, x) if isinstance(x, PackedRows) else
+           jnp.full_like(x, length) if x.dtype == jnp.int32 else _random_fill(k, x.shape, x.dtype)
            for x, k in zip(leaves, keys)]
     cache = jax.tree.unflatten(treedef, out)
     return dict(cache, floor=jnp.zeros_like(cache["floor"]))

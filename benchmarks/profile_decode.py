@@ -131,8 +131,14 @@ MODELS = {"12L": h200_config, "bench40": bench40, "smoke": smoke}
 # The floor
 # ----------------------------------------------------------------------------------------------------------------
 
-def step_bytes(config: ModelConfig, params, batch: int, context: int) -> dict:
-    """Bytes one decode step must read, by part (see the module docstring)."""
+def step_bytes(config: ModelConfig, params, batch: int, context: int, cache: str = "bf16") -> dict:
+    """Bytes one decode step must read, by part (see the module docstring). ``params`` may hold the release's
+    QuantizedTensor leaves (their bytes + scales count); ``cache``: "bf16" or "release" (the packed formats of
+    ``inference.packed_cache``: value bytes + scale bytes per vector)."""
+    from dsv41_jax.inference import packed_cache as PC
+
+    if cache not in ("bf16", "release"):
+        raise ValueError(f"step_bytes: cache must be 'bf16' or 'release', got {cache!r}")
     c = config
     n_exp, k = c.n_routed_experts, c.num_experts_per_tok
     used = n_exp * (1 - (1 - k / n_exp) ** batch)  # expected distinct routed experts per layer
@@ -152,17 +158,21 @@ def step_bytes(config: ModelConfig, params, batch: int, context: int) -> dict:
             parts["shared expert"] += nbytes
         else:
             parts["attention, indexer, mHC, norms, router"] += nbytes
-    item = 2  # bf16 cache
+    def per_value(fmt):  # bytes per cached value: bf16, or the packed format's value + scale bytes
+        block, per_byte = PC.FORMATS[fmt]
+        return 2.0 if cache == "bf16" else 1 / per_byte + 1 / block
+
+    win, kv, keys = per_value(PC.FP8_UE8M0_32), per_value(PC.FP4_E4M3_16), per_value(PC.FP4_UE8M0_32)
     for s in c.plan.layers:
-        parts["KV: SWA rings"] += batch * c.sliding_window * c.head_dim * item
+        parts["KV: SWA rings"] += batch * c.sliding_window * c.head_dim * win
         if s.ratio > 0:
             visible = context // s.ratio
-            parts["KV: top-k entries"] += batch * min(c.index_topk, visible) * c.head_dim * item
+            parts["KV: top-k entries"] += batch * min(c.index_topk, visible) * c.head_dim * kv
             if s.mode == FULL:
-                parts["KV: indexer keys (Full)"] += batch * visible * c.index_head_dim * item
+                parts["KV: indexer keys (Full)"] += batch * visible * c.index_head_dim * keys
             elif s.mode == REINDEX:
                 pool = min(visible, c.candidate_topk_blocks * c.candidate_block_size)
-                parts["KV: indexer keys (HSI pool)"] += batch * pool * c.index_head_dim * item
+                parts["KV: indexer keys (HSI pool)"] += batch * pool * c.index_head_dim * keys
     return dict(parts)
 
 
@@ -302,12 +312,12 @@ def check_device_hash(config, hasher, batch=256, steps=6) -> dict:
     return dict(device_hash_equal_steps=equal, device_hash_steps=steps, device_hash_rows=batch)
 
 
-def loop_setup(config, batch, context, opts, readback, profile_steps, host_loop) -> dict:
-    """The inputs of the two decode loops at one batch size (see --loops): a filled cache, the device loop's state
-    and limits, the host loop's first inputs."""
+def loop_setup(config, batch, context, opts, readback, profile_steps, host_loop, packed=False) -> dict:
+    """The inputs of the two decode loops at one batch size (see --loops): a filled cache (``packed``: in the
+    release's packed formats), the device loop's state and limits, the host loop's first inputs."""
     from dsv41_jax.ops.engram_hash import device_history
 
-    cache = init_cache(config, batch, context + 512, jnp.bfloat16)
+    cache = init_cache(config, batch, context + 512, jnp.bfloat16, packed=packed)
     cache = fill_cache_program(cache, context, jax.random.PRNGKey(1))
     samp, _, tok, act = decode_inputs(config, batch)
     hasher = synthetic_hasher(config)

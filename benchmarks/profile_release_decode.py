@@ -30,6 +30,16 @@ Parts (in this order; each guarded, results saved after each):
             launches while profiling, so busy and launch counts are those of the ungraphed step. Greedy rows, with
             the sampler ``Engine.generate`` picks for them (``sampling.sampler_for``: the argmax, no vocabulary sort).
             ``--engram-host``: then the release form with the Engram tables in host memory at each batch (item 4).
+            ``--device-loop``: each form runs the Engine's device loop instead (``decode_chain``: tokens fed back and
+            Engram rows hashed on the device, read back every k of ``--readback`` steps; the step = the largest
+            k's; one run of ``--profile-steps`` steps profiled: families, launches per layer, busy %).
+            ``--release-cache kernels,unpack``: release-weight forms with the release's packed KV cache (FP8 window,
+            FP4 compressed KV and indexer keys), read packed by the attention / indexer kernels
+            (``packed_cache_kernels``) or unpacked to bf16 every step. ``--ahead``: every batch's programs compiled
+            at once. Every row: its floor (``profile_decode.step_bytes`` of its weights and cache over this
+            process's read-only bandwidth) and its speed-up over the bf16 row of its batch.
+            For ``--model bench40`` (58.4 GiB of bf16 parameters beside ≈ 21 GB of release weights) set
+            ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.92``.
   grouped   (--grouped, first) the grouped FP4 expert GEMM as the batch-32 decode step runs it (192 rows over 16
             experts, w1 / w3 2304 x 5120 and w2 5120 x 2304) at each of GROUPED_TUNINGS (the "tokens" form first:
             the same-run baseline): device µs, % of 4.8 TB/s and of the read-only bandwidth, error against float32.
@@ -404,14 +414,15 @@ def families_of_trace(log_dir: str, steps: int) -> dict:
                      for n, (c, t) in sorted(names.items(), key=lambda kv: -kv[1][1])[:40]])
 
 
-def decode_setup(config, params, opts, batch, context):
-    """A filled cache and the step function of one form; the first call (trace + compile + one step) timed."""
+def decode_setup(config, params, opts, batch, context, packed=False):
+    """A filled cache (``packed``: the release's packed formats) and the step function of one form; the first call
+    (trace + compile + one step) timed."""
     from bench_inference import decode_inputs, fill_cache
     from dsv41_jax.inference.cache import init_cache
     from dsv41_jax.inference.decode import decode_and_sample
     from dsv41_jax.inference.sampling import sampler_for
 
-    cache = init_cache(config, batch, context + 64, jnp.bfloat16)
+    cache = init_cache(config, batch, context + 64, jnp.bfloat16, packed=packed)
     cache = jax.jit(fill_cache, static_argnums=(1,), donate_argnums=(0,))(cache, context, jax.random.PRNGKey(1))
     samp, eids, tok, act = decode_inputs(config, batch)
     # the sampler Engine.generate chooses on the host for these rows (greedy: the argmax alone, no vocabulary sort)
@@ -455,35 +466,130 @@ def time_and_profile(s, batch, form, out_dir, steps=10, profile_steps=3):
     return row
 
 
+def loop_setup_form(config, params, opts, batch, context, packed, readback, profile_steps):
+    """The Engine's device loop (``decode_chain``: the token fed back and the Engram rows hashed on the device, the
+    tokens read back once per run) of one form: a filled cache (``packed``: the release's packed formats), the
+    greedy sampler ``Engine.generate`` picks for greedy rows, ``run(n)`` = n steps then one read-back; the first
+    call (trace + compile + one step) timed."""
+    from profile_decode import loop_setup
+    from dsv41_jax.inference.decode import decode_chain
+    from dsv41_jax.inference.sampling import sampler_for
+
+    s = loop_setup(config, batch, context, opts, readback, profile_steps, False, packed=packed)
+    sampler = sampler_for(*(np.asarray(a) for a in s["samp"][:3]))
+    box = dict(cache=s.pop("cache"), state=s.pop("state"))
+
+    def run(n):
+        for _ in range(n):
+            _tok, box["state"], box["cache"] = decode_chain(params, box["cache"], box["state"], s["tables"],
+                                                            *s["samp"], *s["limits"], config=config, opts=opts,
+                                                            sampler=sampler)
+        return np.asarray(box["state"]["readback"])
+
+    t0 = time.perf_counter()
+    run(1)
+    return dict(run=run, box=box, first_call_s=time.perf_counter() - t0, sampler=sampler)
+
+
+def time_and_profile_loop(s, batch, form, out_dir, layers, readback, profile_steps, steps=10, trace_max_mb=15.0,
+                          profile=True):
+    """The device loop of setup ``s``: per read-back interval k, runs of k steps (at least 2 runs and ``steps``
+    steps), wall ms per step; then (``profile``) one run of ``profile_steps`` steps profiled (kernel families,
+    launches per layer, busy = union of device intervals against the profiled wall). The step is the largest k's.
+    The row records the wall seconds of its timing and of its profile (trace + summary)."""
+    run = s.pop("run")
+    row = dict(first_call_s=s["first_call_s"], sampler=s.get("sampler"), readback_every=max(readback))
+    t_start = time.perf_counter()
+    run(2)
+    for k in readback:
+        n = -(-max(2 * k, steps) // k) * k
+        t0 = time.perf_counter()
+        for _ in range(n // k):
+            run(k)
+        row[f"device_loop_k{k}_step_ms"] = (time.perf_counter() - t0) / n * 1e3
+    row["step_ms"] = row[f"device_loop_k{max(readback)}_step_ms"]
+    row["timing_wall_s"] = time.perf_counter() - t_start
+    if not profile:
+        row["profile"] = "skipped (past --profile-until-s)"
+    if profile and not SMOKE:
+        t_start = time.perf_counter()
+        log_dir = tempfile.mkdtemp(prefix="release_loop_trace_")
+        try:
+            with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+                t0 = time.perf_counter()
+                run(profile_steps)
+                row["profiled_wall_ms"] = (time.perf_counter() - t0) / profile_steps * 1e3
+            row.update(families_of_trace(log_dir, profile_steps))
+            if "launches_per_step" in row:
+                row["launches_per_layer"] = row["launches_per_step"] / layers
+                row["busy_pct"] = 100 * row["busy_ms_per_step"] / row["profiled_wall_ms"]
+            perf = glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+            if out_dir and perf and os.path.getsize(perf[0]) < trace_max_mb * 1e6:
+                slug = re.sub(r"[^A-Za-z0-9]+", "_", form).strip("_")
+                shutil.copy(perf[0], os.path.join(out_dir, f"perfetto_{slug}_b{batch}.json.gz"))
+        finally:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        row["profile_wall_s"] = time.perf_counter() - t_start
+    s["box"].clear()  # the cache and state go now (the next form's rows are timed without them)
+    return row
+
+
 def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False, no_grouped=False,
                 grouped_tunings: tuple = (), no_f16=False, fp8_tunings: tuple = (), combine=False,
-                engram_host=False, no_bf16=False):
+                engram_host=False, no_bf16=False, device_loop=False, release_cache: tuple = (), ahead=False,
+                readback: tuple = (1, 8, 32), profile_steps: int = 3, trace_max_mb: float = 15.0,
+                no_release_bf16_cache=False, profile_until_s: float | None = None):
     """Per batch: every form's first call (trace + compile + one step) concurrently in threads (XLA compiles
     release the GIL; the forms' first-call times overlap, so each is an upper bound of its compile), then each
     form timed and profiled alone. ``engram_host``: after every batch's rows are saved, the release form with the
     Engram tables in host memory (``inference.host_tables.place_engram_tables``) at each batch — compiled last, on
-    its own, so a failure of the host gather's compile cannot take the other rows with it."""
+    its own, so a failure of the host gather's compile cannot take the other rows with it.
+
+    ``device_loop``: each form runs the Engine's device loop (``loop_setup_form``) instead of the host-fed step.
+    ``release_cache``: release-weight forms with the release's packed cache ("kernels": the attention and indexer
+    kernels read it packed, ``packed_cache_kernels``; "unpack": unpacked to bf16 every step, the option's default).
+    ``ahead``: every batch's forms set up and first-called at once (all their caches resident), then timed in turn.
+    ``profile_until_s``: device-loop rows timed after this many seconds are not profiled (the profile of a 40-layer
+    program costs tens of seconds; the step times still come).
+    Each row's floor: ``profile_decode.step_bytes`` of its weights and cache over the read-only bandwidth measured
+    in this process."""
     import concurrent.futures
 
     from bench_fused_fp8 import random_release_params
-    from profile_decode import MODELS
+    from profile_decode import MODELS, step_bytes
     from dsv41_jax.inference.step import InferenceOptions
     from dsv41_jax.model.params import init_params
     from dsv41_jax.model.release_weights import dequantize_wo_a, weight_bytes
 
+    bad = set(release_cache) - {"kernels", "unpack"}
+    if bad:
+        raise ValueError(f"release_cache: unknown form(s) {sorted(bad)}; choose from 'kernels', 'unpack'")
+    if engram_host and device_loop:
+        raise ValueError("--engram-host runs the host-fed step only; leave out --device-loop with it")
     config = MODELS[model]()
-    base = dict(quant_sim=False, index_block_elems=1 << 28)
+    # on CPU (smoke) the kernels' interpret mode, so that the packed-cache kernels' path runs too ("auto" is the
+    # reference there); on the GPU "auto" is the Pallas GPU backend, as before
+    base = dict(quant_sim=False, index_block_elems=1 << 28, **(dict(kernel_backend=BE) if SMOKE else {}))
     log(f"decode: {config.name}: init bf16 params ({time.time() - T0:.0f} s)")
     p16 = jax.block_until_ready(init_params(config, jax.random.PRNGKey(0), jnp.bfloat16))
+    log(f"decode: random release params ({time.time() - T0:.0f} s)")
     stored = jax.block_until_ready(random_release_params(config, p16, jax.random.PRNGKey(5)))
     # the Engine's serving form (Engine(weights="release")): wo_a dequantised to bf16 once, at load, as the official
     # code serves it; the stored form keeps wo_a FP8 and dequantises it inside every step (--wo-a-fp8)
     prel = jax.block_until_ready(dequantize_wo_a(stored, jnp.bfloat16))
+    if not wo_a_fp8:
+        del stored  # its FP8 wo_a (the rest is shared with prel)
     rel = dict(base, gemm_input_fp8=True, quantized_gemm=BE)
-    forms = [("bf16", p16, InferenceOptions(**base))] * (not no_bf16) + [
-        ("release, one-token FP4 kernels", prel, InferenceOptions(**rel, fp4_one_token=True))]
+    # (name, params, options, packed cache)
+    forms = [("bf16", p16, InferenceOptions(**base), False)] * (not no_bf16) + [
+        ("release, one-token FP4 kernels", prel, InferenceOptions(**rel, fp4_one_token=True), False)
+    ] * (not no_release_bf16_cache)
+    for how in release_cache:
+        forms.append((f"release, one-token FP4 kernels, release cache "
+                      f"({'kernels read it packed' if how == 'kernels' else 'unpacked every step'})", prel,
+                      InferenceOptions(**rel, fp4_one_token=True, packed_cache_kernels=how == "kernels"), True))
     if not no_grouped:
-        forms.append(("release, grouped FP4 kernel", prel, InferenceOptions(**rel, fp4_one_token=False)))
+        forms.append(("release, grouped FP4 kernel", prel, InferenceOptions(**rel, fp4_one_token=False), False))
     if combine:  # one form with both kernels' first tunings instead of a form per tuning (fewer concurrent compiles;
         # the profile's kernel families still tell the two kernels' shares apart)
         grouped_tunings, fp8_tunings = grouped_tunings[:1], fp8_tunings[:1]
@@ -491,53 +597,91 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
                       f"{dict(fp8_tunings[0]) if fp8_tunings else {}}", prel,
                       InferenceOptions(**rel, fp4_one_token=True,
                                        fp4_grouped_tuning=grouped_tunings[0] if grouped_tunings else (),
-                                       fp8_gemm_tuning=fp8_tunings[0] if fp8_tunings else ())))
+                                       fp8_gemm_tuning=fp8_tunings[0] if fp8_tunings else ()), False))
         grouped_tunings = fp8_tunings = ()
     for tuning in grouped_tunings:  # batches > 1 only (one token takes the one-token kernels in every release form)
         forms.append((f"release, grouped FP4 kernel {dict(tuning)}", prel,
-                      InferenceOptions(**rel, fp4_one_token=True, fp4_grouped_tuning=tuning)))
+                      InferenceOptions(**rel, fp4_one_token=True, fp4_grouped_tuning=tuning), False))
     for tuning in fp8_tunings:  # batches > 1 only (the gemv form at one token ignores the tensor-core form's tuning)
         forms.append((f"release, FP8 GEMM kernel {dict(tuning)}", prel,
-                      InferenceOptions(**rel, fp4_one_token=True, fp8_gemm_tuning=tuning)))
+                      InferenceOptions(**rel, fp4_one_token=True, fp8_gemm_tuning=tuning), False))
     if not no_f16:  # the one-token kernels' form before the pair decode, as its own option (a distinct program)
         forms.append(("release, one-token FP4 kernels, f16 decode (before)", prel,
-                      InferenceOptions(**rel, fp4_one_token=True, fp4_slot_decode="f16")))
+                      InferenceOptions(**rel, fp4_one_token=True, fp4_slot_decode="f16"), False))
     if wo_a_fp8:  # the form measured before wo_a was served from load
         forms.append(("release, grouped FP4 kernel, wo_a FP8 per step (before)", stored,
-                      InferenceOptions(**rel, fp4_one_token=False)))
+                      InferenceOptions(**rel, fp4_one_token=False), False))
     log(f"decode: params ready ({time.time() - T0:.0f} s)")
-    for b in batches:
+    read_bw = OUT["ceilings"].get("read_bw")
+    OUT["meta"].update(decode_model=config.name, decode_layers=config.num_hidden_layers, decode_context=context,
+                       decode_loop="device (decode_chain)" if device_loop else "host-fed step (decode_and_sample)",
+                       readback=list(readback) if device_loop else None)
+    for group in ([list(batches)] if ahead else [[b] for b in batches]):
         if time.time() - T0 > budget_s:
-            OUT["errors"].append(f"decode batch {b}: skipped (budget)")
-            log(f"decode batch {b}: skipped ({time.time() - T0:.0f} s > budget {budget_s:.0f} s)")
+            OUT["errors"].append(f"decode batches {group}: skipped (budget)")
+            log(f"decode batches {group}: skipped ({time.time() - T0:.0f} s > budget {budget_s:.0f} s)")
             continue
-        b_forms = [f for f in forms if b > 1 or not re.search(r"(grouped FP4|FP8 GEMM) kernel \{", f[0])]
-        log(f"decode: batch {b}: first calls of {len(b_forms)} forms, concurrently ({time.time() - T0:.0f} s)")
+        jobs = [(b, f) for b in group for f in forms if b > 1 or not re.search(r"(grouped FP4|FP8 GEMM) kernel \{",
+                                                                                f[0])]
+        log(f"decode: batches {group}: first calls of {len(jobs)} programs, concurrently ({time.time() - T0:.0f} s)")
 
-        def first(form):
+        def first(job):
+            b, (_, params, opts, packed) = job
             try:
-                return decode_setup(config, form[1], form[2], b, context)
+                if device_loop:
+                    return loop_setup_form(config, params, opts, b, context, packed, readback, profile_steps)
+                return decode_setup(config, params, opts, b, context, packed)
             except Exception as e:  # noqa: BLE001
                 return dict(error=f"{type(e).__name__}: {str(e)[:400]}")
 
-        with concurrent.futures.ThreadPoolExecutor(len(b_forms)) as ex:
-            setups = list(ex.map(first, b_forms))
-        log(f"decode: batch {b}: compiled ({time.time() - T0:.0f} s)")
-        for (form, params, _), s in zip(b_forms, setups):
-            row = dict(model=config.name, batch=b, context=context, weights=form, weight_gb=weight_bytes(params) / 1e9)
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
+            setups = list(ex.map(first, jobs))
+        log(f"decode: batches {group}: compiled ({time.time() - T0:.0f} s)")
+        for i, ((b, (form, params, _, packed)), s) in enumerate(zip(jobs, setups)):
+            row = dict(model=config.name, batch=b, context=context, weights=form,
+                       cache="release (packed)" if packed else "bf16", weight_gb=weight_bytes(params) / 1e9)
+            parts = step_bytes(config, params, b, context, "release" if packed else "bf16")
+            row.update(step_gb=sum(parts.values()) / 1e9, floor_parts_gb={k: v / 1e9 for k, v in parts.items()})
+            if read_bw:
+                row["floor_ms"] = sum(parts.values()) / read_bw * 1e3
+            if "first_call_s" in s:  # recorded even when the row is not timed
+                row["first_call_s"] = s["first_call_s"]
             try:
                 if "error" in s:
                     raise RuntimeError(s["error"])
-                row.update(time_and_profile(s, b, form, out_dir))
+                if time.time() - T0 > budget_s:
+                    raise RuntimeError(f"not timed: past the budget ({time.time() - T0:.0f} s > {budget_s:.0f} s)")
+                if device_loop:
+                    profile = profile_until_s is None or time.time() - T0 < profile_until_s
+                    row.update(time_and_profile_loop(s, b, form, out_dir, config.num_hidden_layers, readback,
+                                                     profile_steps, trace_max_mb=trace_max_mb, profile=profile))
+                else:
+                    row.update(time_and_profile(s, b, form, out_dir, profile_steps=profile_steps))
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            s.clear()
+            setups[i] = None
+            if "floor_ms" in row and "step_ms" in row:
+                row["x_floor"] = row["step_ms"] / row["floor_ms"]
             OUT["decode"].append(row)
-            log(json.dumps({k: v for k, v in row.items() if k != "top"}, default=str))
+            compare_to_bf16()
+            log(json.dumps({k: v for k, v in row.items() if k not in ("top", "floor_parts_gb")}, default=str))
             save()
         del setups
     if engram_host:
         engram_host_part(config, prel, InferenceOptions(**rel, fp4_one_token=True), batches, context, budget_s,
                          out_dir, save)
+
+
+def compare_to_bf16():
+    """Each decode row's speed-up over the bf16 row of its batch and loop (step time, and kernel time per step)."""
+    base = {r["batch"]: r for r in OUT["decode"] if r["weights"] == "bf16" and "step_ms" in r}
+    for r in OUT["decode"]:
+        b = base.get(r["batch"])
+        if b and "step_ms" in r:
+            r["x_bf16"] = b["step_ms"] / r["step_ms"]
+            if "kernel_ms_per_step" in r and "kernel_ms_per_step" in b:
+                r["x_bf16_kernels"] = b["kernel_ms_per_step"] / r["kernel_ms_per_step"]
 
 
 def engram_host_part(config, prel, opts, batches, context, budget_s, out_dir, save):
@@ -621,6 +765,25 @@ def main():
     ap.add_argument("--no-bf16", action="store_true", help="decode: leave out the bf16 form")
     ap.add_argument("--engram-host", action="store_true",
                     help="decode: also the release form with the Engram tables in host memory, after the other rows")
+    ap.add_argument("--device-loop", action="store_true",
+                    help="decode: every form runs the Engine's device loop (decode_chain, greedy sampler, tokens read "
+                         "back every k of --readback steps) instead of the host-fed step")
+    ap.add_argument("--readback", default="1,8,32", help="--device-loop: the read-back intervals k timed (the "
+                    "step: the largest)")
+    ap.add_argument("--profile-steps", type=int, default=None,
+                    help="decode: steps profiled (default 3; 8 with --device-loop, one run)")
+    ap.add_argument("--release-cache", default="",
+                    help="decode: comma-separated release-weight forms with the release's packed KV cache: 'kernels' "
+                         "(the attention and indexer kernels read it packed) and / or 'unpack' (unpacked every step)")
+    ap.add_argument("--no-release-bf16-cache", action="store_true",
+                    help="decode: leave out the release-weight form with the bf16 cache")
+    ap.add_argument("--ahead", action="store_true",
+                    help="decode: every batch's forms set up and compiled at once (their caches resident together), "
+                         "then timed in turn (default: batch by batch)")
+    ap.add_argument("--profile-until-s", type=float, default=None,
+                    help="decode, --device-loop: rows timed after this many seconds are not profiled")
+    ap.add_argument("--trace-max-mb", type=float, default=15.0,
+                    help="decode: keep a form's perfetto trace in --out when under this size (0: none)")
     ap.add_argument("--dense32", action="store_true",
                     help="the FP8 dense GEMM at M = 32 at DENSE32_TUNINGS (kernel micro-benchmark), after --grouped")
     args = ap.parse_args()
@@ -663,7 +826,11 @@ def main():
                             tuple(tuple(sorted(t.items())) for t in json.loads(args.grouped_tunings or "[]")),
                             args.no_f16,
                             tuple(tuple(sorted(t.items())) for t in json.loads(args.fp8_tunings or "[]")),
-                            args.combine, args.engram_host, args.no_bf16)
+                            args.combine, args.engram_host, args.no_bf16, args.device_loop,
+                            tuple(filter(None, args.release_cache.split(","))), args.ahead,
+                            tuple(int(k) for k in args.readback.split(",")),
+                            args.profile_steps or (8 if args.device_loop else 3), args.trace_max_mb,
+                            args.no_release_bf16_cache, args.profile_until_s)
             except Exception as e:  # noqa: BLE001
                 OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
                 log(f"decode FAILED: {type(e).__name__}: {str(e)[:300]}")
@@ -692,18 +859,48 @@ def main():
         save()
     for part in ((decode, experts) if args.decode_first else (experts, decode)):
         part()
+    print_decode_tables()
+    bad = [c for c in OUT["checks"] if not c["rel_err"] < 8e-3]
+    log(f"\nerrors: {OUT['errors'] or 'none'}; checks over 8e-3: {len(bad)}; elapsed {time.time() - T0:.0f} s")
+    return 1 if bad else 0
+
+
+def print_decode_tables():
+    """The decode rows as Markdown: the device loop's rows (step = the largest read-back interval's), then the
+    host-fed steps' rows."""
+    nan = float("nan")
+    device_loop = OUT["meta"].get("decode_loop", "").startswith("device")
+    loop = OUT["decode"] if device_loop else []
+    if loop:
+        ks = OUT["meta"]["readback"]
+        log(f"\n{OUT['meta'].get('decode_model')}, context {OUT['meta'].get('decode_context')}, the device loop; "
+            f"read-only {OUT['ceilings'].get('read_bw', nan) / 1e12:.2f} TB/s\n"
+            "| batch | weights | cache | weight GB | step GB | floor ms | " + " | ".join(f"k={k} ms" for k in ks)
+            + " | x floor | **x bf16** | kernel ms | x bf16 (kernels) | busy % | launches / layer | first call s |\n"
+            "|---:|---|---|---:|---:|---:|" + "---:|" * len(ks) + "---:|---:|---:|---:|---:|---:|---:|")
+        for r in loop:
+            log(f"| {r['batch']} | {r['weights']} | {r['cache']} | {r['weight_gb']:.2f} | {r['step_gb']:.2f} | "
+                f"{r.get('floor_ms', nan):.2f} | "
+                + " | ".join(f"{r.get(f'device_loop_k{k}_step_ms', nan):.2f}" for k in ks)
+                + f" | {r.get('x_floor', nan):.2f} | {r.get('x_bf16', nan):.2f} | "
+                f"{r.get('kernel_ms_per_step', nan):.2f} | {r.get('x_bf16_kernels', nan):.2f} | "
+                f"{r.get('busy_pct', nan):.0f} | {r.get('launches_per_layer', nan):.1f} | "
+                f"{r.get('first_call_s', nan):.1f} | {r.get('error', '')}")
+        for r in loop:
+            fams = "; ".join(f"{k}: {v['ms_per_step']:.3f} / {v['launches_per_step']:.0f}"
+                             for k, v in r.get("families", {}).items())
+            log(f"  b{r['batch']} {r['weights']} / {r['cache']} cache — families (ms / launches per step): {fams}")
+            for name, count, ms in r.get("top", [])[:12]:
+                log(f"    {ms:.3f} ms x{count:.0f} {name}")
     log("\n| batch | weights | first call s | synced ms | queued ms | busy ms | kernel ms | launches | families "
         "(ms / launches per step) |\n|---:|---|---:|---:|---:|---:|---:|---:|---|")
-    for r in OUT["decode"]:
+    for r in [] if device_loop else OUT["decode"]:
         fams = "; ".join(f"{k}: {v['ms_per_step']:.3f} / {v['launches_per_step']:.0f}"
                          for k, v in r.get("families", {}).items())
         log(f"| {r['batch']} | {r['weights']} | {r.get('first_call_s', float('nan')):.1f} | "
             f"{r.get('step_ms', float('nan')):.2f} | {r.get('queued_ms', float('nan')):.2f} | "
             f"{r.get('busy_ms_per_step', float('nan')):.2f} | {r.get('kernel_ms_per_step', float('nan')):.2f} | "
             f"{r.get('launches_per_step', float('nan')):.0f} | {fams} | {r.get('error', '')}")
-    bad = [c for c in OUT["checks"] if not c["rel_err"] < 8e-3]
-    log(f"\nerrors: {OUT['errors'] or 'none'}; checks over 8e-3: {len(bad)}; elapsed {time.time() - T0:.0f} s")
-    return 1 if bad else 0
 
 
 if __name__ == "__main__":
