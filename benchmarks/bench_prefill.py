@@ -15,7 +15,7 @@ In one process:
      Mosaic GPU grouped GEMM, ``InferenceOptions.grouped_prefill_moe`` —, ``tiled`` the tiled expert loop,
      ``grouped_mgpu`` / ``grouped`` the training step's grouped GEMM kernels through ``ops.moe``), and for every
      chunk length of ``--chunks`` (a sweep: the same prompt, probe and parameters; each chunk length its own
-     compiled chunk program, whose temporary buffer bytes are read from XLA's buffer assignment);
+     compiled chunk program, whose buffer bytes are read from XLA's memory-usage report);
   3. the FLOPs of that prefill counted from the config (``model.counting.prefill_flops``, whose docstring states
      the rules): GEMM FLOPs = 2 x the active matrix parameters of every layer a token passes — the encoder layers for
      every prompt token, the decoder's KV source's compressor and indexer keys for every prompt token, every decoder
@@ -413,9 +413,11 @@ class MemoHasher:
 
 
 def chunk_temp_bytes(hlo_dir: str) -> dict:
-    """{chunk length: temporary buffer bytes} of the dumped CED chunk programs (``jit__ced_chunk``): the first
-    "Total bytes" of XLA's memory-usage report (its default memory space: the program's temporary buffers, not its
-    parameters), the chunk length from the program's int32 [1, C] token parameter; empty where the dump lacks either."""
+    """{chunk length: buffer bytes} of the dumped CED chunk programs (``jit__ced_chunk``): the "Total bytes" of XLA's
+    memory-usage report for the default memory space — the program's temporaries and those of its arguments the
+    buffer assignment holds (it lists parameter allocations too), so the same argument bytes at every chunk length:
+    compare chunk lengths by difference. The chunk length from the program's int32 [1, C] token parameter; empty
+    where the dump lacks either."""
     out = {}
     for path in glob.glob(os.path.join(hlo_dir, "*jit__ced_chunk*after_optimizations-memory-usage-report.txt")):
         with open(path) as f:
@@ -516,7 +518,7 @@ def main() -> int:
     log(f"compiled in {res['compile_s']:.1f} s; errors {errors} [{peak_memory()}]")
     temp = chunk_temp_bytes(HLO_DIR) if not args.no_profile else {}
     res["ced_chunk_temp_bytes"] = temp
-    log(f"CED chunk program temporary buffers: {({c: f'{b / 2 ** 30:.2f} GiB' for c, b in temp.items()})}")
+    log(f"CED chunk program buffers (XLA memory report): {({c: f'{b / 2 ** 30:.2f} GiB' for c, b in temp.items()})}")
     save()
 
     for impl, c in cases:
@@ -564,7 +566,7 @@ def main() -> int:
              f"counted FLOPs (CED): GEMM {fl['weights'] / 1e12:.2f} T + attention {fl['attention'] / 1e12:.2f} T + "
              f"indexer {fl['indexer'] / 1e12:.2f} T = {fl['total'] / 1e12:.2f} T", "",
              "| MoE impl | chunk | CED prefill (s) | vs first row | tokens/s | GEMM TFLOP/s | MFU (GEMM) | MFU (all) | "
-             "full replay (s) | CED speed-up | chunk program temp (GiB) | busy / wall (profiled) |",
+             "full replay (s) | CED speed-up | chunk program buffers (GiB) | busy / wall (profiled) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for k, r in res["runs"].items():
         p = r.get("profile", {})
