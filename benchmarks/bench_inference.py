@@ -108,7 +108,10 @@ def time_prefill(params, config, opts, hasher, t, chunk, max_len, reps, dtype, l
     eids = None if hasher is None else hasher.row_ids(tokens)
     times = []
     for r in range(reps + 1):
-        cache = init_cache(config, 1, max_len, dtype)
+        # committed to the device, as the Engine's cache is: the chunk program's later calls get it back committed,
+        # and jit keys its cache on that, so an uncommitted first cache compiled the chunk program a second time
+        # inside the first timed prompt
+        cache = jax.device_put(init_cache(config, 1, max_len, dtype), jax.devices()[0])
         jax.block_until_ready(cache)
         t0 = time.perf_counter()
         last, cache = prefill(params, cache, tokens, None, eids, config=config, opts=opts, chunk=chunk)

@@ -1,6 +1,8 @@
 """CED prefill of one long prompt: time, model FLOPs utilisation against a matmul probe, and where the time goes.
 
     python benchmarks/bench_prefill.py --model 12L --tokens 32768 [--moe-impls engine,tiled] [--full engine] [--out DIR]
+    python benchmarks/bench_prefill.py --model 12L --tokens 32768 --moe-impls engine --chunks 512,1024,2048,4096 \
+        --full engine --full-chunks 512,2048,4096      # a chunk-size sweep against one probe (the first: baseline)
     python benchmarks/bench_prefill.py --smoke            # the same code path on the CPU at toy size (seconds)
 
 In one process:
@@ -11,7 +13,9 @@ In one process:
      ``prefill_chunk``): median of ``--reps`` runs after a compiling run, for every MoE variant of ``--moe-impls``
      (an A/B switch: ``engine`` the default options — on a Hopper GPU the prefill chunks' routed experts run the
      Mosaic GPU grouped GEMM, ``InferenceOptions.grouped_prefill_moe`` —, ``tiled`` the tiled expert loop,
-     ``grouped_mgpu`` / ``grouped`` the training step's grouped GEMM kernels through ``ops.moe``);
+     ``grouped_mgpu`` / ``grouped`` the training step's grouped GEMM kernels through ``ops.moe``), and for every
+     chunk length of ``--chunks`` (a sweep: the same prompt, probe and parameters; each chunk length its own
+     compiled chunk program, whose buffer bytes are read from XLA's memory-usage report);
   3. the FLOPs of that prefill counted from the config (``model.counting.prefill_flops``, whose docstring states
      the rules): GEMM FLOPs = 2 x the active matrix parameters of every layer a token passes — the encoder layers for
      every prompt token, the decoder's KV source's compressor and indexer keys for every prompt token, every decoder
@@ -23,7 +27,8 @@ In one process:
      families (expert GEMMs, dense GEMMs, sparse attention, indexer, top-k / sort, mHC, copies, other fusions) from
      the kernel names and, for XLA's fusions and library calls, the source file of the HLO instruction that launched
      them (the optimised HLO is dumped for the prefill programs); busy time (the union of kernel intervals) vs wall;
-  5. with ``--full VARIANTS``: full replay (every layer over every token) of the same prompt, for the CED speed-up.
+  5. with ``--full VARIANTS``: full replay (every layer over every token) of the same prompt, for the CED speed-up
+     (at the same chunk length; ``--full-chunks`` picks which of the sweep's chunk lengths, default all).
 Prints a Markdown table; writes ``DIR/bench_prefill.json``.
 """
 
@@ -39,6 +44,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -49,6 +55,10 @@ def _args(argv):
     ap.add_argument("--model", choices=("12L", "bench40"), default="12L")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (the Engine's prefill_chunk default: 512)")
+    ap.add_argument("--chunks", default="",
+                    help="comma-separated chunk lengths to sweep in one process (default: --chunk alone); the first "
+                         "is the baseline of the table's ratio column")
+    ap.add_argument("--full-chunks", default="", help="the chunk lengths at which --full runs (default: all)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--moe-impls", default="engine,tiled",
                     help="comma-separated MoE variants, each measured (A/B): engine (the default InferenceOptions), "
@@ -388,6 +398,42 @@ def moe_variant(opts: InferenceOptions, name: str) -> InferenceOptions:
     return dataclasses.replace(opts, moe_impl=name)
 
 
+class MemoHasher:
+    """The Engram hasher with its row ids kept per prompt: every timed run of the sweep hashes the same prompt, so
+    the host-side hashing (outside the timed region either way) runs once per prompt length, not once per run."""
+
+    def __init__(self, hasher):
+        self.hasher, self.memo = hasher, {}
+
+    def row_ids(self, tokens):
+        key = (tokens.shape, tokens.tobytes())
+        if key not in self.memo:
+            self.memo[key] = self.hasher.row_ids(tokens)
+        return self.memo[key]
+
+
+def chunk_temp_bytes(hlo_dir: str) -> dict:
+    """{chunk length: buffer bytes} of the dumped CED chunk programs (``jit__ced_chunk``): the "Total bytes" of XLA's
+    memory-usage report for the default memory space — the program's temporaries and those of its arguments the
+    buffer assignment holds (it lists parameter allocations too), so the same argument bytes at every chunk length:
+    compare chunk lengths by difference. The chunk length from the program's int32 [1, C] token parameter; empty
+    where the dump lacks either."""
+    out = {}
+    for path in glob.glob(os.path.join(hlo_dir, "*jit__ced_chunk*after_optimizations-memory-usage-report.txt")):
+        with open(path) as f:
+            total = re.search(r"Total bytes:\s*(\d+)", f.read(100_000))
+        hlo = path.replace("-memory-usage-report.txt", ".txt")
+        chunk = None
+        if os.path.exists(hlo):
+            with open(hlo) as f:
+                entry = next((ln for ln in f if ln.startswith("ENTRY")), "")
+            m = re.search(r"s32\[1,(\d+)\]", entry)
+            chunk = int(m.group(1)) if m else None
+        if total and chunk:
+            out[chunk] = max(out.get(chunk, 0), int(total.group(1)))
+    return out
+
+
 def main() -> int:
     args = ARGS
     os.makedirs(OUT, exist_ok=True)
@@ -400,14 +446,26 @@ def main() -> int:
     opts = dataclasses.replace(opts, kernel_backend=args.kernel_backend)
     impls = [s for s in args.moe_impls.split(",") if s]
     full = [s for s in args.full.split(",") if s]
+    chunks = [int(c) for c in args.chunks.split(",") if c] or [chunk]
+    full_chunks = [int(c) for c in args.full_chunks.split(",") if c] or chunks
+    if any(c <= 0 for c in chunks) or not set(full_chunks) <= set(chunks):
+        raise SystemExit(f"--chunks {chunks} must be positive and --full-chunks {full_chunks} among them")
+    sweep = len(chunks) > 1
+
+    def key(impl, c):  # a run's name: the variant, and its chunk length in a sweep
+        return f"{impl}@{c}" if sweep else impl
+
+    cases = [(impl, c) for c in chunks for impl in impls]
+    full_cases = [(impl, c) for c in full_chunks for impl in full]
     max_len = tokens + 64
     dev = jax.devices()[0]
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z", time.gmtime()), jax=jax.__version__,
                 device=str(dev.device_kind), backend=jax.default_backend(), cpus=os.cpu_count(),
                 config=config.name, layers=config.num_hidden_layers, decoder_start=config.plan.decoder_start,
                 hidden=config.hidden_size, experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
-                dtype=str(jnp.dtype(dtype)), tokens=tokens, chunk=chunk, replay_len=opts.resolved_replay(config),
-                kernel_backend=args.kernel_backend, moe_impls=impls, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                dtype=str(jnp.dtype(dtype)), tokens=tokens, chunk=chunks[0], chunks=chunks, full_chunks=full_chunks,
+                replay_len=opts.resolved_replay(config), kernel_backend=args.kernel_backend, moe_impls=impls,
+                xla_flags=os.environ.get("XLA_FLAGS", ""),
                 command="python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]))
     res = dict(meta=meta, runs={})
 
@@ -427,15 +485,24 @@ def main() -> int:
     params = device_params(config, dtype)
     jax.block_until_ready(params)
     log(f"params ready: {tree_bytes(params) / 2 ** 30:.2f} GiB [{peak_memory()}]")
-    hasher = synthetic_hasher(config)
+    base_hasher = synthetic_hasher(config)
+    hasher = None if base_hasher is None else MemoHasher(base_hasher)
     variants = {impl: moe_variant(opts, impl) for impl in impls}
 
+    def timed(o, c, reps, label):
+        """time_prefill of the long prompt, with every run's wall time logged (the first one compiles anything
+        the chunk-length warm-up did not)."""
+        runs = [time_prefill(params, config, o, hasher, tokens, c, max_len, 0, dtype, log) for _ in range(reps + 1)]
+        t = statistics.median(runs[1:])
+        log(f"  {label}: runs {', '.join(f'{x:.3f}' for x in runs)} s; median {t:.3f} s of all but the first")
+        return t
+
     # compile (warm-up runs at the chunk length: the same programs as the long prompt), concurrently
-    jobs = {f"ced:{i}": (lambda o=o: time_prefill(params, config, o, hasher, chunk, chunk, max_len, 0, dtype, log))
-            for i, o in variants.items()}
-    jobs.update({f"full:{i}": (lambda o=variants[i]: time_prefill(params, config, dataclasses.replace(o, ced=False),
-                                                                 hasher, chunk, chunk, max_len, 0, dtype, log))
-                 for i in full})
+    jobs = {f"ced:{key(i, c)}": (lambda o=variants[i], c=c: time_prefill(params, config, o, hasher, c, c, max_len,
+                                                                          0, dtype, log)) for i, c in cases}
+    jobs.update({f"full:{key(i, c)}": (lambda o=variants[i], c=c: time_prefill(
+        params, config, dataclasses.replace(o, ced=False), hasher, c, c, max_len, 0, dtype, log))
+        for i, c in full_cases})
     t0 = time.perf_counter()
 
     def guarded(fn):
@@ -449,68 +516,84 @@ def main() -> int:
         errors = dict(zip(jobs, ex.map(guarded, jobs.values())))
     res["compile_s"], res["compile_errors"] = time.perf_counter() - t0, errors
     log(f"compiled in {res['compile_s']:.1f} s; errors {errors} [{peak_memory()}]")
+    temp = chunk_temp_bytes(HLO_DIR) if not args.no_profile else {}
+    res["ced_chunk_temp_bytes"] = temp
+    log(f"CED chunk program buffers (XLA memory report): {({c: f'{b / 2 ** 30:.2f} GiB' for c, b in temp.items()})}")
     save()
 
-    for impl, o in variants.items():
-        if errors.get(f"ced:{impl}"):
+    for impl, c in cases:
+        k = key(impl, c)
+        if errors.get(f"ced:{k}"):
             continue
-        t = time_prefill(params, config, o, hasher, tokens, chunk, max_len, args.reps, dtype, log)
-        run = dict(ced_s=t, tok_s=tokens / t, gemm_tflops=fl["weights"] / t / 1e12,
-                   mfu_gemm=fl["weights"] / t / rate, mfu_all=fl["total"] / t / rate)
-        res["runs"][impl] = run
-        log(f"CED prefill {tokens} tokens, moe {impl}: {t:.3f} s ({tokens / t:.0f} tok/s); MFU (GEMM FLOPs) "
-            f"{run['mfu_gemm']:.1%}, (GEMM + attention + indexer) {run['mfu_all']:.1%} [{peak_memory()}]")
+        t = timed(variants[impl], c, args.reps, f"CED {k}")
+        run = dict(impl=impl, chunk=c, ced_s=t, tok_s=tokens / t, gemm_tflops=fl["weights"] / t / 1e12,
+                   mfu_gemm=fl["weights"] / t / rate, mfu_all=fl["total"] / t / rate, temp_bytes=temp.get(c))
+        res["runs"][k] = run
+        log(f"CED prefill {tokens} tokens, chunk {c}, moe {impl}: {t:.3f} s ({tokens / t:.0f} tok/s); MFU (GEMM "
+            f"FLOPs) {run['mfu_gemm']:.1%}, (GEMM + attention + indexer) {run['mfu_all']:.1%} [{peak_memory()}]")
+        save()
+    for impl, c in full_cases:
+        k = key(impl, c)
+        if errors.get(f"full:{k}") or k not in res["runs"]:
+            continue
+        t = timed(dataclasses.replace(variants[impl], ced=False), c, args.reps, f"full replay {k}")
+        r = res["runs"][k]
+        r["full_s"], r["speedup"] = t, t / r["ced_s"]
+        log(f"full replay {tokens} tokens, chunk {c}, moe {impl}: {t:.3f} s; CED speed-up {r['speedup']:.2f}x")
         save()
     hlo = hlo_sources(HLO_DIR) if not args.no_profile else {}
     res["hlo_instructions"] = len(hlo)
-    for impl, o in variants.items():
-        if args.no_profile or impl not in res["runs"]:
+    done = [k for k in (key(*cs) for cs in cases) if k in res["runs"]]
+    # the baseline and the fastest first (the profiles come last in the call: what a time limit may cut)
+    order = sorted(done, key=lambda k: (k != done[0], res["runs"][k]["ced_s"])) if done else []
+    for k in order:
+        impl, c = res["runs"][k]["impl"], res["runs"][k]["chunk"]
+        if args.no_profile:
             continue
-        prof = profile_prefill(params, config, o, hasher, tokens, chunk, max_len, dtype, hlo)
-        res["runs"][impl]["profile"] = prof
-        log(f"profile moe {impl}: wall {prof.get('wall_s', 0):.3f} s, busy {prof.get('busy_s', 0):.3f} s, "
+        prof = profile_prefill(params, config, variants[impl], hasher, tokens, c, max_len, dtype, hlo)
+        res["runs"][k]["profile"] = prof
+        log(f"profile {k}: wall {prof.get('wall_s', 0):.3f} s, busy {prof.get('busy_s', 0):.3f} s, "
             f"{prof.get('kernels')} kernels ({prof.get('kernels_matched_to_hlo')} matched to HLO)")
-        save()
-    for impl in full:
-        if errors.get(f"full:{impl}") or impl not in res["runs"]:
-            continue
-        t = time_prefill(params, config, dataclasses.replace(variants[impl], ced=False), hasher, tokens, chunk,
-                         max_len, args.reps, dtype, log)
-        r = res["runs"][impl]
-        r["full_s"], r["speedup"] = t, t / r["ced_s"]
-        log(f"full replay {tokens} tokens, moe {impl}: {t:.3f} s; CED speed-up {r['speedup']:.2f}x")
         save()
 
     # --- table ---------------------------------------------------------------------------------------------------
+    base = res["runs"].get(key(*cases[0]))
     lines = [f"### {meta['date']} — `{meta['command']}`",
              f"JAX {meta['jax']}, {meta['device']} ({meta['backend']}); {config.name}: {config.num_hidden_layers} "
              f"layers (decoder from {config.plan.decoder_start}), d={config.hidden_size}, {config.n_routed_experts} "
              f"routed experts top-{config.num_experts_per_tok}, {meta['dtype']}; one prompt of {tokens} tokens, "
-             f"chunk {chunk}, replay {meta['replay_len']}; matmul probe {rate / 1e12:.1f} TFLOP/s",
+             f"chunks {chunks}, replay {meta['replay_len']}; matmul probe {rate / 1e12:.1f} TFLOP/s",
              f"counted FLOPs (CED): GEMM {fl['weights'] / 1e12:.2f} T + attention {fl['attention'] / 1e12:.2f} T + "
              f"indexer {fl['indexer'] / 1e12:.2f} T = {fl['total'] / 1e12:.2f} T", "",
-             "| MoE impl | CED prefill (s) | tokens/s | GEMM TFLOP/s | MFU (GEMM) | MFU (all) | full replay (s) | "
-             "CED speed-up | busy / wall (profiled) |", "|---|---|---|---|---|---|---|---|---|"]
-    for impl, r in res["runs"].items():
+             "| MoE impl | chunk | CED prefill (s) | vs first row | tokens/s | GEMM TFLOP/s | MFU (GEMM) | MFU (all) | "
+             "full replay (s) | CED speed-up | chunk program buffers (GiB) | busy / wall (profiled) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for k, r in res["runs"].items():
         p = r.get("profile", {})
         bw = f"{p['busy_s']:.3f} / {p['wall_s']:.3f}" if "busy_s" in p else "—"
-        lines.append(f"| {impl} | {r['ced_s']:.3f} | {r['tok_s']:.0f} | {r['gemm_tflops']:.1f} | {r['mfu_gemm']:.1%} "
-                     f"| {r['mfu_all']:.1%} | {r.get('full_s', float('nan')):.3f} | "
-                     f"{r.get('speedup', float('nan')):.2f}x | {bw} |")
+        tb = f"{r['temp_bytes'] / 2 ** 30:.2f}" if r.get("temp_bytes") else "—"
+        lines.append(f"| {r['impl']} | {r['chunk']} | {r['ced_s']:.3f} | {base['ced_s'] / r['ced_s']:.2f}x | "
+                     f"{r['tok_s']:.0f} | {r['gemm_tflops']:.1f} | {r['mfu_gemm']:.1%} | {r['mfu_all']:.1%} | "
+                     f"{r.get('full_s', float('nan')):.3f} | {r.get('speedup', float('nan')):.2f}x | {tb} | {bw} |")
     lines += ["", "| GEMM component | TFLOP |", "|---|---|"]
     lines += [f"| {k} | {v / 1e12:.3f} |" for k, v in fl["by_component"].items()]
-    for impl, r in res["runs"].items():
-        p = r.get("profile", {})
-        if "families" not in p:
-            continue
-        lines += ["", f"kernel families, MoE {impl} (one profiled prefill: {p['kernels']} kernels, busy "
-                  f"{p['busy_s']:.3f} s of {p['wall_s']:.3f} s wall):", "",
-                  "| family | device s | share of busy | launches |", "|---|---|---|---|"]
-        lines += [f"| {k} | {v['s']:.3f} | {v['s'] / p['busy_s']:.1%} | {v['launches']} |"
-                  for k, v in p["groups"].items()]
-        lines += ["", "| component: kernel kind | device s | share of busy | launches |", "|---|---|---|---|"]
-        lines += [f"| {k} | {v['s']:.3f} | {v['s'] / p['busy_s']:.1%} | {v['launches']} |"
-                  for k, v in list(p["families"].items())[:25]]
+    profiled = [(k, r["profile"]) for k, r in res["runs"].items() if "families" in r.get("profile", {})]
+    if profiled:  # the coarse families side by side, one column pair per run
+        names = list(dict.fromkeys(g for _, p in profiled for g in p["groups"]))
+        lines += ["", "kernel families (device s / launches of one profiled prefill):", "",
+                  "| family | " + " | ".join(k for k, _ in profiled) + " |", "|---" * (len(profiled) + 1) + "|"]
+        for g in names:
+            cells = [f"{p['groups'][g]['s']:.3f} / {p['groups'][g]['launches']}" if g in p["groups"] else "—"
+                     for _, p in profiled]
+            lines.append(f"| {g} | " + " | ".join(cells) + " |")
+        lines.append("| **busy / wall (s)** | " + " | ".join(f"{p['busy_s']:.3f} / {p['wall_s']:.3f}"
+                                                             for _, p in profiled) + " |")
+    for k, p in profiled:
+        lines += ["", f"top kernel families, {k} ({p['kernels']} kernels, busy {p['busy_s']:.3f} s of "
+                  f"{p['wall_s']:.3f} s wall):", "", "| component: kernel kind | device s | share of busy | launches |",
+                  "|---|---|---|---|"]
+        lines += [f"| {f} | {v['s']:.3f} | {v['s'] / p['busy_s']:.1%} | {v['launches']} |"
+                  for f, v in list(p["families"].items())[:15]]
     lines.append(f"\npeak memory {peak_memory()}; total {time.perf_counter() - _T0:.0f} s")
     table = "\n".join(lines)
     res["table"] = table

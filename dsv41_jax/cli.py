@@ -386,7 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="weights seed (random weights) and sampling seed")
     s.add_argument("--num-samples", type=int, default=1, help="samples generated as one batch (seeds seed+i)")
     s.add_argument("--max-len", type=int, default=None, help="cache length [default: prompt + max-new-tokens]")
-    s.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill chunk")
+    s.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens per prefill chunk (default: the Engine's: 512, longer on a Hopper GPU)")
     s.add_argument("--no-ced", action="store_true", help="full-replay prefill (every layer over the prompt)")
     s.add_argument("--fast-compile", choices=("auto", "on", "off"), default="auto",
                    help="unoptimised XLA compiles (auto: on CPU, where compile time dominates small models)")

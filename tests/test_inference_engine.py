@@ -15,6 +15,7 @@ from dsv41_jax.inference import (FAST_COMPILE, EngineError, InferenceOptions, Re
                                  init_cache)
 from dsv41_jax.inference.cache import abstract_cache, tree_bytes
 from dsv41_jax.inference.decode import _decode_opts, decode_chain_program
+from dsv41_jax.inference.prefill import DEFAULT_PREFILL_CHUNK, PrefillError, default_prefill_chunk
 from dsv41_jax.inference.sampling import SamplingError, SamplingParams, filter_logits, sample, sampler_for
 from dsv41_jax.inference.weights import host_random_params
 from dsv41_jax.tokenizer import ByteTokenizer
@@ -180,13 +181,25 @@ def test_bad_input_is_a_clear_error_and_the_rest_is_served():
         eng.generate([good] * 4)
     no_tok = Engine(eng.config, eng.params, max_batch=1, max_len=8, options=eng.options)
     assert "needs a tokenizer" in no_tok.generate(["text"])[0].error
+    # the default prompt chunk: 512 off a Hopper GPU, and the batcher's refill chunk 512 too
+    assert (no_tok.prefill_chunk, no_tok.refill_chunk) == (DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_CHUNK) == (512, 512)
     with pytest.raises(EngineError, match="max_len"):
         Engine(eng.config, eng.params, max_batch=1, max_len=0)
+    with pytest.raises(EngineError, match="prefill_chunk must be a positive integer or None, got 0"):
+        Engine(eng.config, eng.params, max_batch=1, max_len=8, prefill_chunk=0)
     with pytest.raises(ValueError, match="vocabulary"):
         decode_step(eng.params, init_cache(eng.config, 1, 8), np.array([400]), np.zeros((1, 2, 6), np.int32),
                     config=eng.config)
     with pytest.raises(SamplingError, match="top_p"):
         SamplingParams(top_p=1.5).validate()
+
+
+def test_default_prefill_chunk_doubles_within_the_grouped_gemm_row_budget():
+    # grouped expert GEMM (a Hopper GPU): max_batch x chunk kept within 4096 rows, never under 512; elsewhere 512
+    assert [default_prefill_chunk(b, True) for b in (1, 2, 3, 4, 5, 8, 64)] == [4096, 2048, 1024, 1024, 512, 512, 512]
+    assert [default_prefill_chunk(b, False) for b in (1, 2, 8)] == [512, 512, 512]
+    with pytest.raises(PrefillError, match="max_batch must be a positive integer, got 0"):
+        default_prefill_chunk(0, True)
 
 
 def test_sampling_filters():

@@ -139,8 +139,9 @@ class ContinuousBatcher:
 
     ``prefill_lanes``: most slots prefilled in one refill program (default ``max_batch``; its row count is
     bucketed to the slots it fills); ``prefill_chunk``: prompt tokens per slot per iteration (default the
-    engine's); ``decode_run``: decode steps per iteration, read back together (default the engine's
-    ``readback_every``, whose readback buffer the step program shares with ``generate``); ``refill_min``: while
+    engine's ``refill_chunk``: its ``prefill_chunk`` where given, else 512); ``decode_run``: decode steps per
+    iteration, read back together (default the engine's ``readback_every``, whose readback buffer the step
+    program shares with ``generate``); ``refill_min``: while
     other slots decode, admit only once this many slots are free (or as many as there are waiting requests;
     default ``ceil(DEFAULT_REFILL_FRACTION * max_batch)``). ``on_token(id, token)`` streams every new token.
     The batcher owns the engine's cache while it has work: do not call ``engine.generate`` / ``prefill`` /
@@ -153,7 +154,7 @@ class ContinuousBatcher:
         lanes = b if prefill_lanes is None else prefill_lanes
         if not isinstance(lanes, int) or isinstance(lanes, bool) or not 1 <= lanes <= b:
             raise EngineError(f"prefill_lanes must be an integer in [1, max_batch={b}], got {prefill_lanes!r}")
-        chunk = engine.prefill_chunk if prefill_chunk is None else prefill_chunk
+        chunk = engine.refill_chunk if prefill_chunk is None else prefill_chunk
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
             raise EngineError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         run = engine.readback_every if decode_run is None else decode_run

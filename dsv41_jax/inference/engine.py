@@ -35,9 +35,9 @@ from dsv41_jax.compilation_cache import enable_compilation_cache
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.inference.cache import CacheFootprint, abstract_cache, cache_footprint, init_cache, tree_bytes
 from dsv41_jax.inference.decode import decode_and_sample, decode_chain, decode_step_jit
-from dsv41_jax.inference.prefill import prefill as _prefill
+from dsv41_jax.inference.prefill import DEFAULT_PREFILL_CHUNK, default_prefill_chunk, prefill as _prefill
 from dsv41_jax.inference.sampling import SamplingError, SamplingParams, sample_jit, sampler_for
-from dsv41_jax.inference.step import InferenceOptions, check_ced_plan
+from dsv41_jax.inference.step import InferenceOptions, check_ced_plan, grouped_prefill_moe
 from dsv41_jax.model.params import validate_params
 from dsv41_jax.ops.engram_hash import EngramHistory, advance_history, device_history, engram_row_ids_step_device
 
@@ -166,7 +166,7 @@ class Engine:
     """Batched generation for one model. See the module docstring."""
 
     def __init__(self, config: ModelConfig, params: dict, *, max_batch: int = 8, max_len: int = 4096,
-                 tokenizer=None, hasher=None, prefill_chunk: int = 512,
+                 tokenizer=None, hasher=None, prefill_chunk: int | None = None,
                  options: InferenceOptions = InferenceOptions(), cache_dtype=None, weights: str | None = None,
                  cache: str = "bf16", compilation_cache=None, decode_loop: str = "device",
                  readback_every: int = 8, engram_tables: str = "auto"):
@@ -179,6 +179,11 @@ class Engine:
         read back every ``readback_every`` steps; ``on_token`` is then called in runs of up to that many) or
         ``"host"`` (the tokens read back after every step, the previous loop; their Engram n-grams are hashed on the
         device too).
+
+        ``prefill_chunk``: prompt tokens per prefill chunk program; None (default): 512, or on a Hopper GPU with the
+        grouped expert GEMM for prefill (bf16 / float weights) up to 4096 while max_batch x chunk <= 4096
+        (``inference.prefill.default_prefill_chunk``: measured faster there). ``batcher()``'s refill chunks default
+        to 512 unless ``prefill_chunk`` is given (a refill chunk stalls the decoding slots for its length).
 
         ``engram_tables``: ``"device"``, ``"host"`` (the Engram tables in host memory, pinned: each step's rows
         gathered on the host and only they moved to the device, ``inference.host_tables``) or ``"auto"`` (default:
@@ -195,8 +200,9 @@ class Engine:
             raise EngineError(f"decode_loop must be 'device' or 'host', got {decode_loop!r}")
         if not isinstance(readback_every, int) or isinstance(readback_every, bool) or readback_every <= 0:
             raise EngineError(f"readback_every must be a positive integer, got {readback_every!r}")
-        if not isinstance(prefill_chunk, int) or prefill_chunk <= 0:
-            raise EngineError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool)
+                                          or prefill_chunk <= 0):
+            raise EngineError(f"prefill_chunk must be a positive integer or None, got {prefill_chunk!r}")
         validate_params(params, config)
         self.compilation_cache_dir = enable_compilation_cache(compilation_cache)  # before the first compile
         params, options = _precision(config, params, options, weights, cache)  # weights= / cache= (release)
@@ -219,7 +225,9 @@ class Engine:
         self.params = params
         self.max_batch = max_batch
         self.max_len = max_len
-        self.prefill_chunk = prefill_chunk
+        grouped = grouped_prefill_moe(options) and not options.gemm_input_fp8  # measured on bf16 weights only
+        self.prefill_chunk = default_prefill_chunk(max_batch, grouped) if prefill_chunk is None else prefill_chunk
+        self.refill_chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk  # batcher() default
         self.decode_loop = decode_loop
         self.readback_every = readback_every
         self.options = options

@@ -39,6 +39,29 @@ class PrefillError(ValueError):
     pass
 
 
+# The Engine's prompt chunk (``Engine(prefill_chunk=None)``). A chunk program runs max_batch x chunk token rows; on a
+# Hopper GPU, where the routed experts run as one grouped GEMM per projection (``step.grouped_prefill_moe``), a
+# longer chunk gives each expert more rows per GEMM and the prompt fewer launches: a 32K-token CED prefill of the
+# 12-layer bench model at batch 1 on an H200 took 0.797 / 0.687 / 0.637 / 0.611 s in chunks of 512 / 1024 / 2048 /
+# 4096 tokens (one process, benchmarks/RESULTS.md 2026-12-03 06:40), the chunk program's buffers (XLA's memory
+# report) 1.9 GiB more at 4096 than at 512. So there the chunk is doubled from 512 while max_batch x chunk stays
+# within GROUPED_PREFILL_ROWS: batch 1 -> 4096, 2 -> 2048, 4 -> 1024, 8 and up -> 512 (rows per program never past
+# what 512 gave at batch 8). Elsewhere (CPU, TPU, other GPUs, release-format weights: not measured) it stays 512.
+DEFAULT_PREFILL_CHUNK = 512
+GROUPED_PREFILL_ROWS = 4096
+
+
+def default_prefill_chunk(max_batch: int, grouped_moe: bool) -> int:
+    """The prompt chunk for an engine of ``max_batch`` slots: ``DEFAULT_PREFILL_CHUNK``, doubled while ``grouped_moe``
+    (the prefill's routed experts on the grouped GEMM) and max_batch x the doubled chunk <= GROUPED_PREFILL_ROWS."""
+    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch <= 0:
+        raise PrefillError(f"max_batch must be a positive integer, got {max_batch!r}")
+    chunk = DEFAULT_PREFILL_CHUNK
+    while grouped_moe and 2 * chunk * max_batch <= GROUPED_PREFILL_ROWS:
+        chunk *= 2
+    return chunk
+
+
 def chunk_bucket(n: int, cap: int | None) -> int:
     """Chunk length for n tokens: a power of two >= 16 (few compiles), at most ``cap``."""
     c = 16

@@ -516,6 +516,14 @@ def _auto(flag: bool | None, default: bool) -> bool:
     return default if flag is None else flag
 
 
+def grouped_prefill_moe(opts: InferenceOptions) -> bool:
+    """Whether prefill chunks' routed experts run the grouped GEMM (``InferenceOptions.grouped_prefill_moe``
+    resolved: by default on a Hopper GPU with the "pallas_gpu" backend) on the engine's own MoE path
+    (``moe_impl="tiled"``, inference.moe.moe_inference)."""
+    on_gpu = kernels.resolve_backend(opts.kernel_backend) == "pallas_gpu"
+    return opts.moe_impl == "tiled" and _auto(opts.grouped_prefill_moe, on_gpu and is_hopper_gpu())
+
+
 def _mhc_kw(c: ModelConfig, opts: InferenceOptions) -> dict:
     # On the kernel (GPU / TPU) path the Sinkhorn loop is unrolled: its iterations fuse into a few kernels instead
     # of launching the loop body's kernels once per iteration (19 iterations x 2 sites per layer in every decode
@@ -606,7 +614,7 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
                               fp4_one_token=opts.fp4_one_token, fp4_slot_decode=opts.fp4_slot_decode,
                               fp4_grouped_tuning=opts.fp4_grouped_tuning,
                               live=valid,  # masked rows (past n_valid) pick no expert: fewer weights read
-                              grouped=_auto(opts.grouped_prefill_moe, on_gpu and is_hopper_gpu()))
+                              grouped=grouped_prefill_moe(opts))
         else:
             y, _ = moe(h, lp["ffn"], top_k=c.num_experts_per_tok, temp=c.gate_temp, scaling=c.routed_scaling_factor,
                        limit=c.swiglu_limit, impl=opts.moe_impl, normalize=c.norm_topk_prob)
