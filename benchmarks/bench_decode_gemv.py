@@ -52,14 +52,12 @@ LIMIT = 10.0
 FP4_VARIANTS = [("pair_group (before)", dict(decode="pair_group"), dict(decode="pair_group")),
                 ("word", dict(decode="word"), dict(decode="word")),
                 ("word, up 4 warps / down 2 warps", dict(decode="word", num_warps=4), dict(decode="word", num_warps=2)),
-                ("word, up block_n 16 / down block_n 32 8 warps", dict(decode="word", block_n=16),
-                 dict(decode="word", block_n=32, num_warps=8)),
-                ("word, up block_k 1024 pf 2 / down pf 4", dict(decode="word", block_k=1024, prefetch=2),
+                ("word, up 4 warps pf 2 / down pf 4", dict(decode="word", num_warps=4, prefetch=2),
                  dict(decode="word", prefetch=4)),
-                ("word, up block_k 256 pf 8 / down block_n 8", dict(decode="word", block_k=256, prefetch=8),
+                ("word, up pf 8 / down block_n 32 8 warps", dict(decode="word", prefetch=8),
+                 dict(decode="word", block_n=32, num_warps=8)),
+                ("word, up block_n 16 / down block_n 8", dict(decode="word", block_n=16),
                  dict(decode="word", block_n=8)),
-                ("word, up pf 8 / down block_k 512 pf 4", dict(decode="word", prefetch=8),
-                 dict(decode="word", block_k=512, prefetch=4)),
                 ("pair_group (before), again", dict(decode="pair_group"), dict(decode="pair_group"))]
 if SMOKE:
     FP4_VARIANTS = [FP4_VARIANTS[0], FP4_VARIANTS[1],
@@ -71,8 +69,8 @@ FP8_SHAPES = ([("wq_b 32768 x 1280", [(32768, 1280)]), ("wo_b 5120 x 8192", [(51
                                                                                           (512, 5120)]),
                ("shared w1 + w3 2 x 2304 x 5120", [(2304, 5120), (2304, 5120)])]
               if not SMOKE else [("small", [(64, 256)]), ("small fused", [(64, 256), (32, 256)])])
-FP8_VARIANTS = [("default", {}), ("block_n 16", dict(block_n=16)), ("block_n 4", dict(block_n=4)),
-                ("8 warps", dict(num_warps=8)), ("block_k 512 pf 4", dict(block_k=512, prefetch=4)),
+FP8_VARIANTS = [("default", {}), ("block_n 16", dict(block_n=16)), ("block_k 512 pf 4", dict(block_k=512, prefetch=4)),
+                ("block_k 512 pf 8", dict(block_k=512, prefetch=8)), ("2 warps", dict(num_warps=2)),
                 ("split_k 2", dict(split_k=2)), ("default, again", {})]
 OUT: dict = {"meta": {}, "ceilings": {}, "fp4": [], "fp8": [], "errors": []}
 T0 = time.time()
