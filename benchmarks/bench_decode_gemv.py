@@ -59,6 +59,22 @@ FP4_VARIANTS = [("pair_group (before)", dict(decode="pair_group"), dict(decode="
                 ("word, up block_n 16 / down block_n 8", dict(decode="word", block_n=16),
                  dict(decode="word", block_n=8)),
                 ("pair_group (before), again", dict(decode="pair_group"), dict(decode="pair_group"))]
+# --set 2: the second pass, around the first pass's best "word" tiling (registers and SASS per byte from
+# kernel_sass.py in the comments: gate / up | down)
+FP4_VARIANTS_2 = [FP4_VARIANTS[0],
+                  ("word, up 4 warps pf 2 / down pf 4", dict(decode="word", num_warps=4, prefetch=2),  # 128 | 100
+                   dict(decode="word", prefetch=4)),
+                  ("word, up 4 warps pf 1 / down pf 2", dict(decode="word", num_warps=4, prefetch=1),  # 128 | 98
+                   dict(decode="word", prefetch=2)),
+                  ("word, up 4 warps block_k 256 pf 4 / down 2 warps pf 4",  # 96 regs 9.7 / byte | 168 regs 9.1
+                   dict(decode="word", num_warps=4, block_k=256, prefetch=4), dict(decode="word", num_warps=2,
+                                                                                   prefetch=4)),
+                  ("word, up 2 warps pf 2 / down 2 warps pf 2", dict(decode="word", num_warps=2, prefetch=2),
+                   dict(decode="word", num_warps=2, prefetch=2)),  # 168 regs 8.7 / byte
+                  ("word, up 4 warps block_n 4 pf 4 / down block_n 8 pf 4",
+                   dict(decode="word", num_warps=4, block_n=4, prefetch=4),
+                   dict(decode="word", block_n=8, prefetch=4)),
+                  ("pair_group (before), again", dict(decode="pair_group"), dict(decode="pair_group"))]
 if SMOKE:
     FP4_VARIANTS = [FP4_VARIANTS[0], FP4_VARIANTS[1],
                     ("word small", dict(decode="word", block_n=4, block_k=32, prefetch=1),
@@ -72,6 +88,14 @@ FP8_SHAPES = ([("wq_b 32768 x 1280", [(32768, 1280)]), ("wo_b 5120 x 8192", [(51
 FP8_VARIANTS = [("default", {}), ("block_n 16", dict(block_n=16)), ("block_k 512 pf 4", dict(block_k=512, prefetch=4)),
                 ("block_k 512 pf 8", dict(block_k=512, prefetch=8)), ("2 warps", dict(num_warps=2)),
                 ("split_k 2", dict(split_k=2)), ("default, again", {})]
+# --set 2: (shape index, variants) around the first pass's best tilings per shape
+FP8_PLAN_2 = [(0, [("default", {}), ("block_n 16", dict(block_n=16)), ("block_n 32", dict(block_n=32)),
+                   ("block_n 16, 2 warps", dict(block_n=16, num_warps=2)), ("default, again", {})]),
+              (1, [("default", {}), ("block_k 512 pf 4", dict(block_k=512, prefetch=4)),
+                   ("block_k 512 pf 2", dict(block_k=512, prefetch=2)),
+                   ("block_k 1024 pf 2", dict(block_k=1024, prefetch=2)),
+                   ("block_k 512 pf 4, 8 warps", dict(block_k=512, prefetch=4, num_warps=8))]),
+              (2, [("default", {}), ("block_k 128 pf 8", dict(block_k=128, prefetch=8))])]
 OUT: dict = {"meta": {}, "ceilings": {}, "fp4": [], "fp8": [], "errors": []}
 T0 = time.time()
 
@@ -96,7 +120,7 @@ def rates(nbytes, us, bw):
     return dict(tb_s=r / 1e12, pct_read=100 * r / bw.get("read_bw", DATASHEET_BW), pct_datasheet=100 * r / DATASHEET_BW)
 
 
-def fp4_part(bw, budget_s):
+def fp4_part(bw, budget_s, variants):
     ks = jax.random.split(jax.random.PRNGKey(7), 8)
     w1q, w3q = B.random_fp4(ks[0], E_STACK, F_, D_), B.random_fp4(ks[1], E_STACK, F_, D_)
     w2q = B.random_fp4(ks[2], E_STACK, D_, F_)
@@ -112,7 +136,7 @@ def fp4_part(bw, budget_s):
     ref_up = QG.fp4_slot_swiglu(x32, picks[0], wts[0], w1q, w3q, limit=LIMIT, backend="reference")
     ref_dn = QG.fp4_slot_down(a32, picks[0], w2q, backend="reference")
     base = None
-    for i, (label, up, dn) in enumerate(FP4_VARIANTS):
+    for i, (label, up, dn) in enumerate(variants):
         if time.time() - T0 > budget_s:
             OUT["errors"].append(f"fp4 {label}: skipped, budget")
             continue
@@ -145,8 +169,10 @@ def fp4_part(bw, budget_s):
             f"{e_dn:.1e}")
 
 
-def fp8_part(bw, budget_s):
-    for si, (label, shapes) in enumerate(FP8_SHAPES):
+def fp8_part(bw, budget_s, plan=None):
+    plan = plan or [(i, FP8_VARIANTS) for i in range(len(FP8_SHAPES))]
+    for si, variants in plan:
+        label, shapes = FP8_SHAPES[si]
         nbytes = sum(n * k + (-(-n // 32)) * (-(-k // 32)) + 2 * n for n, k in shapes) + 2 * shapes[0][1]
         r = 2 if SMOKE else int(max(2, -(-(384 << 20) // nbytes)))
         key = jax.random.fold_in(jax.random.PRNGKey(11), si)
@@ -155,7 +181,7 @@ def fp8_part(bw, budget_s):
         x = jax.random.normal(jax.random.fold_in(key, 7), (1, shapes[0][1]), jnp.float32).astype(jnp.bfloat16)
         want = [np.asarray(x, np.float64) @ np.asarray(w.dequantize(jnp.float32), np.float64).T for w in sets[0]]
         base = None
-        for vi, (vlabel, tuning) in enumerate(FP8_VARIANTS):
+        for vi, (vlabel, tuning) in enumerate(variants):
             if time.time() - T0 > budget_s:
                 OUT["errors"].append(f"fp8 {label} {vlabel}: skipped, budget")
                 continue
@@ -191,6 +217,8 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--budget-s", type=float, default=300.0, help="variants started after this many seconds skip")
     ap.add_argument("--skip-fp8", action="store_true")
+    ap.add_argument("--set", type=int, default=1, choices=(1, 2), help="2: the second pass (FP4_VARIANTS_2, "
+                    "FP8_PLAN_2)")
     args = ap.parse_args()
     OUT["meta"] = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        device=str(jax.devices()[0]), jax=jax.__version__, argv=sys.argv[1:])
@@ -207,10 +235,11 @@ def main():
             with open(os.path.join(args.out, "bench_decode_gemv.json"), "w") as f:
                 json.dump(OUT, f, indent=1, default=str)
 
-    fp4_part(bw, args.budget_s)
+    second = args.set == 2
+    fp4_part(bw, args.budget_s, FP4_VARIANTS_2 if second else FP4_VARIANTS)
     save()
     if not args.skip_fp8:
-        fp8_part(bw, args.budget_s)
+        fp8_part(bw, args.budget_s, FP8_PLAN_2 if second and not SMOKE else None)
     save()
     log(f"done in {time.time() - T0:.0f} s; errors: {OUT['errors']}")
 
