@@ -43,14 +43,16 @@ def test_fp4_slot_kernels_equal_float64_on_the_picked_experts():
     u = np.einsum("i,soi->so", np.asarray(x, np.float64), w3d)
     want_act = _silu(np.minimum(g, limit)) * np.clip(u, -limit, limit) * np.asarray(wts, np.float64)[:, None]
     for tuning in (None, dict(block_n=4, block_k=32, prefetch=1), dict(decode="pair"),
-                   dict(decode="pair_group", block_n=2, block_k=64, prefetch=1)):
+                   dict(decode="pair_group", block_n=2, block_k=64, prefetch=1),
+                   dict(decode="word", block_n=2, block_k=64, prefetch=1)):
         act = QG.fp4_slot_swiglu(x, picks, wts, w1, w3, limit=limit, backend=BE, tuning=tuning)
         assert act.shape == (3, f) and act.dtype == jnp.float32
         np.testing.assert_allclose(act, want_act, rtol=1e-5, atol=1e-6 * np.abs(want_act).max(), err_msg=str(tuning))
     a = Q.fake_quant_gemm_input_fp8(act, 32)
     want = np.einsum("si,soi->o", np.asarray(a, np.float64), w2d)
     for tuning in (None, dict(block_n=2, block_k=32, prefetch=2), dict(decode="pair"),
-                   dict(decode="pair_group", block_n=4, block_k=32, prefetch=0)):
+                   dict(decode="pair_group", block_n=4, block_k=32, prefetch=0),
+                   dict(decode="word", block_n=4, block_k=64, prefetch=1)):
         y = QG.fp4_slot_down(a, picks, w2, backend=BE, tuning=tuning)
         assert y.shape == (d,) and y.dtype == jnp.float32
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(tuning))
@@ -144,3 +146,38 @@ def test_pair_decode_equals_the_nibble_decode_on_every_byte():
     want_hi = G.decode_e2m1_scaled(b.astype(jnp.int32) >> 4).astype(jnp.float32)
     for got, want in ((lo, want_lo), (hi, want_hi)):
         np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+
+
+def test_word_decode_ptx_bit_steps_equal_the_nibble_decode_on_every_byte():
+    """The integer steps of ``_E2M1_WORD_PTX`` (shifts, masks, byte permutes with a zero low byte), replayed in
+    numpy on words holding every byte value at every byte position, give each nibble's float16 pattern of
+    ``decode_e2m1_scaled`` (the low nibble of byte j in half j of the first two float16x2 registers, the high one in
+    the last two)."""
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    ptx = G._E2M1_WORD_PTX
+    for step in ("shl.b32 a, w, 1;", "shl.b32 b, w, 4;", "and.b32 b, b, 0x80808080;", "and.b32 a, a, 0x0E0E0E0E;",
+                 "shr.u32 a, w, 3;", "and.b32 b, w, 0x80808080;", "prmt.b32 p0, lo, 0, 0x1404;",
+                 "prmt.b32 p1, lo, 0, 0x3424;", "prmt.b32 p2, hi, 0, 0x1404;", "prmt.b32 p3, hi, 0, 0x3424;"):
+        assert step in ptx, step  # the replay below follows these instructions
+
+    def prmt(a, sel):  # PTX prmt with b = 0: result byte i = byte (sel >> 4i) & 7 of (a, 0)
+        out = np.zeros_like(a)
+        for i in range(4):
+            idx = (sel >> (4 * i)) & 7
+            byte = (a >> np.uint32(8 * idx)) & np.uint32(0xFF) if idx < 4 else np.zeros_like(a)
+            out |= byte << np.uint32(8 * i)
+        return out
+
+    b = np.arange(256, dtype=np.uint32)
+    words = [b << np.uint32(8 * j) | ((b[::-1] + j) % 256) << np.uint32(8 * ((j + 1) % 4)) for j in range(4)]
+    for w in words:
+        lo = ((w << np.uint32(1)) & np.uint32(0x0E0E0E0E)) | ((w << np.uint32(4)) & np.uint32(0x80808080))
+        hi = ((w >> np.uint32(3)) & np.uint32(0x0E0E0E0E)) | (w & np.uint32(0x80808080))
+        regs = [prmt(lo, 0x1404), prmt(lo, 0x3424), prmt(hi, 0x1404), prmt(hi, 0x3424)]
+        for j in range(4):
+            byte = ((w >> np.uint32(8 * j)) & np.uint32(0xFF)).astype(np.int32)
+            for r, nib in ((regs[j // 2], byte & 15), (regs[2 + j // 2], byte >> 4)):
+                half = (r >> np.uint32(16 * (j % 2))) & np.uint32(0xFFFF)
+                want = np.asarray(G.decode_e2m1_scaled(jnp.asarray(nib))).view(np.uint16)
+                np.testing.assert_array_equal(half.astype(np.uint16), want)

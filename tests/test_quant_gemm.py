@@ -120,9 +120,10 @@ def test_gpu_kernel_tilings_are_exact_on_the_contiguous_paths():
 
 
 def test_decode_defaults_pick_the_measured_forms():
-    """The decode defaults measured faster on an H200 (benchmarks/RESULTS.md, 2026-12-02 18:39 UTC): the FP8
-    weights-as-rows form for 1 < M <= 32 unless a tokens-form option is asked for, the gemv form at M = 1, the tokens
-    form above 32 rows; the grouped FP4 weights form's 16-row token tile up to 12 rows per expert on average."""
+    """The decode defaults measured faster on an H200 (benchmarks/RESULTS.md, 2026-12-02 18:39 UTC and
+    2026-12-03): the FP8 weights-as-rows form for 1 < M <= 32 unless a tokens-form option is asked for, the gemv
+    form at M = 1 and its tilings per K, the tokens form above 32 rows; the grouped FP4 weights form's 16-row token
+    tile up to 12 rows per expert on average; the one-token FP4 kernels' "word" decode and its tiling."""
     from dsv41_jax.kernels import quant_gemm_gpu as G
 
     assert G.fp8_default_tiling(32, 2304, 5120)["mma_rows"] == "weights"
@@ -138,6 +139,18 @@ def test_decode_defaults_pick_the_measured_forms():
     assert G.fp8_default_tiling(32, 5120, 2304, split_k=2)["split_k"] == 2
     assert G.fp8_default_tiling(32, 5120, 8192)["split_k"] == 4
     assert G.fp8_default_tiling(32, 5120, 2300)["split_k"] == 2
+    # the M = 1 gemv's K-step / column-block defaults at the bench model's single-weight shapes (2026-12-03): wo_b
+    # (K 8192) 512-wide steps 2 ahead, the shared expert's w2 (K 2304) 128-wide steps, wq_b (K 1280, N 32768) 16-row
+    # blocks; a K none of these measured (5120) keeps the 8-row, 256-wide, 8-ahead tiling
+    pick = ("block_n", "block_k", "prefetch")
+    assert [G.fp8_default_tiling(1, n, k)[a] for n, k in ((5120, 8192), (5120, 2304), (32768, 1280), (2304, 5120))
+            for a in pick] == [8, 512, 2, 8, 128, 8, 16, 256, 5, 8, 256, 8]
+    # the one-token FP4 kernels: the "word" decode, gate / up 4 warps 2 steps ahead, down 2 ahead; "pair_group" keeps
+    # the tiling it was measured at
+    assert G.FP4_SLOT_DEFAULT_DECODE == "word"
+    assert [G.fp4_slot_tiling(2304, 5120)[a] for a in ("num_warps", "prefetch")] == [4, 2]
+    assert G.fp4_slot_tiling(5120, 2304, down=True)["prefetch"] == 2
+    assert [G.fp4_slot_tiling(2304, 5120, decode="pair_group")[a] for a in ("num_warps", "prefetch")] == [8, 4]
     assert G.fp4_weight_rows_block_m(192, 16) == 16  # the batch-32 step: 12 rows per expert
     assert G.fp4_weight_rows_block_m(193, 16) == 32
     assert G.fp4_weight_rows_block_m(192, 256) == 16

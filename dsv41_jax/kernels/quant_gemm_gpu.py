@@ -56,7 +56,10 @@ Fused (``fp8_gemm_fused``) on an H200 (benchmarks/RESULTS.md, 2026-12-02): at M 
 read-only kernel over the same 9.2 / 23.6 MB takes 4.4 / 8.1 µs (43 / 61 %); M = 8 / 64
 1.06-1.44x the separate kernels at 11-22 %. Single kernels: at M = 1 the gemv form reaches 37 % of the 4.8 TB/s
 datasheet bandwidth on 2304 x 5120 (1.8x the tensor-core form; an XLA read-only kernel over the same 11.8 MB reaches
-48 %), M > 1 and the FP4 grouped kernel stay at 12-31 %: far from the >= 70 % goal.
+48 %), M > 1 and the FP4 grouped kernel stay at 12-31 %: far from the >= 70 % goal. At the 40-layer bench model's
+decode shapes (benchmarks/RESULTS.md, 2026-12-03, against a read-only bandwidth of 4.45 TB/s measured in the same
+process): FP8 gemv wq_b 64 %, wo_b 62 %, shared w2 47 %, fused wq_a + wkv 40 %, w1 + w3 50 %; the one-token FP4
+kernels ("word" decode) 51 %.
 """
 
 from __future__ import annotations
@@ -139,6 +142,18 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
     # M > 1 the tensor-core form with the scale on the weights and the compiler's pipelined loop (the unrolled
     # loads and the activation-side scale were 4-70x slower there), 32-row column blocks and K split to about two
     # programs per multiprocessor with >= 4 K steps each.
+    if gemv and block_k is None and prefetch is None:
+        # single-weight gemv shapes of the bench model's decode step (the fused form names its own K step), measured
+        # on an H200 against the 8-row / 256-wide / 8-ahead tiling (benchmarks/RESULTS.md, 2026-12-03): wo_b
+        # (K = 8192) 512-wide steps 2 ahead 15.3 µs vs 17.4; the shared expert's w2 (K = 2304) 128-wide steps 5.6
+        # vs 6.2; wq_b (K = 1280, N = 32768: five K steps, thousands of programs) 16-row blocks 14.8 vs 16.8 (two
+        # passes; 16-row blocks were slower at K >= 2304). Other K keep the older tiling (not measured)
+        if k >= 8192:
+            block_k, prefetch = 512, 2
+        elif 2048 < k <= 4096:
+            block_k = 128
+        elif block_n is None and n >= 8448:
+            block_n = 16
     bm = 1 if gemv else (block_m or min(64, max(16, _pow2(m))))
     bk = max(SCALE_BLOCK, min(block_k or 256, _pow2(k)))
     bn = block_n or (8 if gemv else 64 if mma_rows == "weights" else 32)
@@ -823,7 +838,12 @@ def _fp4_grouped_weight_rows(x, group_sizes, values, scales, *, block_m, block_n
 # (26 / 24 %) for the one-nibble float16 decode scaled per byte (``"f16"``) in the same run. The limit is the CUDA
 # cores, not the bytes: the SASS (compiled for sm_90 off the device) holds about 13 instructions per weight byte
 # (byte extraction, the pair's two shifts and masks, two float16 -> float32 widenings, three float ops), 18 for "f16",
-# whose 255 registers and spills also left one 8-warp program per multiprocessor (101 registers now).
+# whose 255 registers and spills also left one 8-warp program per multiprocessor (101 registers then).
+# The "word" decode (the default since 2026-12-03) handles four packed bytes per inline-PTX instance: ≈ 7 instructions
+# per byte in its core (decode 2.75, widenings 2, multiply-adds 2) and 8.9-9.6 in the whole kernels, 97-128
+# registers; on an H200 gate / up 31.4 µs and down 18.1 µs per layer (54 % / 46 % of the read-only bandwidth, 1.36x
+# the pair decode in the same run). The rest of the gap to the bytes is still the CUDA cores (each weight needs its
+# widening and its multiply-add) and the activations / scales Triton passes through shared memory every K step.
 
 FP4_HALF = SCALE_BLOCK // 2  # packed bytes per scale group
 
@@ -844,27 +864,36 @@ def fp4_slot_tiling(n: int, k: int, *, block_n: int | None = None, block_k: int 
     for block_k) up to the defaults that divide n / k — the kernels have no tail masking."""
     if k % SCALE_BLOCK:
         raise ValueError(f"K = {k} is not a multiple of the FP4 scale block {SCALE_BLOCK}")
-    # the defaults as measured in the bench model's decode step on an H200 (benchmarks/RESULTS.md, 2026-12-02: gate /
-    # up 8-row blocks, 512-wide K steps, 4 ahead, 8 warps; down 16-row blocks, 256-wide steps, 8 ahead, 4 warps —
-    # the other tilings of that run and of the one before were slower)
-    bn = _largest_pow2_divisor(n, block_n or (16 if down else 8))
-    bk = _largest_pow2_divisor(k, block_k or (256 if down else 512), SCALE_BLOCK)
-    steps = k // bk
-    pf = min(steps, 8 if down else 4) if prefetch is None else max(0, min(prefetch, steps))
     decode = decode or FP4_SLOT_DEFAULT_DECODE
     if decode not in FP4_SLOT_DECODES:
         raise ValueError(f"decode must be one of {FP4_SLOT_DECODES}, got {decode!r}")
-    return dict(block_n=bn, block_k=bk, prefetch=pf, num_warps=num_warps or (4 if down else 8),
+    word = decode == "word"
+    # the defaults as measured in the bench model's decode step on an H200 (benchmarks/RESULTS.md, 2026-12-02: gate /
+    # up 8-row blocks, 512-wide K steps, 4 ahead, 8 warps; down 16-row blocks, 256-wide steps, 8 ahead, 4 warps —
+    # the other tilings of that run and of the one before were slower). The "word" decode (fewer instructions and
+    # registers per byte) is faster with more, smaller programs per multiprocessor: gate / up 4 warps and 2 steps
+    # ahead (31.4 µs vs 37.4 with the older tiling), down 2 steps ahead (18.1 vs 21.6) at the bench model's shapes
+    # (benchmarks/RESULTS.md, 2026-12-03, two passes in one session)
+    bn = _largest_pow2_divisor(n, block_n or (16 if down else 8))
+    bk = _largest_pow2_divisor(k, block_k or (256 if down else 512), SCALE_BLOCK)
+    steps = k // bk
+    pf_default = 2 if word else 8 if down else 4
+    pf = min(steps, pf_default) if prefetch is None else max(0, min(prefetch, steps))
+    return dict(block_n=bn, block_k=bk, prefetch=pf, num_warps=num_warps or (4 if down or word else 8),
                 num_stages=num_stages or 1, decode=decode)
 
 
 # how a K step's products are formed: "f16" each nibble's float16 bit pattern built alone, each byte's two products
 # scaled and accumulated elementwise; "pair" both nibbles' patterns built at once in one 32-bit lane
 # (``_e2m1_pair_f16``), products as "f16"; "pair_group" the pair decode with a 16-byte scale group's products summed
-# first and scaled once (``_fp4_group_products``). Per weight byte in the SASS of the gate / up kernel at the bench
-# model's shape (compiled for sm_90 off the device): 17.9 / 14.4 / 13.3 instructions.
-FP4_SLOT_DECODES = ("f16", "pair", "pair_group")
-FP4_SLOT_DEFAULT_DECODE = "pair_group"  # read by ``quant_gemm``'s wrappers when a call names none
+# first and scaled once (``_fp4_group_products``); "word" inline PTX over four packed bytes at a time
+# (``_E2M1_WORD_PTX``). Per weight byte in the SASS of the gate / up kernel at the bench model's shape (compiled for
+# sm_90 off the device): 17.9 / 14.4 / 13.3 / 8.9 instructions (word: 4 warps, 2 steps ahead; 10.2 at pair_group's
+# tiling). "word" is the default: measured on an H200 (benchmarks/RESULTS.md, 2026-12-03) gate / up 31.4 µs and
+# down 18.1 µs for six 2304 x 5120 experts against 44.8 / 22.5 for "pair_group" (1.36x; 51 % vs 38 % of the
+# read-only bandwidth).
+FP4_SLOT_DECODES = ("f16", "pair", "pair_group", "word")
+FP4_SLOT_DEFAULT_DECODE = "word"  # read by ``quant_gemm``'s wrappers when a call names none
 
 
 def _fp4_scale_mult(s):
@@ -912,13 +941,89 @@ def _fp4_group_products(v, s, xe, xo):
     return jnp.sum(lo * xe[None] + hi * xo[None], axis=2) * _fp4_scale_mult(s)
 
 
-def _slot_products(decode: str, bn: int, sg: int):
-    """The K step's product function of a ``decode`` form and the shape of its float32 accumulator."""
-    if decode == "f16":
-        return _fp4_products, (bn, sg, FP4_HALF)
-    if decode == "pair":
-        return _fp4_pair_products, (bn, sg, FP4_HALF)
-    return _fp4_group_products, (bn, sg)
+# The "word" decode: inline PTX over 32-bit words of four packed bytes (eight e2m1 codes). Each code becomes the high
+# byte of its float16 pattern ``value * 2^-14`` (the ``decode_e2m1_scaled`` pattern: sign to bit 7, magnitude to
+# bits 1-3, the low byte 0) for all four bytes at once — low nibbles ``(w << 1) & 0x0E0E0E0E | (w << 4) &
+# 0x80808080``, high nibbles ``(w >> 3) & 0x0E0E0E0E | w & 0x80808080`` — then four byte permutes (``prmt``, a zero
+# low byte under each) give four float16x2 registers, eight widenings to float32 and eight fused multiply-adds with
+# the even / odd float32 activations sum the word's products; one more multiply-add adds ``scale x sum`` into the
+# word's first accumulator lane (the other three pass through unchanged). 28 instructions per four bytes in the PTX
+# against ≈ 13 per byte for "pair_group", whose Triton lowering handles every byte in its own 32-bit lane. Exact
+# products (e2m1 x float32, power-of-two scales), float32 sums in another order.
+_E2M1_WORD_PTX = """{
+.reg .b32 w, a, b, lo, hi, p0, p1, p2, p3;
+.reg .b16 h0, h1, h2, h3, h4, h5, h6, h7;
+.reg .f32 f0, f1, f2, f3, f4, f5, f6, f7, s;
+mov.b32 w, $4;
+shl.b32 a, w, 1;
+shl.b32 b, w, 4;
+and.b32 b, b, 0x80808080;
+and.b32 a, a, 0x0E0E0E0E;
+or.b32 lo, a, b;
+shr.u32 a, w, 3;
+and.b32 b, w, 0x80808080;
+and.b32 a, a, 0x0E0E0E0E;
+or.b32 hi, a, b;
+prmt.b32 p0, lo, 0, 0x1404;
+prmt.b32 p1, lo, 0, 0x3424;
+prmt.b32 p2, hi, 0, 0x1404;
+prmt.b32 p3, hi, 0, 0x3424;
+mov.b32 {h0, h1}, p0;
+mov.b32 {h2, h3}, p1;
+mov.b32 {h4, h5}, p2;
+mov.b32 {h6, h7}, p3;
+cvt.f32.f16 f0, h0;
+cvt.f32.f16 f1, h1;
+cvt.f32.f16 f2, h2;
+cvt.f32.f16 f3, h3;
+cvt.f32.f16 f4, h4;
+cvt.f32.f16 f5, h5;
+cvt.f32.f16 f6, h6;
+cvt.f32.f16 f7, h7;
+mul.rn.f32 s, f0, $5;
+fma.rn.f32 s, f4, $9, s;
+fma.rn.f32 s, f1, $6, s;
+fma.rn.f32 s, f5, $10, s;
+fma.rn.f32 s, f2, $7, s;
+fma.rn.f32 s, f6, $11, s;
+fma.rn.f32 s, f3, $8, s;
+fma.rn.f32 s, f7, $12, s;
+fma.rn.f32 $0, s, $13, $17;
+mov.b32 $1, $18;
+mov.b32 $2, $19;
+mov.b32 $3, $20;
+}"""
+# operands: $0-$3 the accumulator lanes out; $4 the word (four bytes); $5-$8 even and $9-$12 odd activations;
+# $13-$16 the scale (one value: the word lies in one 16-byte scale group); $17-$20 the accumulator lanes in
+_E2M1_WORD_CONSTRAINTS = "=f,=f,=f,=f,r," + ",".join(["f"] * 16)
+
+
+def _fp4_word_accumulate(acc, v, s, xe, xo, interpret: bool = False):
+    """[bn, g, 16] float32 accumulator + the scaled products of [bn, g, 16] packed bytes, [bn, g] scale bytes and
+    [g, 16] even / odd float32 activations -> the new accumulator: each four-byte word's eight products summed, times
+    the group's scale (``_fp4_scale_mult``), added to the word's first lane. On the GPU inline PTX
+    (``_E2M1_WORD_PTX``); in interpret mode the same sums in JAX (the pair decode's exact values)."""
+    bn, g, h = v.shape
+    mult = jnp.broadcast_to(_fp4_scale_mult(s)[:, :, None], (bn, g, h))
+    xe_b, xo_b = jnp.broadcast_to(xe[None], (bn, g, h)), jnp.broadcast_to(xo[None], (bn, g, h))
+    if interpret:
+        lo, hi = _e2m1_pair_f16(v)
+        words = jnp.sum((lo * xe_b + hi * xo_b).reshape(bn, g, h // 4, 4), axis=3) * mult[:, :, ::4]
+        first = (jnp.arange(h) % 4 == 0)[None, None, :]
+        return acc + jnp.where(first, jnp.repeat(words, 4, axis=2), 0.0)
+    return pltr.elementwise_inline_asm(_E2M1_WORD_PTX, args=[v, xe_b, xo_b, mult, acc],
+                                       constraints=_E2M1_WORD_CONSTRAINTS, pack=4,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct(acc.shape, jnp.float32)])[0]
+
+
+def _slot_products(decode: str, bn: int, sg: int, interpret: bool = False):
+    """The K step's accumulate function ``(acc, v, s, xe, xo) -> acc`` of a ``decode`` form and the shape of its
+    float32 accumulator."""
+    if decode == "word":
+        return functools.partial(_fp4_word_accumulate, interpret=interpret), (bn, sg, FP4_HALF)
+    prod, shape = {"f16": (_fp4_products, (bn, sg, FP4_HALF)), "pair": (_fp4_pair_products, (bn, sg, FP4_HALF)),
+                   "pair_group": (_fp4_group_products, (bn, sg))}[decode]
+    return (lambda acc, *ld: acc + prod(*ld)), shape
 
 
 def _row_sums(acc):
@@ -976,7 +1081,7 @@ def fp4_slot_swiglu(x, slot_expert, slot_wts, w1_values, w1_scales, w3_values, w
     s_n = slot_expert.shape[0]
     t = fp4_slot_tiling(f, k, block_n=block_n, block_k=block_k, prefetch=prefetch, num_warps=num_warps,
                         num_stages=num_stages, decode=decode)
-    prod, acc_shape = _slot_products(t["decode"], t["block_n"], t["block_k"] // SCALE_BLOCK)
+    accum, acc_shape = _slot_products(t["decode"], t["block_n"], t["block_k"] // SCALE_BLOCK, interpret)
     bn, sg = t["block_n"], t["block_k"] // SCALE_BLOCK
     steps = k // t["block_k"]
     out_dtype = x.dtype
@@ -1005,7 +1110,7 @@ def fp4_slot_swiglu(x, slot_expert, slot_wts, w1_values, w1_scales, w3_values, w
 
         def compute(accs, ld, i):
             v1, s1, v3, s3, xe_, xo_ = ld
-            return accs[0] + prod(v1, s1, xe_, xo_), accs[1] + prod(v3, s3, xe_, xo_)
+            return accum(accs[0], v1, s1, xe_, xo_), accum(accs[1], v3, s3, xe_, xo_)
 
         zero = jnp.zeros(acc_shape, jnp.float32)
         a1, a3 = _streamed(steps, load, compute, (zero, zero), t["prefetch"])
@@ -1036,7 +1141,7 @@ def fp4_slot_down(act, slot_expert, w2_values, w2_scales, *, block_n: int | None
     _check_slot_operands("fp4_slot_down w2", w2_values, w2_scales, f)
     t = fp4_slot_tiling(d, f, block_n=block_n, block_k=block_k, prefetch=prefetch, num_warps=num_warps,
                         num_stages=num_stages, decode=decode, down=True)
-    prod, acc_shape = _slot_products(t["decode"], t["block_n"], t["block_k"] // SCALE_BLOCK)
+    accum, acc_shape = _slot_products(t["decode"], t["block_n"], t["block_k"] // SCALE_BLOCK, interpret)
     bn, sg = t["block_n"], t["block_k"] // SCALE_BLOCK
     steps = f // t["block_k"]
     round_dtype = act.dtype
@@ -1053,7 +1158,7 @@ def fp4_slot_down(act, slot_expert, w2_values, w2_scales, *, block_n: int | None
                     ae_ref[si, pl.ds(g0, sg), :], ao_ref[si, pl.ds(g0, sg), :])
 
         def compute(acc, ld, i):
-            return acc + prod(*ld)
+            return accum(acc, *ld)
 
         acc = _streamed(steps, load, compute, jnp.zeros(acc_shape, jnp.float32), t["prefetch"])
         part = _row_sums(acc).astype(round_dtype).astype(jnp.float32)

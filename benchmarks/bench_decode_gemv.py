@@ -1,0 +1,248 @@
+"""The batch-1 decode step's weight-streaming kernels against HBM bandwidth, old form vs new in one process: the FP4
+one-token expert kernels (``fp4_slot_swiglu`` / ``fp4_slot_down``) per decode form and tiling, and the FP8 gemv
+(``fp8_gemm`` / ``fp8_gemm_fused`` at M = 1) per tiling, at the 40-layer bench model's shapes (d 5120, experts
+2304 x 5120 top-6, attention / shared-expert projections).
+
+    PYTHONUNBUFFERED=1 python benchmarks/bench_decode_gemv.py --out DIR [--budget-s 300]
+    python benchmarks/bench_decode_gemv.py --smoke      # CPU: tiny sizes, interpret mode, no timing
+
+Parts:
+  ceilings  copy (read + write) and read-only bandwidth of a 4 GiB int32 buffer, device time (``ceilings.py``).
+  fp4       one token's six picked experts, each call R = 8 tokens with distinct picks out of 48 experts (> the
+            50 MB L2): gate / up and down kernels timed separately (device time of the named kernels / R, from a
+            profile of one call), bytes = the picked experts' packed bytes + scales; every variant also run with
+            float32 activations against the plain-JAX float32 oracle (``backend="reference"``): rel err. FP4_VARIANTS
+            row 0, the "pair_group" decode (the default before), is the same-run baseline; it runs again last.
+  fp8       M = 1, bf16 activations, each projection shape with R distinct weights per call (> 384 MB); FP8_VARIANTS
+            (the default first: the baseline); rel err against float32 on the dequantised weights.
+Every row: device µs, TB/s, % of this process's read-only bandwidth and of the 4.8 TB/s datasheet figure, × the
+baseline. Output: DIR/bench_decode_gemv.json, the table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import bench_quant_gemm as B  # noqa: E402  (random_fp8 / random_fp4, device_time, rel_err)
+from ceilings import copy_and_read_bandwidth  # noqa: E402
+from dsv41_jax.kernels import quant_gemm as QG  # noqa: E402
+
+DATASHEET_BW = 4.8e12
+BE = "pallas_gpu_interpret" if SMOKE else "pallas_gpu"
+E_STACK, TOPK, R = (8, 2, 2) if SMOKE else (48, 6, 8)
+F_, D_ = (64, 96) if SMOKE else (2304, 5120)
+LIMIT = 10.0
+# (label, gate / up tuning, down tuning); row 0 the same-run baseline
+FP4_VARIANTS = [("pair_group (before)", dict(decode="pair_group"), dict(decode="pair_group")),
+                ("word", dict(decode="word"), dict(decode="word")),
+                ("word, up 4 warps / down 2 warps", dict(decode="word", num_warps=4), dict(decode="word", num_warps=2)),
+                ("word, up 4 warps pf 2 / down pf 4", dict(decode="word", num_warps=4, prefetch=2),
+                 dict(decode="word", prefetch=4)),
+                ("word, up pf 8 / down block_n 32 8 warps", dict(decode="word", prefetch=8),
+                 dict(decode="word", block_n=32, num_warps=8)),
+                ("word, up block_n 16 / down block_n 8", dict(decode="word", block_n=16),
+                 dict(decode="word", block_n=8)),
+                ("pair_group (before), again", dict(decode="pair_group"), dict(decode="pair_group"))]
+# --set 2: the second pass, around the first pass's best "word" tiling (registers and SASS per byte from
+# kernel_sass.py in the comments: gate / up | down)
+FP4_VARIANTS_2 = [FP4_VARIANTS[0],
+                  ("word, up 4 warps pf 2 / down pf 4", dict(decode="word", num_warps=4, prefetch=2),  # 128 | 100
+                   dict(decode="word", prefetch=4)),
+                  ("word, up 4 warps pf 1 / down pf 2", dict(decode="word", num_warps=4, prefetch=1),  # 128 | 98
+                   dict(decode="word", prefetch=2)),
+                  ("word, up 4 warps block_k 256 pf 4 / down 2 warps pf 4",  # 96 regs 9.7 / byte | 168 regs 9.1
+                   dict(decode="word", num_warps=4, block_k=256, prefetch=4), dict(decode="word", num_warps=2,
+                                                                                   prefetch=4)),
+                  ("word, up 2 warps pf 2 / down 2 warps pf 2", dict(decode="word", num_warps=2, prefetch=2),
+                   dict(decode="word", num_warps=2, prefetch=2)),  # 168 regs 8.7 / byte
+                  ("word, up 4 warps block_n 4 pf 4 / down block_n 8 pf 4",
+                   dict(decode="word", num_warps=4, block_n=4, prefetch=4),
+                   dict(decode="word", block_n=8, prefetch=4)),
+                  ("pair_group (before), again", dict(decode="pair_group"), dict(decode="pair_group"))]
+if SMOKE:
+    FP4_VARIANTS = [FP4_VARIANTS[0], FP4_VARIANTS[1],
+                    ("word small", dict(decode="word", block_n=4, block_k=32, prefetch=1),
+                     dict(decode="word", block_n=4, block_k=64))]
+# (label, [(N, K), ...] one input's projections (several: the fused kernel))
+FP8_SHAPES = ([("wq_b 32768 x 1280", [(32768, 1280)]), ("wo_b 5120 x 8192", [(5120, 8192)]),
+               ("shared w2 5120 x 2304", [(5120, 2304)]), ("wq_a + wkv (1280 + 512) x 5120", [(1280, 5120),
+                                                                                          (512, 5120)]),
+               ("shared w1 + w3 2 x 2304 x 5120", [(2304, 5120), (2304, 5120)])]
+              if not SMOKE else [("small", [(64, 256)]), ("small fused", [(64, 256), (32, 256)])])
+FP8_VARIANTS = [("default", {}), ("block_n 16", dict(block_n=16)), ("block_k 512 pf 4", dict(block_k=512, prefetch=4)),
+                ("block_k 512 pf 8", dict(block_k=512, prefetch=8)), ("2 warps", dict(num_warps=2)),
+                ("split_k 2", dict(split_k=2)), ("default, again", {})]
+# --set 2: (shape index, variants) around the first pass's best tilings per shape
+FP8_PLAN_2 = [(0, [("default", {}), ("block_n 16", dict(block_n=16)), ("block_n 32", dict(block_n=32)),
+                   ("block_n 16, 2 warps", dict(block_n=16, num_warps=2)), ("default, again", {})]),
+              (1, [("default", {}), ("block_k 512 pf 4", dict(block_k=512, prefetch=4)),
+                   ("block_k 512 pf 2", dict(block_k=512, prefetch=2)),
+                   ("block_k 1024 pf 2", dict(block_k=1024, prefetch=2)),
+                   ("block_k 512 pf 4, 8 warps", dict(block_k=512, prefetch=4, num_warps=8))]),
+              (2, [("default", {}), ("block_k 128 pf 8", dict(block_k=128, prefetch=8))])]
+OUT: dict = {"meta": {}, "ceilings": {}, "fp4": [], "fp8": [], "errors": []}
+T0 = time.time()
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def dev_us(fn, args, match=None):
+    """Device µs of one call: all kernels, or those whose name contains ``match``; NaN on CPU."""
+    jax.block_until_ready(fn(*args))
+    if SMOKE:
+        return float("nan")
+    tot, by_name = B.device_time(fn, *args)
+    if match is None:
+        return tot * 1e6
+    return sum(t for nm, t in by_name.items() if match in nm) * 1e6
+
+
+def rates(nbytes, us, bw):
+    r = nbytes / (us * 1e-6)
+    return dict(tb_s=r / 1e12, pct_read=100 * r / bw.get("read_bw", DATASHEET_BW), pct_datasheet=100 * r / DATASHEET_BW)
+
+
+def fp4_part(bw, budget_s, variants):
+    ks = jax.random.split(jax.random.PRNGKey(7), 8)
+    w1q, w3q = B.random_fp4(ks[0], E_STACK, F_, D_), B.random_fp4(ks[1], E_STACK, F_, D_)
+    w2q = B.random_fp4(ks[2], E_STACK, D_, F_)
+    perm = np.random.default_rng(3).permutation(E_STACK)[:R * TOPK].reshape(R, TOPK)
+    picks = [jnp.asarray(p, jnp.int32) for p in perm]
+    wts = [jax.random.uniform(jax.random.fold_in(ks[3], i), (TOPK,), jnp.float32, 0.1, 0.5) for i in range(R)]
+    xs = [jax.random.normal(jax.random.fold_in(ks[4], i), (D_,), jnp.float32).astype(jnp.bfloat16) for i in range(R)]
+    acts = [(jax.random.normal(jax.random.fold_in(ks[5], i), (TOPK, F_), jnp.float32) * 0.1).astype(jnp.bfloat16)
+            for i in range(R)]
+    up_bytes = TOPK * 2 * (F_ * D_ // 2 + F_ * D_ // 32)
+    dn_bytes = TOPK * (D_ * F_ // 2 + D_ * F_ // 32)
+    x32, a32 = xs[0].astype(jnp.float32), acts[0].astype(jnp.float32)
+    ref_up = QG.fp4_slot_swiglu(x32, picks[0], wts[0], w1q, w3q, limit=LIMIT, backend="reference")
+    ref_dn = QG.fp4_slot_down(a32, picks[0], w2q, backend="reference")
+    base = None
+    for i, (label, up, dn) in enumerate(variants):
+        if time.time() - T0 > budget_s:
+            OUT["errors"].append(f"fp4 {label}: skipped, budget")
+            continue
+        upn, dnn = dict(up, name=f"fp4up_v{i}"), dict(dn, name=f"fp4dn_v{i}")
+        try:
+            e_up = B.rel_err(QG.fp4_slot_swiglu(x32, picks[0], wts[0], w1q, w3q, limit=LIMIT, backend=BE,
+                                                tuning=upn), ref_up)
+            e_dn = B.rel_err(QG.fp4_slot_down(a32, picks[0], w2q, backend=BE, tuning=dnn), ref_dn)
+            f_up = jax.jit(lambda xs, wts, picks, a, b, upn=upn: [
+                QG.fp4_slot_swiglu(x, p, w, a, b, limit=LIMIT, backend=BE, tuning=upn)
+                for x, w, p in zip(xs, wts, picks)])
+            f_dn = jax.jit(lambda acts, picks, c, dnn=dnn: [QG.fp4_slot_down(a, p, c, backend=BE, tuning=dnn)
+                                                            for a, p in zip(acts, picks)])
+            t_up = dev_us(f_up, (xs, wts, picks, w1q, w3q), f"fp4up_v{i}") / R
+            t_dn = dev_us(f_dn, (acts, picks, w2q), f"fp4dn_v{i}") / R
+        except Exception as ex:  # noqa: BLE001 - a variant that fails is reported, the rest still run
+            OUT["errors"].append(f"fp4 {label}: {type(ex).__name__}: {str(ex)[:400]}")
+            log(f"fp4 {label}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
+            continue
+        row = dict(variant=label, up=up, down=dn, up_us=t_up, down_us=t_dn, total_us=t_up + t_dn,
+                   up_bytes=up_bytes, down_bytes=dn_bytes, rel_err_up=e_up, rel_err_down=e_dn,
+                   up_rates=rates(up_bytes, t_up, bw), down_rates=rates(dn_bytes, t_dn, bw),
+                   total_rates=rates(up_bytes + dn_bytes, t_up + t_dn, bw))
+        base = base or row
+        row["x_before"] = base["total_us"] / row["total_us"]
+        OUT["fp4"].append(row)
+        log(f"fp4 | {label} | up {t_up:.1f} µs ({row['up_rates']['pct_read']:.0f}%) | down {t_dn:.1f} µs "
+            f"({row['down_rates']['pct_read']:.0f}%) | total {row['total_rates']['tb_s']:.2f} TB/s "
+            f"{row['total_rates']['pct_read']:.0f}% of read-only | x {row['x_before']:.2f} | err {e_up:.1e} / "
+            f"{e_dn:.1e}")
+
+
+def fp8_part(bw, budget_s, plan=None):
+    plan = plan or [(i, FP8_VARIANTS) for i in range(len(FP8_SHAPES))]
+    for si, variants in plan:
+        label, shapes = FP8_SHAPES[si]
+        nbytes = sum(n * k + (-(-n // 32)) * (-(-k // 32)) + 2 * n for n, k in shapes) + 2 * shapes[0][1]
+        r = 2 if SMOKE else int(max(2, -(-(384 << 20) // nbytes)))
+        key = jax.random.fold_in(jax.random.PRNGKey(11), si)
+        sets = [tuple(B.random_fp8(jax.random.fold_in(key, 100 * j + p), n, k) for p, (n, k) in enumerate(shapes))
+                for j in range(r)]
+        x = jax.random.normal(jax.random.fold_in(key, 7), (1, shapes[0][1]), jnp.float32).astype(jnp.bfloat16)
+        want = [np.asarray(x, np.float64) @ np.asarray(w.dequantize(jnp.float32), np.float64).T for w in sets[0]]
+        base = None
+        for vi, (vlabel, tuning) in enumerate(variants):
+            if time.time() - T0 > budget_s:
+                OUT["errors"].append(f"fp8 {label} {vlabel}: skipped, budget")
+                continue
+            nm = f"fp8v{si}_{vi}"
+            tn = dict(tuning, name=nm)
+
+            def one(x, ws, tn=tn):
+                if len(ws) == 1:
+                    return (QG.fp8_linear(x, ws[0], backend=BE, tuning=tn),)
+                return QG.fp8_linear_fused(x, ws, backend=BE, tuning=tn)
+
+            try:
+                got = one(x, sets[0])
+                err = max(B.rel_err(np.asarray(g, np.float64), w_) for g, w_ in zip(got, want))
+                f = jax.jit(lambda x, sets: [one(x, ws) for ws in sets])
+                t = dev_us(f, (x, sets), nm) / r
+            except Exception as ex:  # noqa: BLE001
+                OUT["errors"].append(f"fp8 {label} {vlabel}: {type(ex).__name__}: {str(ex)[:400]}")
+                log(f"fp8 {label} {vlabel}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
+                continue
+            row = dict(shape=label, variant=vlabel, tuning=tuning, us=t, bytes=nbytes, rel_err=err,
+                       **rates(nbytes, t, bw))
+            base = base or row
+            row["x_default"] = base["us"] / t
+            OUT["fp8"].append(row)
+            log(f"fp8 | {label} | {vlabel} | {t:.2f} µs | {row['tb_s']:.2f} TB/s | {row['pct_read']:.0f}% of "
+                f"read-only | {row['pct_datasheet']:.0f}% of 4.8 | x {row['x_default']:.2f} | err {err:.1e}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="variants started after this many seconds skip")
+    ap.add_argument("--skip-fp8", action="store_true")
+    ap.add_argument("--set", type=int, default=1, choices=(1, 2), help="2: the second pass (FP4_VARIANTS_2, "
+                    "FP8_PLAN_2)")
+    args = ap.parse_args()
+    OUT["meta"] = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       device=str(jax.devices()[0]), jax=jax.__version__, argv=sys.argv[1:])
+    log(OUT["meta"])
+    bw = {}
+    if not SMOKE:
+        bw = copy_and_read_bandwidth(lambda fn, a: dev_us(fn, a))
+        OUT["ceilings"] = bw
+        log(f"ceilings: copy {bw['copy_bw'] / 1e12:.2f} TB/s, read-only {bw['read_bw'] / 1e12:.2f} TB/s")
+
+    def save():
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "bench_decode_gemv.json"), "w") as f:
+                json.dump(OUT, f, indent=1, default=str)
+
+    second = args.set == 2
+    fp4_part(bw, args.budget_s, FP4_VARIANTS_2 if second else FP4_VARIANTS)
+    save()
+    if not args.skip_fp8:
+        fp8_part(bw, args.budget_s, FP8_PLAN_2 if second and not SMOKE else None)
+    save()
+    log(f"done in {time.time() - T0:.0f} s; errors: {OUT['errors']}")
+
+
+if __name__ == "__main__":
+    main()
