@@ -29,6 +29,12 @@ def test_in_register_decoders_equal_the_unpacker():
     np.testing.assert_array_equal(_bits(G.e2m1_from_code(code)), _bits(PC._fp4_values(code.astype(jnp.uint8))))
     s = np.arange(1, 255, dtype=np.int32)
     np.testing.assert_array_equal(_bits(G.ue8m0_from_bits(jnp.asarray(s))), _bits(np.ldexp(np.float32(1), s - 127)))
+    # the tile loads' bit-placement decoders (float16 patterns): every e4m3 byte, both nibbles of every FP4 byte
+    f16 = G._f16_pattern
+    np.testing.assert_array_equal(_bits(f16(byte, 0x80, 8, 0x7F, 7) * 2.0 ** 8)[finite], _bits(want)[finite])
+    nib = PC._fp4_values(PC._unpack_nibbles(byte.astype(jnp.uint8)))
+    np.testing.assert_array_equal(_bits(f16(byte, 0x08, 12, 0x07, 9) * 2.0 ** 14), _bits(nib[0::2]))
+    np.testing.assert_array_equal(_bits(f16(byte, 0x80, 8, 0x70, 5) * 2.0 ** 14), _bits(nib[1::2]))
     for fmt in G.PACKED_FORMATS:
         assert fmt in PC.FORMATS and PC.FORMATS[fmt] == G.PACKED_FORMATS[fmt][:2]
 
