@@ -10,8 +10,11 @@ the SASS opcode histogram, registers, stack (spills) and instructions per weight
 Kernels: ``fp4_up`` / ``fp4_down`` (``fp4_slot_swiglu`` / ``fp4_slot_down`` at the bench model's expert shape,
 16 experts of 2304 x 5120, 6 picks, bf16), ``fp8_fused`` (``fp8_gemm_fused`` at M = 1: the shared expert's
 w1 + w3, 2 x 2304 x 5120), ``fp8_m32`` (``fp8_gemm`` at M = 32), ``fp4_grouped`` (the batch-32 step's grouped
-FP4 GEMM), ``attn_packed`` / ``attn_bf16`` (the decode sparse attention of one bench40 layer at batch 1 on the
-packed cache / on bf16 rows; "per byte" there is per key-block value and thread).
+FP4 GEMM), ``attn_packed`` / ``attn_bf16`` (the decode sparse attention of one bench40 layer at ``--batch`` (1) on
+the packed cache / on bf16 rows; "per byte" there is per key-block value and thread), ``idx_pool_*`` /
+``idx_gather_*`` (the indexer's score kernels, ``score_pool`` over 32K keys / ``gather_score``, at ``--batch``, on
+FP4 + ue8m0 keys (``packed``) or bf16 keys; per key value of one tile and thread). The packed cases take
+``--tuning '{"packed_load": "gather"}'`` for the first packed-row read (``pallas_gpu.PACKED_LOADS``).
 
 Why: the one-token FP4 kernels turned out bound by the CUDA cores, not HBM — 17.9 instructions per weight byte and
 255 registers with spills before the pair decode, 13.3 and 101 registers after (measured on an H200 1.35x faster,
@@ -199,9 +202,9 @@ def kernel_case(name: str, tuning: dict, nk: tuple[int, int] = (F, D), batch: in
                                        backend="pallas_gpu", win_ring=(ring, base), tuning=tuning or None)
 
         args = (q, pos, new, wpos, ring, kv, topk, base)
-        # kernels.sparse_attention's defaults (8 warps on packed rows for <= 4 query rows; 32-row key blocks, 3 stages
-        # at batch 1 and 32)
-        nw = tuning.get("num_warps") or (8 if pk and b <= 4 else 4)
+        # kernels.sparse_attention's defaults: 8 warps on packed rows for <= 32 query rows, else 4; 32-row key blocks
+        # and 3 stages at batch 1 and 32 (16 heads a program at batch 1, 32 at batch 32)
+        nw = tuning.get("num_warps") or (8 if pk and b <= 32 else 4)
         # "per byte" here: per value of one 32-row key block, per thread
         return (lambda: jax.jit(fn).trace(*args).lower(**lower)), nw, tuning.get("num_stages") or 3, \
             32 * hd / (32 * nw)

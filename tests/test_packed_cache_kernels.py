@@ -48,7 +48,8 @@ def _packed(rng, shape, fmt, dtype):
 
 
 @pytest.mark.parametrize("dtype,d,tuning", [(jnp.float32, 64, {"block_d": 32, "num_splits": 2}),  # value-dim blocks
-                                            (jnp.bfloat16, 48, {})])  # head dim padded to 64
+                                            (jnp.bfloat16, 48, {}),  # head dim padded to 64
+                                            (jnp.bfloat16, 64, {"packed_load": "gather"})])  # the first read
 def test_sparse_attention_on_packed_compressed_kv_equals_unpacked(dtype, d, tuning):
     rng = np.random.default_rng(d)
     b, c, h, n, k, w = 2, 1, 4, 37, 24, 8
@@ -131,6 +132,9 @@ def test_packed_buffer_shape_errors_name_the_tensor():
                         jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32), (ckv.values, ckv.scales),
                         jnp.zeros((1, 1, 2), jnp.int32), jnp.zeros((2,)), window=4, scale=1.0, wspan=4,
                         ckv_fmt=ckv.fmt, interpret=True)
+    with pytest.raises(ValueError, match="packed_load must be one of"):
+        G.score_pool(jnp.zeros((1, 1, 2, 32)), jnp.zeros((1, 1, 2)), (ckv.values, ckv.scales), jnp.ones((1, 1), jnp.int32), g1=4,
+                     keys_fmt=ckv.fmt, packed_load="rows", interpret=True)
 
 
 @pytest.mark.slow  # two interpret-mode compiles of a Full layer's attention (indexer + sparse attention): ~10 s
