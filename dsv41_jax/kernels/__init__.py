@@ -388,7 +388,7 @@ def sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, *, wi
             # the in-register decode of a [block_k, 512] tile of packed rows spills at 4 warps (255 registers, 1.6 KB
             # of stack in the sm_90 SASS); 8 warps hold it without spills and ran the batch-1 kernel in 130.5 µs
             # against 259.1 on an H200 (benchmarks/RESULTS.md, 2026-12-02 18:41 UTC; the same outputs). At batch 32
-            # (32-head tiles) the tile-load form spills less at 8 warps (640 B of stack against 848) and ran 232.1 µs
+            # (32-head tiles) the tile-load form spills less at 8 warps (640 B of stack against 1112) and ran 232.1 µs
             # against 258.1 at 4 (benchmarks/RESULTS.md, 2026-12-03); batches 5-31 are not measured.
             tun["num_warps"] = 8
         tun.setdefault("packed_load", G.PACKED_LOAD)  # read at trace time: the baseline form stays selectable

@@ -131,7 +131,8 @@ def load_packed_rows(vals_ref, scales_ref, bi, rows, cols, valid, *, fmt: str, d
     [R, D'] (0 where ``valid`` [R] is False or a column is >= ``dim``). Inside a kernel: each column's byte and
     scale are loaded by a pointer tensor of the column's own address (two columns share an FP4 byte, a block its
     scale: the repeated addresses are served by the same cache lines), then decoded in registers. Exactly
-    ``packed_cache.unpack``'s values: the products code x scale are exact in float32."""
+    ``packed_cache.unpack``'s values: the products code x scale are exact in float32. The "gather" read
+    (``PACKED_LOADS``): the fallback for column ranges the tile load does not serve, and the same-run baseline."""
     block, per_byte, scale_fmt = PACKED_FORMATS[fmt]
     cc = jnp.minimum(cols, dim - 1)
     m = valid[:, None] & (cols < dim)
