@@ -28,6 +28,7 @@ Output: DIR/bench_packed_cache_kernels.json and the printed tables.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -48,6 +49,7 @@ from dsv41_jax import kernels as KN  # noqa: E402
 from dsv41_jax.config import load_config  # noqa: E402
 from dsv41_jax.inference import packed_cache as PC  # noqa: E402
 from dsv41_jax.inference.cache import kv_sources, source_entries  # noqa: E402
+from dsv41_jax.kernels import pallas_gpu as G  # noqa: E402
 from dsv41_jax.plan import FULL, REINDEX, SWA  # noqa: E402
 
 
@@ -110,7 +112,7 @@ def _median_s(fn, *args, n=20):
 
 
 def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: bool,
-                 attn_tuning: dict | None = None) -> dict:
+                 attn_tuning: dict | None = None, attn_tunings: list | None = None, lean: bool = False) -> dict:
     c = config
     rng = np.random.default_rng(batch)
     hd, di, h, hi, w = c.head_dim, c.index_head_dim, c.num_attention_heads, c.index_n_heads, c.sliding_window
@@ -170,6 +172,22 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
 
     indexer_direct = jax.jit(indexer)
     indexer_unpack = jax.jit(lambda ks: indexer(PC.read(ks)))
+    indexer_gather_fn = jax.jit(indexer)  # the first packed-row read (per-column pointers), as the same-run baseline
+
+    def indexer_gather(ks):  # the load form is read when the program is traced (its first call)
+        old, G.PACKED_LOAD = G.PACKED_LOAD, "gather"
+        try:
+            return indexer_gather_fn(ks)
+        finally:
+            G.PACKED_LOAD = old
+
+    attention_gather = jax.jit(lambda ring, kv: KN.sparse_attention(
+        q, pos, new, wpos, kv, topk, sink, window=w, backend=backend, win_ring=(ring, base),
+        tuning={"packed_load": "gather"}))
+    tuned = {json.dumps(t_, sort_keys=True): jax.jit(functools.partial(
+        lambda ring, kv, t_: KN.sparse_attention(q, pos, new, wpos, kv, topk, sink, window=w, backend=backend,
+                                                 win_ring=(ring, base), tuning=t_), t_=t_))
+        for t_ in (attn_tunings or [])}
     bf16_ring, bf16_kv, bf16_keys = (PC.read(x).astype(dtype) for x in (ring, ckv, keys))
     # equality first: the packed forms must give the unpacking forms' results bit for bit
     a, b_ = attention(ring, ckv), attention_unpack(ring, ckv)
@@ -177,6 +195,29 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
     i1, i2 = indexer_direct(keys), indexer_unpack(keys)
     same_idx = all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(i1),
                                                                                 jax.tree.leaves(i2)))
+    # the baseline load form and every tuning checked the same way (bit-equal attention output, equal index sets)
+    forms_equal = {"attention gather": bool(np.array_equal(np.asarray(attention_gather(ring, ckv), np.float32),
+                                                           np.asarray(b_, np.float32))),
+                   "indexer gather": all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(
+                       jax.tree.leaves(indexer_gather(keys)), jax.tree.leaves(i2)))}
+    for name_, f_ in tuned.items():
+        forms_equal[f"attention {name_}"] = bool(np.array_equal(np.asarray(f_(ring, ckv), np.float32),
+                                                                np.asarray(b_, np.float32)))
+    print(f"batch {batch}: other forms equal to the unpacking path: {forms_equal}", flush=True)
+    if lean:  # timings and equality only (no float32 distances / one-operand forms: fewer device compiles)
+        res = dict(batch=batch, context=context, topk=k, dtype=str(jnp.dtype(dtype)), attention_equal=same_attn,
+                   indexer_equal=same_idx, forms_equal=forms_equal)
+        if smoke:
+            return res
+        res["attention_us"] = {name: 1e6 * _median_s(f, *x) for name, f, x in
+                               (("bf16", attention_bf16, (bf16_ring, bf16_kv)),
+                                ("unpack", attention_unpack, (ring, ckv)), ("direct", attention, (ring, ckv)),
+                                ("direct gather", attention_gather, (ring, ckv)))
+                               + tuple((f"direct {n_}", f_, (ring, ckv)) for n_, f_ in tuned.items())}
+        res["indexer_us"] = {name: 1e6 * _median_s(f, x) for name, f, x in
+                             (("bf16", indexer_direct, bf16_keys), ("unpack", indexer_unpack, keys),
+                              ("direct", indexer_direct, keys), ("direct gather", indexer_gather, keys))}
+        return res
     # how far apart, against float32: both kernel forms and the plain-JAX reference on the same (upcast) values. On
     # an H200 the two forms differed (2026-12-02) while equal bit for bit in interpret mode on CPU; if both lie
     # within bf16-operand noise of the float32 result the difference is the kernels' accumulation (e.g. a different
@@ -230,6 +271,11 @@ def main():
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--context", type=int, default=16384)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--attn-tunings", default="", help="JSON list: the packed form also at each of these sparse-"
+                                                       "attention tunings (with --lean)")
+    ap.add_argument("--tunings-batches", default="32", help="the batches --attn-tunings applies to")
+    ap.add_argument("--lean", action="store_true", help="time bf16 / unpack / direct / direct gather (the first "
+                                                        "packed-row load) and the tunings only")
     ap.add_argument("--attn-tuning", default="", help="JSON: also the packed form at this sparse-attention tuning "
                                                       "(e.g. '{\"num_warps\": 8}')")
     args = ap.parse_args()
@@ -245,22 +291,28 @@ def main():
         print("|---|---|---|---|---|---|")
         out["timings"] = []
         for b in batches:
+            tb = [int(x) for x in args.tunings_batches.split(",")] if args.tunings_batches else []
             r = time_kernels(config, b, ctx, backend, jnp.bfloat16, args.smoke,
-                             json.loads(args.attn_tuning) if args.attn_tuning else None)
+                             json.loads(args.attn_tuning) if args.attn_tuning else None,
+                             json.loads(args.attn_tunings) if args.attn_tunings and (b in tb or args.smoke) else None,
+                             args.lean)
             out["timings"].append(r)
             for kind in ("attention", "indexer"):
                 t = r.get(f"{kind}_us", {})
                 cells = " | ".join(f"{t[f]:,.1f}" if f in t else "-" for f in ("bf16", "unpack", "direct"))
                 print(f"| {b} | {kind} | {cells} | {r[f'{kind}_equal']} |")
-            extra = {f: v for f, v in r.get("attention_us", {}).items() if f not in ("bf16", "unpack", "direct")}
-            if extra:
-                print(f"(batch {b} attention, one packed operand read by the kernel: "
-                      + ", ".join(f"{f} {v:,.1f} µs" for f, v in extra.items()) + ")")
+            for kind in ("attention", "indexer"):
+                extra = {f: v for f, v in r.get(f"{kind}_us", {}).items() if f not in ("bf16", "unpack", "direct")}
+                if extra:
+                    d_ = r[f"{kind}_us"]["direct"]
+                    print(f"(batch {b} {kind}, other forms: " + ", ".join(
+                        f"{f} {v:,.1f} µs ({v / d_:.2f}x direct)" for f, v in extra.items()) + ")")
     if args.out:  # written before the equality verdict, so a mismatch still leaves its distances on record
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_packed_cache_kernels.json"), "w") as f:
             json.dump(out, f, indent=1)
-    if (args.time or args.smoke) and not all(r["attention_equal"] and r["indexer_equal"] for r in out["timings"]):
+    if (args.time or args.smoke) and not all(r["attention_equal"] and r["indexer_equal"]
+                                             and all(r.get("forms_equal", {}).values()) for r in out["timings"]):
         print("ERROR: the kernels on the packed cache differ from the unpacking path")
         sys.exit(1)
 

@@ -10,8 +10,11 @@ the SASS opcode histogram, registers, stack (spills) and instructions per weight
 Kernels: ``fp4_up`` / ``fp4_down`` (``fp4_slot_swiglu`` / ``fp4_slot_down`` at the bench model's expert shape,
 16 experts of 2304 x 5120, 6 picks, bf16), ``fp8_fused`` (``fp8_gemm_fused`` at M = 1: the shared expert's
 w1 + w3, 2 x 2304 x 5120), ``fp8_m32`` (``fp8_gemm`` at M = 32), ``fp4_grouped`` (the batch-32 step's grouped
-FP4 GEMM), ``attn_packed`` / ``attn_bf16`` (the decode sparse attention of one bench40 layer at batch 1 on the
-packed cache / on bf16 rows; "per byte" there is per key-block value and thread).
+FP4 GEMM), ``attn_packed`` / ``attn_bf16`` (the decode sparse attention of one bench40 layer at ``--batch`` (1) on
+the packed cache / on bf16 rows; "per byte" there is per key-block value and thread), ``idx_pool_*`` /
+``idx_gather_*`` (the indexer's score kernels, ``score_pool`` over 32K keys / ``gather_score``, at ``--batch``, on
+FP4 + ue8m0 keys (``packed``) or bf16 keys; per key value of one tile and thread). The packed cases take
+``--tuning '{"packed_load": "gather"}'`` for the first packed-row read (``pallas_gpu.PACKED_LOADS``).
 
 Why: the one-token FP4 kernels turned out bound by the CUDA cores, not HBM — 17.9 instructions per weight byte and
 255 registers with spills before the pair decode, 13.3 and 101 registers after (measured on an H200 1.35x faster,
@@ -127,7 +130,7 @@ def loop_body(sass: str) -> list[str] | None:
     return None if best is None else lines[best[0]:best[1] + 1]
 
 
-def kernel_case(name: str, tuning: dict, nk: tuple[int, int] = (F, D)):
+def kernel_case(name: str, tuning: dict, nk: tuple[int, int] = (F, D), batch: int = 1):
     """(trace-and-lower thunk, num_warps, num_stages, weight bytes one thread streams) of a named kernel."""
     sds, u8 = jax.ShapeDtypeStruct, jnp.uint8
     lower = dict(lowering_platforms=("cuda",))
@@ -181,27 +184,55 @@ def kernel_case(name: str, tuning: dict, nk: tuple[int, int] = (F, D)):
 
         c = load_config("bench40")
         hd, h, w, kk, n = c.head_dim, c.num_attention_heads, c.sliding_window, c.index_topk, 4096
-        i32, bf = jnp.int32, jnp.bfloat16
+        i32, bf, b = jnp.int32, jnp.bfloat16, batch
 
         def packed(rows, fmt):
             block, per_byte = PC.FORMATS[fmt]
-            return PC.PackedRows(sds((1, rows, hd // per_byte), u8), sds((1, rows, hd // block), u8), fmt, hd, "bfloat16")
+            return PC.PackedRows(sds((b, rows, hd // per_byte), u8), sds((b, rows, hd // block), u8), fmt, hd,
+                                 "bfloat16")
 
         pk = name == "attn_packed"
-        ring = packed(w, PC.FP8_UE8M0_32) if pk else sds((1, w, hd), bf)
-        kv = packed(n, PC.FP4_E4M3_16) if pk else sds((1, n, hd), bf)
-        q, pos, new = sds((1, 1, h, hd), bf), sds((1, 1), i32), sds((1, 1, hd), bf)
-        wpos, topk, base = sds((1, w + 1), i32), sds((1, 1, kk), i32), sds((1,), i32)
+        ring = packed(w, PC.FP8_UE8M0_32) if pk else sds((b, w, hd), bf)
+        kv = packed(n, PC.FP4_E4M3_16) if pk else sds((b, n, hd), bf)
+        q, pos, new = sds((b, 1, h, hd), bf), sds((b, 1), i32), sds((b, 1, hd), bf)
+        wpos, topk, base = sds((b, w + 1), i32), sds((b, 1, kk), i32), sds((b,), i32)
 
         def fn(q, pos, new, wpos, ring, kv, topk, base):
             return KN.sparse_attention(q, pos, new, wpos, kv, topk, jnp.zeros((h,), jnp.float32), window=w,
                                        backend="pallas_gpu", win_ring=(ring, base), tuning=tuning or None)
 
         args = (q, pos, new, wpos, ring, kv, topk, base)
-        nw = tuning.get("num_warps") or (8 if pk else 4)  # kernels.sparse_attention's batch-1 defaults
+        # kernels.sparse_attention's defaults: 8 warps on packed rows for <= 32 query rows, else 4; 32-row key blocks
+        # and 3 stages at batch 1 and 32 (16 heads a program at batch 1, 32 at batch 32)
+        nw = tuning.get("num_warps") or (8 if pk and b <= 32 else 4)
         # "per byte" here: per value of one 32-row key block, per thread
         return (lambda: jax.jit(fn).trace(*args).lower(**lower)), nw, tuning.get("num_stages") or 3, \
             32 * hd / (32 * nw)
+    if name in ("idx_pool_packed", "idx_pool_bf16", "idx_gather_packed", "idx_gather_bf16"):
+        # the indexer's score kernels of one bench40 Full ratio-1 layer (one query per row, 32K keys): the streamed
+        # block maxima (score_pool) and the gathered leaves (gather_score), on FP4 + ue8m0 keys or bf16 keys
+        from dsv41_jax.config import load_config
+        from dsv41_jax.inference import packed_cache as PC
+        from dsv41_jax.kernels import pallas_gpu as P
+
+        c = load_config("bench40")
+        hi, di, g1, b, n, bf = c.index_n_heads, c.index_head_dim, c.candidate_block_size, batch, 32768, jnp.bfloat16
+        pk = name.endswith("packed")
+        keys = (sds((b, n, di // 2), u8), sds((b, n, di // 32), u8)) if pk else (sds((b, n, di), bf),)
+        kf = dict(keys_fmt=PC.FP4_UE8M0_32, keys_dtype="bfloat16") if pk else {}
+        kf.update(tuning)
+        q, w, vis = sds((b, 1, hi, di), bf), sds((b, 1, hi), jnp.float32), sds((b, 1), jnp.int32)
+        if name.startswith("idx_pool"):
+            idx = jax.jit(lambda q, w, vis, *k: P.score_pool(q, w, k if pk else k[0], vis, g1=g1, **kf))
+            args = (q, w, vis, *keys)
+            nw, ns, tile = kf.get("num_warps", 4), kf.get("num_stages", 3), kf.get("tile", 256)
+        else:
+            m = c.index_topk * 2
+            idx = jax.jit(lambda q, w, vis, cand, *k: P.gather_score(q, w, k if pk else k[0], vis, cand, **kf))
+            args = (q, w, vis, sds((b, 1, m), jnp.int32), *keys)
+            nw, ns, tile = kf.get("num_warps", 4), kf.get("num_stages", 3), kf.get("tile", 128)
+        # "per byte": per key value of one tile, per thread
+        return (lambda: idx.trace(*args).lower(**lower)), nw, ns, tile * di / (32 * nw)
     raise SystemExit(f"unknown kernel {name!r}: fp4_up, fp4_down, fp8_fused, fp4_grouped, fp8_m32, attn_packed or "
                      f"attn_bf16")
 
@@ -209,14 +240,16 @@ def kernel_case(name: str, tuning: dict, nk: tuple[int, int] = (F, D)):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("kernel", choices=("fp4_up", "fp4_down", "fp8_fused", "fp4_grouped", "fp8_m32", "attn_packed",
-                                       "attn_bf16"))
+                                       "attn_bf16", "idx_pool_packed", "idx_pool_bf16", "idx_gather_packed",
+                                       "idx_gather_bf16"))
+    ap.add_argument("--batch", type=int, default=1, help="attn_* / idx_*: the decode batch")
     ap.add_argument("--tuning", default="{}", help="JSON: the kernel's tiling / decode overrides")
     ap.add_argument("--nk", default=f"{F},{D}", help="fp8_m32: the weight's N,K (default: the shared expert's w1)")
     ap.add_argument("--keep", default=None, help="a folder to keep kernel.{ttir,ptx,cubin,sass} in")
     args = ap.parse_args()
     tuning = json.loads(args.tuning)
     thunk, num_warps, num_stages, per_thread = kernel_case(args.kernel, tuning,
-                                                           tuple(int(v) for v in args.nk.split(",")))
+                                                           tuple(int(v) for v in args.nk.split(",")), args.batch)
     irs = capture_triton_ir(thunk)
     if len(irs) != 1:
         raise SystemExit(f"expected one Pallas kernel, lowered {len(irs)}")

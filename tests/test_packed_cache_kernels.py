@@ -29,6 +29,12 @@ def test_in_register_decoders_equal_the_unpacker():
     np.testing.assert_array_equal(_bits(G.e2m1_from_code(code)), _bits(PC._fp4_values(code.astype(jnp.uint8))))
     s = np.arange(1, 255, dtype=np.int32)
     np.testing.assert_array_equal(_bits(G.ue8m0_from_bits(jnp.asarray(s))), _bits(np.ldexp(np.float32(1), s - 127)))
+    # the tile loads' bit-placement decoders (float16 patterns): every e4m3 byte, both nibbles of every FP4 byte
+    f16 = G._f16_pattern
+    np.testing.assert_array_equal(_bits(f16(byte, 0x80, 8, 0x7F, 7) * 2.0 ** 8)[finite], _bits(want)[finite])
+    nib = PC._fp4_values(PC._unpack_nibbles(byte.astype(jnp.uint8)))
+    np.testing.assert_array_equal(_bits(f16(byte, 0x08, 12, 0x07, 9) * 2.0 ** 14), _bits(nib[0::2]))
+    np.testing.assert_array_equal(_bits(f16(byte, 0x80, 8, 0x70, 5) * 2.0 ** 14), _bits(nib[1::2]))
     for fmt in G.PACKED_FORMATS:
         assert fmt in PC.FORMATS and PC.FORMATS[fmt] == G.PACKED_FORMATS[fmt][:2]
 
@@ -42,7 +48,8 @@ def _packed(rng, shape, fmt, dtype):
 
 
 @pytest.mark.parametrize("dtype,d,tuning", [(jnp.float32, 64, {"block_d": 32, "num_splits": 2}),  # value-dim blocks
-                                            (jnp.bfloat16, 48, {})])  # head dim padded to 64
+                                            (jnp.bfloat16, 48, {}),  # head dim padded to 64
+                                            (jnp.bfloat16, 64, {"packed_load": "gather"})])  # the first read
 def test_sparse_attention_on_packed_compressed_kv_equals_unpacked(dtype, d, tuning):
     rng = np.random.default_rng(d)
     b, c, h, n, k, w = 2, 1, 4, 37, 24, 8
@@ -125,6 +132,9 @@ def test_packed_buffer_shape_errors_name_the_tensor():
                         jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32), (ckv.values, ckv.scales),
                         jnp.zeros((1, 1, 2), jnp.int32), jnp.zeros((2,)), window=4, scale=1.0, wspan=4,
                         ckv_fmt=ckv.fmt, interpret=True)
+    with pytest.raises(ValueError, match="packed_load must be one of"):
+        G.score_pool(jnp.zeros((1, 1, 2, 32)), jnp.zeros((1, 1, 2)), (ckv.values, ckv.scales), jnp.ones((1, 1), jnp.int32), g1=4,
+                     keys_fmt=ckv.fmt, packed_load="rows", interpret=True)
 
 
 @pytest.mark.slow  # two interpret-mode compiles of a Full layer's attention (indexer + sparse attention): ~10 s

@@ -25,8 +25,8 @@ rounds exactly these three tensors onto these grids before they are cached):
   fake quantisation) fall back to the release's own quantiser rule, i.e. they are quantised.
 
 The reference and TPU paths unpack at read (plain JAX, :func:`read`). The GPU kernels read the packed buffers
-directly (``kernels.pallas_gpu.load_packed_rows``: the rows they use, dequantised in registers to exactly the values
-:func:`unpack` gives; ``kernels.reads_packed_cache``).
+directly (``kernels.pallas_gpu.load_packed_tile``: the rows they use, loaded as contiguous byte / scale tiles and
+dequantised in registers to exactly the values :func:`unpack` gives; ``kernels.reads_packed_cache``).
 """
 
 from __future__ import annotations

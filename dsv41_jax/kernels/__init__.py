@@ -384,11 +384,14 @@ def sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, *, wi
             ring = (win_ring[0].values, win_ring[0].scales, jnp.asarray(win_ring[1], jnp.int32))
             ring_fmt = win_ring[0].fmt
         tun = _gpu_tuning(cfg, q, topk)
-        if b * c <= 4 and "num_warps" not in dict(cfg.tuning):
+        if b * c <= 32 and "num_warps" not in dict(cfg.tuning):
             # the in-register decode of a [block_k, 512] tile of packed rows spills at 4 warps (255 registers, 1.6 KB
             # of stack in the sm_90 SASS); 8 warps hold it without spills and ran the batch-1 kernel in 130.5 µs
-            # against 259.1 on an H200 (benchmarks/RESULTS.md, 2026-12-02 18:41 UTC; the same outputs)
+            # against 259.1 on an H200 (benchmarks/RESULTS.md, 2026-12-02 18:41 UTC; the same outputs). At batch 32
+            # (32-head tiles) the tile-load form spills less at 8 warps (640 B of stack against 1112) and ran 232.1 µs
+            # against 258.1 at 4 (benchmarks/RESULTS.md, 2026-12-03); batches 5-31 are not measured.
             tun["num_warps"] = 8
+        tun.setdefault("packed_load", G.PACKED_LOAD)  # read at trace time: the baseline form stays selectable
         out, _ = G.attention_fwd(q, q_pos.astype(jnp.int32), win_kv.astype(q.dtype), win_pos.astype(jnp.int32),
                                  wstart, _floor_vec(floor, b), ckv, None if topk is None else topk.astype(jnp.int32),
                                  sink, qseg, wseg, window=cfg.window, scale=cfg.scale, wspan=cfg.wspan,
@@ -446,7 +449,8 @@ def _indexer_ops(be: str, packed=None):
                 return hier_topk.select_xla(v, i, k)
             return G.select(v, i, k, interpret=interp)
 
-        kfmt = {} if packed is None else dict(keys_fmt=packed.fmt, keys_dtype=str(jnp.dtype(packed.dtype)))
+        kfmt = {} if packed is None else dict(keys_fmt=packed.fmt, keys_dtype=str(jnp.dtype(packed.dtype)),
+                                              packed_load=G.PACKED_LOAD)
         return (functools.partial(G.score_pool, interpret=interp, **kfmt),
                 functools.partial(G.gather_score, interpret=interp, **kfmt), select)
     from dsv41_jax.kernels import pallas_tpu as T

@@ -131,7 +131,8 @@ def load_packed_rows(vals_ref, scales_ref, bi, rows, cols, valid, *, fmt: str, d
     [R, D'] (0 where ``valid`` [R] is False or a column is >= ``dim``). Inside a kernel: each column's byte and
     scale are loaded by a pointer tensor of the column's own address (two columns share an FP4 byte, a block its
     scale: the repeated addresses are served by the same cache lines), then decoded in registers. Exactly
-    ``packed_cache.unpack``'s values: the products code x scale are exact in float32."""
+    ``packed_cache.unpack``'s values: the products code x scale are exact in float32. The "gather" read
+    (``PACKED_LOADS``): the fallback for column ranges the tile load does not serve, and the same-run baseline."""
     block, per_byte, scale_fmt = PACKED_FORMATS[fmt]
     cc = jnp.minimum(cols, dim - 1)
     m = valid[:, None] & (cols < dim)
@@ -139,6 +140,71 @@ def load_packed_rows(vals_ref, scales_ref, bi, rows, cols, valid, *, fmt: str, d
     sb = pltr.load(scales_ref.at[bi, rows[:, None], cc // block], mask=m, other=0).astype(jnp.int32)
     x = e4m3_from_bits(byte) if per_byte == 1 else e2m1_from_code((byte >> ((cc & 1) * 4)) & 15)
     return x * (e4m3_from_bits(sb) if scale_fmt == "e4m3" else ue8m0_from_bits(sb))
+
+
+# How a kernel reads packed rows: "tile" (the default) loads a row block's bytes as one contiguous [R, D' / per_byte]
+# uint8 tile and its scales as one [R, D' / block] tile (vectorised loads: a thread's 16 consecutive bytes in one
+# instruction), decodes the low / high nibble tiles and interleaves them (``jnp.stack`` + reshape: Triton's join, a
+# register shuffle) and broadcasts each scale over its block in registers; "gather" (the first form, kept as the
+# same-run baseline) loads each column's byte and scale through a pointer tensor of its own address (one byte load
+# per value for the byte and another for the scale, each with its own 64-bit address arithmetic: in the sm_90 SASS
+# of the batch-32 sparse attention that load traffic, not the HBM bytes, bounded the kernel — benchmarks/RESULTS.md).
+PACKED_LOADS = ("tile", "gather")
+PACKED_LOAD = "tile"
+
+
+def load_packed_tile(vals_ref, scales_ref, bi, rows, c0, width: int, valid, *, fmt: str, dtype=jnp.float32):
+    """Rows ``rows`` [R] (in range) of batch row ``bi`` of a packed buffer, the ``width`` columns from ``c0`` (a
+    multiple of the format's block; ``width`` too) -> ``dtype`` [R, width] (0 where ``valid`` [R] is False), the
+    same values as :func:`load_packed_rows` (exact in bf16 too: at most 6 significant bits): each row's packed bytes
+    and scales are loaded as contiguous tiles."""
+    block, per_byte, scale_fmt = PACKED_FORMATS[fmt]
+    r = rows.shape[0]
+    nb, ns = width // per_byte, width // block
+    byte = pltr.load(vals_ref.at[bi, rows[:, None], c0 // per_byte + jnp.arange(nb)[None, :]],
+                     mask=jnp.broadcast_to(valid[:, None], (r, nb)), other=0).astype(jnp.int32)
+    sb = pltr.load(scales_ref.at[bi, rows[:, None], c0 // block + jnp.arange(ns)[None, :]],
+                   mask=jnp.broadcast_to(valid[:, None], (r, ns)), other=0).astype(jnp.int32)
+    sc = e4m3_from_bits(sb) if scale_fmt == "e4m3" else ue8m0_from_bits(sb)  # [R, ns]
+    # one scale per byte (an FP4 byte's two values share their block's scale)
+    sc = jnp.broadcast_to(sc[:, :, None], (r, ns, block // per_byte)).reshape(r, nb)
+    if per_byte == 1:
+        return ((_f16_pattern(byte, 0x80, 8, 0x7F, 7) * 2.0 ** 8) * sc).astype(dtype)
+    if scale_fmt == "e4m3":
+        sc = sc * 2.0 ** 14  # exact: an e4m3 scale times 2^14 is a normal float32
+        lo, hi = _f16_pattern(byte, 0x08, 12, 0x07, 9) * sc, _f16_pattern(byte, 0x80, 8, 0x70, 5) * sc
+    else:
+        lo = (_f16_pattern(byte, 0x08, 12, 0x07, 9) * 2.0 ** 14) * sc
+        hi = (_f16_pattern(byte, 0x80, 8, 0x70, 5) * 2.0 ** 14) * sc
+    # element 2j of the row is the low nibble of byte j, 2j + 1 the high one; interleaved in the narrow dtype (half
+    # the register shuffles of a float32 join)
+    return jnp.stack([lo.astype(dtype), hi.astype(dtype)], axis=-1).reshape(r, width)
+
+
+def _f16_pattern(byte, sign_mask: int, sign_shift: int, mag_mask: int, mag_shift: int):
+    """A float16 bit pattern placed from fields of packed bytes (int32), widened to float32 (exact, subnormals
+    included). An e2m1 nibble (sign s, exponent e, mantissa m) placed as s << 15 | (e, m) << 9 is the float16
+    value x 2^-14 (e >= 1: 2^(e - 15) (1 + m/2); e = 0: the subnormal m 2^-15 = 0.5 m 2^-14); an e4m3 byte placed as
+    s << 15 | (e, m) << 7 is its value x 2^-8 (bias 15 against 7; its subnormals are float16 subnormals of the same
+    ratio). A few integer ops and one conversion per value, where the arithmetic decode took a dozen."""
+    bits = ((byte & sign_mask) << sign_shift) | ((byte & mag_mask) << mag_shift)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+
+
+def packed_rows(vals_ref, scales_ref, bi, rows, c0, width: int, valid, *, fmt: str, dim: int, how: str, dtype):
+    """Columns [c0, c0 + width) of packed rows (0 past ``dim`` and for invalid rows) -> float32 [R, width], read
+    as ``how`` ("tile" or "gather", ``PACKED_LOADS``), returned as ``dtype``; the tile load serves whole blocks inside ``dim`` and falls back
+    to the gather otherwise (a column range padded past ``dim`` or narrower than a block)."""
+    block = PACKED_FORMATS[fmt][0]
+    if how == "tile" and width % block == 0 and width <= dim and dim % width == 0:
+        return load_packed_tile(vals_ref, scales_ref, bi, rows, c0, width, valid, fmt=fmt, dtype=dtype)
+    return load_packed_rows(vals_ref, scales_ref, bi, rows, c0 + jnp.arange(width)[None, :], valid, fmt=fmt,
+                            dim=dim).astype(dtype)
+
+
+def _check_load(how):
+    if how not in PACKED_LOADS:
+        raise ValueError(f"packed_load must be one of {PACKED_LOADS}, got {how!r}")
 
 
 def _check_packed(arr, fmt, dim, what):
@@ -159,11 +225,12 @@ def _check_packed(arr, fmt, dim, what):
 
 @functools.partial(jax.jit, static_argnames=("window", "scale", "wspan", "block_h", "block_d", "block_k",
                                              "num_splits", "num_warps", "num_stages", "prefetch", "ckv_fmt",
-                                             "ring_fmt", "interpret"))
+                                             "ring_fmt", "packed_load", "interpret"))
 def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None, wseg=None, *, window: int,
                   scale: float, wspan: int, block_h: int = 64, block_d: int = 512, block_k: int = 64,
                   num_splits: int = 1, num_warps: int = 8, num_stages: int = 2, prefetch: bool = False,
-                  ckv_fmt: str | None = None, ring=None, ring_fmt: str | None = None, interpret: bool = False):
+                  ckv_fmt: str | None = None, ring=None, ring_fmt: str | None = None, packed_load: str = "tile",
+                  interpret: bool = False):
     """Core forward. q [B, C, H, D]; q_pos [B, C]; window rows of query (b, c) are wkv[b, wstart[b,c] + j] for
     j < wspan (positions wpos, masked like the reference; with document ids qseg [B, C] / wseg [B, S] also
     masked to the query's document); ckv [B, N, D] / topk [B, C, K] (or None); sink [H]; floor [B].
@@ -172,7 +239,9 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
     ``ring`` = (values, scales, base) with ``ring_fmt``: the window's first R rows come from a packed ring buffer of
     R slots [B, R, ...] (window row j < R is slot (base[b] + j) mod R, i.e. ``step.ring_read``'s position order)
     and rows R + i from wkv [B, S - R, D] (the chunk's new rows); wpos / wseg / wspan then cover all S rows.
+    ``packed_load``: how packed rows are read (``PACKED_LOADS``).
     Returns (out [B, C, H, D] q.dtype, lse [B, C, H] fp32)."""
+    _check_load(packed_load)
     b, c, h, d = q.shape
     n_ring = 0
     if ring_fmt is not None:
@@ -261,13 +330,14 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
                 slot = jax.lax.rem(rbase_ref[bi] + jnp.minimum(jj, n_ring - 1), n_ring)
                 new = jnp.clip(jj - n_ring, 0, n_new - 1)
 
-                def rows(cc):
-                    packed = load_packed_rows(rval_ref, rscale_ref, bi, slot, cc, valid & in_ring,
-                                              fmt=ring_fmt, dim=d).astype(vdt)
+                def rows(c0, width):
+                    packed = packed_rows(rval_ref, rscale_ref, bi, slot, c0, width, valid & in_ring, fmt=ring_fmt,
+                                         dim=d, how=packed_load, dtype=vdt)
+                    cc = c0 + jnp.arange(width)[None, :]
                     plain = pltr.load(wkv_ref.at[bi, new[:, None], cc], mask=(valid & ~in_ring)[:, None], other=0)
                     return jnp.where(in_ring[:, None], packed, plain)
 
-                return (rows(cols), valid) if bd == dp else (rows(cols), rows(vcols), valid)
+                return (rows(0, dp), valid) if bd == dp else (rows(0, dp), rows(d0, bd), valid)
             kmat = pltr.load(wkv_ref.at[bi, jj[:, None], cols], mask=valid[:, None], other=0)
             if bd == dp:
                 return kmat, valid
@@ -279,10 +349,12 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
             valid = idx >= 0
             safe = jnp.clip(idx, 0, n - 1)
             if ckv_fmt is not None:  # packed rows: dequantised here, the same values packed_cache.read gives
-                rows = functools.partial(load_packed_rows, cval_ref, cscale_ref, bi, safe, valid=valid, fmt=ckv_fmt,
-                                         dim=d)
-                kmat = rows(cols=cols).astype(vdt)
-                return (kmat, valid) if bd == dp else (kmat, rows(cols=vcols).astype(vdt), valid)
+                def rows(c0, width):
+                    return packed_rows(cval_ref, cscale_ref, bi, safe, c0, width, valid, fmt=ckv_fmt, dim=d,
+                                       how=packed_load, dtype=vdt)
+
+                kmat = rows(0, dp)
+                return (kmat, valid) if bd == dp else (kmat, rows(d0, bd), valid)
             kmat = pltr.load(ckv_ref.at[bi, safe[:, None], cols], mask=valid[:, None], other=0)
             if bd == dp:
                 return kmat, valid
@@ -694,7 +766,7 @@ def attention_bwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, out, lse,
 # Indexer: streamed scoring -> block / superblock maxima
 # ----------------------------------------------------------------------------------------------------------------
 
-def _packed_keys(keys, keys_fmt, keys_dtype, di, what):
+def _packed_keys(keys, keys_fmt, keys_dtype, di, what, packed_load="tile"):
     """(n, keys operands, row loader) of an indexer kernel's key table: plain [B, N, di], or packed (values,
     scales) in ``keys_fmt`` dequantised in registers to ``keys_dtype`` (the packed buffer's read dtype)."""
     if keys_fmt is None:
@@ -705,22 +777,27 @@ def _packed_keys(keys, keys_fmt, keys_dtype, di, what):
     _check_packed(keys, keys_fmt, di, what)
     dt = jnp.dtype(keys_dtype or jnp.float32)
 
+    _check_load(packed_load)
+
     def load_packed(k_refs, bi, rows, cols, valid):
-        return load_packed_rows(*k_refs, bi, rows, cols, valid, fmt=keys_fmt, dim=di).astype(dt)
+        return packed_rows(*k_refs, bi, rows, 0, cols.shape[-1], valid, fmt=keys_fmt, dim=di, how=packed_load,
+                           dtype=dt)
 
     return keys[0].shape[1], tuple(keys), load_packed
 
 
 @functools.partial(jax.jit, static_argnames=("g1", "g2", "block_q", "tile", "tiles_per_program", "num_warps",
-                                             "num_stages", "keys_fmt", "keys_dtype", "interpret"))
+                                             "num_stages", "keys_fmt", "keys_dtype", "packed_load", "interpret"))
 def score_pool(q, w, keys, vis, *, g1: int, g2: int = 8, block_q: int | None = None, tile: int = 256,
                tiles_per_program: int | None = None, num_warps: int = 4, num_stages: int = 3,
-               keys_fmt: str | None = None, keys_dtype: str | None = None, interpret: bool = False):
+               keys_fmt: str | None = None, keys_dtype: str | None = None, packed_load: str = "tile",
+               interpret: bool = False):
     """q [B, C, Hi, di], w [B, C, Hi] (already × Hi^-½), keys [B, N, di], vis [B, C] visible counts ->
     (bmax [B, C, ceil(N/g1)], smax [B, C, ceil(N/(g1·g2))]) fp32, -inf where nothing visible.
-    ``keys_fmt``: keys is a packed buffer (values, scales) in that format, read as ``keys_dtype``."""
+    ``keys_fmt``: keys is a packed buffer (values, scales) in that format, read as ``keys_dtype`` (``packed_load``:
+    how, ``PACKED_LOADS``)."""
     b, c, hi, di = q.shape
-    n, key_ops, load_keys = _packed_keys(keys, keys_fmt, keys_dtype, di, "score_pool keys")
+    n, key_ops, load_keys = _packed_keys(keys, keys_fmt, keys_dtype, di, "score_pool keys", packed_load)
     assert g1 & (g1 - 1) == 0 and g2 & (g2 - 1) == 0, "block sizes must be powers of two"
     sup = g1 * g2
     nb, ns = -(-n // g1), -(-n // sup)
@@ -793,13 +870,14 @@ def score_pool(q, w, keys, vis, *, g1: int, g2: int = 8, block_q: int | None = N
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "num_warps", "num_stages", "keys_fmt", "keys_dtype",
-                                             "interpret"))
+                                             "packed_load", "interpret"))
 def gather_score(q, w, keys, vis, cand, *, tile: int = 128, num_warps: int = 4, num_stages: int = 3,
-                 keys_fmt: str | None = None, keys_dtype: str | None = None, interpret: bool = False):
+                 keys_fmt: str | None = None, keys_dtype: str | None = None, packed_load: str = "tile",
+                 interpret: bool = False):
     """Scores of explicit entries: cand [B, C, M] entry ids (-1 = none) -> [B, C, M] fp32 (-inf: none/invisible).
     ``keys_fmt`` / ``keys_dtype``: packed keys, as in :func:`score_pool`."""
     b, c, hi, di = q.shape
-    n, key_ops, load_keys = _packed_keys(keys, keys_fmt, keys_dtype, di, "gather_score keys")
+    n, key_ops, load_keys = _packed_keys(keys, keys_fmt, keys_dtype, di, "gather_score keys", packed_load)
     m = cand.shape[-1]
     hip, dip = max(16, _pow2(hi)), max(16, _pow2(di))
     if (hip, dip) != (hi, di):
