@@ -95,8 +95,8 @@ def print_bytes(config, contexts):
         r = step_bytes(config, t, t)
         rows.append(r)
         mb = lambda x: f"{x / 2**20:,.2f} MiB"  # noqa: E731
-        print(f"| {t:,} | {r['window_rows']:,.0f} | {r['kv_rows']:,.0f} | {r['key_rows']:,.0f} | {mb(r['bf16'])} | {mb(r['unpack'])} | "
-              f"{mb(r['direct'])} | {r['direct'] / r['unpack']:.3f} | {r['direct'] / r['bf16']:.3f} |")
+        print(f"| {t:,} | {r['window_rows']:,.0f} | {r['kv_rows']:,.0f} | {r['key_rows']:,.0f} | {mb(r['bf16'])} | "
+              f"{mb(r['unpack'])} | {mb(r['direct'])} | {r['direct'] / r['unpack']:.3f} | {r['direct'] / r['bf16']:.3f} |")
     return rows
 
 

@@ -133,8 +133,8 @@ def test_packed_buffer_shape_errors_name_the_tensor():
                         jnp.zeros((1, 1, 2), jnp.int32), jnp.zeros((2,)), window=4, scale=1.0, wspan=4,
                         ckv_fmt=ckv.fmt, interpret=True)
     with pytest.raises(ValueError, match="packed_load must be one of"):
-        G.score_pool(jnp.zeros((1, 1, 2, 32)), jnp.zeros((1, 1, 2)), (ckv.values, ckv.scales), jnp.ones((1, 1), jnp.int32), g1=4,
-                     keys_fmt=ckv.fmt, packed_load="rows", interpret=True)
+        G.score_pool(jnp.zeros((1, 1, 2, 32)), jnp.zeros((1, 1, 2)), (ckv.values, ckv.scales),
+                     jnp.ones((1, 1), jnp.int32), g1=4, keys_fmt=ckv.fmt, packed_load="rows", interpret=True)
 
 
 @pytest.mark.slow  # two interpret-mode compiles of a Full layer's attention (indexer + sparse attention): ~10 s

@@ -193,8 +193,9 @@ def _f16_pattern(byte, sign_mask: int, sign_shift: int, mag_mask: int, mag_shift
 
 def packed_rows(vals_ref, scales_ref, bi, rows, c0, width: int, valid, *, fmt: str, dim: int, how: str, dtype):
     """Columns [c0, c0 + width) of packed rows (0 past ``dim`` and for invalid rows) -> float32 [R, width], read
-    as ``how`` ("tile" or "gather", ``PACKED_LOADS``), returned as ``dtype``; the tile load serves whole blocks inside ``dim`` and falls back
-    to the gather otherwise (a column range padded past ``dim`` or narrower than a block)."""
+    as ``how`` ("tile" or "gather", ``PACKED_LOADS``), returned as ``dtype``; the tile load serves whole blocks
+    inside ``dim`` and falls back to the gather otherwise (a column range padded past ``dim`` or narrower than a
+    block)."""
     block = PACKED_FORMATS[fmt][0]
     if how == "tile" and width % block == 0 and width <= dim and dim % width == 0:
         return load_packed_tile(vals_ref, scales_ref, bi, rows, c0, width, valid, fmt=fmt, dtype=dtype)
