@@ -107,11 +107,16 @@ def pytest_collection_modifyitems(config, items):
     # One xdist group (pyproject's addopts ask for ``--dist loadgroup``): the memory_heavy tests run one after
     # another in one worker, never beside each other. Two of them at once, plus the other worker, passed the suite's
     # 4 GB bound (measured whole-run peaks of 3.93 and 4.08 GB: a ~1.9 GB notebook beside a ~1.1 GB subprocess).
+    # Tests marked ``xdist_group(name)`` (those sharing a costly session fixture or cached engine) run in one worker
+    # too, so that what they share is built once, not once per worker (a memory_heavy test stays in that group).
     groups = {}
     for item in items:
         if item.get_closest_marker("memory_heavy"):
             item.add_marker(pytest.mark.xdist_group("memory_heavy"))
             groups[item.nodeid] = "memory_heavy"
+        elif item.get_closest_marker("xdist_group"):
+            marker = item.get_closest_marker("xdist_group")
+            groups[item.nodeid] = marker.args[0] if marker.args else marker.kwargs.get("name", "default")
     # xdist (3.8) puts a test in its group by appending "@group" to its node id, which pytest 9 no longer lets it
     # change (the id is derived, not stored): the groups were silently ignored and the memory_heavy tests ran beside
     # each other. So the workers also write the groups down, and the controller's scheduler (below) reads them.
