@@ -107,42 +107,67 @@ def pytest_collection_modifyitems(config, items):
     # One xdist group (pyproject's addopts ask for ``--dist loadgroup``): the memory_heavy tests run one after
     # another in one worker, never beside each other. Two of them at once, plus the other worker, passed the suite's
     # 4 GB bound (measured whole-run peaks of 3.93 and 4.08 GB: a ~1.9 GB notebook beside a ~1.1 GB subprocess).
+    # Tests marked ``xdist_group(name)`` (those sharing a costly session fixture or cached engine) run in one worker
+    # too, so that what they share is built once, not once per worker (a memory_heavy test stays in that group).
     groups = {}
     for item in items:
         if item.get_closest_marker("memory_heavy"):
             item.add_marker(pytest.mark.xdist_group("memory_heavy"))
             groups[item.nodeid] = "memory_heavy"
+        elif item.get_closest_marker("xdist_group"):
+            marker = item.get_closest_marker("xdist_group")
+            groups[item.nodeid] = marker.args[0] if marker.args else marker.kwargs.get("name", "default")
     # xdist (3.8) puts a test in its group by appending "@group" to its node id, which pytest 9 no longer lets it
     # change (the id is derived, not stored): the groups were silently ignored and the memory_heavy tests ran beside
     # each other. So the workers also write the groups down, and the controller's scheduler (below) reads them.
+    # With them, the ``slow`` tests (compiles of their own, subprocesses): the scheduler hands them out before the
+    # quick ones, so that a run does not end on one worker finishing a long test while the other waits.
     if hasattr(config, "workerinput"):
         tmp = f"{XDIST_GROUPS}.{os.environ.get('PYTEST_XDIST_WORKER', 'w')}"
+        slow = [item.nodeid for item in items if item.get_closest_marker("slow")]
         with open(tmp, "w") as f:
-            json.dump(groups, f)
+            json.dump({"groups": groups, "slow": slow}, f)
         os.replace(tmp, XDIST_GROUPS)  # both workers write the same map; each write is whole
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of xdist's
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup`` with the groups the workers wrote (XDIST_GROUPS): a test in a group is scheduled with its
-    group, every other test on its own, as xdist does."""
+    group, every other test on its own, as xdist does. Longest first, as far as it is known, so that the two workers
+    finish together: the groups (xdist queues them by size, largest first), then the ``slow`` tests, then the rest,
+    each in collection order (in the shuffled order with ``--shuffle``, which then decides alone)."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadGroupScheduling
 
+    shuffled = config.getoption("--shuffle") is not None
+
     class Scheduling(LoadGroupScheduling):
-        groups = None
+        hints = None
+
+        def _hints(self):
+            if self.hints is None:  # read once all workers have collected (the scheduler starts after that)
+                try:
+                    with open(XDIST_GROUPS) as f:
+                        self.hints = json.load(f)
+                except FileNotFoundError:  # no worker got as far as writing them (a collection error): no groups
+                    self.hints = {"groups": {}, "slow": []}
+                self.hints["slow"] = set(self.hints["slow"])
+            return self.hints
 
         def _split_scope(self, nodeid):
             if "@" in nodeid:  # a pytest where xdist's own suffix works
                 return super()._split_scope(nodeid)
-            if self.groups is None:  # read once all workers have collected (the scheduler starts after that)
-                try:
-                    with open(XDIST_GROUPS) as f:
-                        self.groups = json.load(f)
-                except FileNotFoundError:  # no worker got as far as writing them (a collection error): no groups
-                    self.groups = {}
-            return self.groups.get(nodeid, nodeid)
+            return self._hints()["groups"].get(nodeid, nodeid)
+
+        def _assign_work_unit(self, node):
+            if self.workqueue and not shuffled:  # xdist hands out the queue's first unit: the longest-known first
+                self.workqueue.move_to_end(min(self.workqueue, key=self._rank), last=False)
+            super()._assign_work_unit(node)
+
+        def _rank(self, scope):
+            tests = self.workqueue[scope]
+            return 0 if len(tests) > 1 else 1 if self._hints()["slow"].intersection(tests) else 2
 
     return Scheduling(config, log)
 

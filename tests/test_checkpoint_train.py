@@ -20,6 +20,10 @@ from dsv41_jax.train.testing import small_config, write_corpus
 
 from conftest import XLA_CACHE  # the run's compilation cache, shared with the training subprocesses
 
+# One xdist worker runs this module's tests (tests/conftest.py): they share the uninterrupted reference run (straight),
+# built once instead of once in each worker
+pytestmark = pytest.mark.xdist_group("test_checkpoint_train")
+
 STD = dict(seq_len=32, batch_size=2, weight_decay=0.0, warmup_steps=2)  # the program test_train.py shares
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -17,6 +17,10 @@ from dsv41_jax.model.forward import ForwardOptions, forward
 from dsv41_jax.model.model import default_hasher
 from dsv41_jax.model.params import FP32, flat_specs
 
+# One xdist worker runs this module's tests (tests/conftest.py): they share the 6-layer model and its engines (_setup,
+# _engine), built once instead of once in each worker
+pytestmark = pytest.mark.xdist_group("test_dspark")
+
 
 @functools.lru_cache(maxsize=None)
 def _setup():

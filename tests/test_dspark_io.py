@@ -18,6 +18,10 @@ from dsv41_jax.checkpoint.release_writer import write_release_checkpoint
 from dsv41_jax.inference.speculative import _draft_jit, _seed_jit, init_dspark_rings
 from dsv41_jax.inference.weights import host_random_params
 
+# One xdist worker runs this module's tests (tests/conftest.py): they share the small target (_small) and the drafter's
+# training run (drafter_export), built once instead of once in each worker
+pytestmark = pytest.mark.xdist_group("test_dspark_io")
+
 
 @functools.lru_cache(maxsize=None)
 def _small():

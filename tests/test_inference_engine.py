@@ -21,6 +21,10 @@ from dsv41_jax.inference.weights import host_random_params
 from dsv41_jax.tokenizer import ByteTokenizer
 from dsv41_jax.train.testing import every_role_config
 
+# One xdist worker runs this module's tests (tests/conftest.py): they share the engine (_engine), built once instead of
+# once in each worker
+pytestmark = pytest.mark.xdist_group("test_inference_engine")
+
 MAX_LEN = 40
 
 
