@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import bench_quant_gemm as B  # noqa: E402  (random_fp8 / random_fp4, device_time, rel_err)
 from ceilings import copy_and_read_bandwidth  # noqa: E402
+from profile_release_decode import bandwidth_pct  # noqa: E402
 from dsv41_jax.kernels import quant_gemm as QG  # noqa: E402
 
 DATASHEET_BW = 4.8e12
@@ -116,8 +117,8 @@ def dev_us(fn, args, match=None):
 
 
 def rates(nbytes, us, bw):
-    r = nbytes / (us * 1e-6)
-    return dict(tb_s=r / 1e12, pct_read=100 * r / bw.get("read_bw", DATASHEET_BW), pct_datasheet=100 * r / DATASHEET_BW)
+    """TB/s and the % of the read-only / datasheet bandwidth (``profile_release_decode.bandwidth_pct``)."""
+    return dict(tb_s=nbytes / (us * 1e-6) / 1e12, **bandwidth_pct(nbytes, us, bw))
 
 
 def fp4_part(bw, budget_s, variants):
