@@ -318,7 +318,10 @@ def loop_setup(config, batch, context, opts, readback, profile_steps, host_loop,
     from dsv41_jax.ops.engram_hash import device_history
 
     cache = init_cache(config, batch, context + 512, jnp.bfloat16, packed=packed)
-    cache = fill_cache_program(cache, context, jax.random.PRNGKey(1))
+    # committed to the device like every later step's cache (a step's output; the state below is committed too):
+    # an uncommitted first cache gives the first call other input shardings than the second, so jit compiled the
+    # 40-layer program twice, the second time inside the timed loop's warm-up (20-60 s a form on an H200)
+    cache = jax.device_put(fill_cache_program(cache, context, jax.random.PRNGKey(1)), jax.devices()[0])
     samp, _, tok, act = decode_inputs(config, batch)
     hasher = synthetic_hasher(config)
     ring = max(max(readback), profile_steps, 2)  # decode_chain's readback rows: a run of <= ring steps

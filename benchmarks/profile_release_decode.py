@@ -424,6 +424,8 @@ def decode_setup(config, params, opts, batch, context, packed=False):
 
     cache = init_cache(config, batch, context + 64, jnp.bfloat16, packed=packed)
     cache = jax.jit(fill_cache, static_argnums=(1,), donate_argnums=(0,))(cache, context, jax.random.PRNGKey(1))
+    # committed, as every later step's cache is when an input is (host-memory tables are): one compile, not two
+    cache = jax.device_put(cache, jax.devices()[0])
     samp, eids, tok, act = decode_inputs(config, batch)
     # the sampler Engine.generate chooses on the host for these rows (greedy: the argmax alone, no vocabulary sort)
     sampler = sampler_for(*(np.asarray(a) for a in samp[:3]))
