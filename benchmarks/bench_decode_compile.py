@@ -18,10 +18,13 @@ loop with ``sampler="greedy"``: no vocabulary sort, as ``Engine.generate`` runs 
 (this case's context: N tokens, or N x 1024; default ``--context``). Per case: the device
 loop's program (``decode_chain``, the step ``Engine.generate`` runs) and the host loop's are lowered and compiled
 concurrently (their compile seconds and, for autotuned compiles, the number of fusions XLA autotuned are recorded),
-then timed exactly as ``profile_decode.py --loops`` times them (bf16 parameters and cache, ``--context`` tokens per
+then timed as ``profile_decode.py --loops`` times them (bf16 parameters and cache, ``--context`` tokens per
 slot; the host loop reads the tokens back, hashes them on the host and sends the rows every step; the device loop
-reads back every k steps) and one run of ``--profile-steps`` device loop steps is profiled (launches per layer, device->host copies). The floor is ``profile_decode.step_bytes`` over
-a read-only kernel's bandwidth in the same process.
+reads back every k steps, driven as ``Engine.generate`` drives it, ``decode.run_device_loop``: unpipelined — each
+run dispatched after the previous one is read back — and pipelined — the next run dispatched first, the Engine's
+default), and ``--profile-steps`` device loop steps in runs of ``--profile-every`` are profiled, unpipelined and
+pipelined (launches per layer, device->host copies, kernel time over the wall and over the device's span). The floor
+is ``profile_decode.step_bytes`` over a read-only kernel's bandwidth in the same process.
 
 Cases run in order; the programs are called as the compiled executables (``jax.stages.Compiled``), so each case's
 compiler options apply to exactly its programs. XLA keeps autotuning results for the process, so a later autotuned
@@ -56,7 +59,8 @@ import numpy as np  # noqa: E402
 
 import profile_decode as pd  # noqa: E402  (its argument parser reads nothing when imported)
 from ceilings import read_bandwidth  # noqa: E402
-from dsv41_jax.inference.decode import _decode_opts, _decode_sample, decode_chain_program  # noqa: E402
+from dsv41_jax.inference.decode import (_decode_opts, _decode_sample, decode_chain_program,  # noqa: E402
+                                       run_device_loop)
 from dsv41_jax.inference.step import InferenceOptions, jit_for  # noqa: E402
 
 FLAGS = {"onepass": ("mhc_one_pass", "router_one_pass"), "mhc": ("mhc_one_pass",), "router": ("router_one_pass",),
@@ -69,7 +73,8 @@ def _args(argv=None):
     ap.add_argument("--cases", default="32:at0:host,1:at0:host,32:default")
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--profile-steps", type=int, default=32)
+    ap.add_argument("--profile-every", type=int, default=8, help="the profiled loop's steps per read-back")
     ap.add_argument("--readback", default="1,8,32")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="seconds from the start after which no compile "
                     "is waited for")
@@ -189,8 +194,9 @@ def compile_programs(config, params, opts, s, case: Case, dump_dir: str) -> tupl
     return compiled, stats
 
 
-def time_case(config, params, compiled, s, steps, profile_steps, readback) -> dict:
-    """The loops of ``profile_decode.profile_loops``, on the compiled executables."""
+def time_case(config, params, compiled, s, steps, profile_steps, readback, profile_every) -> dict:
+    """The loops of ``profile_decode.profile_loops``, on the compiled executables; the device loop both
+    unpipelined and pipelined."""
     b, samp, act, hasher, tables = s["batch"], s["samp"], s["act"], s["hasher"], s["tables"]
     cache, state = s.pop("cache"), s.pop("state")
     out = {}
@@ -211,30 +217,47 @@ def time_case(config, params, compiled, s, steps, profile_steps, readback) -> di
             ts.append(time.perf_counter() - t0)
         out["host_loop_step_ms"] = statistics.median(ts[2:]) * 1e3
     fn = compiled["device loop"]
-
-    def run(n):
-        nonlocal cache, state
-        for _ in range(n):
-            _t, state, cache = fn(params, cache, state, tables, *samp, *s["limits"])
-        return np.asarray(state["readback"])
-
-    run(3)
-    for k in readback:
-        n = -(-max(2 * k, steps) // k) * k
-        t0 = time.perf_counter()
-        for _ in range(n // k):
-            run(k)
-        out[f"device_loop_k{k}_step_ms"] = (time.perf_counter() - t0) / n * 1e3
-    jax.block_until_ready(cache)
-    log_dir = tempfile.mkdtemp(prefix="decode_trace_")
-    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-        t0 = time.perf_counter()
-        run(profile_steps)
-        wall = (time.perf_counter() - t0) / profile_steps
-    summary = pd.summarize_trace(log_dir, profile_steps, config.num_hidden_layers)
-    summary.pop("events", None)
-    out.update(profiled_wall_ms=wall * 1e3, **summary)
+    carry = [cache, state]
     del cache, state
+
+    def loop(steps, k, pipeline):
+        """``steps`` device loop steps in runs of ``k``, each run read back once, driven as ``Engine.generate``
+        drives them (``decode.run_device_loop``; pipelined: the next run dispatched before this one is read back)."""
+        def dispatch(first, n):
+            for _ in range(n):
+                _t, carry[1], carry[0] = fn(params, carry[0], carry[1], tables, *samp, *s["limits"])
+            return carry[1]["readback"]
+
+        def consume(buf, first, n):
+            np.asarray(buf)  # the run's one transfer
+            return True
+
+        run_device_loop(dispatch, lambda read, queued: min(k, steps - queued), consume, pipeline=pipeline)
+
+    loop(3, 3, False)
+    for k in readback:
+        n = -(-max(2 * k, steps) // k) * k  # at least two runs
+        for pipeline in (False, True):
+            t0 = time.perf_counter()
+            loop(n, k, pipeline)
+            out[f"device_loop_k{k}{'' if pipeline else '_unpipelined'}_step_ms"] = \
+                (time.perf_counter() - t0) / n * 1e3
+    jax.block_until_ready(carry[0])
+    # the profile: --profile-steps steps in runs of --profile-every, unpipelined and pipelined (the Engine's default)
+    for pipeline in (False, True):
+        log_dir = tempfile.mkdtemp(prefix="decode_trace_")
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            t0 = time.perf_counter()
+            loop(profile_steps, profile_every, pipeline)
+            wall = (time.perf_counter() - t0) / profile_steps
+        summary = pd.summarize_trace(log_dir, profile_steps, config.num_hidden_layers)
+        summary.pop("events", None)
+        if not pipeline:
+            summary = {f"{key}_unpipelined": v for key, v in summary.items() if not isinstance(v, (dict, list))}
+        out.update({f"profiled_wall_ms{'' if pipeline else '_unpipelined'}": wall * 1e3}, **summary)
+        shutil.rmtree(log_dir, ignore_errors=True)
+    out.update(profile_steps=profile_steps, profile_every=profile_every)
+    del carry
     return out
 
 
@@ -283,7 +306,8 @@ def main(argv=None):
             break  # a compile thread still runs: leave (its work would disturb any later timing)
         if "device loop" in compiled:
             try:
-                row.update(time_case(config, params, compiled, s, args.steps, args.profile_steps, ks))
+                row.update(time_case(config, params, compiled, s, args.steps, args.profile_steps, ks,
+                                     args.profile_every))
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)[:400]
         s.clear()
@@ -355,7 +379,8 @@ def run_ahead(args, config, params, bw, cases, ks, dump_dir, rows, save):
         if "device loop" in compiled and time.perf_counter() - T_START < DEADLINE - args.reserve_s / 2:
             row["compiles_running_while_timed"] = sum(t.is_alive() for t in threads)
             try:
-                row.update(time_case(config, params, compiled, s, args.steps, args.profile_steps, ks))
+                row.update(time_case(config, params, compiled, s, args.steps, args.profile_steps, ks,
+                                     args.profile_every))
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)[:400]
         elif "device loop" in compiled:
@@ -377,9 +402,12 @@ def init_params_bf16(config):
 
 def print_table(meta, rows, ks):
     print(f"\n{meta['model']}, context {meta['context']}, bf16, {meta['device']}, JAX {meta['jax']}, read-only "
-          f"kernel {meta['read_bandwidth_tb_s']:.2f} TB/s")
-    head = ["case", "batch", "context", "floor ms", "host loop ms (x floor)"] + [f"device loop k={k} ms (x floor)" for k in ks]
-    head += ["launches/layer", "D2H/step", "busy %", "device loop compile s", "host loop compile s",
+          f"kernel {meta['read_bandwidth_tb_s']:.2f} TB/s; device loop unpipelined / pipelined "
+          "(decode.run_device_loop)")
+    head = ["case", "batch", "context", "floor ms", "host loop ms (x floor)"]
+    head += [f"device loop k={k} ms unpipelined / pipelined (x floor)" for k in ks]
+    head += ["launches/layer", "D2H/step", "busy % of wall unpipelined / pipelined",
+             "busy % of device span unpipelined / pipelined", "device loop compile s", "host loop compile s",
              "autotuned fusions"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
@@ -396,13 +424,15 @@ def print_table(meta, rows, ks):
         h = r.get("host_loop_step_ms")
         cells.append(f"{h:.2f} ({h / f:.2f}x)" if h else "-")
         for k in ks:
-            v = r.get(f"device_loop_k{k}_step_ms")
-            cells.append(f"{v:.2f} ({v / f:.2f}x)" if v else "-")
+            u, v = r.get(f"device_loop_k{k}_unpipelined_step_ms"), r.get(f"device_loop_k{k}_step_ms")
+            cells.append(f"{u:.2f} / {v:.2f} ({v / f:.2f}x)" if u and v else "-")
         if "launches_per_layer" in r:
-            cells += [f"{r['launches_per_layer']:.1f}", f"{r['d2h_per_step']:.3f}",
-                      f"{100 * r['busy_ms_per_step'] / r['profiled_wall_ms']:.0f}"]
+            wall = [100 * r[f"busy_ms_per_step{x}"] / r[f"profiled_wall_ms{x}"] for x in ("_unpipelined", "")]
+            span = [100 * r[f"busy_ms_per_step{x}"] / r[f"device_span_ms_per_step{x}"] for x in ("_unpipelined", "")]
+            cells += [f"{r['launches_per_layer']:.1f}", f"{r['d2h_per_step']:.3f}", "{:.1f} / {:.1f}".format(*wall),
+                      "{:.1f} / {:.1f}".format(*span)]
         else:
-            cells += ["-"] * 3
+            cells += ["-"] * 4
         c = r["compile"]
         cells += [sec(c.get("device loop compile_s")), sec(c.get("host loop compile_s")),
                   str(c.get("device loop autotuned_fusions", "-"))]

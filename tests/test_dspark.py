@@ -9,6 +9,7 @@ import pytest
 
 from dsv41_jax import load_config
 from dsv41_jax.inference import FAST_COMPILE, Engine, EngineError, InferenceOptions, Request
+from dsv41_jax.inference.cache import visible_state
 from dsv41_jax.inference.speculative import SpeculativeDecoder, _seed_jit, greedy_acceptance, ring_context
 from dsv41_jax.inference.weights import host_random_params
 from dsv41_jax.train.testing import every_role_config
@@ -204,27 +205,6 @@ def test_speculative_greedy_equals_plain_greedy_with_every_acceptance_pattern():
     assert st.accepted > 0 and st.rollbacks > 0 and st.reruns == 0 and st.mean_accepted_length > 1.5
 
 
-def _meaningful(cache, config, rows):
-    """The parts of a cache that a future step can read, for the given rows: ring slots holding positions >= 0,
-    compressed entries and indexer keys of complete groups, the partial group's filled slots, lengths."""
-    length = np.asarray(cache["length"])
-    w = config.sliding_window
-    out = {"length": length[rows], "floor": np.asarray(cache["floor"])[rows]}
-    for layer, ring in enumerate(cache["swa"]):
-        for r in rows:
-            p = length[r] - w + np.arange(w)
-            out[f"swa{layer}/{r}"] = np.asarray(ring)[r][np.mod(p[p >= 0], w)]
-    for key, src in cache["sources"].items():
-        m = config.compress_ratios[int(key)]
-        for r in rows:
-            out[f"{key}/kv/{r}"] = np.asarray(src["kv"])[r, :length[r] // m]
-            out[f"{key}/keys/{r}"] = np.asarray(src["keys"])[r, :length[r] // m]
-            if m > 1:
-                out[f"{key}/buf/{r}"] = np.concatenate([np.asarray(src["buf_kv"])[r, :length[r] % m],
-                                                        np.asarray(src["buf_gate"])[r, :length[r] % m]])
-    return out
-
-
 def test_rollback_leaves_the_caches_of_plain_decoding():
     """After a verification step that rejects drafts, every cache (SWA rings, compressor partial groups, compressed
     entries, indexer keys, lengths) equals that of feeding the accepted tokens by plain decoding."""
@@ -234,7 +214,7 @@ def test_rollback_leaves_the_caches_of_plain_decoding():
     # plain greedy decoding: row 0 feeds 3 tokens (4 sampled), row 1 feeds 1
     plain = eng.generate([Request(prompts[0], max_new_tokens=4, stop_tokens=()),
                           Request(prompts[1], max_new_tokens=2, stop_tokens=())])
-    want = _meaningful(eng.cache, config, [0, 1])
+    want = visible_state(eng.cache, config, [0, 1])
     t0, t1 = plain[0].tokens, plain[1].tokens
     # the same by one verification step: row 0 accepts 2 drafts and rejects the third, row 1 rejects the first;
     # rolled back from the one pass (restore) and by a second pass (rerun): the same bits
@@ -249,7 +229,7 @@ def test_rollback_leaves_the_caches_of_plain_decoding():
         new, n_acc = dec.verify_greedy(pending, drafts, np.array([True, True, False]))
         assert n_acc.tolist() == [2, 0, 0] and dec.stats.rollbacks == 1 and dec.stats.reruns == (mode == "rerun")
         assert new[0] == t0[1:4] and new[1] == t1[1:2]
-        got = _meaningful(eng.cache, config, [0, 1])
+        got = visible_state(eng.cache, config, [0, 1])
         assert got["length"].tolist() == [len(prompts[0]) + 3, len(prompts[1]) + 1]
         assert got.keys() == want.keys()
         for k in want:

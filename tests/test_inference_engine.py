@@ -13,7 +13,7 @@ from dsv41_jax import Engine, load_config
 from dsv41_jax.cli import main
 from dsv41_jax.inference import (FAST_COMPILE, EngineError, InferenceOptions, Request, cache_footprint, decode_step,
                                  init_cache)
-from dsv41_jax.inference.cache import abstract_cache, tree_bytes
+from dsv41_jax.inference.cache import abstract_cache, tree_bytes, visible_state
 from dsv41_jax.inference.decode import _decode_opts, decode_chain_program
 from dsv41_jax.inference.prefill import DEFAULT_PREFILL_CHUNK, PrefillError, default_prefill_chunk
 from dsv41_jax.inference.sampling import SamplingError, SamplingParams, filter_logits, sample, sampler_for
@@ -100,46 +100,72 @@ def test_sampling_seeds_stop_tokens_and_limits():
 
 def test_device_decode_loop_equals_the_host_loop():
     """generate's decode loop with the Engram hash on the device and tokens read back in runs (default) gives
-    the tokens of the loop that reads every step back and hashes on the host, with the same ends and the same
-    Engram look-back afterwards."""
+    the tokens of the loop that reads every step back and hashes on the host, with the same ends, the same cache and
+    the same Engram look-back afterwards; pipelined (the next run dispatched before this one is read back, the
+    default) or not."""
     eng = _engine()
     p = [_prompt(9, 2), _prompt(21, 7), _prompt(MAX_LEN - 4, 4)]
     greedy = eng.generate([p[0]], max_new_tokens=6, stop_tokens=())[0].tokens
     reqs = [Request(p[0], max_new_tokens=9, stop_tokens=(greedy[4],)),  # ends by a stop token inside a run
             Request(p[1], temperature=1.0, top_k=20, seed=3, max_new_tokens=11, stop_tokens=()),
             Request(p[2], max_new_tokens=10, stop_tokens=())]  # ends by max_len
+    # the whole batch ends on a stop token inside the second run (k = 3: steps 2..4), far from its length limit: the
+    # pipelined loop has dispatched the third run by then and must discard it (top_k 1: greedy, through the sampler
+    # the runs above compiled)
+    lone = [Request(p[0], temperature=1.0, top_k=1, max_new_tokens=30, stop_tokens=(greedy[3],))]
     got = {}
     chain = decode_chain_program(_decode_opts(eng.options)).jitted
     # the filtered sampler's k = 8 step (a top-k row: sampling.sampler_for), with another run length and no stop
     # token, so that the counts below see whether the runs reuse it; the greedy call above ran the greedy sampler's
     eng.generate([Request(p[1], temperature=1.0, top_k=20, seed=5, max_new_tokens=2, stop_tokens=())])
     programs = {}
+    snapshot = functools.partial(jax.tree.map, np.asarray)
     try:
-        for loop, every in (("host", 1), ("device", 3), ("device", 8)):
+        for loop, every in (("host", 1), ("device", 3), ("device", 8)):  # the device loop pipelined (default)
             eng.decode_loop, eng.readback_every = loop, every
             res = eng.generate(reqs)
             programs[loop, every] = chain._cache_size()
             hist = [a.copy() for a in (eng._hist.tokens, eng._hist.segments, eng._hist.num_positions,
                                        eng._hist.num_valid)]
-            got[loop, every] = ([(r.tokens, r.finish_reason) for r in res], hist)
+            got[loop, every] = ([(r.tokens, r.finish_reason) for r in res], hist,
+                                visible_state(eng.cache, eng.config), eng.last_stats.decode_steps)
+        for pipe in (False, True):
+            eng.decode_loop, eng.readback_every, eng.decode_pipeline = "device", 3, pipe
+            res = eng.generate(lone)[0]
+            got["lone", pipe] = (res.tokens, res.finish_reason, eng.last_stats.decode_steps, snapshot(eng.cache))
     finally:
-        eng.decode_loop, eng.readback_every = "device", 8
+        eng.decode_loop, eng.readback_every, eng.decode_pipeline = "device", 8, True
     # One compiled step per read-back interval (the ring's shape) and sampler, whatever the run lengths and the number
     # of stop tokens (bucketed): a run dispatches the same program k times. The generates above ran k = 8 with no
     # stop, greedy and filtered.
     assert programs["device", 3] == programs["device", 8] == programs["host", 1] + 1
     eng.generate([Request(p[0], max_new_tokens=3, stop_tokens=(1, 2, 3))])  # k = 8, three stop tokens
     assert chain._cache_size() == programs["device", 8]
-    want_tokens, want_hist = got["host", 1]
+    want_tokens, want_hist, want_cache, want_steps = got["host", 1]
     assert [r for _, r in want_tokens] == ["stop", "length", "max_len"]
     for key in (("device", 3), ("device", 8)):
         assert got[key][0] == want_tokens, key
         for a, b in zip(got[key][1], want_hist):
             np.testing.assert_array_equal(a, b)
+        # what later steps can read (an ended slot's unfed steps write its partial group's unfilled rows from the
+        # token fed, which the host loop and the device loop choose differently; never read)
+        assert got[key][2].keys() == want_cache.keys()
+        for name, v in want_cache.items():
+            np.testing.assert_array_equal(got[key][2][name], v, name)
+        # the last sequence ends by its limits: the pipelined loop dispatches no step past them
+        assert got[key][3] == want_steps, key
+    (off_tokens, off_reason, off_steps, off_cache), (on_tokens, on_reason, on_steps, on_cache) = \
+        got["lone", False], got["lone", True]
+    stop_at = greedy.index(greedy[3])
+    assert on_reason == off_reason == "stop" and on_tokens == off_tokens == greedy[:stop_at + 1]
+    assert on_steps == off_steps + 3  # one more run of k = 3 dispatched, its tokens discarded ...
+    jax.tree.map(np.testing.assert_array_equal, on_cache, off_cache)  # ... and the cache bit for bit as without it
     with pytest.raises(EngineError, match="decode_loop"):
         Engine(eng.config, eng.params, max_batch=1, max_len=8, decode_loop="gpu")
     with pytest.raises(EngineError, match="readback_every"):
         Engine(eng.config, eng.params, max_batch=1, max_len=8, readback_every=0)
+    with pytest.raises(EngineError, match="decode_pipeline"):
+        Engine(eng.config, eng.params, max_batch=1, max_len=8, decode_pipeline="yes")
 
 
 def test_decode_steps_hash_engram_ngrams_on_the_device_like_the_host_hasher():

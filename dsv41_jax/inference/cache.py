@@ -121,6 +121,33 @@ def check_capacity(config: ModelConfig, cache: dict, lengths, new_tokens, *, err
             f"of {cap} tokens (init_cache max_len); start a new sequence there or use a larger cache")
 
 
+def visible_state(cache: dict, config: ModelConfig, rows=None) -> dict:
+    """The parts of a cache that a later step can read, per slot in ``rows`` (default all), as host arrays: the
+    lengths and SWA floors, the ring slots holding positions >= 0 (in position order), the compressed entries and
+    indexer keys of complete groups, and the partial group's filled rows. Two caches with equal visible states
+    decode alike; what differs elsewhere (rows past a slot's length, ring slots of an earlier occupant, the partial
+    group's unfilled rows, written with whatever an unfed slot's step computed) is never read."""
+    length = np.asarray(cache["length"])
+    rows = range(length.shape[0]) if rows is None else rows
+    w = config.sliding_window
+    out = {"length": length[list(rows)], "floor": np.asarray(cache["floor"])[list(rows)]}
+    for layer, ring in enumerate(cache["swa"]):
+        ring = np.asarray(PC.read(ring))
+        for r in rows:
+            p = length[r] - w + np.arange(w)
+            out[f"swa{layer}/{r}"] = ring[r][np.mod(p[p >= 0], w)]
+    for key, src in cache["sources"].items():
+        m = config.compress_ratios[int(key)]
+        kv, keys = np.asarray(PC.read(src["kv"])), np.asarray(PC.read(src["keys"]))
+        for r in rows:
+            out[f"{key}/kv/{r}"] = kv[r, :length[r] // m]
+            out[f"{key}/keys/{r}"] = keys[r, :length[r] // m]
+            if m > 1:
+                out[f"{key}/buf/{r}"] = np.concatenate([np.asarray(src["buf_kv"])[r, :length[r] % m],
+                                                        np.asarray(src["buf_gate"])[r, :length[r] % m]])
+    return out
+
+
 def abstract_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *, packed: bool = False):
     """ShapeDtypeStructs of :func:`init_cache` (nothing allocated)."""
     return jax.eval_shape(lambda: _make_cache(config, batch, max_len, jnp.dtype(dtype), packed))
@@ -222,5 +249,6 @@ def tree_bytes(tree) -> int:
     return int(sum(np.prod(x.shape, dtype=np.int64) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
-__all__ = ["CacheError", "cache_capacity", "check_capacity", "source_entries", "init_cache", "abstract_cache", "kv_sources", "CacheFootprint", "cache_footprint",
+__all__ = ["CacheError", "cache_capacity", "check_capacity", "source_entries", "init_cache", "abstract_cache",
+           "visible_state", "kv_sources", "CacheFootprint", "cache_footprint",
            "cache_bytes_per_token", "cache_bytes", "tree_bytes"]

@@ -145,6 +145,42 @@ def decode_chain(params, cache, state: dict, engram_hash: DeviceEngramHash | Non
               seeds, stops, max_new, room, config=config, opts=opts, sampler=check_sampler(sampler))
 
 
+def run_device_loop(dispatch, plan, consume, *, pipeline: bool = True) -> int:
+    """Drive a self-feeding decode loop (``decode_chain``) in runs of steps, each run read back in one transfer.
+
+    ``dispatch(first, n)``: enqueue steps ``first .. first + n - 1`` (asynchronously: JAX returns before the device
+    has run them) and return the run's read-back, a device array not yet read. ``plan(read, queued)``: the length of
+    the next run, given ``read`` steps read back and accounted and ``queued`` steps dispatched in all; 0 when no
+    further step can be needed. ``consume(readback, first, n)``: read the run back, account its tokens; False ends
+    the loop. Returns the number of steps dispatched.
+
+    Unpipelined, a run is dispatched after the previous one is read back, so the device idles while the host waits
+    for the transfer, accounts the tokens and dispatches the next run's first step. Pipelined (default), the next
+    run is dispatched before the current one is read back, so the device always has a run queued. The host then
+    decides each run one run late: ``plan`` bounds it by the steps still possible after those in flight (so no run
+    is dispatched that a length limit rules out), but a run dispatched after every slot has ended on a stop token
+    is only learnt to be useless once dispatched. Such steps change nothing: ``decode_chain`` feeds only the slots
+    still active on the device (an ended slot writes no cache entry, keeps its length and generated count) and
+    ``consume`` accounts only the host's active slots; the readback of each run is its own array (the state is not
+    donated), so reading run n after dispatching run n + 1 reads run n's tokens."""
+    pending = []  # (readback, first step, steps) of the runs dispatched and not yet read back
+    read = queued = 0
+    while True:
+        while len(pending) < (2 if pipeline else 1):
+            n = plan(read, queued)
+            if n <= 0:
+                break
+            pending.append((dispatch(queued, n), queued, n))
+            queued += n
+        if not pending:
+            return queued
+        buf, first, n = pending.pop(0)
+        alive = consume(buf, first, n)
+        read += n
+        if not alive:
+            return queued
+
+
 def decode_step(params: dict, cache: dict, tokens, engram_ids=None, active=None, *, config: ModelConfig,
                 opts: InferenceOptions = InferenceOptions()):
     """Feed one token per slot: ``tokens`` int [B]; ``engram_ids`` int32 [B, n_engram_layers, n_hash_cols] (the
@@ -173,4 +209,4 @@ def decode_step(params: dict, cache: dict, tokens, engram_ids=None, active=None,
                            config=config, opts=opts)
 
 
-__all__ = ["DecodeError", "decode_step", "decode_step_jit", "decode_and_sample", "decode_chain"]
+__all__ = ["DecodeError", "decode_step", "decode_step_jit", "decode_and_sample", "decode_chain", "run_device_loop"]

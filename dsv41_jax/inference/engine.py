@@ -34,7 +34,7 @@ import numpy as np
 from dsv41_jax.compilation_cache import enable_compilation_cache
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.inference.cache import CacheFootprint, abstract_cache, cache_footprint, init_cache, tree_bytes
-from dsv41_jax.inference.decode import decode_and_sample, decode_chain, decode_step_jit
+from dsv41_jax.inference.decode import decode_and_sample, decode_chain, decode_step_jit, run_device_loop
 from dsv41_jax.inference.prefill import DEFAULT_PREFILL_CHUNK, default_prefill_chunk, prefill as _prefill
 from dsv41_jax.inference.sampling import SamplingError, SamplingParams, sample_jit, sampler_for
 from dsv41_jax.inference.step import InferenceOptions, check_ced_plan, grouped_prefill_moe
@@ -169,7 +169,7 @@ class Engine:
                  tokenizer=None, hasher=None, prefill_chunk: int | None = None,
                  options: InferenceOptions = InferenceOptions(), cache_dtype=None, weights: str | None = None,
                  cache: str = "bf16", compilation_cache=None, decode_loop: str = "device",
-                 readback_every: int = 8, engram_tables: str = "auto"):
+                 readback_every: int = 8, decode_pipeline: bool = True, engram_tables: str = "auto"):
         """``compilation_cache``: JAX's persistent compilation cache — None (default: on, under
         ``$XDG_CACHE_HOME/dsv41_jax`` or ``~/.cache/dsv41_jax``, unless ``DSV41_COMPILATION_CACHE=off``), False (off),
         True, or a directory (``dsv41_jax.compilation_cache``).
@@ -178,7 +178,11 @@ class Engine:
         n-grams and feeds its own samples on the device, so steps are dispatched back to back and their tokens
         read back every ``readback_every`` steps; ``on_token`` is then called in runs of up to that many) or
         ``"host"`` (the tokens read back after every step, the previous loop; their Engram n-grams are hashed on the
-        device too).
+        device too). ``decode_pipeline`` (device loop; default True): dispatch each run of steps before the
+        previous run is read back, so the device does not idle while the host reads back, accounts and dispatches
+        (``inference.decode.run_device_loop``); the tokens, ends, cache and Engram look-back are those of the
+        unpipelined loop (False), but a batch whose every sequence ends on a stop token runs up to one more run of
+        steps, whose tokens are discarded.
 
         ``prefill_chunk``: prompt tokens per prefill chunk program; None (default): 512, or on a Hopper GPU with the
         grouped expert GEMM for prefill (bf16 / float weights) up to 4096 while max_batch x chunk <= 4096
@@ -200,6 +204,8 @@ class Engine:
             raise EngineError(f"decode_loop must be 'device' or 'host', got {decode_loop!r}")
         if not isinstance(readback_every, int) or isinstance(readback_every, bool) or readback_every <= 0:
             raise EngineError(f"readback_every must be a positive integer, got {readback_every!r}")
+        if not isinstance(decode_pipeline, bool):
+            raise EngineError(f"decode_pipeline must be True or False, got {decode_pipeline!r}")
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool)
                                           or prefill_chunk <= 0):
             raise EngineError(f"prefill_chunk must be a positive integer or None, got {prefill_chunk!r}")
@@ -230,6 +236,7 @@ class Engine:
         self.refill_chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk  # batcher() default
         self.decode_loop = decode_loop
         self.readback_every = readback_every
+        self.decode_pipeline = decode_pipeline
         self.options = options
         self.tokenizer = tokenizer
         if hasher is None and config.engram_layer_ids:
@@ -510,7 +517,10 @@ class Engine:
         Steps are dispatched in runs of up to ``readback_every`` (the first run is one step, so that
         ``first_step_s`` is the compile); each run's tokens come back at once and ``account`` replays them on the
         host, with the same ends as the device's (checked). A run is never longer than the most steps any active
-        slot can still take, so only slots ended early by a stop token waste steps. Returns the steps run."""
+        slot can still take, so only slots ended early by a stop token waste steps. With ``decode_pipeline`` the
+        next run is dispatched before this one is read back (``decode.run_device_loop``), so the device never waits
+        for the host; a batch that ends on stop tokens then also dispatches (and discards) up to one more run.
+        Returns the steps dispatched."""
         b = self.max_batch
         stops = stop_token_table(b, {s: v[2] for s, v in info.items()})
         max_new = np.zeros((b,), np.int32)
@@ -528,28 +538,39 @@ class Engine:
             state["engram_history"] = jnp.asarray(device_history(self._hist))
         limits = tuple(jnp.asarray(a) for a in (stops, max_new, room))
         state = self._on_device(state)
-        steps = 0
-        while active.any():
-            left = [min(max_new[s] - len(out[info[s][0]]), room[s] - len(out[info[s][0]]) + 1)
-                    for s in np.flatnonzero(active)]
-            n = 1 if steps == 0 else max(1, min(self.readback_every, max(left)))
-            fed = int(active.sum())
+        r = self.readback_every
+
+        def plan(read: int, queued: int) -> int:
+            # the most steps an active slot may still take after the `queued - read` steps in flight (the host knows
+            # the slots' outputs up to `read`); the first run is one step, so that first_step_s is the compile
+            if not active.any():
+                return 0
+            left = max(min(max_new[s] - len(out[info[s][0]]), room[s] - len(out[info[s][0]]) + 1)
+                       for s in np.flatnonzero(active))
+            return 1 if queued == 0 else int(min(r, left - (queued - read)))
+
+        def dispatch(first: int, n: int):
+            nonlocal state
             for _ in range(n):
                 _tok, state, self.cache = decode_chain(self.params, self.cache, state, tables, *samp, *limits,
                                                        config=self.config, opts=self.options, sampler=sampler)
+            return state["readback"]
+
+        def consume(readback, first: int, n: int) -> bool:
+            fed = int(active.sum())
             # one transfer for the run: its tokens and the slots the device still feeds (decode_chain's readback)
-            buf = np.asarray(state["readback"])
-            rows = [buf[(steps + i) % self.readback_every] for i in range(n)]
-            device_active = buf[-1].astype(bool)
-            for row in rows:
+            buf = np.asarray(readback)
+            for i in range(n):
                 if not active.any():
                     break
-                account(row)
-            if steps == 0:
+                account(buf[(first + i) % r])
+            if first == 0:
                 stats.first_step_s = time.perf_counter() - t0
                 stats.first_step_tokens = fed
-            steps += n
-            check_device_ends(active, device_active)
+            check_device_ends(active, buf[-1].astype(bool))
+            return bool(active.any())
+
+        steps = run_device_loop(dispatch, plan, consume, pipeline=self.decode_pipeline)
         if self.hasher is not None:
             self._hist = self._fed_history(hist0, info, out)
         return steps
