@@ -107,17 +107,24 @@ from dsv41_jax.train.step import make_train_step  # noqa: E402
 EXCLUDE = "test,tests,idle_test,site-packages,dist-packages,__pycache__,asyncio"  # asyncio: the held-out prompts
 
 
-def target_config(smoke: bool, block_size: int = 5):
-    """The target + drafter configuration (see the module docstring); ``block_size``: the drafter's block (γ)."""
+def target_config(smoke: bool, block_size: int = 5, experts: int | None = None, topk: int | None = None,
+                  drafter_experts: int | None = None):
+    """The target + drafter configuration (see the module docstring); ``block_size``: the drafter's block (γ).
+    ``experts`` / ``topk``: the target's routed experts and picks per token (default 16 / 6), ``drafter_experts``:
+    the drafter's routed experts (default 8, top-1) — the recipe's MoE shape, which sets how many bytes a
+    verification step reads against a plain one (``benchmarks/dspark_recipe_bytes.py``)."""
     common = dict(vocab_size=259, num_hidden_layers=4, compress_ratios=(0, 2, 2, 1), kv_source_layer_ids=(1, 3),
                   index_source_layer_ids=(1, 3), candidate_source_layer_id=3, engram_layer_ids=(),
                   engram_num_embeddings=(), num_nextn_predict_layers=1, dspark_target_layer_ids=(1, 2, 3),
                   dspark_noise_token_id=258, dspark_block_size=block_size, quant_sim=False)
     if smoke:  # the default model's toy widths
-        return load_config("default").replace(name="spec-smoke", **common, dspark_n_routed_experts=4,
+        moe = {k: v for k, v in (("n_routed_experts", experts), ("num_experts_per_tok", topk)) if v is not None}
+        return load_config("default").replace(name="spec-smoke", **common, **moe,
+                                              dspark_n_routed_experts=drafter_experts or 4,
                                               dspark_num_experts_per_tok=1, dspark_markov_rank=16)
-    return load_config("flash").replace(name="spec-h200", **common, n_routed_experts=16, num_experts_per_tok=6,
-                                        dspark_n_routed_experts=8, dspark_num_experts_per_tok=1,
+    return load_config("flash").replace(name="spec-h200", **common, n_routed_experts=experts or 16,
+                                        num_experts_per_tok=topk or 6,
+                                        dspark_n_routed_experts=drafter_experts or 8, dspark_num_experts_per_tok=1,
                                         dspark_markov_rank=64)
 
 
@@ -439,6 +446,15 @@ def main(argv=None):
                     "timed alone at full width), prefix one step program per chunk width")
     ap.add_argument("--sample-batches", default="1", help="batches that run the sampled rows (~T) of --variants")
     ap.add_argument("--block-size", type=int, default=5, help="the drafter's block size (drafts per step, γ)")
+    ap.add_argument("--target-experts", type=int, default=None, help="the target's routed experts (default 16; "
+                    "--smoke: the default model's 8)")
+    ap.add_argument("--target-topk", type=int, default=None, help="the target's routed experts per token (default 6; "
+                    "--smoke: 2)")
+    ap.add_argument("--drafter-experts", type=int, default=None, help="the drafter's routed experts, top-1 "
+                    "(default 8; --smoke: 4)")
+    ap.add_argument("--ce-weight", type=float, default=None, help="the drafter loss's weight on cross-entropy "
+                    "against the target's greedy tokens (default DSparkTrainOptions': 0.1, beside 0.9 on the "
+                    "total variation to the target's distribution); 0 = distillation on the distribution alone")
     ap.add_argument("--threshold", type=float, default=0.5, help="the threshold rows' survival threshold (> 1: "
                     "every step verifies the pending token alone, in the full-width chunk)")
     ap.add_argument("--trace-batches", default="", help="batches whose rows also run once under jax.profiler.trace: "
@@ -470,6 +486,8 @@ def main(argv=None):
             bad.append(str(e))
     if bad:
         ap.error("--variants: " + "; ".join(bad))
+    if args.ce_weight is not None and args.ce_weight < 0:
+        ap.error(f"--ce-weight must be >= 0, got {args.ce_weight}")
     if "plain" not in variants:
         variants.insert(0, "plain")  # every speculative row is a ratio against it
     for v in list(variants):  # and every sampled row against plain sampling at its temperature
@@ -521,11 +539,14 @@ def main(argv=None):
         faulthandler.enable(file=stacks)  # a real crash writes its thread's stack here
         stop_watch = stack_watchdog(watchdog, stacks, t_start)
 
-    config = target_config(smoke, args.block_size)
+    config = target_config(smoke, args.block_size, args.target_experts, args.target_topk, args.drafter_experts)
     counts = count_params(config)
     record = dict(config=config.name, device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=" ".join(sys.argv),
                   params=dict(backbone=counts.backbone, dspark=counts.dspark, active_decode=counts.active_decode),
+                  moe=dict(target_experts=config.n_routed_experts, target_topk=config.num_experts_per_tok,
+                           drafter_experts=config.dspark_n_routed_experts,
+                           drafter_topk=config.dspark_num_experts_per_tok),
                   xla_flags=os.environ.get("XLA_FLAGS", ""), variants=variants, stages={}, rows=[],
                   compiles=compiles)
 
@@ -550,7 +571,8 @@ def main(argv=None):
                      min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0, compute_dtype="float32" if cpu else "bfloat16",
                      quant_sim=False)
     tcd = tc.replace(lr=1e-3, seed=1)
-    opts_d = DSparkTrainOptions(anchors=8 if smoke else 32, labels="target")
+    opts_d = DSparkTrainOptions(anchors=8 if smoke else 32, labels="target",
+                                **({} if args.ce_weight is None else dict(ce_weight=args.ce_weight)))
 
     # ---- decoding setup: engines on zero parameters, their programs compiled beside the target's training ----
     # ced=False: the drafter's target layers include encoder layers (1, 2), which CED prefill runs before the
