@@ -22,7 +22,9 @@ Recipe (``--smoke`` shrinks every size; the numbers below are the defaults):
 1. Target ``spec-h200``: the release's layer width (d 5120, 64 heads x 512, q LoRA 1280, 8 x 1024 output groups,
    expert width 2304) with 4 layers (roles 0 SWA · 1 ratio-2 Full · 2 ratio-2 Reuse · 3 ratio-1 Full), 16 routed
    experts top-6 + 1 shared, no Engram, byte vocabulary (259), fake quantisation off: 2.94 B backbone parameters,
-   1.52 B active per decoded token (≈ 3 GB of bf16 weights read per batch-1 step). Trained from random
+   1.52 B active per decoded token (≈ 3 GB of bf16 weights read per batch-1 step); ``--target-experts`` /
+   ``--target-topk`` / ``--drafter-experts`` change the MoE shape (a verification chunk reads the union of its
+   tokens' picks: ``benchmarks/dspark_recipe_bytes.py``; call 11 ran 8 / 6 / 4). Trained from random
    initialisation on the Python standard library's sources (``asyncio`` held out), rows of 512 bytes, batch 8,
    AdamW lr 5e-4 (warm-up 30, cosine to 10 %), bf16 compute / float32 masters, for as many steps as fit
    ``--target-s`` seconds after compilation (the step time measured on steps 2-6 and again at every logged
@@ -95,7 +97,7 @@ from dsv41_jax.inference import Engine, InferenceOptions  # noqa: E402
 from dsv41_jax.inference.engine import compile_seconds  # noqa: E402
 from dsv41_jax.inference.speculative import SpeculativeDecoder  # noqa: E402
 from dsv41_jax.inference.step import FAST_COMPILE  # noqa: E402
-from dsv41_jax.model.counting import count_params, per_layer_params  # noqa: E402
+from dsv41_jax.model.counting import count_params, expected_distinct_experts, per_layer_params  # noqa: E402
 from dsv41_jax.model.params import abstract_params, flat_specs  # noqa: E402
 from dsv41_jax.tokenizer import ByteTokenizer  # noqa: E402
 from dsv41_jax.train.config import TrainConfig  # noqa: E402
@@ -237,7 +239,7 @@ def step_bytes(config, batch: int) -> dict:
     layers = per_layer_params(c)
     routed = sum(layer["routed experts"][0] for layer in layers)
     other = sum(n for layer in layers for comp, (n, _) in layer.items() if comp != "routed experts")
-    touched = 1 - (1 - c.num_experts_per_tok / c.n_routed_experts) ** batch
+    touched = expected_distinct_experts(c.n_routed_experts, c.num_experts_per_tok, batch) / c.n_routed_experts
     head = c.vocab_size * c.hidden_size
     return dict(routed=2 * routed, other=2 * other, head=2 * head, touched_fraction=touched,
                 total=2 * (other + touched * routed + head))

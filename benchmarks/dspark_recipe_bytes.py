@@ -28,14 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_dspark_h200 import target_config  # noqa: E402
 from dsv41_jax.config import load_config  # noqa: E402
+from dsv41_jax.model.counting import expected_distinct_experts as union  # noqa: E402
 from dsv41_jax.model.params import flat_specs  # noqa: E402
-
-
-def union(experts: int, topk: int, tokens: int) -> float:
-    """Expected distinct experts ``tokens`` tokens pick, each ``topk`` of ``experts`` uniformly."""
-    if not 0 < topk <= experts or tokens < 1:
-        raise ValueError(f"union: need 0 < topk <= experts and tokens >= 1, got {experts=} {topk=} {tokens=}")
-    return experts * (1 - (1 - topk / experts) ** tokens)
 
 
 def step_bytes(config) -> dict:
