@@ -22,7 +22,9 @@ Recipe (``--smoke`` shrinks every size; the numbers below are the defaults):
 1. Target ``spec-h200``: the release's layer width (d 5120, 64 heads x 512, q LoRA 1280, 8 x 1024 output groups,
    expert width 2304) with 4 layers (roles 0 SWA · 1 ratio-2 Full · 2 ratio-2 Reuse · 3 ratio-1 Full), 16 routed
    experts top-6 + 1 shared, no Engram, byte vocabulary (259), fake quantisation off: 2.94 B backbone parameters,
-   1.52 B active per decoded token (≈ 3 GB of bf16 weights read per batch-1 step). Trained from random
+   1.52 B active per decoded token (≈ 3 GB of bf16 weights read per batch-1 step); ``--target-experts`` /
+   ``--target-topk`` / ``--drafter-experts`` change the MoE shape (a verification chunk reads the union of its
+   tokens' picks: ``benchmarks/dspark_recipe_bytes.py``; call 11 ran 8 / 6 / 4). Trained from random
    initialisation on the Python standard library's sources (``asyncio`` held out), rows of 512 bytes, batch 8,
    AdamW lr 5e-4 (warm-up 30, cosine to 10 %), bf16 compute / float32 masters, for as many steps as fit
    ``--target-s`` seconds after compilation (the step time measured on steps 2-6 and again at every logged
@@ -95,7 +97,7 @@ from dsv41_jax.inference import Engine, InferenceOptions  # noqa: E402
 from dsv41_jax.inference.engine import compile_seconds  # noqa: E402
 from dsv41_jax.inference.speculative import SpeculativeDecoder  # noqa: E402
 from dsv41_jax.inference.step import FAST_COMPILE  # noqa: E402
-from dsv41_jax.model.counting import count_params, per_layer_params  # noqa: E402
+from dsv41_jax.model.counting import count_params, expected_distinct_experts, per_layer_params  # noqa: E402
 from dsv41_jax.model.params import abstract_params, flat_specs  # noqa: E402
 from dsv41_jax.tokenizer import ByteTokenizer  # noqa: E402
 from dsv41_jax.train.config import TrainConfig  # noqa: E402
@@ -107,17 +109,24 @@ from dsv41_jax.train.step import make_train_step  # noqa: E402
 EXCLUDE = "test,tests,idle_test,site-packages,dist-packages,__pycache__,asyncio"  # asyncio: the held-out prompts
 
 
-def target_config(smoke: bool, block_size: int = 5):
-    """The target + drafter configuration (see the module docstring); ``block_size``: the drafter's block (γ)."""
+def target_config(smoke: bool, block_size: int = 5, experts: int | None = None, topk: int | None = None,
+                  drafter_experts: int | None = None):
+    """The target + drafter configuration (see the module docstring); ``block_size``: the drafter's block (γ).
+    ``experts`` / ``topk``: the target's routed experts and picks per token (default 16 / 6), ``drafter_experts``:
+    the drafter's routed experts (default 8, top-1) — the recipe's MoE shape, which sets how many bytes a
+    verification step reads against a plain one (``benchmarks/dspark_recipe_bytes.py``)."""
     common = dict(vocab_size=259, num_hidden_layers=4, compress_ratios=(0, 2, 2, 1), kv_source_layer_ids=(1, 3),
                   index_source_layer_ids=(1, 3), candidate_source_layer_id=3, engram_layer_ids=(),
                   engram_num_embeddings=(), num_nextn_predict_layers=1, dspark_target_layer_ids=(1, 2, 3),
                   dspark_noise_token_id=258, dspark_block_size=block_size, quant_sim=False)
     if smoke:  # the default model's toy widths
-        return load_config("default").replace(name="spec-smoke", **common, dspark_n_routed_experts=4,
+        moe = {k: v for k, v in (("n_routed_experts", experts), ("num_experts_per_tok", topk)) if v is not None}
+        return load_config("default").replace(name="spec-smoke", **common, **moe,
+                                              dspark_n_routed_experts=drafter_experts or 4,
                                               dspark_num_experts_per_tok=1, dspark_markov_rank=16)
-    return load_config("flash").replace(name="spec-h200", **common, n_routed_experts=16, num_experts_per_tok=6,
-                                        dspark_n_routed_experts=8, dspark_num_experts_per_tok=1,
+    return load_config("flash").replace(name="spec-h200", **common, n_routed_experts=experts or 16,
+                                        num_experts_per_tok=topk or 6,
+                                        dspark_n_routed_experts=drafter_experts or 8, dspark_num_experts_per_tok=1,
                                         dspark_markov_rank=64)
 
 
@@ -230,7 +239,7 @@ def step_bytes(config, batch: int) -> dict:
     layers = per_layer_params(c)
     routed = sum(layer["routed experts"][0] for layer in layers)
     other = sum(n for layer in layers for comp, (n, _) in layer.items() if comp != "routed experts")
-    touched = 1 - (1 - c.num_experts_per_tok / c.n_routed_experts) ** batch
+    touched = expected_distinct_experts(c.n_routed_experts, c.num_experts_per_tok, batch) / c.n_routed_experts
     head = c.vocab_size * c.hidden_size
     return dict(routed=2 * routed, other=2 * other, head=2 * head, touched_fraction=touched,
                 total=2 * (other + touched * routed + head))
@@ -439,6 +448,15 @@ def main(argv=None):
                     "timed alone at full width), prefix one step program per chunk width")
     ap.add_argument("--sample-batches", default="1", help="batches that run the sampled rows (~T) of --variants")
     ap.add_argument("--block-size", type=int, default=5, help="the drafter's block size (drafts per step, γ)")
+    ap.add_argument("--target-experts", type=int, default=None, help="the target's routed experts (default 16; "
+                    "--smoke: the default model's 8)")
+    ap.add_argument("--target-topk", type=int, default=None, help="the target's routed experts per token (default 6; "
+                    "--smoke: 2)")
+    ap.add_argument("--drafter-experts", type=int, default=None, help="the drafter's routed experts, top-1 "
+                    "(default 8; --smoke: 4)")
+    ap.add_argument("--ce-weight", type=float, default=None, help="the drafter loss's weight on cross-entropy "
+                    "against the target's greedy tokens (default DSparkTrainOptions': 0.1, beside 0.9 on the "
+                    "total variation to the target's distribution); 0 = distillation on the distribution alone")
     ap.add_argument("--threshold", type=float, default=0.5, help="the threshold rows' survival threshold (> 1: "
                     "every step verifies the pending token alone, in the full-width chunk)")
     ap.add_argument("--trace-batches", default="", help="batches whose rows also run once under jax.profiler.trace: "
@@ -470,6 +488,8 @@ def main(argv=None):
             bad.append(str(e))
     if bad:
         ap.error("--variants: " + "; ".join(bad))
+    if args.ce_weight is not None and args.ce_weight < 0:
+        ap.error(f"--ce-weight must be >= 0, got {args.ce_weight}")
     if "plain" not in variants:
         variants.insert(0, "plain")  # every speculative row is a ratio against it
     for v in list(variants):  # and every sampled row against plain sampling at its temperature
@@ -521,11 +541,14 @@ def main(argv=None):
         faulthandler.enable(file=stacks)  # a real crash writes its thread's stack here
         stop_watch = stack_watchdog(watchdog, stacks, t_start)
 
-    config = target_config(smoke, args.block_size)
+    config = target_config(smoke, args.block_size, args.target_experts, args.target_topk, args.drafter_experts)
     counts = count_params(config)
     record = dict(config=config.name, device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=" ".join(sys.argv),
                   params=dict(backbone=counts.backbone, dspark=counts.dspark, active_decode=counts.active_decode),
+                  moe=dict(target_experts=config.n_routed_experts, target_topk=config.num_experts_per_tok,
+                           drafter_experts=config.dspark_n_routed_experts,
+                           drafter_topk=config.dspark_num_experts_per_tok),
                   xla_flags=os.environ.get("XLA_FLAGS", ""), variants=variants, stages={}, rows=[],
                   compiles=compiles)
 
@@ -550,7 +573,8 @@ def main(argv=None):
                      min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0, compute_dtype="float32" if cpu else "bfloat16",
                      quant_sim=False)
     tcd = tc.replace(lr=1e-3, seed=1)
-    opts_d = DSparkTrainOptions(anchors=8 if smoke else 32, labels="target")
+    opts_d = DSparkTrainOptions(anchors=8 if smoke else 32, labels="target",
+                                **({} if args.ce_weight is None else dict(ce_weight=args.ce_weight)))
 
     # ---- decoding setup: engines on zero parameters, their programs compiled beside the target's training ----
     # ced=False: the drafter's target layers include encoder layers (1, 2), which CED prefill runs before the

@@ -101,6 +101,7 @@ from dsv41_jax.config import ModelConfig  # noqa: E402
 from dsv41_jax.inference.cache import init_cache  # noqa: E402
 from dsv41_jax.inference.decode import decode_and_sample  # noqa: E402
 from dsv41_jax.inference.step import InferenceOptions  # noqa: E402
+from dsv41_jax.model.counting import expected_distinct_experts  # noqa: E402
 from dsv41_jax.model.params import init_params  # noqa: E402
 from dsv41_jax.plan import FULL, REINDEX  # noqa: E402
 
@@ -141,7 +142,7 @@ def step_bytes(config: ModelConfig, params, batch: int, context: int, cache: str
         raise ValueError(f"step_bytes: cache must be 'bf16' or 'release', got {cache!r}")
     c = config
     n_exp, k = c.n_routed_experts, c.num_experts_per_tok
-    used = n_exp * (1 - (1 - k / n_exp) ** batch)  # expected distinct routed experts per layer
+    used = expected_distinct_experts(n_exp, k, batch)  # expected distinct routed experts per layer
     parts = collections.Counter()
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         key = jax.tree_util.keystr(path)

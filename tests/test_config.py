@@ -1,9 +1,11 @@
 """Configuration: the released values, the derived layer plan, and clear errors for invalid combinations."""
 
+import itertools
+
 import pytest
 
 from dsv41_jax import ConfigError, ModelConfig, load_config
-from dsv41_jax.model.counting import count_params
+from dsv41_jax.model.counting import count_params, expected_distinct_experts
 from dsv41_jax.plan import FULL, REINDEX, REUSE, SWA
 
 
@@ -35,6 +37,16 @@ def test_flash_param_counts_reproduce_release():
     assert 7.5e9 < counts.active_prefill < 8.5e9  # ≈8B active per prompt token (CED)
     assert 15.5e9 < counts.active_decode < 16.5e9  # ≈16B active per generated token
     assert counts.total == counts.backbone + counts.engram + counts.dspark
+
+
+def test_expected_distinct_experts_is_the_mean_union_of_uniform_picks():
+    # every way 3 tokens can each pick 2 of 5 experts, equally likely: the mean size of their union
+    picks = list(itertools.combinations(range(5), 2))
+    unions = [len(set(a) | set(b) | set(c)) for a, b, c in itertools.product(picks, repeat=3)]
+    assert expected_distinct_experts(5, 2, 3) == pytest.approx(sum(unions) / len(unions), rel=1e-12)
+    assert expected_distinct_experts(16, 6, 1) == pytest.approx(6) and expected_distinct_experts(8, 8, 4) == 8
+    with pytest.raises(ValueError, match="topk"):
+        expected_distinct_experts(8, 9, 1)
 
 
 def test_hf_config_roundtrip_and_defaults():

@@ -74,6 +74,16 @@ def count_params(config: ModelConfig) -> ParamCounts:
     return ParamCounts(total, backbone, engram, tables, dspark, active_decode, active_prefill, embedding)
 
 
+def expected_distinct_experts(experts: int, topk: int, tokens: int) -> float:
+    """Expected number of distinct routed experts ``tokens`` tokens pick, each its own ``topk`` of ``experts``
+    under uniform routing: experts * (1 - (1 - topk / experts) ** tokens). The experts a decode batch of that many
+    tokens — or a speculative verification chunk — must read per layer (a plain one-token step reads ``topk``)."""
+    if not 0 < topk <= experts or tokens < 0:
+        raise ValueError(f"expected_distinct_experts: need 0 < topk <= experts and tokens >= 0, got "
+                         f"experts={experts}, topk={topk}, tokens={tokens}")
+    return experts * (1 - (1 - topk / experts) ** tokens)
+
+
 def _component(parts: list[str]) -> str:
     if parts[2] == "engram":
         return "Engram tables" if parts[3] == "embed" else "Engram projections"
