@@ -123,6 +123,32 @@ def test_sequence_attention_fwd_and_grads(backend):
             _close(a, b_, 1e-4)
 
 
+def test_banded_chunk_attention_equals_the_mapped_reference():
+    """A prefill chunk longer than the query block (ring of W rows, then the chunk's): the banded kernel call (each
+    query scans only its window's rows) equals the reference mapped over query blocks. A ring partly empty (pos0 <
+    W) and a full one, padded chunk rows (no key), a floor, top-k with -1 padding; window < W so the band's span
+    starts inside the ring."""
+    from dsv41_jax.inference.step import chunk_attention, ring_positions
+
+    rng = np.random.default_rng(12)
+    b, c, w, window, h, d, n, k = 2, 11, 8, 6, 4, 32, 9, 5
+    pos0 = jnp.asarray([3, 20], jnp.int32)
+    n_valid = jnp.asarray([9, 11], jnp.int32)
+    pos = pos0[:, None] + jnp.arange(c, dtype=jnp.int32)[None]
+    win_pos = jnp.concatenate([ring_positions(pos0, w), jnp.where(jnp.arange(c)[None] < n_valid[:, None], pos, -1)],
+                              axis=1)
+    q = jnp.asarray(rng.normal(size=(b, c, h, d)), jnp.float32)
+    win_kv = jnp.asarray(rng.normal(size=(b, w + c, d)), jnp.float32)
+    ckv = jnp.asarray(rng.normal(size=(b, n, d)), jnp.float32)
+    topk = jnp.asarray(rng.integers(-1, n, size=(b, c, k)), jnp.int32)
+    sink = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
+    floor = jnp.asarray([0, 17], jnp.int32)
+    args = (q, pos, win_kv, win_pos, ckv, topk, sink)
+    want = chunk_attention(*args, window=window, floor=floor, q_block=4, backend="reference")
+    got = chunk_attention(*args, window=window, floor=floor, q_block=4, backend="pallas_gpu_interpret", banded=True)
+    _close(got, want, 1e-5)
+
+
 def test_sequence_attention_bwd_rotated_loop_order():
     """The GPU backward with ``bwd_rotate`` (each program starts its window / selected-row loops at its own block:
     3 window blocks and 3 selected-row blocks of 16 rows here) gives the reference gradients."""

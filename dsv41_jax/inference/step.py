@@ -105,6 +105,11 @@ class InferenceOptions:
     fp4_grouped_tuning: tuple = ()  # (name, value) pairs for the grouped FP4 expert kernel (kernels.quant_gemm_gpu.
     #                                 fp4_grouped_gemm: mma_rows, decode, block sizes; empty: its defaults) — to
     #                                 measure one form against another in one run
+    banded_chunk_attention: bool | None = None  # a chunk of more than ``query_chunk`` queries attends in one kernel
+    #                             call where each query scans only its own window's rows (``kernels.sparse_attention``
+    #                             ``band``) instead of a map over query blocks that each scan the ring plus the whole
+    #                             block; None: on the "pallas_gpu" backends (other backends keep the map: the
+    #                             reference's per-block scores bound its memory; the TPU kernel is not measured so)
     packed_cache_kernels: bool = False  # with cache="release" on the GPU kernels: the sparse attention and the
     #                                     indexer read the packed window ring, compressed KV and keys and dequantise
     #                                     in registers, instead of unpacking whole buffers first. Equal to the
@@ -416,12 +421,20 @@ def streaming_select(q, weights, keys, q_pos, *, ratio: int, topk: int, block_si
 # ----------------------------------------------------------------------------------------------------------
 
 def chunk_attention(q, pos, win_kv, win_pos, compressed, topk, sink, *, window: int, floor, q_block: int,
-                    backend: str = "auto", win_ring=None):
+                    backend: str = "auto", win_ring=None, banded: bool = False):
     """q [B, C, H, D] at pos [B, C]; window keys [B, W + C, D] where index k holds position pos0 - W + k.
     ``win_ring`` (one query block only): (ring, pos0), the first W window keys read from the ring itself and
-    ``win_kv`` [B, C, D] the chunk's (``kernels.sparse_attention``)."""
+    ``win_kv`` [B, C, D] the chunk's (``kernels.sparse_attention``). ``banded``: a chunk of more than ``q_block``
+    queries runs as one kernel call in which each query scans only its window's rows (that layout is
+    ``kernels.sparse_attention``'s ``band``), not as a map over query blocks each scanning W + q_block rows."""
     b, t = q.shape[:2]
     sparse_attention = functools.partial(kernels.sparse_attention, backend=backend)
+    if banded and t > q_block and win_ring is None:
+        # On an H200 the map's blocks ran the 256-query tiling (32 heads per program: every selected row read twice)
+        # over 384 window rows per query and copied each block's queries out; the one call takes the prefill tiling
+        # (benchmarks/RESULTS.md, 2026-12-03: the 32K CED prefill's sparse attention)
+        return sparse_attention(q, pos, win_kv, win_pos, compressed, topk, sink, window=window, floor=floor,
+                                band=True)
     if t <= q_block:
         return sparse_attention(q, pos, win_kv, win_pos, compressed, topk, sink, window=window, floor=floor,
                                 win_ring=win_ring)
@@ -498,7 +511,8 @@ def attention_step(p: dict, x: jax.Array, spec: LayerSpec, pos: jax.Array, pos0:
 
     floor = cache["floor"] if spec.stack == "decoder" else 0
     out = chunk_attention(q, pos, win_kv, win_pos, compressed, topk, p["attn_sink"], window=c.sliding_window,
-                          floor=floor, q_block=opts.query_chunk, backend=opts.kernel_backend, win_ring=win_ring)
+                          floor=floor, q_block=opts.query_chunk, backend=opts.kernel_backend, win_ring=win_ring,
+                          banded=banded_chunk_attention(opts))
     return attention_output(p, out, cos, sin, c), cache, shared
 
 
@@ -514,6 +528,11 @@ def _gemm_view(params: dict, config: ModelConfig, opts: InferenceOptions) -> dic
 
 def _auto(flag: bool | None, default: bool) -> bool:
     return default if flag is None else flag
+
+
+def banded_chunk_attention(opts: InferenceOptions) -> bool:
+    """Whether long chunks attend in one banded kernel call (``InferenceOptions.banded_chunk_attention``)."""
+    return _auto(opts.banded_chunk_attention, kernels.resolve_backend(opts.kernel_backend).startswith("pallas_gpu"))
 
 
 def grouped_prefill_moe(opts: InferenceOptions) -> bool:

@@ -334,7 +334,7 @@ def _floor_vec(floor, b):
 
 def sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, *, window: int, floor=0,
                      scale: float | None = None, q_seg=None, k_seg=None, backend: str = "auto",
-                     tuning: dict | None = None, win_ring=None):
+                     tuning: dict | None = None, win_ring=None, band: bool = False):
     """Decode / explicit-window form; same contract as ``ops.attention.sparse_attention``.
 
     q [B, C, H, D]; q_pos [B, C]; win_kv [B, L, D] with positions win_pos [B, L] (< 0 = empty);
@@ -348,7 +348,14 @@ def sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, *, wi
     ``win_ring`` = (ring [B, R, D] array or packed buffer, base [B] int32): the window's first R rows are the ring's
     slots in window order (:func:`ring_rows`) and ``win_kv`` holds only the rows after them; ``win_pos`` /
     ``k_seg`` cover all R + L rows. The GPU kernel reads a packed ring's slots directly (FP8 + ue8m0 scales,
-    dequantised in registers); otherwise the rows are materialised and concatenated first."""
+    dequantised in registers); otherwise the rows are materialised and concatenated first.
+
+    ``band`` (a promise of the caller): the S window rows hold consecutive positions in order and the last C of them
+    are the queries' own (row S - C + c at query c's position), as in a prefill chunk after its ring. The kernels
+    then scan, per query, only the ``window`` rows that end at its own row (a per-query slot span, as the sequence
+    form does) instead of all S rows for every query: the same keys (the masks are unchanged, and every row the
+    masks admit lies in that span), so the same result up to the order of the float32 sums. The reference backend
+    masks every row by position and ignores it."""
     be = resolve_backend(backend)
     if _is_packed(compressed_kv) and not (be.startswith("pallas_gpu") and topk is not None and topk.shape[-1] > 0):
         compressed_kv = _unpacked(compressed_kv)
@@ -361,13 +368,21 @@ def sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, *, wi
                                           floor=floor, scale=scale, **seg)
     b, c, _, d = q.shape
     n_ring = 0 if win_ring is None else int(win_ring[0].shape[1])
+    s_len = n_ring + int(win_kv.shape[1])
+    if band and s_len < c:
+        raise ValueError(f"sparse_attention(band=True): {s_len} window rows cannot end with the {c} queries' own")
+    wspan = min(int(window), s_len) if band else s_len
     cfg = _AttnCfg(be, "explicit", int(window), float(d ** -0.5 if scale is None else scale),
-                   n_ring + int(win_kv.shape[1]), 0, tuple(sorted((tuning or {}).items())))
+                   wspan, 0, tuple(sorted((tuning or {}).items())))
     if topk is not None and topk.shape[-1] == 0:
         compressed_kv, topk = None, None
     if compressed_kv is None or topk is None:
         compressed_kv, topk = None, None
-    wstart = jnp.zeros((b, c), jnp.int32)
+    if band:  # query c's span: the window rows ending at its own row s_len - c_total + c (non-decreasing in c)
+        wstart = jnp.maximum(s_len - c + jnp.arange(c, dtype=jnp.int32) - (int(window) - 1), 0)
+        wstart = jnp.broadcast_to(wstart[None, :], (b, c))
+    else:
+        wstart = jnp.zeros((b, c), jnp.int32)
     qseg = None if q_seg is None else q_seg.astype(jnp.int32)
     wseg = None if q_seg is None else k_seg.astype(jnp.int32)
     if _is_packed(compressed_kv) or win_ring is not None:
