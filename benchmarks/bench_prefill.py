@@ -62,7 +62,7 @@ def _args(argv):
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--moe-impls", default="engine,tiled",
                     help="comma-separated MoE variants, each measured (A/B): engine (the default InferenceOptions), "
-                         "tiled (the tiled expert loop: moe_impl='tiled', grouped_prefill_moe=False) or an "
+                         "mapped_attn (the defaults, a chunk's attention mapped over query blocks), tiled (the tiled expert loop: moe_impl='tiled', grouped_prefill_moe=False) or an "
                          "ops.moe impl (moe_impl=NAME, e.g. grouped_mgpu)")
     ap.add_argument("--full", default="", help="comma-separated MoE impls for which full replay is timed too")
     ap.add_argument("--no-profile", action="store_true")
@@ -389,10 +389,14 @@ def profile_prefill(params, config, opts, hasher, tokens, chunk, max_len, dtype,
 # ---------------------------------------------------------------------------------------------------------------
 
 def moe_variant(opts: InferenceOptions, name: str) -> InferenceOptions:
-    """``--moe-impls`` entry -> options: "engine" the defaults; "tiled" the tiled expert loop (not the grouped
-    GEMM a Hopper GPU takes for prefill chunks by default); any other name an ``ops.moe`` implementation."""
+    """``--moe-impls`` entry -> options: "engine" the defaults; "mapped_attn" the defaults with a chunk's sparse
+    attention mapped over query blocks (``banded_chunk_attention=False``: the form before the banded call); "tiled"
+    the tiled expert loop (not the grouped GEMM a Hopper GPU takes for prefill chunks by default); any other name
+    an ``ops.moe`` implementation."""
     if name == "engine":
         return opts
+    if name == "mapped_attn":
+        return dataclasses.replace(opts, banded_chunk_attention=False)
     if name == "tiled":
         return dataclasses.replace(opts, moe_impl="tiled", grouped_prefill_moe=False)
     return dataclasses.replace(opts, moe_impl=name)
