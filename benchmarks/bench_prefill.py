@@ -62,8 +62,9 @@ def _args(argv):
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--moe-impls", default="engine,tiled",
                     help="comma-separated MoE variants, each measured (A/B): engine (the default InferenceOptions), "
-                         "mapped_attn (the defaults, a chunk's attention mapped over query blocks), tiled (the tiled expert loop: moe_impl='tiled', grouped_prefill_moe=False) or an "
-                         "ops.moe impl (moe_impl=NAME, e.g. grouped_mgpu)")
+                         "mapped_attn (the defaults, a chunk's attention mapped over query blocks), tiled (the "
+                         "tiled expert loop: moe_impl='tiled', grouped_prefill_moe=False) or an ops.moe impl "
+                         "(moe_impl=NAME, e.g. grouped_mgpu)")
     ap.add_argument("--full", default="", help="comma-separated MoE impls for which full replay is timed too")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--probe-shapes", default="8192x8192x8192,16384x8192x8192",

@@ -109,7 +109,8 @@ class InferenceOptions:
     #                             call where each query scans only its own window's rows (``kernels.sparse_attention``
     #                             ``band``) instead of a map over query blocks that each scan the ring plus the whole
     #                             block; None: on the "pallas_gpu" backends (other backends keep the map: the
-    #                             reference's per-block scores bound its memory; the TPU kernel is not measured so)
+    #                             reference's per-block scores bound its memory; the TPU kernel is not measured so).
+    #                             H200, 32K CED prefill of the 12-layer bench model: 0.557 vs 0.626 s (RESULTS.md)
     packed_cache_kernels: bool = False  # with cache="release" on the GPU kernels: the sparse attention and the
     #                                     indexer read the packed window ring, compressed KV and keys and dequantise
     #                                     in registers, instead of unpacking whole buffers first. Equal to the
@@ -430,9 +431,11 @@ def chunk_attention(q, pos, win_kv, win_pos, compressed, topk, sink, *, window: 
     b, t = q.shape[:2]
     sparse_attention = functools.partial(kernels.sparse_attention, backend=backend)
     if banded and t > q_block and win_ring is None:
-        # On an H200 the map's blocks ran the 256-query tiling (32 heads per program: every selected row read twice)
-        # over 384 window rows per query and copied each block's queries out; the one call takes the prefill tiling
-        # (benchmarks/RESULTS.md, 2026-12-03: the 32K CED prefill's sparse attention)
+        # The map's blocks ran the kernel's 256-query tiling (32 heads per program: every key row read twice) over
+        # W + 256 window rows per query, and sliced each block's queries out (16 kernels + ~120 XLA glue kernels per
+        # 4096-token chunk and layer); the one call takes the prefill tiling over `window` rows. On an H200
+        # (benchmarks/RESULTS.md, 2026-12-03 10:14 UTC) the 32K-token CED prefill's sparse attention took 0.072 s in 90
+        # launches against 0.146 s in 6,465, the prefill 0.557 s against 0.626
         return sparse_attention(q, pos, win_kv, win_pos, compressed, topk, sink, window=window, floor=floor,
                                 band=True)
     if t <= q_block:
