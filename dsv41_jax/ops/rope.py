@@ -63,13 +63,32 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, inverse: bool = 
 
     ``cos``/``sin`` broadcast against ``x[..., :rope_dim // 2]`` with a head axis inserted by the caller where
     needed. Math in float32, result in ``x.dtype``.
+
+    The rotation is written over every channel pair (the tables padded with cos 1 / sin 0 over the unrotated
+    leading pairs) and the leading channels are then selected from ``x`` itself, so they pass through bit for bit
+    and the rotated ones are the same float32 expressions. The result is one elementwise map of ``x`` that XLA
+    fuses with its producer or consumer; a concatenate of the unrotated and rotated parts was a kernel of its own
+    on the GPU (one per attention site of a decode step's layer, benchmarks/RESULTS.md).
     """
     if inverse:
         sin = -sin
     half = cos.shape[-1]
     rope_dim = 2 * half
-    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
-    pairs = rope.astype(jnp.float32).reshape(*rope.shape[:-1], half, 2)
+    d = x.shape[-1]
+    if d % 2:  # odd width: the unrotated part does not split into pairs
+        nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
+        return jnp.concatenate([nope, _rotate_pairs(rope, cos, sin)], axis=-1)
+    lead = [(0, 0)] * (cos.ndim - 1) + [(d // 2 - half, 0)]
+    cos = jnp.pad(cos.astype(jnp.float32), lead, constant_values=1.0)
+    sin = jnp.pad(sin.astype(jnp.float32), lead)
+    rotated = _rotate_pairs(x, cos, sin)
+    return jnp.where(jnp.arange(d) >= d - rope_dim, rotated, x)
+
+
+def _rotate_pairs(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Every (even, odd) channel pair of ``x`` rotated by cos / sin (one entry per pair), float32 math."""
+    half = cos.shape[-1]
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], half, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(rope.shape)
-    return jnp.concatenate([nope, rotated.astype(x.dtype)], axis=-1)
+    rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(x.shape)
+    return rotated.astype(x.dtype)
