@@ -160,9 +160,10 @@ def routed_slots(x, weights, idx, w1, w2, w3, limit, backend: str = "reference",
 
     When every expert gets a slot (M * k >= n_experts: a decode batch of 3+ tokens on 16 experts, 64 on the
     release's 384) and the weights are plain arrays, every expert runs on every token and one batched GEMM per
-    projection replaces the loop (:func:`_routed_every_expert`, no sort): the loop's ``w[e]`` with a data-dependent ``e`` is a dynamic slice that XLA on a
-    GPU copies out before each GEMM (measured on an H200: the copies were a third of the batch-32 step's device
-    time), while the batched GEMM reads the stacked weights where they are. Same bytes read, same maths.
+    projection replaces the loop (:func:`_routed_every_expert`, no sort): the loop's ``w[e]`` with a data-dependent
+    ``e`` is a dynamic slice that XLA on a GPU copies out before each GEMM (measured on an H200: the copies were a
+    third of the batch-32 step's device time), while the batched GEMM reads the stacked weights where they are. Same
+    bytes read, same maths.
     Otherwise, on the Pallas GPU backend (``backend``), the slot kernels replace the loop (module docstring)."""
     m, k = idx.shape
     n_exp = w1.shape[0]
