@@ -92,8 +92,33 @@ def _swiglu_every_expert(xs, w1, w2, w3, wts, limit, dtype):
     if limit > 0:
         up = jnp.clip(up, -limit, limit)
         gate = jnp.minimum(gate, limit)
-    act = jax.nn.silu(gate) * up * wts[..., None]
+    # rows of weight 0 (an expert the token did not pick) are set to 0, not multiplied by it: an overflowed
+    # activation there (inf · 0) would otherwise reach the token's sum as NaN; their down projection is then 0
+    act = jnp.where(wts[..., None] != 0, jax.nn.silu(gate) * up * wts[..., None], 0.0)
     return bmm(act.astype(dtype), w2).astype(jnp.float32)
+
+
+def _routed_every_expert(x, weights, idx, w1, w2, w3, limit, live=None):
+    """x [M, d]; weights / idx [M, k] -> [M, d] float32 with every expert run on every token by batched GEMMs over
+    the stacked plain weights (read in place), each token's output scaled by its routing weight for that expert
+    (0 where it did not pick it) and the experts' outputs summed.
+
+    This is the sorted-slot form (sort the assignments by expert, gather each expert's tokens into a slot of
+    ``pow2(M)`` rows, scatter-add the rows back) with the slot's rows in token order: expert e's row t is token t.
+    Every row of every expert is still computed (M rows per expert against ``pow2(M)``: no more work), each row's
+    value is the same product, and the combine adds the same terms, with exact zeros for the experts a token did not
+    pick. What goes is the glue the sort needs — on an H200's decode step at batch 32 a sort, a count scatter, a
+    gather of the slots' rows and the combine's scatter-add per layer — in favour of one small fusion (the dense
+    routing weights) and a reduction over the experts."""
+    n_exp = w1.shape[0]
+    picked = idx[:, :, None] == jnp.arange(n_exp, dtype=idx.dtype)  # [M, k, E]; a token's picks are distinct
+    if live is not None:
+        picked = picked & live.reshape(-1, 1, 1)  # masked rows pick nothing: routed output 0
+    # at most one j matches (t, e): the sum is that weight, exactly, or 0
+    dense = jnp.sum(jnp.where(picked, weights.astype(jnp.float32)[:, :, None], 0.0), axis=1).T  # [E, M]
+    xs = jnp.broadcast_to(x[None], (n_exp,) + x.shape)
+    # the rows of the experts a token did not pick are exact zeros (their activation is set to 0)
+    return jnp.sum(_swiglu_every_expert(xs, w1, w2, w3, dense, limit, x.dtype), axis=0)
 
 
 def _slot_kernel_blocks(rows, w1, w2, w3, backend):
@@ -134,10 +159,11 @@ def routed_slots(x, weights, idx, w1, w2, w3, limit, backend: str = "reference",
     routed output is needed; the others get 0 and read no expert (:func:`_drop_dead`).
 
     When every expert gets a slot (M * k >= n_experts: a decode batch of 3+ tokens on 16 experts, 64 on the
-    release's 384) and the weights are plain arrays, the slots are the experts in order and one batched GEMM per
-    projection replaces the loop: the loop's ``w[e]`` with a data-dependent ``e`` is a dynamic slice that XLA on a
-    GPU copies out before each GEMM (measured on an H200: the copies were a third of the batch-32 step's device
-    time), while the batched GEMM reads the stacked weights where they are. Same bytes read, same maths.
+    release's 384) and the weights are plain arrays, every expert runs on every token and one batched GEMM per
+    projection replaces the loop (:func:`_routed_every_expert`, no sort): the loop's ``w[e]`` with a data-dependent
+    ``e`` is a dynamic slice that XLA on a GPU copies out before each GEMM (measured on an H200: the copies were a
+    third of the batch-32 step's device time), while the batched GEMM reads the stacked weights where they are. Same
+    bytes read, same maths.
     Otherwise, on the Pallas GPU backend (``backend``), the slot kernels replace the loop (module docstring)."""
     m, k = idx.shape
     n_exp = w1.shape[0]
@@ -159,27 +185,21 @@ def routed_slots(x, weights, idx, w1, w2, w3, limit, backend: str = "reference",
         ys = _slot_kernels(xs, idx[0].astype(jnp.int32), jnp.ones((k,), jnp.int32), slot_wts, w1, w2, w3, limit,
                            blocks, backend)
         return jnp.sum(ys[:, 0, :], axis=0)[None]
+    if every_expert:
+        return _routed_every_expert(x, weights, idx, w1, w2, w3, limit, live)
     flat = _drop_dead(idx, live, n_exp).reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignments sorted by expert (dead rows' picks last)
     token = order // k
     wts = weights.reshape(-1)[order].astype(jnp.float32)
     counts = jnp.bincount(flat, length=n_exp).astype(jnp.int32)
     row_start = jnp.cumsum(counts) - counts
-    if every_expert:
-        slot_expert = jnp.arange(n_exp, dtype=jnp.int32)
-    else:
-        slot_expert = jnp.argsort(counts == 0, stable=True)[:n_slots].astype(jnp.int32)  # used first, ascending
+    slot_expert = jnp.argsort(counts == 0, stable=True)[:n_slots].astype(jnp.int32)  # used first, ascending
     r = row_start[slot_expert][:, None] + jnp.arange(rows, dtype=jnp.int32)[None, :]  # [slots, rows]
     ok = jnp.arange(rows)[None, :] < counts[slot_expert][:, None]
     r = jnp.where(ok, r, 0)
     slot_token = token[r]
     slot_wts = jnp.where(ok, wts[r], 0.0)
     xs = x[slot_token]  # [slots, rows, d]: each slot's tokens, gathered once
-    if every_expert:
-        ys = _swiglu_every_expert(xs, w1, w2, w3, slot_wts, limit, x.dtype)
-        ys = jnp.where(ok[..., None], ys, 0.0)
-        return jnp.zeros((m, x.shape[-1]), jnp.float32).at[slot_token.reshape(-1)].add(ys.reshape(-1, x.shape[-1]))
-
     if blocks is not None:
         # the slots' weights read in place by two Pallas kernels (gate / up + SwiGLU, then down): no slice copied
         # out of the stacked weights, spare slots (no rows) read nothing

@@ -224,6 +224,10 @@ def _check_packed(arr, fmt, dim, what):
 # Sparse attention, forward
 # ----------------------------------------------------------------------------------------------------------------
 
+# attention_fwd's split merge: up to this many query rows its weights are computed inside the fused merge
+MERGE_FUSED_ROWS = 8
+
+
 @functools.partial(jax.jit, static_argnames=("window", "scale", "wspan", "block_h", "block_d", "block_k",
                                              "num_splits", "num_warps", "num_stages", "prefetch", "ckv_fmt",
                                              "ring_fmt", "packed_load", "interpret"))
@@ -418,9 +422,25 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
         acc, m, l = outs
         sk = sink.astype(jnp.float32)[None, None, :]
         mm = jnp.maximum(jnp.max(m, axis=1, keepdims=True), sk)
-        wgt = jnp.exp(m - mm)
-        lt = jnp.sum(l * wgt, axis=1) + jnp.exp(sk[:, 0] - mm[:, 0])
-        o = jnp.sum(acc * wgt[..., None], axis=1) / lt[..., None]
+        # every sum over the splits is an unrolled chain of adds (elementwise, not a reduction), so that XLA fuses
+        # the merge into its consumer (the attention output's inverse RoPE in a decode step) instead of giving each
+        # reduction a kernel. Few rows (batch 1): the weights' exps are recomputed inside that one fusion. Many rows
+        # (batch 32), where XLA keeps the exps in a kernel of their own: the sink's weight joins the splits' in that
+        # kernel, so that the normaliser needs no exp and fuses too (deviceless H200 compile, benchmarks/RESULTS.md)
+        if b * c <= MERGE_FUSED_ROWS:
+            wgt = jnp.exp(m - mm)
+            w_sink = jnp.exp(sk[:, 0] - mm[:, 0])
+        else:
+            wgt = jnp.exp(jnp.concatenate([m, jnp.broadcast_to(sk, (m.shape[0], 1, m.shape[2]))], axis=1) - mm)
+            w_sink = wgt[:, splits]
+        lt = l[:, 0] * wgt[:, 0]
+        for si in range(1, splits):
+            lt = lt + l[:, si] * wgt[:, si]
+        lt = lt + w_sink
+        o = acc[:, 0] * wgt[:, 0, :, None]
+        for si in range(1, splits):
+            o = o + acc[:, si] * wgt[:, si, :, None]
+        o = o / lt[..., None]
         out = o.reshape(b, c, hp, dp).astype(q.dtype)
         lse = (mm[:, 0] + jnp.log(lt)).reshape(b, c, hp)
     return out[:, :, :h, :d], lse[:, :, :h]

@@ -63,13 +63,40 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, inverse: bool = 
 
     ``cos``/``sin`` broadcast against ``x[..., :rope_dim // 2]`` with a head axis inserted by the caller where
     needed. Math in float32, result in ``x.dtype``.
+
+    The rotation is written over every channel as x·cos + swap(x)·(∓sin) (swap: each pair's two channels
+    exchanged; the tables padded with cos 1 / sin 0 over the unrotated leading pairs, and repeated per channel),
+    and the leading channels are then selected from ``x`` itself: they pass through bit for bit, and the rotated
+    ones are the same float32 products and sums (``-odd · sin`` added for ``- odd · sin``). The result is one
+    elementwise map of ``x`` with no concatenate, which XLA fuses with its producer or consumer; the concatenate of
+    the unrotated and rotated parts was a GPU kernel of its own at the attention output of a decode step's layers
+    (benchmarks/RESULTS.md).
     """
     if inverse:
         sin = -sin
     half = cos.shape[-1]
     rope_dim = 2 * half
-    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
-    pairs = rope.astype(jnp.float32).reshape(*rope.shape[:-1], half, 2)
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(rope.shape)
-    return jnp.concatenate([nope, rotated.astype(x.dtype)], axis=-1)
+    d = x.shape[-1]
+    if d % 2:  # odd width: the unrotated part does not split into pairs
+        nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
+        return jnp.concatenate([nope, _rotate(rope, cos, sin)], axis=-1)
+    lead = [(0, 0)] * (cos.ndim - 1) + [(d // 2 - half, 0)]
+    cos = jnp.pad(cos.astype(jnp.float32), lead, constant_values=1.0)
+    sin = jnp.pad(sin.astype(jnp.float32), lead)
+    # x's own channel read once (float32 and back is exact), its pair partner once: fusible with a producer that
+    # XLA would not recompute per read (the split-softmax merge before the attention output's inverse rotation)
+    xf = x.astype(jnp.float32)
+    return jnp.where(jnp.arange(d) >= d - rope_dim, _rotate_f32(xf, cos, sin), xf).astype(x.dtype)
+
+
+def _rotate_f32(xf: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Every (even, odd) channel pair of float32 ``xf`` rotated by cos / sin (one entry per pair):
+    (even · cos - odd · sin, odd · cos + even · sin), written per channel without splitting the pairs."""
+    swapped = xf.reshape(*xf.shape[:-1], -1, 2)[..., ::-1].reshape(xf.shape)  # (odd, even) at (even, odd)
+    cos_c = jnp.repeat(cos, 2, axis=-1)
+    sin_c = jnp.repeat(sin, 2, axis=-1) * jnp.tile(jnp.asarray([-1.0, 1.0], jnp.float32), cos.shape[-1])
+    return xf * cos_c + swapped * sin_c
+
+
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    return _rotate_f32(x.astype(jnp.float32), cos, sin).astype(x.dtype)
