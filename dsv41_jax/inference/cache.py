@@ -139,12 +139,13 @@ def visible_state(cache: dict, config: ModelConfig, rows=None) -> dict:
     for key, src in cache["sources"].items():
         m = config.compress_ratios[int(key)]
         kv, keys = np.asarray(PC.read(src["kv"])), np.asarray(PC.read(src["keys"]))
+        if m > 1:  # read back once per source, not once per row
+            buf_kv, buf_gate = np.asarray(src["buf_kv"]), np.asarray(src["buf_gate"])
         for r in rows:
             out[f"{key}/kv/{r}"] = kv[r, :length[r] // m]
             out[f"{key}/keys/{r}"] = keys[r, :length[r] // m]
             if m > 1:
-                out[f"{key}/buf/{r}"] = np.concatenate([np.asarray(src["buf_kv"])[r, :length[r] % m],
-                                                        np.asarray(src["buf_gate"])[r, :length[r] % m]])
+                out[f"{key}/buf/{r}"] = np.concatenate([buf_kv[r, :length[r] % m], buf_gate[r, :length[r] % m]])
     return out
 
 

@@ -175,7 +175,7 @@ def routed_slots(x, weights, idx, w1, w2, w3, limit, backend: str = "reference",
     every_expert = (n_slots == n_exp and all(is_plain_weight(w) for w in (w1, w2, w3))
                     and (blocks is None or m > LIVE_SLOT_MAX_TOKENS))
     if every_expert:
-        blocks = None
+        return _routed_every_expert(x, weights, idx, w1, w2, w3, limit, live)
     rows = _pow2_at_least(m, MIN_ROWS if blocks else 8)
     if blocks is not None and m == 1:
         # one token: its top-k experts are distinct, so slot j is its j-th pick (no sort, no scatter back); every
@@ -185,8 +185,6 @@ def routed_slots(x, weights, idx, w1, w2, w3, limit, backend: str = "reference",
         ys = _slot_kernels(xs, idx[0].astype(jnp.int32), jnp.ones((k,), jnp.int32), slot_wts, w1, w2, w3, limit,
                            blocks, backend)
         return jnp.sum(ys[:, 0, :], axis=0)[None]
-    if every_expert:
-        return _routed_every_expert(x, weights, idx, w1, w2, w3, limit, live)
     flat = _drop_dead(idx, live, n_exp).reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignments sorted by expert (dead rows' picks last)
     token = order // k
