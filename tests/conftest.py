@@ -120,8 +120,8 @@ def pytest_collection_modifyitems(config, items):
     # xdist (3.8) puts a test in its group by appending "@group" to its node id, which pytest 9 no longer lets it
     # change (the id is derived, not stored): the groups were silently ignored and the memory_heavy tests ran beside
     # each other. So the workers also write the groups down, and the controller's scheduler (below) reads them.
-    # With them, the ``slow`` tests (compiles of their own, subprocesses): the scheduler hands them out before the
-    # quick ones, so that a run does not end on one worker finishing a long test while the other waits.
+    # With them, the ``slow`` tests (compiles of their own, subprocesses): the scheduler ranks a test it has no
+    # measured time for (TEST_SECONDS) by that marker.
     if hasattr(config, "workerinput"):
         tmp = f"{XDIST_GROUPS}.{os.environ.get('PYTEST_XDIST_WORKER', 'w')}"
         slow = [item.nodeid for item in items if item.get_closest_marker("slow")]
@@ -130,20 +130,44 @@ def pytest_collection_modifyitems(config, items):
         os.replace(tmp, XDIST_GROUPS)  # both workers write the same map; each write is whole
 
 
+# Each test's measured seconds (tests/test_seconds.json: setup + call + teardown, from a whole-suite run): the
+# scheduler below hands out the longest work first, so that a run ends on the quickest tests and the two workers
+# finish together (the earlier order, groups, then ``slow`` tests, then the rest in collection order, ended a
+# measured run on one worker finishing test_train's 12-17 s tests while the other waited: 25 s). Whole modules, not
+# single tests, longest first (then a module's tests longest first): ranking single tests interleaved the modules
+# (238 module changes in a run instead of 75: module fixtures rebuilt and 66 drops of a worker's compiled programs
+# instead of 27). Only the order depends on these numbers, never an outcome; a test missing from the file counts
+# SLOW_TEST_SECONDS when marked ``slow``, else QUICK_TEST_SECONDS. Regenerate after adding long tests:
+#   python -m pytest -n 2 tests --durations=0 --durations-min=0 > /tmp/run.txt; python tests/conftest.py /tmp/run.txt
+TEST_SECONDS = os.path.join(os.path.dirname(__file__), "test_seconds.json")
+SLOW_TEST_SECONDS, QUICK_TEST_SECONDS = 20.0, 1.0
+
+
+def _test_seconds() -> dict:
+    try:
+        with open(TEST_SECONDS) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
 @pytest.hookimpl(optionalhook=True)  # a hook of xdist's
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup`` with the groups the workers wrote (XDIST_GROUPS): a test in a group is scheduled with its
-    group, every other test on its own, as xdist does. Longest first, as far as it is known, so that the two workers
-    finish together: the groups (xdist queues them by size, largest first), then the ``slow`` tests, then the rest,
-    each in collection order (in the shuffled order with ``--shuffle``, which then decides alone)."""
+    group, every other test on its own, as xdist does. Longest first, from the measured seconds (TEST_SECONDS): the
+    modules by their total (a group counts as a module of its own), then a module's tests by their own, so that the
+    two workers finish together and each runs a module's tests together; in the shuffled order with ``--shuffle``,
+    which then decides alone."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadGroupScheduling
 
     shuffled = config.getoption("--shuffle") is not None
+    measured = _test_seconds()
 
     class Scheduling(LoadGroupScheduling):
         hints = None
+        ranks = None
 
         def _hints(self):
             if self.hints is None:  # read once all workers have collected (the scheduler starts after that)
@@ -161,13 +185,21 @@ def pytest_xdist_make_scheduler(config, log):
             return self._hints()["groups"].get(nodeid, nodeid)
 
         def _assign_work_unit(self, node):
-            if self.workqueue and not shuffled:  # xdist hands out the queue's first unit: the longest-known first
-                self.workqueue.move_to_end(min(self.workqueue, key=self._rank), last=False)
+            if self.workqueue and not shuffled:  # xdist hands out the queue's first unit: the longest first
+                self.workqueue.move_to_end(max(self.workqueue, key=self._rank), last=False)
             super()._assign_work_unit(node)
 
         def _rank(self, scope):
-            tests = self.workqueue[scope]
-            return 0 if len(tests) > 1 else 1 if self._hints()["slow"].intersection(tests) else 2
+            if self.ranks is None:  # the whole queue is known at the first assignment
+                slow = self._hints()["slow"]
+                seconds = {s: sum(measured.get(t, SLOW_TEST_SECONDS if t in slow else QUICK_TEST_SECONDS)
+                                  for t in tests) for s, tests in self.workqueue.items()}
+                module = {s: s if len(tests) > 1 else s.split("::")[0] for s, tests in self.workqueue.items()}
+                totals = {}
+                for s in self.workqueue:
+                    totals[module[s]] = totals.get(module[s], 0.0) + seconds[s]
+                self.ranks = {s: (totals[module[s]], module[s], seconds[s]) for s in self.workqueue}  # module: ties
+            return self.ranks[scope]
 
     return Scheduling(config, log)
 
@@ -322,3 +354,17 @@ def _malloc_trim():
         ctypes.CDLL(None).mallctl(b"arena.4096.purge", None, None, None, ctypes.c_size_t(0))
     except (OSError, AttributeError):  # no jemalloc in this process
         pass
+
+
+if __name__ == "__main__":  # tests/test_seconds.json from a run's ``--durations=0`` report (see TEST_SECONDS)
+    import re
+    import sys
+
+    measured = {}
+    for line in open(sys.argv[1]):
+        m = re.search(r"([0-9.]+)s (?:setup|call|teardown) +(\S+::.+?)\s*$", line)
+        if m:
+            measured[m.group(2)] = measured.get(m.group(2), 0.0) + float(m.group(1))
+    with open(TEST_SECONDS, "w") as f:
+        json.dump({k: round(v, 1) for k, v in sorted(measured.items())}, f, indent=0)
+        f.write("\n")

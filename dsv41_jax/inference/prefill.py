@@ -212,6 +212,12 @@ def prefill(params: dict, cache: dict, tokens, lengths=None, engram_ids=None, *,
         cache = reset_slots(cache, jnp.asarray(np.asarray(reset, bool)))
     eids = None if engram_ids is None else np.asarray(engram_ids)
     _check_inputs(c, cache, tokens, lengths, eids)
+    # Committed to its device, as the stash is (new_stash): every chunk program returns the donated cache committed
+    # and jit keys its programs on the arguments' placement, so a cache fresh from init_cache (uncommitted) compiled
+    # the chunk program a second time for the second chunk.
+    placed = getattr(cache["length"], "sharding", None)
+    if isinstance(placed, jax.sharding.SingleDeviceSharding) and not cache["length"].committed:
+        cache = jax.device_put(cache, placed)
     if t == 0 or not lengths.any():
         raise PrefillError("empty prompt: no row has any token to prefill")
     if opts.ced:
