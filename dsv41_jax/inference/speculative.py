@@ -274,15 +274,20 @@ def speculative_round(params: dict, cache: dict, rings, tokens: jax.Array, n_val
     chunk = tokens.shape[1]
     drafts = tokens[:, 1:]
     pos0, floor = cache["length"], cache["floor"]
-    saved = None if rerun else save_touched(cache, chunk, c)
+    # the named scopes (SCOPES) label each phase's kernels in the compiled program (op_name), so that a device
+    # profile of the step can be split into them; they change nothing computed
+    with jax.named_scope("spec_rollback"):
+        saved = None if rerun else save_touched(cache, chunk, c)
     before = cache if rerun else None
-    logits, feats, after, comp = verify_chunk(params, cache, tokens, n_valid, engram_ids, config=c, opts=opts)
-    if greedy:
-        n_acc, nxt = greedy_accept(logits, drafts, n_valid)
-    else:
-        temperature, top_k, top_p, seeds = sampling
-        n_acc, nxt = speculative_accept(logits, draft_logits[:, :drafts.shape[1]], drafts, n_valid, temperature,
-                                        top_k, top_p, _row_keys(seeds, step, 1))
+    with jax.named_scope("spec_verify"):
+        logits, feats, after, comp = verify_chunk(params, cache, tokens, n_valid, engram_ids, config=c, opts=opts)
+    with jax.named_scope("spec_accept"):
+        if greedy:
+            n_acc, nxt = greedy_accept(logits, drafts, n_valid)
+        else:
+            temperature, top_k, top_p, seeds = sampling
+            n_acc, nxt = speculative_accept(logits, draft_logits[:, :drafts.shape[1]], drafts, n_valid,
+                                            temperature, top_k, top_p, _row_keys(seeds, step, 1))
     n_keep = jnp.where(n_valid > 0, n_acc + 1, 0).astype(jnp.int32)
     if rerun:
         def again(_):
@@ -291,18 +296,25 @@ def speculative_round(params: dict, cache: dict, rings, tokens: jax.Array, n_val
 
         feats, cache = jax.lax.cond(jnp.any(n_keep < n_valid), again, lambda _: (feats, after), None)
     else:
-        cache = restore_rejected(params, saved, after, comp, pos0, n_keep, config=c, opts=opts, chunk=chunk)
+        with jax.named_scope("spec_rollback"):
+            cache = restore_rejected(params, saved, after, comp, pos0, n_keep, config=c, opts=opts, chunk=chunk)
     quant_on = opts.resolved_quant(c)
     nxt_draft = None
     if rings is not None:
-        rings = seed_rings(params, rings, feats, pos0, n_keep, config=c, quant_on=quant_on,
-                           gemm_input_fp8=opts.gemm_input_fp8)
+        with jax.named_scope("spec_rings"):
+            rings = seed_rings(params, rings, feats, pos0, n_keep, config=c, quant_on=quant_on,
+                               gemm_input_fp8=opts.gemm_input_fp8)
         if draft_next:
-            nxt_draft = draft_from_rings(params, rings, cache["length"], floor, nxt,
-                                         None if greedy else _draft_sampling(c, sampling, step + 1), config=c,
-                                         quant_on=quant_on, moe_impl=opts.moe_impl,
-                                         gemm_input_fp8=opts.gemm_input_fp8)
+            with jax.named_scope("spec_draft"):
+                nxt_draft = draft_from_rings(params, rings, cache["length"], floor, nxt,
+                                             None if greedy else _draft_sampling(c, sampling, step + 1), config=c,
+                                             quant_on=quant_on, moe_impl=opts.moe_impl,
+                                             gemm_input_fp8=opts.gemm_input_fp8)
     return n_acc, nxt, cache, rings, nxt_draft
+
+
+# the phases of a speculative step, as named scopes in its program's op_names (speculative_round)
+SCOPES = ("spec_verify", "spec_accept", "spec_rollback", "spec_rings", "spec_draft")
 
 
 def speculative_chain(params: dict, cache: dict, rings, state: dict, engram_hash, *, config: ModelConfig,
