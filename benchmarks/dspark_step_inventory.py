@@ -42,6 +42,8 @@ def main(argv=None):
     ap.add_argument("--block-size", type=int, default=7)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--only", default="decode step,speculative step")
+    ap.add_argument("--compiler-options", default="", help="KEY=VALUE,... XLA options of the compiles (e.g. "
+                    "xla_disable_hlo_passes=dot-merger)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from deviceless_gpu import h200_device, on_device
@@ -68,7 +70,8 @@ def main(argv=None):
     results = {}
     for name in args.only.split(","):
         fn, a, kw = progs[name]
-        compiled = fn.trace(*on_device(a, device), **kw).lower().compile()
+        copts = dict(kv.split("=", 1) for kv in args.compiler_options.split(",") if kv) or None
+        compiled = fn.trace(*on_device(a, device), **kw).lower().compile(compiler_options=copts)
         text = compiled.as_text() or ""
         recs = launches(text)
         by_phase, by_phase_what = collections.Counter(), collections.Counter()
