@@ -138,15 +138,20 @@ def trace_tables(trace_dir: str, steps: int, ops: dict) -> dict:
                 phases=table(by_phase, 20), ops=table(by_op, 120), kernels=table(by_kernel, 80))
 
 
-def write_raw(out: str) -> None:
+def write_raw(out: str, limit: int = 15 << 20) -> None:
     """DIR/traces.tar.gz: the traces and the traced programs' optimised HLO (rewritten after every variant, so a
-    run cut short by its time limit keeps what it traced)."""
-    with tarfile.open(os.path.join(out, "traces.tar.gz"), "w:gz") as tar:
-        for p in glob.glob("/tmp/profile_dspark_step_traces/**/*.trace.json.gz", recursive=True):
-            tar.add(p, arcname=os.path.relpath(p, "/tmp/profile_dspark_step_traces"))
-        for p in glob.glob(os.path.join(DUMP, "*after_optimizations.txt")):
-            if re.search(r"speculative_chain|decode_chain|draft_from_rings", p):
-                tar.add(p, arcname="hlo/" + os.path.basename(p))
+    run cut short by its time limit keeps what it traced); the HLO is left out where the archive would pass
+    ``limit`` bytes (the JSON keeps the per-op tables)."""
+    path = os.path.join(out, "traces.tar.gz")
+    for with_hlo in (True, False):
+        with tarfile.open(path, "w:gz") as tar:
+            for p in glob.glob("/tmp/profile_dspark_step_traces/**/*.trace.json.gz", recursive=True):
+                tar.add(p, arcname=os.path.relpath(p, "/tmp/profile_dspark_step_traces"))
+            for p in glob.glob(os.path.join(DUMP, "*after_optimizations.txt")) if with_hlo else ():
+                if re.search(r"speculative_chain|decode_chain", p):
+                    tar.add(p, arcname="hlo/" + os.path.basename(p))
+        if os.path.getsize(path) <= limit:
+            return
 
 
 def main(argv=None):
