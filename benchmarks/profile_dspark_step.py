@@ -4,15 +4,15 @@ in one process: both device loops timed, then profiled (``jax.profiler.trace``),
 split into its phases (the named scopes of ``inference.speculative.SCOPES``: verification, acceptance, rollback,
 the DSpark rings, the next block's drafting, the rest of the chain), and the drafter's program timed alone.
 
-    PYTHONUNBUFFERED=1 python benchmarks/profile_dspark_step.py --out DIR [--variants base,nomerge] [--budget-s 200]
+    PYTHONUNBUFFERED=1 python benchmarks/profile_dspark_step.py --out DIR [--variants before,base] [--budget-s 200]
 
 Weights are random (std 0.02): a step's cost does not depend on them (static shapes; routing near uniform, so the
 8-token chunk picks nearly all 8 experts, as the trained router did: call 11's byte count), but acceptance does,
 so the tokens per step that turn the step times into a speed-up are call 11's measured ones (``--tokens-per-step``).
-Variants (each its own programs): ``base`` (the bench's options), ``nomerge`` (XLA's dot merger off in every
-program: ``xla_disable_hlo_passes=dot-merger``; the merger copies the weights of projections sharing an input into
-one matrix before their GEMM, every step), ``triton`` (XLA's Triton GEMMs back on, autotuned; the bench turns them
-off for compile time). Kernels are attributed to phases through the optimised HLO each compile dumps
+Variants (each its own programs, ``VARIANTS``): ``base`` (the engine's defaults), ``before`` (as call 11 ran:
+XLA's dot merger on in the decode programs — it copies the weights of projections sharing an input into one matrix
+before their GEMM, every step — and the speculative device loop one run at a time), ``merge`` / ``nopipe`` (one of
+the two), ``triton`` (XLA's Triton GEMMs back on, autotuned; the bench turns them off for compile time). Kernels are attributed to phases through the optimised HLO each compile dumps
 (``--xla_dump_to``): a trace's per-op line ("XLA Ops") names the HLO instruction, whose ``op_name`` carries the scope.
 
 Output: the tables on stdout, ``DIR/profile_dspark_step.json``, ``DIR/traces.tar.gz`` (the traces and the traced
@@ -58,8 +58,15 @@ from dsv41_jax.model.counting import count_params  # noqa: E402
 from dsv41_jax.model.params import init_from_specs, param_specs  # noqa: E402
 from dsv41_jax.tokenizer import ByteTokenizer  # noqa: E402
 
-VARIANTS = {"base": (), "nomerge": (("xla_disable_hlo_passes", "dot-merger"),),
-            "triton": (("xla_gpu_enable_triton_gemm", True),)}
+# name -> (InferenceOptions fields, SpeculativeDecoder arguments). "before": the engine as DSpark call 11 ran it
+# (XLA's dot merger on in the decode programs, one device-loop run at a time); "nomerge" = "nopipe" (the call of
+# 2026-12-03 13:00 ran "before" as "base" and this as "nomerge", before these became the defaults)
+VARIANTS = {"base": ({}, {}),
+            "before": (dict(decode_dot_merger=True), dict(pipeline=False)),
+            "merge": (dict(decode_dot_merger=True), {}),
+            "nopipe": ({}, dict(pipeline=False)),
+            "nomerge": ({}, dict(pipeline=False)),
+            "triton": (dict(compiler_options=(("xla_gpu_enable_triton_gemm", True),)), {})}
 
 
 def hlo_ops(paths) -> dict:
@@ -90,42 +97,41 @@ def phase_of(op_name: str) -> str:
     return "chain / other"
 
 
-def trace_tables(trace_dir: str, steps: int, ops: dict) -> dict:
-    """Device busy ms per step (kernel lines), kernels per step, and the per-op line's time by phase and by op."""
-    path = newest_trace(trace_dir)
-    if path is None:
-        return {"error": "no trace"}
+def trace_tables(path: str, steps: int, ops: dict, module: str) -> dict:
+    """From a trace file: the kernels of the program ``module`` (a kernel event's ``hlo_module`` argument holds
+    it; the prefill and the first draft in the same trace are left out): device busy ms per step, kernels per
+    step, and their time by phase (the ``op_name`` of the kernel's ``hlo_op`` in the optimised HLO ``ops``), by
+    HLO op and by kernel name."""
     events, pname, tname = load_trace(path)
     dev = {p for p, n in pname.items() if re.search(r"/device:GPU", n, re.I)}
-    kernels, op_events = [], []
-    for e in events:
-        if e.get("ph") != "X" or e.get("pid") not in dev:
-            continue
-        line = tname.get((e["pid"], e.get("tid")), "")
-        if line.lower().startswith("stream"):
-            kernels.append(e)
-        elif line == "XLA Ops":
-            op_events.append(e)
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in dev
+               and tname.get((e["pid"], e.get("tid")), "").lower().startswith("stream")
+               and module in e.get("args", {}).get("hlo_module", "")]
     if not kernels:
-        return {"error": "no device kernels in the trace", "path": path}
-    busy = union_length([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in kernels])
-    span = (max(float(e["ts"]) + float(e.get("dur", 0)) for e in kernels) - min(float(e["ts"]) for e in kernels))
+        return {"error": f"no kernels of {module} in the trace", "path": path}
+    ivs = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in kernels)
+    busy = union_length(ivs)
     by_kernel = collections.defaultdict(lambda: [0, 0.0])
-    for e in kernels:
-        by_kernel[e["name"]][0] += 1
-        by_kernel[e["name"]][1] += float(e.get("dur", 0))
     by_phase = collections.defaultdict(lambda: [0, 0.0])
     by_op = collections.defaultdict(lambda: [0, 0.0])
-    unknown = 0
-    for e in op_events:
-        name = e["name"].lstrip("%")
-        op_name, kind, shape = ops.get(name, ("", "?", ""))
-        unknown += name not in ops
-        ph = phase_of(op_name)
+    # the step runs as command buffers (hlo_op names the buffer, not the op): a kernel named after its fusion
+    # ("loop_convert_fusion_1" for %loop_convert_fusion.1) is placed by that fusion's op_name; a library or
+    # Pallas kernel (cuBLAS, slot kernels, copies) takes the phase of the kernel before it in the stream, the
+    # phases running one after another in the program's order (an estimate at the phases' edges)
+    named = {k.replace(".", "_"): v for k, v in ops.items()}
+    unknown, phase = 0, "chain / other"
+    for e in sorted(kernels, key=lambda e: float(e["ts"])):
         dur = float(e.get("dur", 0))
-        by_phase[ph][0] += 1
-        by_phase[ph][1] += dur
-        key = f"{ph} | {kind} | {shape} | {op_name.split('/')[-1][:40]}"
+        by_kernel[e["name"]][0] += 1
+        by_kernel[e["name"]][1] += dur
+        op_name, kind, shape = named.get(e["name"], (None, "?", ""))
+        if op_name is None:
+            unknown += 1
+        else:
+            phase = phase_of(op_name)
+        by_phase[phase][0] += 1
+        by_phase[phase][1] += dur
+        key = f"{phase} | {e['name'][:60]} | {kind} | {shape} | {(op_name or '').split('/')[-1][:40]}"
         by_op[key][0] += 1
         by_op[key][1] += dur
 
@@ -133,9 +139,10 @@ def trace_tables(trace_dir: str, steps: int, ops: dict) -> dict:
         return [[k, round(v[0] / steps, 2), round(v[1] / 1e3 / steps, 4)]
                 for k, v in sorted(d.items(), key=lambda kv: -kv[1][1])[:top]]
 
-    return dict(trace=path, steps=steps, busy_ms_per_step=busy / 1e3 / steps, span_ms_per_step=span / 1e3 / steps,
-                kernels_per_step=len(kernels) / steps, op_events=len(op_events), ops_not_in_hlo=unknown,
-                phases=table(by_phase, 20), ops=table(by_op, 120), kernels=table(by_kernel, 80))
+    return dict(trace=path, module=module, steps=steps, busy_ms_per_step=busy / 1e3 / steps,
+                span_ms_per_step=(ivs[-1][1] - ivs[0][0]) / 1e3 / steps, kernels_per_step=len(kernels) / steps,
+                kernels_not_in_hlo=unknown, phases=table(by_phase, 20), ops=table(by_op, 150),
+                kernels=table(by_kernel, 80))
 
 
 def write_raw(out: str, limit: int = 15 << 20) -> None:
@@ -157,7 +164,7 @@ def write_raw(out: str, limit: int = 15 << 20) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--variants", default="base,nomerge")
+    ap.add_argument("--variants", default="before,base")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--topk", type=int, default=6)
     ap.add_argument("--drafter-experts", type=int, default=4)
@@ -222,11 +229,12 @@ def main(argv=None):
             record.setdefault("skipped", []).append(name)
             save()
             continue
-        copts = VARIANTS[name]
-        opts = InferenceOptions(ced=False, compiler_options=copts)
+        fields, dec_kw = VARIANTS[name]
+        opts = InferenceOptions(ced=False, **fields)
         eng = Engine(config, params, max_batch=1, max_len=max_len, options=opts, tokenizer=tok)
-        dec = S.SpeculativeDecoder(eng)
-        rec = record["variants"][name] = dict(compiler_options=[list(x) for x in copts])
+        dec = S.SpeculativeDecoder(eng, **dec_kw)
+        rec = record["variants"][name] = dict(options={k: str(v) for k, v in fields.items()}, decoder=dec_kw,
+                                              decode_compiler_options=[list(x) for x in dec.opts.compiler_options])
         try:
             before = set(glob.glob(os.path.join(DUMP, "*after_optimizations.txt")))
             c0 = compile_seconds()
@@ -285,7 +293,9 @@ def main(argv=None):
                     else:
                         dec.generate(prompt, max_new_tokens=args.trace_tokens, stop_tokens=())
                         steps = dec.stats.steps
-                t = trace_tables(d, steps, hlo_ops([p for p in after if module[kind] in p]))
+                path = newest_trace(d)
+                t = {"error": "no trace"} if path is None else trace_tables(
+                    path, steps, hlo_ops([p for p in after if module[kind] in p]), module[kind])
                 rec[f"trace_{kind}"] = t
                 if "error" in t:
                     say(f"{name} {kind} trace: {t['error']}")
