@@ -1,6 +1,7 @@
 """The generation engine: cache accounting, batched generation (determinism, seeds, stop tokens, limits,
 streaming), bad input, sampling filters, and the ``dsv41 generate`` command."""
 
+import dataclasses
 import functools
 import math
 
@@ -230,6 +231,19 @@ def test_default_prefill_chunk_doubles_within_the_grouped_gemm_row_budget():
     assert [default_prefill_chunk(b, False) for b in (1, 2, 8)] == [512, 512, 512]
     with pytest.raises(PrefillError, match="max_batch must be a positive integer, got 0"):
         default_prefill_chunk(0, True)
+
+
+def test_decode_programs_turn_the_dot_merger_off_on_the_gpu_only():
+    # XLA's dot merger copies the weights of GEMMs sharing an input into one matrix every step: off in the decode /
+    # verification programs on the GPU backend (kept with decode_dot_merger=True), untouched elsewhere; idempotent
+    off = ("xla_disable_hlo_passes", "dot-merger")
+    gpu = InferenceOptions(kernel_backend="pallas_gpu")
+    assert _decode_opts(gpu).compiler_options == (off,)
+    assert _decode_opts(_decode_opts(gpu)).compiler_options == (off,)
+    assert _decode_opts(dataclasses.replace(gpu, decode_dot_merger=True)).compiler_options == ()
+    both = dataclasses.replace(gpu, compiler_options=(("xla_disable_hlo_passes", "cse"), ("a", 1)))
+    assert _decode_opts(both).compiler_options == (("a", 1), ("xla_disable_hlo_passes", "cse,dot-merger"))
+    assert _decode_opts(InferenceOptions(kernel_backend="reference")).compiler_options == ()
 
 
 def test_sampling_filters():

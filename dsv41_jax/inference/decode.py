@@ -25,7 +25,7 @@ import numpy as np
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.inference.cache import cache_capacity, check_capacity
 from dsv41_jax.inference.sampling import check_sampler, sample
-from dsv41_jax.inference.step import InferenceOptions, embed, head, jit_for, run_layers
+from dsv41_jax.inference.step import InferenceOptions, decode_compiler_options, embed, head, jit_for, run_layers
 from dsv41_jax.ops.engram_hash import DeviceEngramHash, engram_row_ids_step_device
 
 
@@ -48,8 +48,9 @@ def _step(params, cache, tokens, engram_ids, active, config: ModelConfig, opts: 
 
 
 def _decode_opts(opts: InferenceOptions) -> InferenceOptions:
-    """Decode ignores the prefill-only options: normalise them so one compile serves every prefill mode."""
-    return dataclasses.replace(opts, ced=True, replay_len=None)
+    """Decode ignores the prefill-only options: normalise them so one compile serves every prefill mode; its XLA
+    options are ``step.decode_compiler_options`` (the dot merger off on the GPU)."""
+    return dataclasses.replace(opts, ced=True, replay_len=None, compiler_options=decode_compiler_options(opts))
 
 
 def _decode(params, cache, tokens, engram_ids, active, *, config: ModelConfig, opts: InferenceOptions):

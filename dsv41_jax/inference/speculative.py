@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.config import ModelConfig, ceil_div
+from dsv41_jax.inference.decode import _decode_opts, run_device_loop
 from dsv41_jax.inference.engine import (Engine, EngineError, Request, Result, check_device_ends, finish_reason,
                                         stop_token_table)
 from dsv41_jax.inference.sampling import sample_jit, sampler_for, sampling_logits
@@ -274,15 +275,20 @@ def speculative_round(params: dict, cache: dict, rings, tokens: jax.Array, n_val
     chunk = tokens.shape[1]
     drafts = tokens[:, 1:]
     pos0, floor = cache["length"], cache["floor"]
-    saved = None if rerun else save_touched(cache, chunk, c)
+    # the named scopes (SCOPES) label each phase's kernels in the compiled program (op_name), so that a device
+    # profile of the step can be split into them; they change nothing computed
+    with jax.named_scope("spec_rollback"):
+        saved = None if rerun else save_touched(cache, chunk, c)
     before = cache if rerun else None
-    logits, feats, after, comp = verify_chunk(params, cache, tokens, n_valid, engram_ids, config=c, opts=opts)
-    if greedy:
-        n_acc, nxt = greedy_accept(logits, drafts, n_valid)
-    else:
-        temperature, top_k, top_p, seeds = sampling
-        n_acc, nxt = speculative_accept(logits, draft_logits[:, :drafts.shape[1]], drafts, n_valid, temperature,
-                                        top_k, top_p, _row_keys(seeds, step, 1))
+    with jax.named_scope("spec_verify"):
+        logits, feats, after, comp = verify_chunk(params, cache, tokens, n_valid, engram_ids, config=c, opts=opts)
+    with jax.named_scope("spec_accept"):
+        if greedy:
+            n_acc, nxt = greedy_accept(logits, drafts, n_valid)
+        else:
+            temperature, top_k, top_p, seeds = sampling
+            n_acc, nxt = speculative_accept(logits, draft_logits[:, :drafts.shape[1]], drafts, n_valid,
+                                            temperature, top_k, top_p, _row_keys(seeds, step, 1))
     n_keep = jnp.where(n_valid > 0, n_acc + 1, 0).astype(jnp.int32)
     if rerun:
         def again(_):
@@ -291,18 +297,25 @@ def speculative_round(params: dict, cache: dict, rings, tokens: jax.Array, n_val
 
         feats, cache = jax.lax.cond(jnp.any(n_keep < n_valid), again, lambda _: (feats, after), None)
     else:
-        cache = restore_rejected(params, saved, after, comp, pos0, n_keep, config=c, opts=opts, chunk=chunk)
+        with jax.named_scope("spec_rollback"):
+            cache = restore_rejected(params, saved, after, comp, pos0, n_keep, config=c, opts=opts, chunk=chunk)
     quant_on = opts.resolved_quant(c)
     nxt_draft = None
     if rings is not None:
-        rings = seed_rings(params, rings, feats, pos0, n_keep, config=c, quant_on=quant_on,
-                           gemm_input_fp8=opts.gemm_input_fp8)
+        with jax.named_scope("spec_rings"):
+            rings = seed_rings(params, rings, feats, pos0, n_keep, config=c, quant_on=quant_on,
+                               gemm_input_fp8=opts.gemm_input_fp8)
         if draft_next:
-            nxt_draft = draft_from_rings(params, rings, cache["length"], floor, nxt,
-                                         None if greedy else _draft_sampling(c, sampling, step + 1), config=c,
-                                         quant_on=quant_on, moe_impl=opts.moe_impl,
-                                         gemm_input_fp8=opts.gemm_input_fp8)
+            with jax.named_scope("spec_draft"):
+                nxt_draft = draft_from_rings(params, rings, cache["length"], floor, nxt,
+                                             None if greedy else _draft_sampling(c, sampling, step + 1), config=c,
+                                             quant_on=quant_on, moe_impl=opts.moe_impl,
+                                             gemm_input_fp8=opts.gemm_input_fp8)
     return n_acc, nxt, cache, rings, nxt_draft
+
+
+# the phases of a speculative step, as named scopes in its program's op_names (speculative_round)
+SCOPES = ("spec_verify", "spec_accept", "spec_rollback", "spec_rings", "spec_draft")
 
 
 def speculative_chain(params: dict, cache: dict, rings, state: dict, engram_hash, *, config: ModelConfig,
@@ -516,19 +529,21 @@ class SpeculativeDecoder:
     ``chain_every``: DSpark speculation (greedy or sampled) without a schedule or with the threshold schedule runs
     on the device (:func:`speculative_chain`: each step feeds the next, nothing read back between steps) and reads
     its tokens back every this many steps; 0 = the host loop (one read-back per step, as every other mode). Both
-    loops draw the same random numbers: the same tokens.
+    loops draw the same random numbers: the same tokens. ``pipeline``: the device loop queues its next run before
+    it reads the current one back (``decode.run_device_loop``), as plain decoding's does; False: one run at a time.
     """
 
     def __init__(self, engine: Engine, drafter: Drafter | None = None, *, num_draft: int | None = None,
                  schedule: str | None = None, threshold: float = 0.5,
                  steps_per_s: Callable[[int], float] | None = None, early_stop: bool = True,
-                 rollback: str = "restore", step_times: dict[int, float] | None = None, chain_every: int = 8):
+                 rollback: str = "restore", step_times: dict[int, float] | None = None, chain_every: int = 8,
+                 pipeline: bool = True):
         c = engine.config
         self.engine = engine
         self.config = c
         self.quant_on = engine.options.resolved_quant(c)
         # the verification pass is a decode step over a chunk: the prefill-only options do not apply
-        self.opts = dataclasses.replace(engine.options, ced=True, replay_len=None)
+        self.opts = _decode_opts(engine.options)
         self.rings = None
         if drafter is None:
             check_dspark(engine.params, c)
@@ -550,6 +565,7 @@ class SpeculativeDecoder:
         if not isinstance(chain_every, int) or isinstance(chain_every, bool) or chain_every < 0:
             raise EngineError(f"chain_every must be an integer >= 0, got {chain_every!r}")
         self.chain_every = chain_every
+        self.pipeline = bool(pipeline)
         if schedule not in (None, "threshold", "prefix"):
             raise EngineError(f"schedule must be None, 'threshold' or 'prefix', got {schedule!r}")
         if schedule == "prefix" and steps_per_s is None and not step_times:
@@ -761,17 +777,34 @@ class SpeculativeDecoder:
         if isinstance(device, jax.sharding.SingleDeviceSharding):  # committed like the state the steps return
             state = jax.device_put(state, device)
         fn = jit_for(speculative_chain, self.opts, donate=("cache", "rings"))
-        steps = 0
-        while active.any():
+        held = [state]
+
+        def dispatch(first, n):
+            st_ = held[0]
+            for _ in range(n):
+                st_, e.cache, self.rings = fn(e.params, e.cache, self.rings, st_, tables, config=c, opts=self.opts)
+            held[0] = st_
+            # the run's read-back: arrays of its own (the state is not donated), so the next run may be queued
+            # before these are read
+            return st_["out"], st_["kept"], st_["valid"], st_["active"]
+
+        def plan(read, queued):
+            """Steps of the next run: only steps the longest-running row surely still needs — it emits at most
+            k + 1 tokens a step, so it runs at least ceil(left / (k + 1)) more steps from the last step read back —
+            less those already queued. At most one run ahead of the read-back, so the device does not idle while
+            the host reads a run back, accounts it and queues the next (measured on an H200: 0.6 ms of a 2.8 ms
+            batch-1 step idle with one run at a time, benchmarks/RESULTS.md)."""
+            if not active.any():
+                return 0
             left = max(min(int(max_new[s]), e.max_len - int(n_prompt[s]) + 1) - len(out[info[s][0]])
                        for s in np.flatnonzero(active))  # tokens the longest-running row may still emit
-            n = max(1, min(r, -(-left // (k + 1))))
-            for _ in range(n):
-                state, e.cache, self.rings = fn(e.params, e.cache, self.rings, state, tables, config=c, opts=self.opts)
-            toks, kept, valid, dev_active = jax.device_get((state["out"], state["kept"], state["valid"],
-                                                            state["active"]))  # the run's one read-back
+            need = -(-left // (k + 1)) - (queued - read)
+            return max(1, min(r, need)) if queued == read else max(0, min(r, need))
+
+        def consume(buf, first, n):
+            toks, kept, valid, dev_active = jax.device_get(buf)  # the run's one read-back
             for j in range(n):
-                row = (steps + j) % r
+                row = (first + j) % r
                 kp, vl = kept[row], valid[row]
                 st.steps += 1
                 st.device_steps += 1
@@ -782,8 +815,10 @@ class SpeculativeDecoder:
                 st.rollbacks += int((kp != vl).any())
                 for s in np.flatnonzero(active):
                     account(int(s), [int(t) for t in toks[row, s, :kp[s]]])
-            steps += n
             check_device_ends(active, dev_active)
+            return bool(active.any())
+
+        run_device_loop(dispatch, plan, consume, pipeline=self.pipeline)
         if e.hasher is not None:
             e._hist = e._fed_history(hist0, info, out)
 

@@ -118,6 +118,13 @@ class InferenceOptions:
     #                                     on an H200 (2026-12-02) the attention kernel on packed rows was slower
     #                                     (303 vs 155 µs, one Full layer, context 16K) and its output differed from
     #                                     the unpacking path, the indexer slower too (184 vs 142 µs; RESULTS.md)
+    decode_dot_merger: bool | None = None  # XLA's dot merger in the decode / verification programs (one to a few
+    #                              tokens): it joins GEMMs that share an input by copying their weights into one
+    #                              matrix before the GEMM, every step (the shared expert's gate + up, q-LoRA + KV +
+    #                              indexer projections). None: off on the "pallas_gpu" backend
+    #                              (decode_compiler_options).
+    #                              H200, DSpark bench recipe, batch 1: verification step 2.81 -> 2.62 ms, plain step's
+    #                              device time 1.37 -> 1.30 ms (RESULTS.md)
 
     def resolved_quant(self, config: ModelConfig) -> bool:
         return config.quant_sim if self.quant_sim is None else self.quant_sim
@@ -533,6 +540,19 @@ def _auto(flag: bool | None, default: bool) -> bool:
     return default if flag is None else flag
 
 
+def decode_compiler_options(opts: InferenceOptions) -> tuple:
+    """The XLA options of the decode and verification programs: the options' own, plus XLA's dot merger off where
+    ``InferenceOptions.decode_dot_merger`` resolves to off (idempotent: the pass is named once)."""
+    copts = tuple(opts.compiler_options)
+    if _auto(opts.decode_dot_merger, kernels.resolve_backend(opts.kernel_backend) != "pallas_gpu"):
+        return copts
+    passes = dict(copts).get("xla_disable_hlo_passes", "")
+    if "dot-merger" in passes.split(","):
+        return copts
+    rest = tuple((k, v) for k, v in copts if k != "xla_disable_hlo_passes")
+    return rest + (("xla_disable_hlo_passes", ",".join(filter(None, (passes, "dot-merger")))),)
+
+
 def banded_chunk_attention(opts: InferenceOptions) -> bool:
     """Whether long chunks attend in one banded kernel call (``InferenceOptions.banded_chunk_attention``)."""
     return _auto(opts.banded_chunk_attention, kernels.resolve_backend(opts.kernel_backend).startswith("pallas_gpu"))
@@ -690,6 +710,6 @@ def check_ced_plan(config: ModelConfig) -> None:
                          "Use InferenceOptions(ced=False) (full replay) for such configs.")
 
 
-__all__ = ["InferenceOptions", "FAST_COMPILE", "jit_for", "ring_read", "ring_write", "emit_entries", "candidate_block_ids", "block_ids_to_mask",
+__all__ = ["InferenceOptions", "FAST_COMPILE", "jit_for", "decode_compiler_options", "ring_read", "ring_write", "emit_entries", "candidate_block_ids", "block_ids_to_mask",
            "pooled_topk", "run_indexer", "chunk_attention", "attention_step", "embed", "run_layers",
            "emit_decoder_source", "head", "check_ced_plan"]
