@@ -167,7 +167,9 @@ def main(argv=None):
         fn, fargs = decode_program(config, b, args.context + 512, opts=opts, chained=True,
                                    hasher=synthetic_hasher(config), sampler=args.sampler)
         t0 = time.perf_counter()
-        compiled = jax.jit(fn, donate_argnums=(1,)).lower(*on_device(fargs, device)).compile()
+        # with the decode options' XLA options (``step.decode_compiler_options``), as the Engine's program has them
+        compiled = jax.jit(fn, donate_argnums=(1,), compiler_options=dict(opts.compiler_options) or None).lower(
+            *on_device(fargs, device)).compile()
         compile_s = time.perf_counter() - t0
         text = compiled.as_text() or ""
         recs = launches(text)

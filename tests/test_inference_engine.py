@@ -233,17 +233,21 @@ def test_default_prefill_chunk_doubles_within_the_grouped_gemm_row_budget():
         default_prefill_chunk(0, True)
 
 
-def test_decode_programs_turn_the_dot_merger_off_on_the_gpu_only():
-    # XLA's dot merger copies the weights of GEMMs sharing an input into one matrix every step: off in the decode /
-    # verification programs on the GPU backend (kept with decode_dot_merger=True), untouched elsewhere; idempotent
+def test_verification_programs_turn_the_dot_merger_off_on_the_gpu_only():
+    # XLA's dot merger copies the weights of GEMMs sharing an input into one matrix every step: off in the
+    # speculative verification programs on the GPU backend (kept with decode_dot_merger=True), on in plain decode
+    # unless asked off, untouched elsewhere; idempotent
     off = ("xla_disable_hlo_passes", "dot-merger")
     gpu = InferenceOptions(kernel_backend="pallas_gpu")
-    assert _decode_opts(gpu).compiler_options == (off,)
-    assert _decode_opts(_decode_opts(gpu)).compiler_options == (off,)
-    assert _decode_opts(dataclasses.replace(gpu, decode_dot_merger=True)).compiler_options == ()
+    verify = functools.partial(_decode_opts, verification=True)
+    assert verify(gpu).compiler_options == (off,)
+    assert verify(verify(gpu)).compiler_options == (off,)
+    assert verify(dataclasses.replace(gpu, decode_dot_merger=True)).compiler_options == ()
+    assert _decode_opts(gpu).compiler_options == ()
+    assert _decode_opts(dataclasses.replace(gpu, decode_dot_merger=False)).compiler_options == (off,)
     both = dataclasses.replace(gpu, compiler_options=(("xla_disable_hlo_passes", "cse"), ("a", 1)))
-    assert _decode_opts(both).compiler_options == (("a", 1), ("xla_disable_hlo_passes", "cse,dot-merger"))
-    assert _decode_opts(InferenceOptions(kernel_backend="reference")).compiler_options == ()
+    assert verify(both).compiler_options == (("a", 1), ("xla_disable_hlo_passes", "cse,dot-merger"))
+    assert verify(InferenceOptions(kernel_backend="reference")).compiler_options == ()
 
 
 def test_sampling_filters():

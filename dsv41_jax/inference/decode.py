@@ -47,10 +47,12 @@ def _step(params, cache, tokens, engram_ids, active, config: ModelConfig, opts: 
     return logits, dict(cache, length=pos0 + n_valid), full
 
 
-def _decode_opts(opts: InferenceOptions) -> InferenceOptions:
+def _decode_opts(opts: InferenceOptions, *, verification: bool = False) -> InferenceOptions:
     """Decode ignores the prefill-only options: normalise them so one compile serves every prefill mode; its XLA
-    options are ``step.decode_compiler_options`` (the dot merger off on the GPU)."""
-    return dataclasses.replace(opts, ced=True, replay_len=None, compiler_options=decode_compiler_options(opts))
+    options are ``step.decode_compiler_options`` (``verification``: the speculative verification programs', the
+    dot merger off on the GPU)."""
+    return dataclasses.replace(opts, ced=True, replay_len=None,
+                               compiler_options=decode_compiler_options(opts, verification=verification))
 
 
 def _decode(params, cache, tokens, engram_ids, active, *, config: ModelConfig, opts: InferenceOptions):

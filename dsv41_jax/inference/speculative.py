@@ -543,7 +543,7 @@ class SpeculativeDecoder:
         self.config = c
         self.quant_on = engine.options.resolved_quant(c)
         # the verification pass is a decode step over a chunk: the prefill-only options do not apply
-        self.opts = _decode_opts(engine.options)
+        self.opts = _decode_opts(engine.options, verification=True)
         self.rings = None
         if drafter is None:
             check_dspark(engine.params, c)

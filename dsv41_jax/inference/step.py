@@ -121,10 +121,12 @@ class InferenceOptions:
     decode_dot_merger: bool | None = None  # XLA's dot merger in the decode / verification programs (one to a few
     #                              tokens): it joins GEMMs that share an input by copying their weights into one
     #                              matrix before the GEMM, every step (the shared expert's gate + up, q-LoRA + KV +
-    #                              indexer projections). None: off on the "pallas_gpu" backend
-    #                              (decode_compiler_options).
-    #                              H200, DSpark bench recipe, batch 1: verification step 2.81 -> 2.62 ms, plain step's
-    #                              device time 1.37 -> 1.30 ms (RESULTS.md)
+    #                              indexer projections). None: off in the speculative verification programs on
+    #                              the "pallas_gpu" backend, on in plain decode (decode_compiler_options).
+    #                              H200, DSpark bench recipe, batch 1: verification step 2.81 -> 2.62 ms. Plain
+    #                              decode keeps it: on the 40-layer bench model at batch 32 the split GEMMs are
+    #                              1,560 -> 1,660 launches per step (39.0 -> 41.5 per layer, deviceless H200
+    #                              compile), their step time not measured (RESULTS.md)
 
     def resolved_quant(self, config: ModelConfig) -> bool:
         return config.quant_sim if self.quant_sim is None else self.quant_sim
@@ -540,11 +542,13 @@ def _auto(flag: bool | None, default: bool) -> bool:
     return default if flag is None else flag
 
 
-def decode_compiler_options(opts: InferenceOptions) -> tuple:
-    """The XLA options of the decode and verification programs: the options' own, plus XLA's dot merger off where
-    ``InferenceOptions.decode_dot_merger`` resolves to off (idempotent: the pass is named once)."""
+def decode_compiler_options(opts: InferenceOptions, *, verification: bool = False) -> tuple:
+    """The XLA options of the decode (``verification``: speculative verification) programs: the options' own, plus
+    XLA's dot merger off where ``InferenceOptions.decode_dot_merger`` resolves to off (idempotent: the pass is
+    named once)."""
     copts = tuple(opts.compiler_options)
-    if _auto(opts.decode_dot_merger, kernels.resolve_backend(opts.kernel_backend) != "pallas_gpu"):
+    gpu = kernels.resolve_backend(opts.kernel_backend) == "pallas_gpu"
+    if _auto(opts.decode_dot_merger, not (verification and gpu)):
         return copts
     passes = dict(copts).get("xla_disable_hlo_passes", "")
     if "dot-merger" in passes.split(","):
