@@ -71,8 +71,11 @@ HOST_GATHERS = ("kernel", "host")  # how a host-memory table's rows reach the de
 
 
 def host_gather_default() -> str:
-    """"kernel" on a CUDA GPU (the GPU reads the rows from pinned host memory itself), "host" elsewhere."""
-    return "kernel" if jax.default_backend() in ("gpu", "cuda") else "host"
+    """"kernel" on one CUDA GPU (the GPU reads the rows from pinned host memory itself), "host" elsewhere. Not on
+    several devices: a table row-sharded over a mesh (``parallel.api``'s "engram_rows") would reach the kernel (a
+    custom call, which the SPMD partitioner does not split) whole; the sharded form (each device's kernel reading
+    its own rows, then a sum) is not built."""
+    return "kernel" if jax.default_backend() in ("gpu", "cuda") and jax.device_count() == 1 else "host"
 
 
 def take_rows_from_host(table: jax.Array, ids: jax.Array, how: str | None = None) -> jax.Array:
@@ -81,8 +84,8 @@ def take_rows_from_host(table: jax.Array, ids: jax.Array, how: str | None = None
     [N, ...], ids int [...] on the device -> [..., *table.shape[1:]] in the table's dtype, in device memory.
 
     ``how`` (``HOST_GATHERS``; None: ``host_gather_default()``):
-    * ``"kernel"`` (CUDA GPUs): a GPU kernel reads the rows straight from the pinned host memory over the host link
-      (``kernels.rows_gpu.take_rows``): no host thread, no synchronisation inside the step.
+    * ``"kernel"`` (CUDA GPUs; an unsharded table): a GPU kernel reads the rows straight from the pinned host memory
+      over the host link (``kernels.rows_gpu.take_rows``): no host thread, no synchronisation inside the step.
     * ``"host"``: the ids move to the host, the rows are gathered there (``compute_on("device_host")``) and moved
       back. Any backend with host compute; on an H200 it cost ≈ 1 ms a step, because XLA:GPU's host-compute
       "done" blocks the thread that enqueues the step (``kernels.rows_gpu``; benchmarks/RESULTS.md).
