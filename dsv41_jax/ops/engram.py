@@ -20,7 +20,8 @@ def engram_gates(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: f
     gate = σ(sign(dot)·sqrt(max(|dot|, clamp))), dot = Σ_D h·(q_w·k_w)·key · rstd(h)·rstd(key) · D^-0.5.
     """
     b, t, hc, d = streams.shape
-    rows = table_rows(params["embed"], row_ids, streams.dtype, host_gather)  # [B, T, cols, ehd]; shared rows: f32 gradient sum
+    # [B, T, cols, ehd]; shared rows: f32 gradient sum
+    rows = table_rows(params["embed"], row_ids, streams.dtype, host_gather)
     wkv = params["wkv"]
     if is_plain_weight(wkv):
         e = rows.reshape(b, t, -1).astype(wkv.dtype)
