@@ -106,6 +106,7 @@ OUT: dict = {"meta": {}, "ceilings": {}, "experts": [], "grouped": [], "dense32"
 T0 = time.time()
 
 FAMILIES = [  # (family, pattern on the device event's name), first match wins
+    ("Engram rows read from host memory (Pallas)", r"engram_host_rows"),
     ("FP4 experts: one-token gemv kernels", r"fp4_slot_|fp4up_|fp4dn_"),
     ("FP4 experts: grouped GEMM", r"fp4_grouped_gemm"),
     ("bf16 experts: slot kernels", r"^slot_swiglu|^slot_down"),
@@ -494,10 +495,11 @@ def loop_setup_form(config, params, opts, batch, context, packed, readback, prof
 
 
 def time_and_profile_loop(s, batch, form, out_dir, layers, readback, profile_steps, steps=10, trace_max_mb=15.0,
-                          profile=True):
+                          profile=True, repeats=1):
     """The device loop of setup ``s``: per read-back interval k, runs of k steps (at least 2 runs and ``steps``
     steps), wall ms per step; then (``profile``) one run of ``profile_steps`` steps profiled (kernel families,
-    launches per layer, busy = union of device intervals against the profiled wall). The step is the largest k's.
+    launches per layer, busy = union of device intervals against the profiled wall). The step is the largest k's
+    (``repeats`` > 1: that k timed again, each time in ``step_ms_runs``, the spread of one form's step).
     The row records the wall seconds of its timing and of its profile (trace + summary)."""
     run = s.pop("run")
     row = dict(first_call_s=s["first_call_s"], sampler=s.get("sampler"), readback_every=max(readback))
@@ -510,6 +512,14 @@ def time_and_profile_loop(s, batch, form, out_dir, layers, readback, profile_ste
             run(k)
         row[f"device_loop_k{k}_step_ms"] = (time.perf_counter() - t0) / n * 1e3
     row["step_ms"] = row[f"device_loop_k{max(readback)}_step_ms"]
+    k = max(readback)
+    n = -(-max(2 * k, steps) // k) * k
+    row["step_ms_runs"] = [row["step_ms"]]
+    for _ in range(repeats - 1):
+        t0 = time.perf_counter()
+        for _ in range(n // k):
+            run(k)
+        row["step_ms_runs"].append((time.perf_counter() - t0) / n * 1e3)
     row["timing_wall_s"] = time.perf_counter() - t_start
     if not profile:
         row["profile"] = "skipped (past --profile-until-s)"
@@ -540,12 +550,15 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
                 grouped_tunings: tuple = (), no_f16=False, fp8_tunings: tuple = (), combine=False,
                 engram_host=False, no_bf16=False, device_loop=False, release_cache: tuple = (), ahead=False,
                 readback: tuple = (1, 8, 32), profile_steps: int = 3, trace_max_mb: float = 15.0,
-                no_release_bf16_cache=False, profile_until_s: float | None = None):
+                no_release_bf16_cache=False, profile_until_s: float | None = None,
+                engram_host_gathers: tuple = ("kernel",), timing_repeats: int = 1):
     """Per batch: every form's first call (trace + compile + one step) concurrently in threads (XLA compiles
     release the GIL; the forms' first-call times overlap, so each is an upper bound of its compile), then each
     form timed and profiled alone. ``engram_host``: after every batch's rows are saved, the release form with the
     Engram tables in host memory (``inference.host_tables.place_engram_tables``) at each batch — compiled last, on
-    its own, so a failure of the host gather's compile cannot take the other rows with it.
+    its own, so a failure of the host gather's compile cannot take the other rows with it. With ``device_loop``
+    the host-table forms (one per ``engram_host_gathers``: ``ops.gather.HOST_GATHERS``) are forms of the loop like
+    the others, after the release form with the tables in HBM (their same-run baseline, ``compare_engram_host``).
 
     ``device_loop``: each form runs the Engine's device loop (``loop_setup_form``) instead of the host-fed step.
     ``release_cache``: release-weight forms with the release's packed cache ("kernels": the attention and indexer
@@ -566,8 +579,6 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
     bad = set(release_cache) - {"kernels", "unpack"}
     if bad:
         raise ValueError(f"release_cache: unknown form(s) {sorted(bad)}; choose from 'kernels', 'unpack'")
-    if engram_host and device_loop:
-        raise ValueError("--engram-host runs the host-fed step only; leave out --device-loop with it")
     config = MODELS[model]()
     # on CPU (smoke) the kernels' interpret mode, so that the packed-cache kernels' path runs too ("auto" is the
     # reference there); on the GPU "auto" is the Pallas GPU backend, as before
@@ -590,6 +601,13 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
         forms.append((f"release, one-token FP4 kernels, release cache "
                       f"({'kernels read it packed' if how == 'kernels' else 'unpacked every step'})", prel,
                       InferenceOptions(**rel, fp4_one_token=True, packed_cache_kernels=how == "kernels"), True))
+    if engram_host and device_loop:
+        from dsv41_jax.inference.host_tables import place_engram_tables
+
+        phost = jax.block_until_ready(place_engram_tables(prel))
+        for how in engram_host_gathers:
+            forms.append((f"{HOST_FORM} ({'the GPU reads the rows' if how == 'kernel' else 'host gather'})", phost,
+                          InferenceOptions(**rel, fp4_one_token=True, engram_host_gather=how), False))
     if not no_grouped:
         forms.append(("release, grouped FP4 kernel", prel, InferenceOptions(**rel, fp4_one_token=False), False))
     if combine:  # one form with both kernels' first tunings instead of a form per tuning (fewer concurrent compiles;
@@ -656,7 +674,8 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
                 if device_loop:
                     profile = profile_until_s is None or time.time() - T0 < profile_until_s
                     row.update(time_and_profile_loop(s, b, form, out_dir, config.num_hidden_layers, readback,
-                                                     profile_steps, trace_max_mb=trace_max_mb, profile=profile))
+                                                     profile_steps, trace_max_mb=trace_max_mb, profile=profile,
+                                                     repeats=timing_repeats))
                 else:
                     row.update(time_and_profile(s, b, form, out_dir, profile_steps=profile_steps))
             except Exception as e:  # noqa: BLE001
@@ -667,12 +686,32 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
                 row["x_floor"] = row["step_ms"] / row["floor_ms"]
             OUT["decode"].append(row)
             compare_to_bf16()
+            compare_engram_host()
             log(json.dumps({k: v for k, v in row.items() if k not in ("top", "floor_parts_gb")}, default=str))
             save()
         del setups
-    if engram_host:
+    if engram_host and not device_loop:
         engram_host_part(config, prel, InferenceOptions(**rel, fp4_one_token=True), batches, context, budget_s,
                          out_dir, save)
+
+
+HOST_FORM = "release, one-token FP4 kernels, Engram tables in host memory"
+
+
+def compare_engram_host():
+    """Each host-table row's step against the release row (tables in HBM) of its batch and cache: the extra ms and
+    % of that step; and its profiled wait (profiled wall - busy) against the HBM row's."""
+    base = {(r["batch"], r["cache"]): r for r in OUT["decode"]
+            if r["weights"] == "release, one-token FP4 kernels" and "step_ms" in r}
+    for r in OUT["decode"]:
+        b = base.get((r["batch"], r["cache"]))
+        if b and r["weights"].startswith(HOST_FORM) and "step_ms" in r:
+            r["host_minus_hbm_ms"] = r["step_ms"] - b["step_ms"]
+            r["host_pct_of_step"] = 100 * r["host_minus_hbm_ms"] / b["step_ms"]
+            r["hbm_step_ms_runs"] = b.get("step_ms_runs", [])
+            if "busy_ms_per_step" in r and "busy_ms_per_step" in b:
+                r["wait_ms_per_step"] = r["profiled_wall_ms"] - r["busy_ms_per_step"]
+                r["hbm_wait_ms_per_step"] = b["profiled_wall_ms"] - b["busy_ms_per_step"]
 
 
 def compare_to_bf16():
@@ -767,6 +806,10 @@ def main():
     ap.add_argument("--no-bf16", action="store_true", help="decode: leave out the bf16 form")
     ap.add_argument("--engram-host", action="store_true",
                     help="decode: also the release form with the Engram tables in host memory, after the other rows")
+    ap.add_argument("--timing-repeats", type=int, default=1,
+                    help="--device-loop: the step (largest read-back interval) timed this many times per form")
+    ap.add_argument("--engram-host-gathers", default="kernel",
+                    help="--engram-host --device-loop: the host-table forms (ops.gather.HOST_GATHERS), comma-separated")
     ap.add_argument("--device-loop", action="store_true",
                     help="decode: every form runs the Engine's device loop (decode_chain, greedy sampler, tokens read "
                          "back every k of --readback steps) instead of the host-fed step")
@@ -832,7 +875,8 @@ def main():
                             tuple(filter(None, args.release_cache.split(","))), args.ahead,
                             tuple(int(k) for k in args.readback.split(",")),
                             args.profile_steps or (8 if args.device_loop else 3), args.trace_max_mb,
-                            args.no_release_bf16_cache, args.profile_until_s)
+                            args.no_release_bf16_cache, args.profile_until_s,
+                            tuple(filter(None, args.engram_host_gathers.split(","))), args.timing_repeats)
             except Exception as e:  # noqa: BLE001
                 OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
                 log(f"decode FAILED: {type(e).__name__}: {str(e)[:300]}")
@@ -894,6 +938,20 @@ def print_decode_tables():
             log(f"  b{r['batch']} {r['weights']} / {r['cache']} cache — families (ms / launches per step): {fams}")
             for name, count, ms in r.get("top", [])[:12]:
                 log(f"    {ms:.3f} ms x{count:.0f} {name}")
+        hosts = [r for r in loop if "host_pct_of_step" in r]
+        if hosts:
+            log("\nEngram tables in host memory vs in HBM (same run, same batch and cache; step = k="
+                f"{max(ks)}):\n| batch | form | step ms | HBM-table step ms | host - HBM ms | **% of the step** | "
+                "busy % | launches / layer | wait ms (profiled wall - busy) | HBM wait ms | runs ms | HBM runs ms |\n"
+                "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+            for r in hosts:
+                log(f"| {r['batch']} | {r['weights'][len(HOST_FORM):].strip(' ()')} | {r['step_ms']:.2f} | "
+                    f"{r['step_ms'] - r['host_minus_hbm_ms']:.2f} | {r['host_minus_hbm_ms']:+.2f} | "
+                    f"{r['host_pct_of_step']:+.1f} % | {r.get('busy_pct', nan):.0f} | "
+                    f"{r.get('launches_per_layer', nan):.1f} | {r.get('wait_ms_per_step', nan):.2f} | "
+                    f"{r.get('hbm_wait_ms_per_step', nan):.2f} | "
+                    f"{' / '.join(f'{v:.2f}' for v in r.get('step_ms_runs', []))} | "
+                    f"{' / '.join(f'{v:.2f}' for v in r.get('hbm_step_ms_runs', []))} |")
     log("\n| batch | weights | first call s | synced ms | queued ms | busy ms | kernel ms | launches | families "
         "(ms / launches per step) |\n|---:|---|---:|---:|---:|---:|---:|---:|---|")
     for r in [] if device_loop else OUT["decode"]:

@@ -399,9 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "device, GEMM inputs rounded to FP8 [default: release for quantised parameters, else bf16]")
     s.add_argument("--cache", choices=("bf16", "release"), default="bf16", help="release: packed FP8 / FP4 KV cache")
     s.add_argument("--engram-tables", choices=("auto", "device", "host"), default="auto",
-                   help="where the Engram tables live: host (pinned host memory; each step's rows are gathered there "
-                        "and only they move to the device), device, or auto (host only where the weights and cache "
-                        "cannot fit on the device)")
+                   help="where the Engram tables live: host (pinned host memory; only each step's rows move to the "
+                        "device, read by the GPU itself on one CUDA GPU), device, or auto (host only where the "
+                        "weights and cache cannot fit on the device)")
     s.add_argument("--quantized-gemm", default="reference", metavar="BACKEND",
                    help="with --weights release, how the FP8 / FP4 GEMMs run: reference (dequantise, then an XLA "
                         "GEMM), auto (the Pallas kernels reading the stored bytes on GPU / TPU, reference on CPU), "

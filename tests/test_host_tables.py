@@ -52,3 +52,22 @@ def test_engram_table_placement_is_validated_and_auto_follows_the_device_budget(
         place_engram_tables(params, "disk")
     with pytest.raises(EngineError, match="engram_tables"):
         Engine(tiny_config, params, max_batch=1, max_len=16, engram_tables="disk", compilation_cache=False)
+
+
+def test_gpu_row_kernel_equals_the_clamped_gather_and_bad_forms_are_named():
+    # the kernel behind take_rows_from_host(how="kernel") (CUDA GPUs: it reads pinned host memory), in Pallas
+    # interpret mode: the Engram release table's byte rows and scale rows, and a bf16 table whose width is not a
+    # power of two; out-of-range ids clamp, a count that is not a multiple of the block is sliced back
+    from dsv41_jax.kernels.rows_gpu import take_rows as gpu_take_rows
+    from dsv41_jax.ops.gather import take_rows_from_host
+
+    rng = np.random.default_rng(1)
+    ids = jnp.asarray(rng.integers(-3, 53, (2, 3, 7)), jnp.int32)
+    for table in (jnp.asarray(rng.integers(0, 256, (50, 256)), jnp.uint8),
+                  jnp.asarray(rng.integers(0, 256, (50, 8)), jnp.uint8),
+                  jnp.asarray(rng.standard_normal((50, 24)), jnp.bfloat16)):
+        got = gpu_take_rows(table, ids, block_rows=16, interpret=True)
+        assert got.shape == ids.shape + table.shape[1:] and got.dtype == table.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.take(table, ids, axis=0, mode="clip")))
+    with pytest.raises(ValueError, match="host-table gather"):
+        take_rows_from_host(table, ids, how="disk")

@@ -189,8 +189,9 @@ class Engine:
         (``inference.prefill.default_prefill_chunk``: measured faster there). ``batcher()``'s refill chunks default
         to 512 unless ``prefill_chunk`` is given (a refill chunk stalls the decoding slots for its length).
 
-        ``engram_tables``: ``"device"``, ``"host"`` (the Engram tables in host memory, pinned: each step's rows
-        gathered on the host and only they moved to the device, ``inference.host_tables``) or ``"auto"`` (default:
+        ``engram_tables``: ``"device"``, ``"host"`` (the Engram tables in host memory, pinned: only each step's rows
+        move to the device — read by the GPU itself on one CUDA GPU, gathered on the host elsewhere;
+        ``inference.host_tables``) or ``"auto"`` (default:
         ``"host"`` when the weights and the cache would take more than the device's memory with the tables
         on it, ``"device"`` otherwise and wherever the backend reports no memory limit, as on the CPU)."""
         if not isinstance(max_batch, int) or max_batch <= 0:

@@ -4,8 +4,8 @@ The release's Engram tables are ≈ 200 GB of FP8 rows: with them on the devices
 them 4 (benchmarks/RESULTS.md). A decode step reads a few KB of them per token. ``tables_to_host`` places every
 Engram table (``.../engram/embed``: a float array or a release-format QuantizedTensor's values and scales) in host
 memory with its sharding otherwise unchanged; ``ops.engram.table_rows`` then sees the host memory space under jit
-and gathers the step's rows on the host (``ops.gather.take_rows_from_host``), so only those rows cross to the
-device, scheduled by XLA alongside the layers before the first Engram layer (they depend only on the step's ids).
+and fetches only the step's rows (``ops.gather.take_rows_from_host``): on one CUDA GPU a kernel reads them from the
+pinned host memory itself (``kernels.rows_gpu``), elsewhere XLA gathers them on the host and moves them over.
 Inference only: a host table has no gradient path."""
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from dsv41_jax.model.release_weights import _map_with_path
 ENGRAM_TABLE = ("engram", "embed")  # the (parent, name) of Engram row tables in the parameter tree
 PLACEMENTS = ("device", "host")
 DEVICE_HEADROOM = 1.0  # "auto" moves the tables only where weights + cache cannot fit at all: a placement that
-# could have run on the device is never changed (on an H200 the host gathers inside the step cost ≈ 1.1 ms a step,
-# 15 % / 35 % of the 12-layer model's batch-32 / batch-1 step: benchmarks/RESULTS.md, 2026-12-03 09:55 UTC)
+# could have run on the device is never changed. On an H200 the host tables cost +0.1 % / +0.5 % of the 40-layer
+# bench model's batch-32 / batch-1 step with the GPU reading the rows (2026-12-03 13:30 UTC); the host gathers inside
+# the step ("host" form, still the one off a single CUDA GPU) cost 15 % / 35 % of the 12-layer step
+# (benchmarks/RESULTS.md, 09:55 UTC)
 
 
 def is_engram_table(path: str) -> bool:

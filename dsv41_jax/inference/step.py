@@ -111,6 +111,10 @@ class InferenceOptions:
     #                             block; None: on the "pallas_gpu" backends (other backends keep the map: the
     #                             reference's per-block scores bound its memory; the TPU kernel is not measured so).
     #                             H200, 32K CED prefill of the 12-layer bench model: 0.557 vs 0.626 s (RESULTS.md)
+    engram_host_gather: str | None = None  # Engram tables in host memory (inference.host_tables): how each step's
+    #                             rows reach the device (ops.gather.HOST_GATHERS: "kernel", the GPU reads them from
+    #                             pinned host memory; "host", gathered by XLA host compute); None: "kernel" on a CUDA
+    #                             GPU, "host" elsewhere — to measure one form against another in one run
     packed_cache_kernels: bool = False  # with cache="release" on the GPU kernels: the sparse attention and the
     #                                     indexer read the packed window ring, compressed KV and keys and dequantise
     #                                     in registers, instead of unpacking whole buffers first. Equal to the
@@ -640,7 +644,7 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
         lp = params["layers"][spec.index]
         if spec.engram_slot is not None:
             streams = engram_write(streams, engram_ids[:, :, spec.engram_slot], lp["engram"], eps=c.rms_norm_eps,
-                                   live=valid)
+                                   live=valid, host_gather=opts.engram_host_gather)
         if spec.index in capture:
             captured[spec.index] = jnp.mean(streams, axis=2)
         a_pre, a_post, a_comb = mhc_coefficients(streams, **lp["hc_attn"], **mhc_kw)
@@ -687,7 +691,7 @@ def emit_decoder_source(params: dict, cache: dict, streams: jax.Array, pre_mix: 
     if spec.engram_slot is not None:
         valid = jnp.arange(streams.shape[1])[None, :] < n_valid[:, None]
         streams = engram_write(streams, engram_ids[:, :, spec.engram_slot], lp["engram"], eps=c.rms_norm_eps,
-                               live=valid)
+                               live=valid, host_gather=opts.engram_host_gather)
     h = rms_norm(collapse(streams, pre_mix), lp["attn_norm"], c.rms_norm_eps)
     sources = dict(cache["sources"])
     sources[str(ds)] = emit_entries(sources[str(ds)], h, lp["attn"]["compressor"], lp["attn"]["indexer"],

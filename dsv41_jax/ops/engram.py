@@ -11,15 +11,17 @@ from dsv41_jax.ops.linear import Fp8GemmInput, is_plain_weight, linear, matmul_p
 
 
 def engram_gates(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: float,
-                 clamp: float = 1e-6) -> tuple[jax.Array, jax.Array]:
+                 clamp: float = 1e-6, host_gather: str | None = None) -> tuple[jax.Array, jax.Array]:
     """What Engram would write: (gate [B, T, hc] float32, value [B, T, D] float32) for streams [B, T, hc, D] and
-    row_ids [B, T, n_cols] (absolute rows of this layer's packed table).
+    row_ids [B, T, n_cols] (absolute rows of this layer's packed table). ``host_gather``: how a table in host memory
+    is read (``ops.gather.take_rows_from_host``'s ``how``).
 
     e = concat of the looked-up rows; kv = e Wkvᵀ -> hc keys + one shared value; per stream
     gate = σ(sign(dot)·sqrt(max(|dot|, clamp))), dot = Σ_D h·(q_w·k_w)·key · rstd(h)·rstd(key) · D^-0.5.
     """
     b, t, hc, d = streams.shape
-    rows = table_rows(params["embed"], row_ids, streams.dtype)  # [B, T, cols, ehd]; shared rows: f32 gradient sum
+    # [B, T, cols, ehd]; shared rows: f32 gradient sum
+    rows = table_rows(params["embed"], row_ids, streams.dtype, host_gather)
     wkv = params["wkv"]
     if is_plain_weight(wkv):
         e = rows.reshape(b, t, -1).astype(wkv.dtype)
@@ -38,26 +40,28 @@ def engram_gates(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: f
 
 
 def engram_write(streams: jax.Array, row_ids: jax.Array, params: dict, *, eps: float, live: jax.Array | None = None,
-                 clamp: float = 1e-6) -> jax.Array:
+                 clamp: float = 1e-6, host_gather: str | None = None) -> jax.Array:
     """streams [B, T, hc, D] += gate · value per stream (:func:`engram_gates`); ``live`` [B, T] = False shuts the
     gate (padding)."""
-    gate, value = engram_gates(streams, row_ids, params, eps=eps, clamp=clamp)
+    gate, value = engram_gates(streams, row_ids, params, eps=eps, clamp=clamp, host_gather=host_gather)
     if live is not None:
         gate = jnp.where(live[..., None], gate, 0.0)
     return (streams.astype(jnp.float32) + gate[..., None] * value[:, :, None, :]).astype(streams.dtype)
 
 
-def table_rows(table, row_ids: jax.Array, dtype) -> jax.Array:
+def table_rows(table, row_ids: jax.Array, dtype, host_gather: str | None = None) -> jax.Array:
     """``table[row_ids]`` (:func:`dsv41_jax.ops.gather.take_rows`: the gradient of a row many n-grams share is
     summed in float32); a release-format (FP8 rows + scales) table gathers the stored bytes of the needed rows
     only and dequantises them (to ``dtype``). A table in host memory (``inference.host_tables``) is gathered on the
-    host: only the looked-up rows move to the device (inference only)."""
+    host or read by the GPU from host memory (``host_gather``: ``ops.gather.take_rows_from_host``): only the
+    looked-up rows move to the device (inference only)."""
     if isinstance(table, Fp8GemmInput):
         table = table.weight
     if is_plain_weight(table):
-        return take_rows_from_host(table, row_ids) if in_host_memory(table) else take_rows(table, row_ids)
-    take = (take_rows_from_host if in_host_memory(table.values) else
-            lambda a, ids: jnp.take(a, ids, axis=0))
+        return take_rows_from_host(table, row_ids, host_gather) if in_host_memory(table) else take_rows(table,
+                                                                                                       row_ids)
+    take = (lambda a, ids: take_rows_from_host(a, ids, host_gather)) if in_host_memory(table.values) else (
+        lambda a, ids: jnp.take(a, ids, axis=0))
     rows = dataclasses.replace(table, values=take(table.values, row_ids), scales=take(table.scales, row_ids),
                                shape=tuple(row_ids.shape) + tuple(table.shape[1:]))
     return rows.dequantize(dtype)

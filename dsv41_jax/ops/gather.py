@@ -67,14 +67,39 @@ def in_host_memory(x) -> bool:
     return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
 
-def take_rows_from_host(table: jax.Array, ids: jax.Array) -> jax.Array:
-    """``table[ids]`` along axis 0 (indices clamped into [0, N)) for a table in host memory: the ids move to the
-    host, the rows are gathered there (``compute_on("device_host")``) and only they move to the device — the
-    table's bytes never do. Inference only (no gradient to a host table). table [N, ...], ids int [...] on the
-    device -> [..., *table.shape[1:]] in the table's dtype, in device memory.
+HOST_GATHERS = ("kernel", "host")  # how a host-memory table's rows reach the device (take_rows_from_host)
+
+
+def host_gather_default() -> str:
+    """"kernel" on one CUDA GPU (the GPU reads the rows from pinned host memory itself), "host" elsewhere. Not on
+    several devices: a table row-sharded over a mesh (``parallel.api``'s "engram_rows") would reach the kernel (a
+    custom call, which the SPMD partitioner does not split) whole; the sharded form (each device's kernel reading
+    its own rows, then a sum) is not built."""
+    return "kernel" if jax.default_backend() in ("gpu", "cuda") and jax.device_count() == 1 else "host"
+
+
+def take_rows_from_host(table: jax.Array, ids: jax.Array, how: str | None = None) -> jax.Array:
+    """``table[ids]`` along axis 0 (indices clamped into [0, N)) for a table in host memory; only the looked-up
+    rows move to the device — the table's bytes never do. Inference only (no gradient to a host table). table
+    [N, ...], ids int [...] on the device -> [..., *table.shape[1:]] in the table's dtype, in device memory.
+
+    ``how`` (``HOST_GATHERS``; None: ``host_gather_default()``):
+    * ``"kernel"`` (CUDA GPUs; an unsharded table): a GPU kernel reads the rows straight from the pinned host memory
+      over the host link (``kernels.rows_gpu.take_rows``): no host thread, no synchronisation inside the step.
+    * ``"host"``: the ids move to the host, the rows are gathered there (``compute_on("device_host")``) and moved
+      back. Any backend with host compute; on an H200 it cost ≈ 1 ms a step, because XLA:GPU's host-compute
+      "done" blocks the thread that enqueues the step (``kernels.rows_gpu``; benchmarks/RESULTS.md).
 
     Why: the release's Engram tables (≈ 200 GB FP8) do not fit the devices' memory with the rest of the model; a
     decode step reads a few KB of them per token."""
+    how = host_gather_default() if how is None else how
+    if how not in HOST_GATHERS:
+        raise ValueError(f"host-table gather must be one of {HOST_GATHERS}, got {how!r}")
+    if how == "kernel":
+        from dsv41_jax.kernels.rows_gpu import take_rows as gpu_take_rows
+
+        flat = table.reshape(table.shape[0], -1) if table.ndim != 2 else table
+        return gpu_take_rows(flat, ids).reshape(tuple(ids.shape) + tuple(table.shape[1:]))
     ids = jnp.clip(ids, 0, table.shape[0] - 1)  # clamped on the device: the host gather may then promise bounds
     ids_host = jax.device_put(ids, jax.memory.Space.Host)
     gather = _on_host(lambda t, i: t.at[i].get(mode="promise_in_bounds"))
