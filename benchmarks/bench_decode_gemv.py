@@ -310,6 +310,8 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--budget-s", type=float, default=300.0, help="variants started after this many seconds skip")
     ap.add_argument("--skip-fp8", action="store_true")
+    ap.add_argument("--lean", action="store_true", help="--set 3 with fewer rows (a short device call): FP4 rows "
+                    "0-3 and the last, grouped split 2 / 3 only, FP8 the first persistent row per shape")
     ap.add_argument("--set", type=int, default=1, choices=(1, 2, 3), help="2: the second pass (FP4_VARIANTS_2, "
                     "FP8_PLAN_2); 3: the persistent forms and the grouped kernel's K split (FP4_VARIANTS_3, "
                     "FP8_PLAN_3, GROUPED_VARIANTS)")
@@ -330,6 +332,12 @@ def main():
                 json.dump(OUT, f, indent=1, default=str)
 
     second, third = args.set == 2, args.set == 3
+    if third and args.lean and not SMOKE:
+        global FP4_VARIANTS_3, FP8_PLAN_3, GROUPED_VARIANTS
+        FP4_VARIANTS_3 = FP4_VARIANTS_3[:4] + FP4_VARIANTS_3[-1:]
+        GROUPED_VARIANTS = {0: [GROUPED_VARIANTS[0][i] for i in (0, 1, 4)],
+                            1: [GROUPED_VARIANTS[1][i] for i in (0, 1, 3)]}
+        FP8_PLAN_3 = [(si, [v[0], v[1], v[-1]]) for si, v in FP8_PLAN_3]
     fp4_part(bw, args.budget_s, FP4_VARIANTS_3 if third and not SMOKE else FP4_VARIANTS_2 if second
              else FP4_VARIANTS)
     save()
