@@ -76,6 +76,24 @@ FP4_VARIANTS_2 = [FP4_VARIANTS[0],
                    dict(decode="word", num_warps=4, block_n=4, prefetch=4),
                    dict(decode="word", block_n=8, prefetch=4)),
                   ("pair_group (before), again", dict(decode="pair_group"), dict(decode="pair_group"))]
+# --set 3: the persistent forms (``programs``: one program per resident slot, each walking a share of the (slot, row
+# block) items with the next item's loads in flight) against the default of 2026-12-03 06:52 (word, gate / up 8-row
+# blocks 4 warps 2 ahead; down 16-row blocks 2 ahead). P = programs per multiprocessor x 132, from the registers of
+# the sm_90 SASS (kernel_sass.py; in comments: gate / up | down) — a P above what fits would leave programs waiting
+FP4_VARIANTS_3 = [("word default (06:52)", dict(decode="word"), dict(decode="word")),
+                  ("persistent, up pf 1 P 528 ; down pf 1 P 924",  # 128 regs 4 / SM | 72 regs 7 / SM
+                   dict(decode="word", prefetch=1, programs=528), dict(decode="word", prefetch=1, programs=924)),
+                  ("persistent, up pf 2 P 396 ; down pf 2 P 660",  # 164 regs 3 / SM | 96 regs 5 / SM
+                   dict(decode="word", programs=396), dict(decode="word", programs=660)),
+                  ("persistent, up block_n 4 pf 1 P 924 ; down block_n 8 pf 1 P 1056",  # 72 regs 7 | 62 regs 8
+                   dict(decode="word", block_n=4, prefetch=1, programs=924),
+                   dict(decode="word", block_n=8, prefetch=1, programs=1056)),
+                  ("persistent, up block_n 4 pf 2 P 660 ; down block_n 8 pf 2 P 924",  # 96 regs 5 | 68 regs 7
+                   dict(decode="word", block_n=4, prefetch=2, programs=660),
+                   dict(decode="word", block_n=8, prefetch=2, programs=924)),
+                  ("persistent, up pf 1 P 396 ; down pf 1 P 660 (fewer programs than fit)",
+                   dict(decode="word", prefetch=1, programs=396), dict(decode="word", prefetch=1, programs=660)),
+                  ("word default (06:52), again", dict(decode="word"), dict(decode="word"))]
 if SMOKE:
     FP4_VARIANTS = [FP4_VARIANTS[0], FP4_VARIANTS[1],
                     ("word small", dict(decode="word", block_n=4, block_k=32, prefetch=1),
@@ -97,7 +115,31 @@ FP8_PLAN_2 = [(0, [("default", {}), ("block_n 16", dict(block_n=16)), ("block_n 
                    ("block_k 1024 pf 2", dict(block_k=1024, prefetch=2)),
                    ("block_k 512 pf 4, 8 warps", dict(block_k=512, prefetch=4, num_warps=8))]),
               (2, [("default", {}), ("block_k 128 pf 8", dict(block_k=128, prefetch=8))])]
-OUT: dict = {"meta": {}, "ceilings": {}, "fp4": [], "fp8": [], "errors": []}
+# --set 3: the persistent gemv (one weight) against each shape's default; P from the SASS registers as above
+FP8_PLAN_3 = [(0, [("default (16-row, 256-wide, 5 ahead)", {}),
+                   ("persistent 16-row pf 1 P 528", dict(block_n=16, block_k=256, prefetch=1, programs=528)),  # 112
+                   ("persistent 16-row pf 2 P 528", dict(block_n=16, block_k=256, prefetch=2, programs=528)),  # 128
+                   ("persistent 8-row pf 2 P 660", dict(block_n=8, block_k=256, prefetch=2, programs=660)),  # 96
+                   ("default, again", {})]),
+              (1, [("default (512-wide, 2 ahead)", {}),
+                   ("persistent pf 2 P 396", dict(block_k=512, prefetch=2, programs=396)),  # 130 regs
+                   ("persistent pf 1 P 528", dict(block_k=512, prefetch=1, programs=528)),  # 128 regs
+                   ("default, again", {})]),
+              (2, [("default (128-wide, 8 ahead)", {}),
+                   ("persistent pf 2 P 528", dict(block_k=128, prefetch=2, programs=528)),  # 104 regs
+                   ("persistent pf 1 P 396", dict(block_k=128, prefetch=1, programs=396)),  # 134 regs
+                   ("default, again", {})])]
+# --set 3: the grouped FP4 kernel at the batch-32 decode step's shapes (192 rows = 32 tokens x top-6 of 16 experts),
+# (label, tuning); the default (16-row token tiles, 64-row weight blocks, 256-wide K steps, 3 stages) first and last
+GROUPED_SHAPES = [("w1 / w3 2304 x 5120", 2304, 5120), ("w2 5120 x 2304", 5120, 2304)] if not SMOKE else \
+    [("small", 64, 256)]
+GROUPED_VARIANTS = {0: [("default", {}), ("split_k 2", dict(split_k=2)), ("split_k 4", dict(split_k=4)),
+                        ("split_k 2, 4 stages", dict(split_k=2, num_stages=4)), ("default, again", {})],
+                    1: [("default", {}), ("split_k 3", dict(split_k=3)), ("4 stages", dict(num_stages=4)),
+                        ("default, again", {})]}
+if SMOKE:
+    GROUPED_VARIANTS = {0: [("default", {}), ("split_k 2", dict(split_k=2, block_k=64))]}
+OUT: dict = {"meta": {}, "ceilings": {}, "fp4": [], "fp8": [], "grouped": [], "errors": []}
 T0 = time.time()
 
 
@@ -212,14 +254,67 @@ def fp8_part(bw, budget_s, plan=None):
                 f"read-only | {row['pct_datasheet']:.0f}% of 4.8 | x {row['x_default']:.2f} | err {err:.1e}")
 
 
+def grouped_part(bw, budget_s):
+    """The grouped FP4 kernel (``quant_gemm.fp4_grouped``, bf16 rows) at the batch-32 step's shapes: each call R
+    distinct expert stacks (> L2) with their own routings; device µs per GEMM of the whole call (the kernel, the
+    XLA ops around it — tile metadata, the even / odd split of x, the split-K sum) and of the kernel alone; bytes =
+    the used experts' packed bytes + scales + activations + output; rel err of the bf16 output against float32 on
+    the dequantised weights (the first routing's rows)."""
+    m, e, topk = (8, 4, 2) if SMOKE else (32, 16, 6)
+    r = 2 if SMOKE else 4
+    for gi, (label, n, k) in enumerate(GROUPED_SHAPES):
+        key = jax.random.fold_in(jax.random.PRNGKey(21), gi)
+        ws = [B.random_fp4(jax.random.fold_in(key, j), e, n, k) for j in range(r)]
+        gss = [B._routing(jax.random.fold_in(key, 100 + j), m, e, topk) for j in range(r)]
+        a = m * topk
+        x = jax.random.normal(jax.random.fold_in(key, 7), (a, k), jnp.float32).astype(jnp.bfloat16)
+        used = float(np.mean([int(jnp.sum(g > 0)) for g in gss]))
+        nbytes = used * (n * k // 2 + n * k // 32) + a * k * 2 + a * n * 2
+        want = jax.lax.ragged_dot(x.astype(jnp.float32), jnp.swapaxes(ws[0].dequantize(jnp.float32), 1, 2), gss[0],
+                                  precision=jax.lax.Precision.HIGHEST)
+        base = None
+        for vi, (vlabel, tuning) in enumerate(GROUPED_VARIANTS.get(gi, GROUPED_VARIANTS[0])):
+            if time.time() - T0 > budget_s:
+                OUT["errors"].append(f"grouped {label} {vlabel}: skipped, budget")
+                continue
+            nm = f"fp4grp{gi}_{vi}"
+            tn = dict(tuning, name=nm)
+            try:
+                err = B.rel_err(QG.fp4_grouped(x, gss[0], ws[0], backend=BE, tuning=tn), want)
+                f = jax.jit(lambda x, gss, ws, tn=tn: [QG.fp4_grouped(x, g, w, backend=BE, tuning=tn)
+                                                       for g, w in zip(gss, ws)])
+                jax.block_until_ready(f(x, gss, ws))
+                if SMOKE:
+                    t_all = t_k = float("nan")
+                else:
+                    tot, by_name = B.device_time(f, x, gss, ws)
+                    t_all, t_k = tot * 1e6 / r, sum(t for nm_, t in by_name.items() if nm in nm_) * 1e6 / r
+            except Exception as ex:  # noqa: BLE001
+                OUT["errors"].append(f"grouped {label} {vlabel}: {type(ex).__name__}: {str(ex)[:400]}")
+                log(f"grouped {label} {vlabel}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
+                continue
+            row = dict(shape=label, variant=vlabel, tuning=tuning, call_us=t_all, kernel_us=t_k, bytes=nbytes,
+                       used_experts=used, rel_err=err, call_rates=rates(nbytes, t_all, bw) if bw else {},
+                       kernel_rates=rates(nbytes, t_k, bw) if bw else {})
+            base = base or row
+            row["x_default_call"] = base["call_us"] / t_all
+            OUT["grouped"].append(row)
+            log(f"grouped | {label} | {vlabel} | call {t_all:.1f} µs ({row['call_rates'].get('pct_read', 0):.0f}% "
+                f"of read-only) | kernel {t_k:.1f} µs ({row['kernel_rates'].get('pct_read', 0):.0f}%) | x "
+                f"{row['x_default_call']:.2f} | err {err:.1e}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--budget-s", type=float, default=300.0, help="variants started after this many seconds skip")
     ap.add_argument("--skip-fp8", action="store_true")
-    ap.add_argument("--set", type=int, default=1, choices=(1, 2), help="2: the second pass (FP4_VARIANTS_2, "
-                    "FP8_PLAN_2)")
+    ap.add_argument("--lean", action="store_true", help="--set 3 with fewer rows (a short device call): FP4 rows "
+                    "0-3 and the last, grouped split 2 / 3 only, FP8 the first persistent row per shape")
+    ap.add_argument("--set", type=int, default=1, choices=(1, 2, 3), help="2: the second pass (FP4_VARIANTS_2, "
+                    "FP8_PLAN_2); 3: the persistent forms and the grouped kernel's K split (FP4_VARIANTS_3, "
+                    "FP8_PLAN_3, GROUPED_VARIANTS)")
     args = ap.parse_args()
     OUT["meta"] = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        device=str(jax.devices()[0]), jax=jax.__version__, argv=sys.argv[1:])
@@ -236,11 +331,22 @@ def main():
             with open(os.path.join(args.out, "bench_decode_gemv.json"), "w") as f:
                 json.dump(OUT, f, indent=1, default=str)
 
-    second = args.set == 2
-    fp4_part(bw, args.budget_s, FP4_VARIANTS_2 if second else FP4_VARIANTS)
+    second, third = args.set == 2, args.set == 3
+    if third and args.lean and not SMOKE:
+        global FP4_VARIANTS_3, FP8_PLAN_3, GROUPED_VARIANTS
+        FP4_VARIANTS_3 = FP4_VARIANTS_3[:4] + FP4_VARIANTS_3[-1:]
+        GROUPED_VARIANTS = {0: [GROUPED_VARIANTS[0][i] for i in (0, 1, 4)],
+                            1: [GROUPED_VARIANTS[1][i] for i in (0, 1, 3)]}
+        FP8_PLAN_3 = [(si, [v[0], v[1], v[-1]]) for si, v in FP8_PLAN_3]
+    fp4_part(bw, args.budget_s, FP4_VARIANTS_3 if third and not SMOKE else FP4_VARIANTS_2 if second
+             else FP4_VARIANTS)
     save()
+    if third:
+        grouped_part(bw, args.budget_s)
+        save()
     if not args.skip_fp8:
-        fp8_part(bw, args.budget_s, FP8_PLAN_2 if second and not SMOKE else None)
+        fp8_part(bw, args.budget_s, FP8_PLAN_3 if third and not SMOKE else FP8_PLAN_2 if second and not SMOKE
+                 else None)
     save()
     log(f"done in {time.time() - T0:.0f} s; errors: {OUT['errors']}")
 

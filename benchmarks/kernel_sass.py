@@ -84,6 +84,7 @@ def compile_to_sass(ttir: str, num_warps: int, num_stages: int, work: str) -> tu
         f.write(ttir)
     k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
                                                                               num_stages=num_stages))
+    print(f"   triton metadata: shared {k.metadata.shared} B, num_warps {num_warps}, num_stages {num_stages}")
     cubin = os.path.join(work, "kernel.cubin")
     with open(cubin, "wb") as f:
         f.write(k.asm["cubin"])
@@ -165,6 +166,14 @@ def kernel_case(name: str, tuning: dict, nk: tuple[int, int] = (F, D), batch: in
         t = G.fp8_default_tiling(32, n, k, **tuning)
         return ((lambda: fn.trace(*args).lower(**lower)), t["num_warps"], t["num_stages"],
                 t["block_n"] * t["block_k"] / (32 * t["num_warps"]))
+    if name == "fp8_gemv":  # a batch-1 decode step's single FP8 projection (gemv form), N x K = --nk; per byte of
+        # the whole weight stream of one program (K steps unrolled; per item for the persistent form's loop)
+        n, k = nk
+        fn = jax.jit(lambda x, v, s: G.fp8_gemm(x, v, s, **tuning))
+        args = (sds((1, k), jnp.bfloat16), sds((n, k), u8), sds((-(-n // 32), -(-k // 32)), u8))
+        t = G.fp8_default_tiling(1, n, k, **tuning)
+        return ((lambda: fn.trace(*args).lower(**lower)), t["num_warps"], t["num_stages"],
+                t["block_n"] * k / (32 * t["num_warps"]))
     if name == "fp4_grouped":  # the batch-32 decode step's w1 / w3: 192 routed rows over 16 experts
         rows = 32 * PICKS
         fn = jax.jit(lambda x, g, v, s: G.fp4_grouped_gemm(x, g, v, s, **tuning))
@@ -239,7 +248,8 @@ def kernel_case(name: str, tuning: dict, nk: tuple[int, int] = (F, D), batch: in
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=("fp4_up", "fp4_down", "fp8_fused", "fp4_grouped", "fp8_m32", "attn_packed",
+    ap.add_argument("kernel", choices=("fp4_up", "fp4_down", "fp8_fused", "fp4_grouped", "fp8_m32", "fp8_gemv",
+                                       "attn_packed",
                                        "attn_bf16", "idx_pool_packed", "idx_pool_bf16", "idx_gather_packed",
                                        "idx_gather_bf16"))
     ap.add_argument("--batch", type=int, default=1, help="attn_* / idx_*: the decode batch")

@@ -44,7 +44,9 @@ def test_fp4_slot_kernels_equal_float64_on_the_picked_experts():
     want_act = _silu(np.minimum(g, limit)) * np.clip(u, -limit, limit) * np.asarray(wts, np.float64)[:, None]
     for tuning in (None, dict(block_n=4, block_k=32, prefetch=1), dict(decode="pair"),
                    dict(decode="pair_group", block_n=2, block_k=64, prefetch=1),
-                   dict(decode="word", block_n=2, block_k=64, prefetch=1)):
+                   dict(decode="word", block_n=2, block_k=64, prefetch=1),
+                   # persistent programs (48 items over 5 programs: 10 / 9 each; loads 2 steps ahead, across items)
+                   dict(decode="word", block_n=4, block_k=32, prefetch=2, programs=5)):
         act = QG.fp4_slot_swiglu(x, picks, wts, w1, w3, limit=limit, backend=BE, tuning=tuning)
         assert act.shape == (3, f) and act.dtype == jnp.float32
         np.testing.assert_allclose(act, want_act, rtol=1e-5, atol=1e-6 * np.abs(want_act).max(), err_msg=str(tuning))
@@ -52,7 +54,8 @@ def test_fp4_slot_kernels_equal_float64_on_the_picked_experts():
     want = np.einsum("si,soi->o", np.asarray(a, np.float64), w2d)
     for tuning in (None, dict(block_n=2, block_k=32, prefetch=2), dict(decode="pair"),
                    dict(decode="pair_group", block_n=4, block_k=32, prefetch=0),
-                   dict(decode="word", block_n=4, block_k=64, prefetch=1)):
+                   dict(decode="word", block_n=4, block_k=64, prefetch=1),
+                   dict(decode="word", block_n=8, block_k=32, prefetch=1, programs=7)):  # 36 items: 6 / 5 each
         y = QG.fp4_slot_down(a, picks, w2, backend=BE, tuning=tuning)
         assert y.shape == (d,) and y.dtype == jnp.float32
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(tuning))

@@ -92,7 +92,9 @@ def test_gpu_kernel_tilings_are_exact_on_the_contiguous_paths():
     # (scale bytes loaded per 32-column group) on the masked and the contiguous path
     for tuning in (dict(block_n=8, block_k=64, split_k=3, prefetch=1), dict(block_n=32, prefetch=0),
                    dict(block_n=4, block_k=128, prefetch=4), dict(block_n=8, block_k=64, split_k=3, group_view=True),
-                   dict(block_n=4, block_k=128, prefetch=4, group_view=True)):
+                   dict(block_n=4, block_k=128, prefetch=4, group_view=True),
+                   # persistent programs walking the column blocks, loads 2 K steps ahead across blocks
+                   dict(block_n=8, block_k=32, prefetch=2, programs=3)):
         got = QG.fp8_linear(x[:1], w, backend="pallas_gpu_interpret", tuning=tuning)
         np.testing.assert_allclose(got, want[:1], rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(tuning))
     w4 = _weights(rng, (3, 64, 512), N.FP4_ROWS, scale=0.1)
@@ -102,7 +104,8 @@ def test_gpu_kernel_tilings_are_exact_on_the_contiguous_paths():
     want = np.zeros((16, 64))
     want[:3], want[3:12] = np.asarray(x[:3], np.float64) @ wd[0].T, np.asarray(x[3:12], np.float64) @ wd[2].T
     for tuning in (dict(mma_rows="tokens", block_m=16, block_n=64, block_k=128),
-                   dict(mma_rows="weights", block_m=16, block_n=32, block_k=128)):
+                   dict(mma_rows="weights", block_m=16, block_n=32, block_k=128),
+                   dict(mma_rows="weights", block_m=16, block_n=32, block_k=64, split_k=2)):
         got = QG.fp4_grouped(x, gs, w4, backend="pallas_gpu_interpret", tuning=tuning)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(tuning))
     # bf16 activations: the weights-as-rows form with the float32 and the bf16x2 decode (code 1 = 0.5 is a bf16
@@ -112,7 +115,8 @@ def test_gpu_kernel_tilings_are_exact_on_the_contiguous_paths():
     xb64 = np.asarray(xb.astype(jnp.float32), np.float64)
     want_b[:3], want_b[3:12] = xb64[:3] @ wd[0].T, xb64[3:12] @ wd[2].T
     for tuning in (dict(mma_rows="weights", decode="f32", block_m=16, block_n=32, block_k=128),
-                   dict(mma_rows="weights", decode="bf16x2", block_m=16, block_n=32, block_k=128)):
+                   dict(mma_rows="weights", decode="bf16x2", block_m=16, block_n=32, block_k=128),
+                   dict(mma_rows="weights", decode="bf16x2", block_m=16, block_n=32, block_k=128, split_k=4)):
         got = QG.fp4_grouped(xb, gs, w4, backend="pallas_gpu_interpret", tuning=tuning)
         assert got.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(got, np.float32), want_b, rtol=2 ** -8,

@@ -109,7 +109,7 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
                        block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
                        num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
                        scale_side: str | None = None, group_view: bool | None = None,
-                       mma_rows: str | None = None) -> dict:
+                       mma_rows: str | None = None, programs: int | None = None) -> dict:
     """The tiling of ``fp8_gemm`` for an [m, k] x [n, k] GEMM; any argument given overrides its default.
 
     block_m / block_n / block_k: the output tile and the K step; split_k: K ranges given to separate programs (their
@@ -123,7 +123,10 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
     mma_rows (tensor-core form only): "tokens" (the activation tile is the product's row side, one dot per 32 weight
     rows) or "weights" (the [block_n, block_k] weight tile, decoded to bf16 by inline PTX, is the row side and the
     activation rows its columns — the grouped FP4 kernel's decode form; block_n 64 by default, a multiple of 32).
-    None: "weights" for 1 < M <= ``FP8_WEIGHT_ROWS_MAX`` unless a tokens-form option is given, else "tokens"."""
+    None: "weights" for 1 < M <= ``FP8_WEIGHT_ROWS_MAX`` unless a tokens-form option is given, else "tokens".
+    programs (gemv form, one weight, no K split, N and K multiples of the blocks; 0 / None: off): the persistent
+    form, that many programs each walking a share of the column blocks with the next block's first K steps loaded
+    while the current one's last steps are computed (``_persistent_items``)."""
     gemv = (m == 1) if gemv is None else gemv
     if mma_rows is None and not gemv:
         # the weights form for decode-sized M (measured faster at M = 32, alone and in the batch-32 decode step,
@@ -175,9 +178,13 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
     pf = (min(8, kb_per) if gemv else 0) if prefetch is None else min(prefetch, kb_per)
     scale_side = scale_side or ("x" if gemv else "w")
     group_view = bool(group_view) and gemv and k % SCALE_BLOCK == 0 and _pow2(bk // SCALE_BLOCK) == bk // SCALE_BLOCK
+    if programs and not (gemv and split_k == 1 and n % bn == 0 and k % bk == 0 and not group_view):
+        raise ValueError(f"programs (the persistent form) needs the gemv form with no K split, N and K multiples of "
+                         f"block_n / block_k and no group view; got M {m}, N {n}, K {k}, block_n {bn}, block_k "
+                         f"{bk}, split_k {split_k}")
     return dict(block_m=bm, block_n=bn, block_k=bk, split_k=split_k, num_warps=num_warps or 4,
                 num_stages=num_stages or 3, prefetch=pf, gemv=gemv, scale_side=scale_side, group_view=group_view,
-                mma_rows=mma_rows)
+                mma_rows=mma_rows, programs=int(programs or 0))
 
 
 # Measured on an H200 (benchmarks/RESULTS.md, 2026-12-02 18:39 UTC) at M = 32, the batch-32 decode step's dense
@@ -187,7 +194,7 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
 FP8_WEIGHT_ROWS_MAX = 32
 
 _TILING_ARGS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "prefetch", "gemv",
-                "scale_side", "group_view", "mma_rows")
+                "scale_side", "group_view", "mma_rows", "programs")
 
 
 @functools.partial(jax.jit, static_argnames=_TILING_ARGS + ("name", "interpret"))
@@ -195,13 +202,13 @@ def fp8_gemm(x, values, scales, *, block_m: int | None = None, block_n: int | No
              block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
              num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
              scale_side: str | None = None, group_view: bool | None = None, mma_rows: str | None = None,
-             name: str = "fp8_block_gemm", interpret: bool = False):
+             programs: int | None = None, name: str = "fp8_block_gemm", interpret: bool = False):
     """x [M, K] (bf16 / f32), values uint8 e4m3 bytes [N, K], scales uint8 [ceil(N/32), ceil(K/32)] -> [M, N]
     x.dtype. Tiling: ``fp8_default_tiling``."""
     return fp8_gemm_fused(x, ((values, scales),), block_m=block_m, block_n=block_n, block_k=block_k,
                           split_k=split_k, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, gemv=gemv,
-                          scale_side=scale_side, group_view=group_view, mma_rows=mma_rows, name=name,
-                          interpret=interpret)[0]
+                          scale_side=scale_side, group_view=group_view, mma_rows=mma_rows, programs=programs,
+                          name=name, interpret=interpret)[0]
 
 
 @functools.partial(jax.jit, static_argnames=_TILING_ARGS + ("name", "interpret"))
@@ -209,7 +216,7 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
                    block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
                    scale_side: str | None = None, group_view: bool | None = None, mma_rows: str | None = None,
-                   name: str = "fp8_block_gemm_fused", interpret: bool = False):
+                   programs: int | None = None, name: str = "fp8_block_gemm_fused", interpret: bool = False):
     """Several FP8 GEMMs of ONE input in one launch: x [M, K] and weights ((values [N_p, K], scales
     [ceil(N_p/32), ceil(K/32)]), ...) -> (x · w_pᵀ [M, N_p] in x.dtype, ...).
 
@@ -239,8 +246,7 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
             ys = fp8_gemm_fused(x, tuple(weights[p] for p in live), block_m=block_m, block_n=block_n,
                                 block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages,
                                 prefetch=prefetch, gemv=gemv, scale_side=scale_side, group_view=group_view,
-                                mma_rows=mma_rows, name=name,
-                                interpret=interpret)
+                                mma_rows=mma_rows, programs=programs, name=name, interpret=interpret)
             got = dict(zip(live, ys))
             return tuple(got.get(p, jnp.zeros((m, 0), x.dtype)) for p in range(len(ns_)))
         return tuple(jnp.zeros((m, n), x.dtype) for n in ns_)
@@ -254,8 +260,12 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
             block_k, prefetch = 512, 4
     t = fp8_default_tiling(m, sum(ns_), k, block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
                            num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, gemv=gemv,
-                           scale_side=scale_side, group_view=group_view, mma_rows=mma_rows)
+                           scale_side=scale_side, group_view=group_view, mma_rows=mma_rows, programs=programs)
     bm, bn, bk, split_k, pf, gemv = (t[a] for a in ("block_m", "block_n", "block_k", "split_k", "prefetch", "gemv"))
+    if t["programs"] and len(weights) > 1:
+        raise ValueError("programs (the persistent gemv form) takes one weight, not a fused list")
+    persistent = t["programs"] > 0
+    n_programs = min(t["programs"], -(-ns_[0] // bn)) if persistent else 0
     x_side = t["scale_side"] == "x"
     gview = t["group_view"]
     wrows = t["mma_rows"] == "weights"
@@ -413,6 +423,23 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
             return new
 
         acc_shape = (sub, gpb, SCALE_BLOCK) if gview else (sub, bk) if gemv else (bm, sub)
+        if persistent:  # gemv, contiguous tiles: items are column blocks (``_persistent_items``)
+            def load_at(c0, kb):
+                k0 = kb * bk
+                cols = k0 + jnp.arange(bk)
+                ws = [v_ref[pl.ds(c0 + g * sub, sub), pl.ds(k0, bk)] for g in range(bn // sub)]
+                ss = [pltr.load(s_ref.at[(c0 + g * sub) // SCALE_BLOCK, cols // SCALE_BLOCK])
+                      for g in range(bn // sub)]
+                return ws, x_ref[0, pl.ds(k0, bk)], ss
+
+            def finish(accs, c0):
+                for g, acc in enumerate(accs):
+                    o_ref[0, pl.ds(c0 + g * sub, sub)] = jnp.sum(acc, axis=1).astype(o_ref.dtype)
+
+            _persistent_items(n // bn, n_programs, kb_per, pf, lambda item: item * bn, load_at,
+                              lambda accs, ld, i: tuple(compute(list(accs), ld)),
+                              lambda: tuple(jnp.zeros(acc_shape, f32) for _ in range(bn // sub)), finish)
+            return
         accs = [jnp.zeros(acc_shape, f32) for _ in range(bn // sub)]
         base = si * kb_per
         if pf == 0:  # one loop, software-pipelined by the compiler (num_stages)
@@ -445,6 +472,9 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
 
     def kernel(x_ref, *refs):
         w_refs, o_refs = refs[:2 * n_w], refs[2 * n_w:]
+        if persistent:  # one row, one weight; the items are walked inside the program
+            program(x_ref, w_refs[0], w_refs[1], o_refs[0], ns_[0], 0, 0, 0)
+            return
         mi, ni, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         if n_w == 1:
             program(x_ref, w_refs[0], w_refs[1], o_refs[0], ns_[0], mi, ni, si)
@@ -460,7 +490,7 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
         xd = xd.reshape(m, kg, SCALE_BLOCK)
         flat_w = [a.reshape(a.shape[0], kg, SCALE_BLOCK) if i % 2 == 0 else a for i, a in enumerate(flat_w)]
     outs = pl.pallas_call(
-        kernel, grid=(nm, sum(nns), split_k), out_shape=out_shapes,
+        kernel, grid=(n_programs,) if persistent else (nm, sum(nns), split_k), out_shape=out_shapes,
         compiler_params=_params(t["num_warps"], t["num_stages"]), interpret=interpret, name=name,
     )(xd, *flat_w)
     if split_k == 1:
@@ -503,11 +533,11 @@ def tile_metadata(group_sizes, n_rows: int, block_m: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
-                                             "prefetch", "mma_rows", "decode", "name", "interpret"))
+                                             "prefetch", "mma_rows", "decode", "split_k", "name", "interpret"))
 def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = None, block_n: int | None = None,
                      block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      prefetch: int = 0, mma_rows: str | None = None, decode: str | None = None,
-                     name: str = "fp4_grouped_gemm", interpret: bool = False):
+                     split_k: int | None = None, name: str = "fp4_grouped_gemm", interpret: bool = False):
     """x [A, K] rows sorted by group; group_sizes [E] (sum <= A; rows past the sum give 0); values uint8
     [E, N, K/2]; scales uint8 [E, N, K/32] -> [A, N] in x.dtype.
 
@@ -518,14 +548,20 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
     ``decode`` (the "weights" form with bf16 activations only): how the packed bytes become the dot's bf16 operand —
     "f32" (the float16 pair decode widened to float32, scaled, rounded to bf16) or "bf16x2" (inline PTX: each
     nibble's bf16 bit pattern built in a 16-bit half of a register, then two packed bf16 multiplies per two weights;
-    ``_e2m1_bf16x2_scaled``). None: ``FP4_GROUPED_DEFAULT_DECODE``."""
+    ``_e2m1_bf16x2_scaled``). None: ``FP4_GROUPED_DEFAULT_DECODE``. ``split_k`` (the "weights" form only; must
+    divide the K steps): K ranges given to separate programs, their float32 partial products [split_k, A, N] added
+    by one small XLA reduction, then rounded to x.dtype — more programs when a call's (row tile, column block)
+    programs fill the multiprocessors only about once."""
     mma_rows = mma_rows or ("weights" if x.shape[0] <= FP4_GROUPED_WEIGHT_ROWS_MAX else "tokens")
     if mma_rows not in ("tokens", "weights"):
         raise ValueError(f"mma_rows must be 'tokens' or 'weights', got {mma_rows!r}")
     if mma_rows == "weights":
         return _fp4_grouped_weight_rows(x, group_sizes, values, scales, block_m=block_m, block_n=block_n,
                                         block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                                        decode=decode or FP4_GROUPED_DEFAULT_DECODE, name=name, interpret=interpret)
+                                        decode=decode or FP4_GROUPED_DEFAULT_DECODE, split_k=split_k or 1,
+                                        name=name, interpret=interpret)
+    if (split_k or 1) != 1:
+        raise ValueError(f"split_k is an option of the weights-as-rows form (mma_rows='weights'), got {split_k}")
     block_n, block_k = block_n or 64, block_k or 256
     num_warps, num_stages = num_warps or 4, num_stages or 3
     a, k = x.shape
@@ -728,7 +764,7 @@ def _e4m3_bf16x2_scaled(v, mult, interpret: bool):
 
 
 def _fp4_grouped_weight_rows(x, group_sizes, values, scales, *, block_m, block_n, block_k, num_warps, num_stages,
-                             decode, name, interpret):
+                             decode, split_k, name, interpret):
     """``fp4_grouped_gemm`` with the weights on the tensor-core product's row side: out[rows, cols]ᵀ =
     W[cols, K step] · x[rows, K step]ᵀ per tile. Why: at decode an expert holds a handful of rows (at batch 32 about
     12 of 192 on 16 experts), so the token side is the product's narrow side; with the weight tile as the row
@@ -753,10 +789,14 @@ def _fp4_grouped_weight_rows(x, group_sizes, values, scales, *, block_m, block_n
     t_max = grp.shape[0]
     n_steps = -(-k // bk)
     k_tail, n_tail = k % bk != 0, n % bn != 0
+    if split_k < 1 or n_steps % split_k:
+        raise ValueError(f"split_k {split_k} must divide the {n_steps} K steps of {bk} (K = {k})")
+    per = n_steps // split_k
 
     def kernel(g_ref, r0_ref, nr_ref, xe_ref, xo_ref, v_ref, s_ref, o_ref):
-        ti, ni = pl.program_id(0), pl.program_id(1)
+        ti, ni, ki = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         ex, r0, nr = g_ref[ti], r0_ref[ti], nr_ref[ti]
+        lead = (ki,) if split_k > 1 else ()
         rows = r0 + jnp.arange(bm)
         cols_n = ni * bn + jnp.arange(bn)
         nmask = cols_n < n
@@ -798,21 +838,26 @@ def _fp4_grouped_weight_rows(x, group_sizes, values, scales, *, block_m, block_n
 
                 return acc + _dot_nt(scaled(lo), xe_t) + _dot_nt(scaled(hi), xo_t)
 
-            acc = jax.lax.fori_loop(0, n_steps, compute, jnp.zeros((bn, bm), jnp.float32))
+            # static bounds (a loop the compiler pipelines), this program's K range offset inside
+            acc = jax.lax.fori_loop(0, per, lambda i, acc: compute(ki * per + i, acc),
+                                    jnp.zeros((bn, bm), jnp.float32))
             # acc[j, i] is out[rows[i], cols[j]]: stored through transposed indices
-            pltr.store(o_ref.at[rows[None, :], cols_n[:, None]], acc.astype(o_ref.dtype),
+            pltr.store(o_ref.at[lead + (rows[None, :], cols_n[:, None])], acc.astype(o_ref.dtype),
                        mask=rmask[None, :] & nmask[:, None])
 
         @pl.when(nr < 0)
         def _():
             zmask = (jnp.arange(bm) < -nr)[:, None] & nmask[None, :]
-            pltr.store(o_ref.at[rows[:, None], cols_n[None, :]], jnp.zeros((bm, bn), o_ref.dtype), mask=zmask)
+            pltr.store(o_ref.at[lead + (rows[:, None], cols_n[None, :])], jnp.zeros((bm, bn), o_ref.dtype),
+                       mask=zmask)
 
-    return pl.pallas_call(
-        kernel, grid=(t_max, -(-n // bn)),
-        out_shape=jax.ShapeDtypeStruct((a, n), x.dtype),
+    out_shape = (a, n) if split_k == 1 else (split_k, a, n)
+    out = pl.pallas_call(
+        kernel, grid=(t_max, -(-n // bn), split_k),
+        out_shape=jax.ShapeDtypeStruct(out_shape, x.dtype if split_k == 1 else jnp.float32),
         compiler_params=_params(num_warps or 4, num_stages or 3), interpret=interpret, name=name,
     )(grp, r0s, nrs, xe, xo, values, scales)
+    return out if split_k == 1 else jnp.sum(out, axis=0).astype(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -858,10 +903,12 @@ def _largest_pow2_divisor(n: int, cap: int, unit: int = 1) -> int:
 
 def fp4_slot_tiling(n: int, k: int, *, block_n: int | None = None, block_k: int | None = None,
                     prefetch: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                    decode: str | None = None, down: bool = False) -> dict:
+                    decode: str | None = None, programs: int | None = None, down: bool = False) -> dict:
     """Tiling of the one-token FP4 slot kernels for [n, k] expert matrices (any argument given overrides its
     default): block_n output rows per program and block_k values per K step, the largest powers of two (times 32
-    for block_k) up to the defaults that divide n / k — the kernels have no tail masking."""
+    for block_k) up to the defaults that divide n / k — the kernels have no tail masking. ``programs`` (0 / None:
+    off): the persistent form, that many programs each walking a share of the (slot, row block) items with the
+    next item's first K steps loaded while the current item's last steps are computed (``_persistent_items``)."""
     if k % SCALE_BLOCK:
         raise ValueError(f"K = {k} is not a multiple of the FP4 scale block {SCALE_BLOCK}")
     decode = decode or FP4_SLOT_DEFAULT_DECODE
@@ -879,8 +926,10 @@ def fp4_slot_tiling(n: int, k: int, *, block_n: int | None = None, block_k: int 
     steps = k // bk
     pf_default = 2 if word else 8 if down else 4
     pf = min(steps, pf_default) if prefetch is None else max(0, min(prefetch, steps))
+    if programs is not None and programs < 0:
+        raise ValueError(f"programs must be >= 0 (0: one program per item), got {programs}")
     return dict(block_n=bn, block_k=bk, prefetch=pf, num_warps=num_warps or (4 if down or word else 8),
-                num_stages=num_stages or 1, decode=decode)
+                num_stages=num_stages or 1, decode=decode, programs=int(programs or 0))
 
 
 # how a K step's products are formed: "f16" each nibble's float16 bit pattern built alone, each byte's two products
@@ -1054,6 +1103,39 @@ def _streamed(n_items, load, compute, state, pf):
     return state
 
 
+def _persistent_items(n_items, programs, steps, pf, coords, load, compute, init, finish):
+    """A persistent program's walk over items ``p, p + P, p + 2P, ... < n_items`` (p this program, P =
+    ``programs``). Per item: ``state = compute(state, load(c, i), i)`` over its ``steps`` K steps (unrolled) from
+    ``init()``, then ``finish(state, c)``, with c = ``coords(item)``. The loads run ``pf`` steps ahead across item
+    boundaries: while an item's last steps are computed the next item's first ones are in flight (carried through
+    the item loop; past the program's last item they re-read its last item and are dropped), so a program pays one
+    memory latency at its start instead of one per item, and items can be small (fine-grained items balance the
+    work per multiprocessor). Why: with one program per item, each program's first loads stall it for a full
+    memory round trip, and the last wave of programs leaves most multiprocessors idle."""
+    p = pl.program_id(0)
+    n_mine = (n_items - 1 - p) // programs + 1  # >= 1: the grid has at most n_items programs
+
+    def item_coords(j):
+        return coords(jnp.minimum(p + j * programs, n_items - 1))
+
+    def body(j, pending):
+        c, c_next = item_coords(j), item_coords(j + 1)
+        pending = list(pending)
+        state = init()
+        for i in range(steps):
+            if i + pf < steps:
+                pending.append(load(c, i + pf))
+            else:  # the next item's first steps
+                pending.append(load(c_next, i + pf - steps))
+            state = compute(state, pending[i], i)
+            pending[i] = None
+        finish(state, c)
+        return tuple(pending[steps:])
+
+    c0 = item_coords(0)
+    jax.lax.fori_loop(0, n_mine, body, tuple(load(c0, i) for i in range(pf)))
+
+
 def _check_slot_operands(what, values, scales, k):
     e, n, kh = values.shape
     if values.dtype != jnp.uint8 or kh * 2 != k or scales.dtype != jnp.uint8 or \
@@ -1064,11 +1146,11 @@ def _check_slot_operands(what, values, scales, k):
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "block_n", "block_k", "prefetch", "num_warps", "num_stages",
-                                             "decode", "name", "interpret"))
+                                             "decode", "programs", "name", "interpret"))
 def fp4_slot_swiglu(x, slot_expert, slot_wts, w1_values, w1_scales, w3_values, w3_scales, *, limit: float,
                     block_n: int | None = None, block_k: int | None = None, prefetch: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None, decode: str | None = None,
-                    name: str = "fp4_slot_swiglu", interpret: bool = False):
+                    programs: int | None = None, name: str = "fp4_slot_swiglu", interpret: bool = False):
     """One token x [K] (bf16 / float32), its picks slot_expert int32 [S] and routing weights slot_wts float32 [S],
     stacked FP4 experts w1 / w3 (values uint8 [E, F, K/2], scales uint8 [E, F, K/32]) -> act [S, F] in x.dtype:
     ``silu(min(g, limit)) * clip(u, ±limit) * weight`` with g = x·w1[e]ᵀ, u = x·w3[e]ᵀ rounded to x.dtype."""
@@ -1080,13 +1162,16 @@ def fp4_slot_swiglu(x, slot_expert, slot_wts, w1_values, w1_scales, w3_values, w
         raise ValueError(f"fp4_slot_swiglu: w1 {tuple(w1_values.shape)} and w3 {tuple(w3_values.shape)} differ")
     s_n = slot_expert.shape[0]
     t = fp4_slot_tiling(f, k, block_n=block_n, block_k=block_k, prefetch=prefetch, num_warps=num_warps,
-                        num_stages=num_stages, decode=decode)
+                        num_stages=num_stages, decode=decode, programs=programs)
     accum, acc_shape = _slot_products(t["decode"], t["block_n"], t["block_k"] // SCALE_BLOCK, interpret)
     bn, sg = t["block_n"], t["block_k"] // SCALE_BLOCK
     steps = k // t["block_k"]
     out_dtype = x.dtype
     view = (e, f, k // SCALE_BLOCK, FP4_HALF)
     xe, xo = _even_odd_groups(x)
+    nb = f // bn
+    persistent = t["programs"] > 0
+    programs = min(t["programs"], s_n * nb)
 
     def epilogue(g, u, si, n0, wt_ref, o_ref):
         g = g.astype(out_dtype).astype(jnp.float32)
@@ -1097,37 +1182,54 @@ def fp4_slot_swiglu(x, slot_expert, slot_wts, w1_values, w1_scales, w3_values, w
         act = g / (1.0 + jnp.exp(-g)) * u * wt_ref[si]
         o_ref[si, pl.ds(n0, bn)] = act.astype(o_ref.dtype)
 
-    def kernel(se_ref, wt_ref, xe_ref, xo_ref, v1_ref, s1_ref, v3_ref, s3_ref, o_ref):
-        si, ni = pl.program_id(0), pl.program_id(1)
-        ex = se_ref[si]
-        n0 = ni * bn
-
-        def load(i):
+    def load_at(ex, n0, i):
+        def ld(v1_ref, s1_ref, v3_ref, s3_ref, xe_ref, xo_ref):
             g0 = i * sg
             return (v1_ref[ex, pl.ds(n0, bn), pl.ds(g0, sg), :], s1_ref[ex, pl.ds(n0, bn), pl.ds(g0, sg)],
                     v3_ref[ex, pl.ds(n0, bn), pl.ds(g0, sg), :], s3_ref[ex, pl.ds(n0, bn), pl.ds(g0, sg)],
                     xe_ref[pl.ds(g0, sg), :], xo_ref[pl.ds(g0, sg), :])
+        return ld
 
-        def compute(accs, ld, i):
-            v1, s1, v3, s3, xe_, xo_ = ld
-            return accum(accs[0], v1, s1, xe_, xo_), accum(accs[1], v3, s3, xe_, xo_)
+    def compute(accs, ld, i):
+        v1, s1, v3, s3, xe_, xo_ = ld
+        return accum(accs[0], v1, s1, xe_, xo_), accum(accs[1], v3, s3, xe_, xo_)
 
+    def zeros():
         zero = jnp.zeros(acc_shape, jnp.float32)
-        a1, a3 = _streamed(steps, load, compute, (zero, zero), t["prefetch"])
+        return zero, zero
+
+    def kernel(se_ref, wt_ref, xe_ref, xo_ref, v1_ref, s1_ref, v3_ref, s3_ref, o_ref):
+        refs = (v1_ref, s1_ref, v3_ref, s3_ref, xe_ref, xo_ref)
+        if persistent:
+            def coords(item):
+                si = item // nb
+                return si, se_ref[si], (item % nb) * bn
+
+            def finish(accs, c):
+                epilogue(_row_sums(accs[0]), _row_sums(accs[1]), c[0], c[2], wt_ref, o_ref)
+
+            _persistent_items(s_n * nb, programs, steps, t["prefetch"], coords,
+                              lambda c, i: load_at(c[1], c[2], i)(*refs), compute, zeros, finish)
+            return
+        si, ni = pl.program_id(0), pl.program_id(1)
+        ex = se_ref[si]
+        n0 = ni * bn
+        a1, a3 = _streamed(steps, lambda i: load_at(ex, n0, i)(*refs), compute, zeros(), t["prefetch"])
         epilogue(_row_sums(a1), _row_sums(a3), si, n0, wt_ref, o_ref)
 
     return pl.pallas_call(
-        kernel, grid=(s_n, f // bn), out_shape=jax.ShapeDtypeStruct((s_n, f), out_dtype),
+        kernel, grid=(programs,) if persistent else (s_n, nb), out_shape=jax.ShapeDtypeStruct((s_n, f), out_dtype),
         compiler_params=_params(t["num_warps"], t["num_stages"]), interpret=interpret, name=name,
     )(slot_expert.astype(jnp.int32), slot_wts.astype(jnp.float32), xe, xo, w1_values.reshape(view), w1_scales,
       w3_values.reshape(view), w3_scales)
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "prefetch", "num_warps", "num_stages", "decode",
-                                             "name", "interpret"))
+                                             "programs", "name", "interpret"))
 def fp4_slot_down(act, slot_expert, w2_values, w2_scales, *, block_n: int | None = None, block_k: int | None = None,
                   prefetch: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                  decode: str | None = None, name: str = "fp4_slot_down", interpret: bool = False):
+                  decode: str | None = None, programs: int | None = None, name: str = "fp4_slot_down",
+                  interpret: bool = False):
     """act [S, F] (bf16 / float32; slot s's activations), slot_expert int32 [S], stacked FP4 experts w2 (values
     uint8 [E, D, F/2], scales uint8 [E, D, F/32]) -> y [D] float32 = sum over the slots of act[s]·w2[e_s]ᵀ, each
     slot's product rounded to act.dtype first (as the grouped path's per-row outputs).
@@ -1140,32 +1242,51 @@ def fp4_slot_down(act, slot_expert, w2_values, w2_scales, *, block_n: int | None
     e, d, _ = w2_values.shape
     _check_slot_operands("fp4_slot_down w2", w2_values, w2_scales, f)
     t = fp4_slot_tiling(d, f, block_n=block_n, block_k=block_k, prefetch=prefetch, num_warps=num_warps,
-                        num_stages=num_stages, decode=decode, down=True)
+                        num_stages=num_stages, decode=decode, programs=programs, down=True)
     accum, acc_shape = _slot_products(t["decode"], t["block_n"], t["block_k"] // SCALE_BLOCK, interpret)
     bn, sg = t["block_n"], t["block_k"] // SCALE_BLOCK
     steps = f // t["block_k"]
     round_dtype = act.dtype
     ae, ao = _even_odd_groups(act)
 
-    def kernel(se_ref, ae_ref, ao_ref, v_ref, s_ref, o_ref):
-        si, ni = pl.program_id(0), pl.program_id(1)
-        ex = se_ref[si]
-        n0 = ni * bn
+    nb = d // bn
+    persistent = t["programs"] > 0
+    programs = min(t["programs"], s_n * nb)
 
-        def load(i):
+    def compute(acc, ld, i):
+        return accum(acc, *ld)
+
+    def zeros():
+        return jnp.zeros(acc_shape, jnp.float32)
+
+    def kernel(se_ref, ae_ref, ao_ref, v_ref, s_ref, o_ref):
+        def load(si, ex, n0, i):
             g0 = i * sg
             return (v_ref[ex, pl.ds(n0, bn), pl.ds(g0, sg), :], s_ref[ex, pl.ds(n0, bn), pl.ds(g0, sg)],
                     ae_ref[si, pl.ds(g0, sg), :], ao_ref[si, pl.ds(g0, sg), :])
 
-        def compute(acc, ld, i):
-            return accum(acc, *ld)
+        def part(acc):
+            return _row_sums(acc).astype(round_dtype).astype(jnp.float32)
 
-        acc = _streamed(steps, load, compute, jnp.zeros(acc_shape, jnp.float32), t["prefetch"])
-        part = _row_sums(acc).astype(round_dtype).astype(jnp.float32)
-        o_ref[si, pl.ds(n0, bn)] = part
+        if persistent:
+            def coords(item):
+                si = item // nb
+                return si, se_ref[si], (item % nb) * bn
+
+            def finish(acc, c):
+                o_ref[c[0], pl.ds(c[2], bn)] = part(acc)
+
+            _persistent_items(s_n * nb, programs, steps, t["prefetch"], coords, lambda c, i: load(*c, i), compute,
+                              zeros, finish)
+            return
+        si, ni = pl.program_id(0), pl.program_id(1)
+        ex = se_ref[si]
+        n0 = ni * bn
+        acc = _streamed(steps, lambda i: load(si, ex, n0, i), compute, zeros(), t["prefetch"])
+        o_ref[si, pl.ds(n0, bn)] = part(acc)
 
     parts = pl.pallas_call(
-        kernel, grid=(s_n, d // bn), out_shape=jax.ShapeDtypeStruct((s_n, d), jnp.float32),
+        kernel, grid=(programs,) if persistent else (s_n, nb), out_shape=jax.ShapeDtypeStruct((s_n, d), jnp.float32),
         compiler_params=_params(t["num_warps"], t["num_stages"]), interpret=interpret, name=name,
     )(slot_expert.astype(jnp.int32), ae, ao, w2_values.reshape(e, d, f // SCALE_BLOCK, FP4_HALF), w2_scales)
     return jnp.sum(parts, axis=0)
