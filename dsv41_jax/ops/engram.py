@@ -58,10 +58,15 @@ def table_rows(table, row_ids: jax.Array, dtype, host_gather: str | None = None)
     if isinstance(table, Fp8GemmInput):
         table = table.weight
     if is_plain_weight(table):
-        return take_rows_from_host(table, row_ids, host_gather) if in_host_memory(table) else take_rows(table,
-                                                                                                       row_ids)
-    take = (lambda a, ids: take_rows_from_host(a, ids, host_gather)) if in_host_memory(table.values) else (
-        lambda a, ids: jnp.take(a, ids, axis=0))
+        if in_host_memory(table):
+            return take_rows_from_host(table, row_ids, host_gather)
+        return take_rows(table, row_ids)
+    if in_host_memory(table.values):
+        def take(a, ids):
+            return take_rows_from_host(a, ids, host_gather)
+    else:
+        def take(a, ids):
+            return jnp.take(a, ids, axis=0)
     rows = dataclasses.replace(table, values=take(table.values, row_ids), scales=take(table.scales, row_ids),
                                shape=tuple(row_ids.shape) + tuple(table.shape[1:]))
     return rows.dequantize(dtype)
