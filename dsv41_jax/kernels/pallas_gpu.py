@@ -152,8 +152,11 @@ def load_packed_rows(vals_ref, scales_ref, bi, rows, cols, valid, *, fmt: str, d
 PACKED_LOADS = ("tile", "gather")
 PACKED_LOAD = "tile"
 # The sparse attention's default ``packed_ahead`` (``attention_fwd``): packed compressed rows loaded one key block
-# ahead and decoded once for both dots, instead of pipelined tile loads that Triton decodes once per dot operand
-PACKED_AHEAD = False
+# ahead and decoded once for both dots, instead of pipelined tile loads that Triton decoded once per dot operand
+# (three times per value). sm_90 SASS of the bench40 decode kernel: the compressed-row loop 2,699 -> 1,541
+# instructions a key block at batch 32, 2,280 -> 985 at batch 1; on an H200 the one-layer call ran 206.4 against
+# 214.3 µs at batch 32 and 140.0 against 142.6 at batch 1, same run (benchmarks/RESULTS.md, 2026-12-03 15:00 UTC)
+PACKED_AHEAD = True
 
 
 def load_packed_tile(vals_ref, scales_ref, bi, rows, c0, width: int, valid, *, fmt: str, dtype=jnp.float32):
