@@ -423,8 +423,8 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
                 # Packed rows, decoded ONCE per block. The score dot reads the tile transposed, the PV dot as is:
                 # the two operand layouts differ, so one must pass through shared memory. When the bytes come from
                 # a pipelined (cp.async -> shared memory) load, Triton's layout pass instead re-derives the whole
-                # decode for the score operand from the shared byte tile, in that operand's register layout (and
-                # twice over, once per warp row of the 32-head tile), besides the decode it stores for the PV dot:
+                # decode for the score operand from the shared byte tile, in that operand's register layout (where
+                # two of the 8 warps hold each value), besides the decode it stores for the PV dot:
                 # three decodes per value in the sm_90 SASS (benchmarks/RESULTS.md). Here block i + 1's raw bytes
                 # are loaded into registers during block i and carried by the loop: the chain back from the dots
                 # ends at a global load, which the layout pass does not duplicate, so the tile is decoded once,
