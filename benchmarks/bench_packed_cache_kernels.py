@@ -200,13 +200,24 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
                                                            np.asarray(b_, np.float32))),
                    "indexer gather": all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(
                        jax.tree.leaves(indexer_gather(keys)), jax.tree.leaves(i2)))}
+    # how far each packed form lies from the unpacking path and from the default packed form (relative L2): on the
+    # device the forms are different compiled programs, so float32 accumulation order may differ
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b_, np.float64)
+    forms_rel = {}
     for name_, f_ in tuned.items():
-        forms_equal[f"attention {name_}"] = bool(np.array_equal(np.asarray(f_(ring, ckv), np.float32),
+        o_ = f_(ring, ckv)
+        forms_equal[f"attention {name_}"] = bool(np.array_equal(np.asarray(o_, np.float32),
                                                                 np.asarray(b_, np.float32)))
+        o64 = np.asarray(o_, np.float64)
+        forms_rel[name_] = {"vs unpack": float(np.linalg.norm(o64 - b64) / max(np.linalg.norm(b64), 1e-30)),
+                            "vs direct": float(np.linalg.norm(o64 - a64) / max(np.linalg.norm(a64), 1e-30)),
+                            "equal to direct": bool(np.array_equal(o64, a64))}
+    forms_rel["direct"] = {"vs unpack": float(np.linalg.norm(a64 - b64) / max(np.linalg.norm(b64), 1e-30))}
     print(f"batch {batch}: other forms equal to the unpacking path: {forms_equal}", flush=True)
+    print(f"batch {batch}: relative distances: {forms_rel}", flush=True)
     if lean:  # timings and equality only (no float32 distances / one-operand forms: fewer device compiles)
         res = dict(batch=batch, context=context, topk=k, dtype=str(jnp.dtype(dtype)), attention_equal=same_attn,
-                   indexer_equal=same_idx, forms_equal=forms_equal)
+                   indexer_equal=same_idx, forms_equal=forms_equal, forms_rel=forms_rel)
         if smoke:
             return res
         res["attention_us"] = {name: 1e6 * _median_s(f, *x) for name, f, x in

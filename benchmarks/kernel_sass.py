@@ -14,7 +14,9 @@ FP4 GEMM), ``attn_packed`` / ``attn_bf16`` (the decode sparse attention of one b
 the packed cache / on bf16 rows; "per byte" there is per key-block value and thread), ``idx_pool_*`` /
 ``idx_gather_*`` (the indexer's score kernels, ``score_pool`` over 32K keys / ``gather_score``, at ``--batch``, on
 FP4 + ue8m0 keys (``packed``) or bf16 keys; per key value of one tile and thread). The packed cases take
-``--tuning '{"packed_load": "gather"}'`` for the first packed-row read (``pallas_gpu.PACKED_LOADS``).
+``--tuning '{"packed_load": "gather"}'`` for the first packed-row read (``pallas_gpu.PACKED_LOADS``) and
+``'{"packed_ahead": false}'`` for the attention's compressed rows read by pipelined tile loads (decoded once per dot
+operand) instead of one block ahead (decoded once). Every loop of a kernel is listed with its own counts.
 
 Why: the one-token FP4 kernels turned out bound by the CUDA cores, not HBM — 17.9 instructions per weight byte and
 255 registers with spills before the pair decode, 13.3 and 101 registers after (measured on an H200 1.35x faster,
@@ -116,19 +118,23 @@ def has_backward_branch(sass: str) -> bool:
     return False
 
 
-def loop_body(sass: str) -> list[str] | None:
-    """The SASS lines of the innermost loop (from the target of the last backward branch to that branch), or None."""
+def loop_bodies(sass: str) -> list[list[str]]:
+    """The SASS lines of every loop (from the target of each backward branch to that branch), in code order."""
     lines = sass.splitlines()
     addr = [re.match(r"\s*/\*([0-9a-f]+)\*/", ln) for ln in lines]
-    best = None
+    found = []
     for i, ln in enumerate(lines):
         m = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", ln)
         if m and addr[i] and int(m.group(1), 16) < int(addr[i].group(1), 16):
             tgt = int(m.group(1), 16)
             start = next(j for j, a in enumerate(addr) if a and int(a.group(1), 16) >= tgt)
-            if best is None or i - start < best[1] - best[0]:
-                best = (start, i)
-    return None if best is None else lines[best[0]:best[1] + 1]
+            found.append(lines[start:i + 1])
+    return found
+
+
+def loop_body(sass: str) -> list[str] | None:
+    """The SASS lines of the innermost (shortest) loop, or None."""
+    return min(loop_bodies(sass), key=len, default=None)
 
 
 def kernel_case(name: str, tuning: dict, nk: tuple[int, int] = (F, D), batch: int = 1):
@@ -281,6 +287,13 @@ def main():
         print(f"   loop body: {btotal} SASS instructions, {per_thread:.0f} weight bytes per thread and K step -> "
               f"{btotal / per_thread:.1f} per byte")
         print("   " + ", ".join(f"{o} {n}" for o, n in bops.most_common(24)))
+        loops = loop_bodies(sass)
+        if len(loops) > 1:  # e.g. the sparse attention's window-row loop, then its compressed-row loop
+            for j, lb in enumerate(loops):
+                lops = opcode_histogram("\n".join(lb))
+                print(f"   loop {j + 1} of {len(loops)}: {sum(lops.values())} SASS instructions (spill stores STL "
+                      f"{lops['STL']}, loads LDL {lops['LDL']}): " + ", ".join(
+                          f"{o} {n}" for o, n in lops.most_common(12)))
     if args.keep:
         print(f"   kept in {work}")
 

@@ -49,7 +49,9 @@ def _packed(rng, shape, fmt, dtype):
 
 @pytest.mark.parametrize("dtype,d,tuning", [(jnp.float32, 64, {"block_d": 32, "num_splits": 2}),  # value-dim blocks
                                             (jnp.bfloat16, 48, {}),  # head dim padded to 64
-                                            (jnp.bfloat16, 64, {"packed_load": "gather"})])  # the first read
+                                            (jnp.bfloat16, 64, {"packed_load": "gather"}),  # the first read
+                                            # compressed rows loaded a block ahead, decoded once for both dots
+                                            (jnp.bfloat16, 64, {"packed_ahead": True, "block_k": 16})])
 def test_sparse_attention_on_packed_compressed_kv_equals_unpacked(dtype, d, tuning):
     rng = np.random.default_rng(d)
     b, c, h, n, k, w = 2, 1, 4, 37, 24, 8

@@ -407,6 +407,7 @@ def sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, *, wi
             # against 258.1 at 4 (benchmarks/RESULTS.md, 2026-12-03); batches 5-31 are not measured.
             tun["num_warps"] = 8
         tun.setdefault("packed_load", G.PACKED_LOAD)  # read at trace time: the baseline form stays selectable
+        tun.setdefault("packed_ahead", G.PACKED_AHEAD)
         out, _ = G.attention_fwd(q, q_pos.astype(jnp.int32), win_kv.astype(q.dtype), win_pos.astype(jnp.int32),
                                  wstart, _floor_vec(floor, b), ckv, None if topk is None else topk.astype(jnp.int32),
                                  sink, qseg, wseg, window=cfg.window, scale=cfg.scale, wspan=cfg.wspan,

@@ -151,6 +151,12 @@ def load_packed_rows(vals_ref, scales_ref, bi, rows, cols, valid, *, fmt: str, d
 # of the batch-32 sparse attention that load traffic, not the HBM bytes, bounded the kernel — benchmarks/RESULTS.md).
 PACKED_LOADS = ("tile", "gather")
 PACKED_LOAD = "tile"
+# The sparse attention's default ``packed_ahead`` (``attention_fwd``): packed compressed rows loaded one key block
+# ahead and decoded once for both dots, instead of pipelined tile loads that Triton decoded once per dot operand
+# (three times per value). sm_90 SASS of the bench40 decode kernel: the compressed-row loop 2,699 -> 1,541
+# instructions a key block at batch 32, 2,280 -> 985 at batch 1; on an H200 the one-layer call ran 206.4 against
+# 214.3 µs at batch 32 and 140.0 against 142.6 at batch 1, same run (benchmarks/RESULTS.md, 2026-12-03 15:00 UTC)
+PACKED_AHEAD = True
 
 
 def load_packed_tile(vals_ref, scales_ref, bi, rows, c0, width: int, valid, *, fmt: str, dtype=jnp.float32):
@@ -158,13 +164,30 @@ def load_packed_tile(vals_ref, scales_ref, bi, rows, c0, width: int, valid, *, f
     multiple of the format's block; ``width`` too) -> ``dtype`` [R, width] (0 where ``valid`` [R] is False), the
     same values as :func:`load_packed_rows` (exact in bf16 too: at most 6 significant bits): each row's packed bytes
     and scales are loaded as contiguous tiles."""
-    block, per_byte, scale_fmt = PACKED_FORMATS[fmt]
+    return decode_packed_tile(*load_packed_bytes(vals_ref, scales_ref, bi, rows, c0, width, valid, fmt=fmt),
+                              fmt=fmt, dtype=dtype)
+
+
+def load_packed_bytes(vals_ref, scales_ref, bi, rows, c0, width: int, valid, *, fmt: str):
+    """The two contiguous tiles :func:`load_packed_tile` decodes: (value bytes [R, width / per_byte], scale bytes
+    [R, width / block]), uint8, 0 in invalid rows."""
+    block, per_byte, _ = PACKED_FORMATS[fmt]
     r = rows.shape[0]
     nb, ns = width // per_byte, width // block
     byte = pltr.load(vals_ref.at[bi, rows[:, None], c0 // per_byte + jnp.arange(nb)[None, :]],
-                     mask=jnp.broadcast_to(valid[:, None], (r, nb)), other=0).astype(jnp.int32)
+                     mask=jnp.broadcast_to(valid[:, None], (r, nb)), other=0)
     sb = pltr.load(scales_ref.at[bi, rows[:, None], c0 // block + jnp.arange(ns)[None, :]],
-                   mask=jnp.broadcast_to(valid[:, None], (r, ns)), other=0).astype(jnp.int32)
+                   mask=jnp.broadcast_to(valid[:, None], (r, ns)), other=0)
+    return byte, sb
+
+
+def decode_packed_tile(byte, sb, *, fmt: str, dtype=jnp.float32):
+    """Value bytes [R, nb] and scale bytes [R, ns] of ``fmt`` (from :func:`load_packed_bytes`) -> ``dtype``
+    [R, nb * per_byte], decoded in registers."""
+    block, per_byte, scale_fmt = PACKED_FORMATS[fmt]
+    r, nb = byte.shape
+    ns, width = sb.shape[1], nb * per_byte
+    byte, sb = byte.astype(jnp.int32), sb.astype(jnp.int32)
     sc = e4m3_from_bits(sb) if scale_fmt == "e4m3" else ue8m0_from_bits(sb)  # [R, ns]
     # one scale per byte (an FP4 byte's two values share their block's scale)
     sc = jnp.broadcast_to(sc[:, :, None], (r, ns, block // per_byte)).reshape(r, nb)
@@ -230,12 +253,12 @@ MERGE_FUSED_ROWS = 8
 
 @functools.partial(jax.jit, static_argnames=("window", "scale", "wspan", "block_h", "block_d", "block_k",
                                              "num_splits", "num_warps", "num_stages", "prefetch", "ckv_fmt",
-                                             "ring_fmt", "packed_load", "interpret"))
+                                             "ring_fmt", "packed_load", "packed_ahead", "interpret"))
 def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None, wseg=None, *, window: int,
                   scale: float, wspan: int, block_h: int = 64, block_d: int = 512, block_k: int = 64,
                   num_splits: int = 1, num_warps: int = 8, num_stages: int = 2, prefetch: bool = False,
                   ckv_fmt: str | None = None, ring=None, ring_fmt: str | None = None, packed_load: str = "tile",
-                  interpret: bool = False):
+                  packed_ahead: bool = False, interpret: bool = False):
     """Core forward. q [B, C, H, D]; q_pos [B, C]; window rows of query (b, c) are wkv[b, wstart[b,c] + j] for
     j < wspan (positions wpos, masked like the reference; with document ids qseg [B, C] / wseg [B, S] also
     masked to the query's document); ckv [B, N, D] / topk [B, C, K] (or None); sink [H]; floor [B].
@@ -244,7 +267,9 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
     ``ring`` = (values, scales, base) with ``ring_fmt``: the window's first R rows come from a packed ring buffer of
     R slots [B, R, ...] (window row j < R is slot (base[b] + j) mod R, i.e. ``step.ring_read``'s position order)
     and rows R + i from wkv [B, S - R, D] (the chunk's new rows); wpos / wseg / wspan then cover all S rows.
-    ``packed_load``: how packed rows are read (``PACKED_LOADS``).
+    ``packed_load``: how packed rows are read (``PACKED_LOADS``). ``packed_ahead``: packed compressed rows read
+    as tiles (``packed_load="tile"``, one value-dim block, an unpadded head dim) are loaded one key block ahead as
+    raw bytes and decoded once per block for both dots (see the loop below); elsewhere ignored.
     Returns (out [B, C, H, D] q.dtype, lse [B, C, H] fp32)."""
     _check_load(packed_load)
     b, c, h, d = q.shape
@@ -290,6 +315,8 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
     n_hb, n_db = hp // bh, dp // bd
     prec = _prec(q.dtype)
     vdt = wkv.dtype
+    ahead = bool(packed_ahead and ckv_fmt is not None and packed_load == "tile" and bd == dp == d
+                 and d % PACKED_FORMATS[ckv_fmt][0] == 0)
 
     n_new = wkv.shape[1]
 
@@ -348,11 +375,13 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
                 return kmat, valid
             return kmat, pltr.load(wkv_ref.at[bi, jj[:, None], vcols], mask=valid[:, None], other=0), valid
 
-        def load_cmp(i):
+        def cmp_rows(i):  # (clamped compressed-row ids, valid) of selected block i
             t = i * bk + jnp.arange(bk)
             idx = pltr.load(topk_ref.at[bi, ci, jnp.minimum(t, kk - 1)], mask=t < kk, other=-1)
-            valid = idx >= 0
-            safe = jnp.clip(idx, 0, n - 1)
+            return jnp.clip(idx, 0, n - 1), idx >= 0
+
+        def load_cmp(i):
+            safe, valid = cmp_rows(i)
             if ckv_fmt is not None:  # packed rows: dequantised here, the same values packed_cache.read gives
                 def rows(c0, width):
                     return packed_rows(cval_ref, cscale_ref, bi, safe, c0, width, valid, fmt=ckv_fmt, dim=d,
@@ -389,9 +418,30 @@ def attention_fwd(q, q_pos, wkv, wpos, wstart, floor, ckv, topk, sink, qseg=None
         else:
             carry = jax.lax.fori_loop(jnp.minimum(lo, n_w), jnp.minimum(hi, n_w),
                                       lambda i, cr: apply(cr, load_win(i)), carry)
-            if n_c:
-                carry = jax.lax.fori_loop(jnp.maximum(lo, n_w) - n_w, jnp.maximum(hi, n_w) - n_w,
-                                          lambda i, cr: apply(cr, load_cmp(i)), carry)
+            c_lo, c_hi = jnp.maximum(lo, n_w) - n_w, jnp.maximum(hi, n_w) - n_w
+            if n_c and ahead:
+                # Packed rows, decoded ONCE per block. The score dot reads the tile transposed, the PV dot as is:
+                # the two operand layouts differ, so one must pass through shared memory. When the bytes come from
+                # a pipelined (cp.async -> shared memory) load, Triton's layout pass instead re-derives the whole
+                # decode for the score operand from the shared byte tile, in that operand's register layout (where
+                # two of the 8 warps hold each value), besides the decode it stores for the PV dot:
+                # three decodes per value in the sm_90 SASS (benchmarks/RESULTS.md). Here block i + 1's raw bytes
+                # are loaded into registers during block i and carried by the loop: the chain back from the dots
+                # ends at a global load, which the layout pass does not duplicate, so the tile is decoded once,
+                # stored once to shared memory and read there by both dots. The same values and dots as
+                # ``load_cmp``: bit-equal results.
+                def raw(i):
+                    safe, valid = cmp_rows(i)
+                    return load_packed_bytes(cval_ref, cscale_ref, bi, safe, 0, dp, valid, fmt=ckv_fmt) + (valid,)
+
+                def ahead_body(i, cr):
+                    nxt = raw(jnp.minimum(i + 1, c_hi - 1))
+                    byte, sb, valid = cr[3:]
+                    return apply(cr[:3], (decode_packed_tile(byte, sb, fmt=ckv_fmt, dtype=vdt), valid)) + nxt
+
+                carry = jax.lax.fori_loop(c_lo, c_hi, ahead_body, carry + raw(jnp.clip(c_lo, 0, n_c - 1)))[:3]
+            elif n_c:
+                carry = jax.lax.fori_loop(c_lo, c_hi, lambda i, cr: apply(cr, load_cmp(i)), carry)
         m, l, acc = carry
         if splits == 1:
             o_ref, lse_ref = outs
