@@ -64,6 +64,7 @@ seconds) and the two training curves in ``DIR/train_*.jsonl``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -134,10 +135,21 @@ def target_config(smoke: bool, block_size: int = 5, experts: int | None = None, 
 ROW_KINDS = ("plain", "none", "host", "threshold", "prefix")
 
 
+TRITON_VERIFY = "%tg"  # row suffix: the speculative programs with XLA's Triton GEMMs (verification_compiler_options)
+
+
+def uses_triton_verify(v: str) -> bool:
+    """Row ``v`` runs on the engine whose speculative programs use XLA's Triton GEMMs (a ``%tg`` suffix; the other
+    rows' GEMMs are cuBLAS's, see the top of this file)."""
+    return TRITON_VERIFY in v
+
+
 def drafter_suffix(v: str) -> tuple[str, float | None]:
     """A row of --variants -> (the row without its drafter suffix, the drafter asked for or None): ``none#1.0``
     decodes with the drafter trained on the target's continuations sampled at T 1 (``--gen-temperature``),
-    ``none#0`` with the one trained on its greedy continuations. Raises ValueError naming the bad entry."""
+    ``none#0`` with the one trained on its greedy continuations. A ``%tg`` engine suffix is left out too. Raises
+    ValueError naming the bad entry."""
+    v = v.replace(TRITON_VERIFY, "")
     base, sep, t = v.rpartition("#")
     if not sep:
         return v, None
@@ -501,6 +513,9 @@ def main(argv=None):
     ap.add_argument("--trace-batches", default="", help="batches whose rows also run once under jax.profiler.trace: "
                     "device busy ms per step and the kernels taking it (JSON: trace)")
     ap.add_argument("--trace-variants", default="plain,none", help="the row kinds --trace-batches traces")
+    ap.add_argument("--triton-verify-batches", default="1", help="batches that run the rows with a '%%tg' suffix: "
+                    "speculation whose programs (verification, drafting, device loop) use XLA's Triton GEMMs, on an "
+                    "engine of their own (InferenceOptions.verification_compiler_options)")
     ap.add_argument("--triton-gemm", action="store_true", help="keep XLA's Triton GEMMs (and their autotuning; the "
                     "default turns them off: cuBLAS GEMMs, see the top of this file)")
     ap.add_argument("--prompts", type=int, default=None, help="held-out prompts run one by one at batch 1 "
@@ -542,6 +557,9 @@ def main(argv=None):
             drafter_of(v, gen_temps)
         except ValueError as e:
             bad.append(str(e))
+        if uses_triton_verify(v) and parse_variant(v)[0] not in ("none", "threshold"):
+            bad.append(f"{v!r}: '{TRITON_VERIFY}' (Triton GEMMs in the speculative programs) only goes with none / "
+                       "threshold")
     if bad:
         ap.error("--variants: " + "; ".join(bad))
     if "plain" not in variants:
@@ -647,6 +665,11 @@ def main(argv=None):
     prompts = {b: heldout_prompts(b, prompt_len, tok) for b in batches}
     engines = {(b, role): Engine(config, zeros, max_batch=b, max_len=max_len, options=opts, tokenizer=tok)
                for b in batches for role in ("plain", "spec")}
+    tg_batches = {int(x) for x in args.triton_verify_batches.split(",") if x}
+    opts_tg = dataclasses.replace(opts, verification_compiler_options=(("xla_gpu_enable_triton_gemm", True),))
+    engines.update({(b, "spec_tg"): Engine(config, zeros, max_batch=b, max_len=max_len, options=opts_tg,
+                                           tokenizer=tok)
+                    for b in batches if b in tg_batches and any(uses_triton_verify(v) for v in variants)})
     if not args.no_warm:  # an engine of its own for the prefix table's warm-up (programs are shared by shape)
         engines.update({(b, "prefix"): Engine(config, zeros, max_batch=b, max_len=max_len, options=opts,
                                               tokenizer=tok) for b in prefix_batches if b in batches})
@@ -663,8 +686,10 @@ def main(argv=None):
         return kw
 
     def batch_variants(b):
-        """The rows batch ``b`` runs: the sampled ones (~T) only at --sample-batches."""
-        return [v for v in variants if variant_temperature(v)[1] == 0 or b in sample_batches]
+        """The rows batch ``b`` runs: the sampled ones (~T) only at --sample-batches, the Triton ones (%tg) only at
+        --triton-verify-batches."""
+        return [v for v in variants if (variant_temperature(v)[1] == 0 or b in sample_batches)
+                and (not uses_triton_verify(v) or b in tg_batches)]
 
     def warm_plain(b):
         def fn(w):
@@ -675,12 +700,16 @@ def main(argv=None):
                 engines[b, "plain"].generate(prompts[b], max_new_tokens=3, stop_tokens=(), temperature=1.0)
         return fn
 
-    def warm_spec(b):
+    def spec_role(v):
+        return "spec_tg" if uses_triton_verify(v) else "spec"
+
+    def warm_spec(b, role="spec"):
         def fn(w):
             kinds = {(json.dumps(decoder_kwargs(v), sort_keys=True), variant_temperature(v)[1] > 0): v
-                     for v in batch_variants(b) if parse_variant(v)[0] in ("none", "threshold", "host")}
+                     for v in batch_variants(b) if parse_variant(v)[0] in ("none", "threshold", "host")
+                     and spec_role(v) == role}
             for (_, sampled), v in kinds.items():  # device loop (schedule off / threshold, each width); host loop
-                dec = SpeculativeDecoder(engines[b, "spec"], **decoder_kwargs(v))
+                dec = SpeculativeDecoder(engines[b, role], **decoder_kwargs(v))
                 # one run builds every program of the row (fresh rings are committed like those a step returns)
                 dec.generate(prompts[b], max_new_tokens=2 * gamma + 2, stop_tokens=(),
                              temperature=1.0 if sampled else 0.0)
@@ -702,6 +731,8 @@ def main(argv=None):
         for b in batches:
             warmers[b, "plain"] = Warmer(f"plain-b{b}", warm_plain(b), say)
             warmers[b, "spec"] = Warmer(f"spec-b{b}", warm_spec(b), say)
+            if (b, "spec_tg") in engines:
+                warmers[b, "spec_tg"] = Warmer(f"spec-triton-b{b}", warm_spec(b, "spec_tg"), say)
         for b in batches:
             if b in prefix_batches:
                 warmers[b, "prefix"] = Warmer(f"prefix-b{b}", warm_prefix(b), say)
@@ -916,7 +947,7 @@ def main(argv=None):
                 record.setdefault("samples", {})[f"{b}{variant[5:]}"] = dict(prompt=tok.decode(ps[0]), plain=sample)
                 say(f"  sample: {sample[:160]!r}")
         else:
-            eng = engines[b, "spec"]
+            eng = engines[b, spec_role(variant)]
             eng.params = drafter_params[drafter_of(variant, gen_temps)]  # same signature: no new program
             kind, n_draft, thr = parse_variant(variant)
             if (b, variant) not in decoders:
@@ -995,6 +1026,8 @@ def main(argv=None):
         if kind != "plain" and len(gen_temps) > 1:
             dt_ = drafter_of(variant, gen_temps)
             name += f", drafter of {'greedy' if dt_ == 0 else f'T-{dt_:g}'} rows"
+        if uses_triton_verify(variant):
+            name += ", Triton GEMMs in its programs"
         texts = [t for r in rs for t in ps[r["set"]]["text"]]
         own = [t for r in rs for t in r.get("text", [])] if kind != "plain" and temp > 0 else []
         row = dict(batch=b, prompts=label, decoding=name, variant=variant, sets=len(rs), tokens=tokens, decode_s=dt,
@@ -1017,8 +1050,9 @@ def main(argv=None):
 
     for bi, b in enumerate(batches):
         later = 20 * (len(batches) - bi - 1)  # seconds kept for the later batches' rows
-        if (b, "spec") in warmers:
-            warmers[b, "spec"].wait(say)
+        for role in ("spec", "spec_tg"):
+            if (b, role) in warmers:
+                warmers[b, role].wait(say)
         if (b, "plain") in warmers:
             warmers[b, "plain"].wait(say)
         if b in prefix_batches:
