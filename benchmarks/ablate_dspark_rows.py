@@ -1,9 +1,12 @@
-"""Does training the drafter partly on the target's own greedy continuations raise its acceptance? One target,
-two drafters with the same seed and step count — corpus rows only vs corpus rows mixed with the target's
-continuations (``bench_dspark_h200.target_rows``) — each measured by speculative greedy decoding of held-out
-prompts (mean accepted tokens per verification step; every run's tokens checked against plain decoding).
+"""Which rows raise the drafter's acceptance? One target, several drafters with the same seed and step count
+(``--arms``): corpus rows only, or corpus rows mixed with the target's own greedy or sampled (T 1) continuations
+(``bench_dspark_h200.target_rows``) in a given fraction, optionally another Markov rank — each measured by
+speculative decoding of held-out prompts in the modes of ``--eval-temperatures`` (mean accepted tokens per
+verification step; greedy runs' tokens checked against plain decoding).
 
     python benchmarks/ablate_dspark_rows.py --out DIR      # CPU, the toy widths of bench_dspark_h200 --smoke (~4 min)
+    python benchmarks/ablate_dspark_rows.py --out DIR --block-size 7 --eval-temperatures 0,1 \
+        --arms greedy:0.5,sampled:0.5,greedy:1,sampled:1,greedy:0.5:64
 """
 
 from __future__ import annotations
@@ -33,25 +36,53 @@ from dsv41_jax.train.optimizer import lr_at  # noqa: E402
 from dsv41_jax.train.step import make_train_step  # noqa: E402
 
 
+def parse_arm(text: str) -> tuple[str, float, int | None]:
+    """An arm of --arms: ``ROWS:FRACTION[:RANK]`` -> (rows: corpus / greedy / sampled, the fraction of each batch's
+    rows taken from the target's continuations of that kind, the drafter's Markov rank or None = the config's).
+    Raises ValueError naming the bad arm."""
+    parts = text.split(":")
+    try:
+        rows, frac = parts[0], float(parts[1]) if len(parts) > 1 else 0.0
+        rank = int(parts[2]) if len(parts) > 2 else None
+    except ValueError:
+        rows, frac, rank = "", -1.0, None
+    if rows not in ("corpus", "greedy", "sampled") or not 0 <= frac <= 1 or len(parts) > 3 or (
+            rank is not None and rank < 1) or (rows == "corpus") != (frac == 0):
+        raise ValueError(f"arm {text!r}: ROWS:FRACTION[:RANK], ROWS corpus (fraction 0) / greedy / sampled "
+                         "(fraction in (0, 1]), RANK >= 1")
+    return rows, frac, rank
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--target-steps", type=int, default=300)
     ap.add_argument("--drafter-steps", type=int, default=150)
     ap.add_argument("--seq", type=int, default=224)
-    ap.add_argument("--gen-batches", type=int, default=8, help="generate calls of batch 8 for the target rows")
-    ap.add_argument("--gen-rows", type=float, default=0.5)
+    ap.add_argument("--block-size", type=int, default=5, help="the drafter's block (drafts per step)")
+    ap.add_argument("--gen-batches", type=int, default=8, help="generate calls of batch 8 for the target rows "
+                    "(of each kind the arms use)")
+    ap.add_argument("--arms", default="corpus:0,greedy:0.5", help="drafters to train, each ROWS:FRACTION[:RANK]: "
+                    "corpus rows only (corpus:0), or that fraction of every batch from the target's greedy / "
+                    "sampled (T 1) continuations; RANK: the drafter's Markov rank (default the config's, 16)")
+    ap.add_argument("--eval-temperatures", default="0", help="decoding modes each drafter is measured in: 0 = "
+                    "greedy (tokens checked against plain decoding), T > 0 = speculative sampling at T (seed 0)")
     ap.add_argument("--eval-batch", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--bf16", action="store_true", help="decode with bf16 weights (default float32: greedy ties are "
                     "then decided identically by a one-token step and a verification chunk)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
+    try:
+        arms = [parse_arm(a) for a in args.arms.split(",") if a]
+    except ValueError as e:
+        ap.error(str(e))
+    evals = [float(t) for t in args.eval_temperatures.split(",") if t]
     t0 = time.perf_counter()
 
     def say(msg):
         print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    config = target_config(True)
+    config = target_config(True, args.block_size)
     tok = ByteTokenizer(model_vocab_size=config.vocab_size)
     corpus = load_corpus([sysconfig.get_paths()["stdlib"]], tok, glob="*.py", exclude=EXCLUDE,
                          model_vocab_size=config.vocab_size, max_docs=200)
@@ -72,45 +103,74 @@ def main(argv=None):
     max_len = max(seq, width + args.new_tokens + 16)
     tcd = tc.replace(lr=1e-3, seed=1, steps=args.drafter_steps)
     opts_d = DSparkTrainOptions(anchors=8, labels="target")
-    dstep = DSparkTrainStep(config, tcd, target, opts_d)
-    cast = (lambda p: inference_params(p, config)) if args.bf16 else (lambda p: p)  # noqa: E731
-    eng = Engine(config, cast({**target, "dspark": dstep.init_state()["params"]["dspark"]}),
-                 max_batch=args.eval_batch, max_len=max_len, options=opts, tokenizer=tok)
-    rows = None
-    for _ in range(args.gen_batches):
-        more = target_rows(eng, corpus, width, seq, 0.0, seed=len(rows) if rows is not None else 3, say=say)
-        rows = more if rows is None else np.concatenate([rows, more])
-    say(f"{len(rows)} target rows; sample continuation {tok.decode(rows[0, width:].tolist())[:120]!r}")
-    plain = [r.tokens for r in eng.generate(prompts, max_new_tokens=args.new_tokens, stop_tokens=())]
+    cast = (lambda p, c: inference_params(p, c)) if args.bf16 else (lambda p, c: p)  # noqa: E731
+    configs, steps, engines = {}, {}, {}
+
+    def setup(rank):  # one config / drafter train step / engine per Markov rank (its own programs)
+        if rank not in configs:
+            c = config if rank is None else config.replace(dspark_markov_rank=rank)
+            configs[rank] = c
+            steps[rank] = DSparkTrainStep(c, tcd, target, opts_d)
+            engines[rank] = Engine(c, cast({**target, "dspark": steps[rank].init_state()["params"]["dspark"]}, c),
+                                   max_batch=args.eval_batch, max_len=max_len, options=opts, tokenizer=tok)
+        return configs[rank], steps[rank], engines[rank]
+
+    _, _, eng = setup(None)
+    rows_of = {}
+    for kind, temp in (("greedy", 0.0), ("sampled", 1.0)):
+        if not any(a[0] == kind for a in arms):
+            continue
+        rows = None
+        for _ in range(args.gen_batches):
+            more = target_rows(eng, corpus, width, seq, 0.0, seed=len(rows) if rows is not None else 3, say=say,
+                               temperature=temp)
+            rows = more if rows is None else np.concatenate([rows, more])
+        rows_of[kind] = rows
+        say(f"{len(rows)} {kind} target rows; sample continuation {tok.decode(rows[0, width:].tolist())[:120]!r}")
+    plain = {t: [r.tokens for r in eng.generate(prompts, max_new_tokens=args.new_tokens, stop_tokens=(),
+                                                 temperature=t, seed=0)] for t in evals}
     record = dict(config=config.name, weights="bf16" if args.bf16 else "float32", target_steps=args.target_steps,
-                  drafter_steps=args.drafter_steps, seq=seq,
-                  target_rows=int(len(rows)), arms=[])
-    for name, k in (("corpus", 0), ("corpus + target rows", int(round(args.gen_rows * bs)))):
+                  drafter_steps=args.drafter_steps, seq=seq, block_size=args.block_size,
+                  target_rows={k: int(len(v)) for k, v in rows_of.items()}, arms=[])
+    for kind, frac, rank in arms:
+        c, dstep, eng = setup(rank)
         dstate = dstep.init_state()
+        k = int(round(frac * bs))
         loader = MixedLoader(DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=1)),
-                             rows, k, seed=4)
-        top1 = []
+                             rows_of.get(kind), k, seed=4)
+        hist = []
         for i in range(args.drafter_steps):
             dstate, m = dstep(dstate, next(loader), lr_at(i, tcd, args.drafter_steps))
-            top1.append(float(m["top1"]))
+            hist.append({key: float(v) for key, v in m.items()})
         loader.close()
-        eng.params = cast({**dstep.target, "dspark": dstate["params"]["dspark"]})
-        dec = SpeculativeDecoder(eng)
-        res = dec.generate(prompts, max_new_tokens=args.new_tokens, stop_tokens=())
-        same = all(r.tokens == p for r, p in zip(res, plain))
-        arm = dict(name=name, target_rows_per_batch=k, accepted_length=dec.stats.mean_accepted_length,
-                   steps=dec.stats.steps, train_top1_last20=float(np.mean(top1[-20:])), same_tokens=same)
+        last = {key: float(np.mean([h[key] for h in hist[-20:]])) for key in hist[-1]}
+        eng.params = cast({**dstep.target, "dspark": dstate["params"]["dspark"]}, c)
+        arm = dict(rows=kind, target_rows_per_batch=k, markov_rank=c.dspark_markov_rank,
+                   train_top1_last20=last["top1"], train_accept_last20=last["accept_rate"],
+                   train_accept_by_slot=[last[f"accept_{j}"] for j in range(c.dspark_block_size)],
+                   train_top1_by_slot=[last[f"top1_{j}"] for j in range(c.dspark_block_size)], evals={})
+        for t in evals:
+            dec = SpeculativeDecoder(eng)
+            res = dec.generate(prompts, max_new_tokens=args.new_tokens, stop_tokens=(), temperature=t, seed=0)
+            arm["evals"][str(t)] = dict(accepted_length=dec.stats.mean_accepted_length, steps=dec.stats.steps,
+                                        same_tokens=None if t > 0 else all(
+                                            r.tokens == p for r, p in zip(res, plain[t])))
         record["arms"].append(arm)
         say(json.dumps(arm))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "ablate_dspark_rows.json"), "w") as f:
         json.dump(record, f, indent=1)
-    print("| drafter rows | accepted length (held-out, greedy) | verification steps | train top-1 (last 20) | "
-          "same tokens |")
-    print("|---|---|---|---|---|")
+    print("| drafter rows | target rows per batch | Markov rank | " + " | ".join(
+        f"tokens per step ({'greedy' if t == 0 else f'T {t:g}'})" for t in evals)
+        + " | train top-1 / accept (last 20) | train accept by slot | same tokens (greedy) |")
+    print("|---" * (6 + len(evals)) + "|")
     for a in record["arms"]:
-        print(f"| {a['name']} | {a['accepted_length']:.2f} | {a['steps']} | {a['train_top1_last20']:.3f} | "
-              f"{'yes' if a['same_tokens'] else 'NO'} |")
+        same = a["evals"].get("0.0", {}).get("same_tokens")
+        print(f"| {a['rows']} | {a['target_rows_per_batch']} of {bs} | {a['markov_rank']} | "
+              + " | ".join(f"{a['evals'][str(t)]['accepted_length']:.2f}" for t in evals)
+              + f" | {a['train_top1_last20']:.3f} / {a['train_accept_last20']:.3f} | "
+              + " ".join(f"{x:.2f}" for x in a["train_accept_by_slot"])
+              + f" | {'—' if same is None else ('yes' if same else 'NO')} |")
 
 
 if __name__ == "__main__":

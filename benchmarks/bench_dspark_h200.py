@@ -64,6 +64,7 @@ seconds) and the two training curves in ``DIR/train_*.jsonl``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -110,11 +111,12 @@ EXCLUDE = "test,tests,idle_test,site-packages,dist-packages,__pycache__,asyncio"
 
 
 def target_config(smoke: bool, block_size: int = 5, experts: int | None = None, topk: int | None = None,
-                  drafter_experts: int | None = None):
+                  drafter_experts: int | None = None, markov_rank: int | None = None):
     """The target + drafter configuration (see the module docstring); ``block_size``: the drafter's block (γ).
     ``experts`` / ``topk``: the target's routed experts and picks per token (default 16 / 6), ``drafter_experts``:
     the drafter's routed experts (default 8, top-1) — the recipe's MoE shape, which sets how many bytes a
-    verification step reads against a plain one (``benchmarks/dspark_recipe_bytes.py``)."""
+    verification step reads against a plain one (``benchmarks/dspark_recipe_bytes.py``); ``markov_rank``: the
+    drafter's Markov bias rank (default 64; --smoke 16)."""
     common = dict(vocab_size=259, num_hidden_layers=4, compress_ratios=(0, 2, 2, 1), kv_source_layer_ids=(1, 3),
                   index_source_layer_ids=(1, 3), candidate_source_layer_id=3, engram_layer_ids=(),
                   engram_num_embeddings=(), num_nextn_predict_layers=1, dspark_target_layer_ids=(1, 2, 3),
@@ -123,25 +125,70 @@ def target_config(smoke: bool, block_size: int = 5, experts: int | None = None, 
         moe = {k: v for k, v in (("n_routed_experts", experts), ("num_experts_per_tok", topk)) if v is not None}
         return load_config("default").replace(name="spec-smoke", **common, **moe,
                                               dspark_n_routed_experts=drafter_experts or 4,
-                                              dspark_num_experts_per_tok=1, dspark_markov_rank=16)
+                                              dspark_num_experts_per_tok=1, dspark_markov_rank=markov_rank or 16)
     return load_config("flash").replace(name="spec-h200", **common, n_routed_experts=experts or 16,
                                         num_experts_per_tok=topk or 6,
                                         dspark_n_routed_experts=drafter_experts or 8, dspark_num_experts_per_tok=1,
-                                        dspark_markov_rank=64)
+                                        dspark_markov_rank=markov_rank or 64)
 
 
 ROW_KINDS = ("plain", "none", "host", "threshold", "prefix")
 
 
+TRITON_VERIFY = "%tg"  # row suffix: the speculative programs with XLA's Triton GEMMs (verification_compiler_options)
+
+
+def uses_triton_verify(v: str) -> bool:
+    """Row ``v`` runs on the engine whose speculative programs use XLA's Triton GEMMs (a ``%tg`` suffix; the other
+    rows' GEMMs are cuBLAS's, see the top of this file)."""
+    return TRITON_VERIFY in v
+
+
+def drafter_suffix(v: str) -> tuple[str, float | None]:
+    """A row of --variants -> (the row without its drafter suffix, the drafter asked for or None): ``none#1.0``
+    decodes with the drafter trained on the target's continuations sampled at T 1 (``--gen-temperature``),
+    ``none#0`` with the one trained on its greedy continuations. A ``%tg`` engine suffix is left out too. Raises
+    ValueError naming the bad entry."""
+    v = v.replace(TRITON_VERIFY, "")
+    base, sep, t = v.rpartition("#")
+    if not sep:
+        return v, None
+    try:
+        temp = float(t)
+    except ValueError:
+        temp = -1.0
+    if not temp >= 0 or base.partition("~")[0].partition(":")[0].partition("@")[0] == "plain":
+        raise ValueError(f"{v!r}: '#T' (the drafter trained on rows generated at temperature T >= 0) only goes "
+                         "with a speculative row")
+    return base, temp
+
+
+def drafter_of(v: str, gen_temperatures) -> float:
+    """The generation temperature of the drafter that decodes row ``v``: the one its ``#T`` names, else the one
+    trained on rows generated in the row's own decoding mode (the nearest temperature: greedy rows -> the drafter
+    of greedy rows, T 1 -> the one of T-1 rows; ties -> the first listed)."""
+    base, asked = drafter_suffix(v)
+    if asked is not None:
+        if asked not in gen_temperatures:
+            raise ValueError(f"{v!r}: no drafter trained on rows generated at T {asked:g} (--gen-temperature "
+                             f"{','.join(f'{t:g}' for t in gen_temperatures)})")
+        return asked
+    temp = variant_temperature(base)[1]
+    return min(gen_temperatures, key=lambda t: abs(t - temp))
+
+
 def plain_of(v: str) -> str:
     """The baseline row of row ``v``: plain decoding, sampled at ``v``'s temperature (``none~0.7`` -> ``plain~0.7``)."""
+    v = drafter_suffix(v)[0]
     return "plain" + v[v.index("~"):] if "~" in v else "plain"
 
 
 def variant_temperature(v: str) -> tuple[str, float]:
     """A row of --variants -> (the row without its temperature, the sampling temperature; 0 = greedy):
     ``plain~1.0`` / ``none~0.7`` sample at that temperature (plain sampling / speculative sampling, the same
-    seed per prompt). Raises ValueError naming the bad entry."""
+    seed per prompt); a ``#T`` drafter suffix (:func:`drafter_suffix`) is left out. Raises ValueError naming the
+    bad entry."""
+    v = drafter_suffix(v)[0]
     base, sep, t = v.partition("~")
     if not sep:
         return v, 0.0
@@ -428,8 +475,10 @@ def main(argv=None):
     ap.add_argument("--target-s", type=float, default=None, help="seconds of target training after compiling")
     ap.add_argument("--gen-s", type=float, default=None, help="seconds of target generation (batch = the largest "
                     "of --batches) for the drafter's training rows; 0: train on the corpus alone")
-    ap.add_argument("--gen-temperature", type=float, default=0.0, help="the target's generations for the drafter: "
-                    "greedy (0) or sampled at this temperature")
+    ap.add_argument("--gen-temperature", default="0", help="the target's generations for the drafter: greedy (0) "
+                    "or sampled at this temperature; several (e.g. 0,1.0): one drafter per temperature, each trained "
+                    "on its own rows (--gen-s and --drafter-s each), and each decoding row uses the drafter of its "
+                    "own mode (the nearest temperature; a '#T' suffix on a row picks one, e.g. none#1.0)")
     ap.add_argument("--gen-rows", type=float, default=0.5, help="fraction of each drafter batch's rows taken from "
                     "the target's generations")
     ap.add_argument("--drafter-s", type=float, default=None, help="seconds of drafter training after compiling "
@@ -454,6 +503,8 @@ def main(argv=None):
                     "--smoke: 2)")
     ap.add_argument("--drafter-experts", type=int, default=None, help="the drafter's routed experts, top-1 "
                     "(default 8; --smoke: 4)")
+    ap.add_argument("--markov-rank", type=int, default=None, help="the drafter's Markov bias rank (default 64; "
+                    "--smoke 16)")
     ap.add_argument("--ce-weight", type=float, default=None, help="the drafter loss's weight on cross-entropy "
                     "against the target's greedy tokens (default DSparkTrainOptions': 0.1, beside 0.9 on the "
                     "total variation to the target's distribution); 0 = distillation on the distribution alone")
@@ -462,6 +513,9 @@ def main(argv=None):
     ap.add_argument("--trace-batches", default="", help="batches whose rows also run once under jax.profiler.trace: "
                     "device busy ms per step and the kernels taking it (JSON: trace)")
     ap.add_argument("--trace-variants", default="plain,none", help="the row kinds --trace-batches traces")
+    ap.add_argument("--triton-verify-batches", default="1", help="batches that run the rows with a '%%tg' suffix: "
+                    "speculation whose programs (verification, drafting, device loop) use XLA's Triton GEMMs, on an "
+                    "engine of their own (InferenceOptions.verification_compiler_options)")
     ap.add_argument("--triton-gemm", action="store_true", help="keep XLA's Triton GEMMs (and their autotuning; the "
                     "default turns them off: cuBLAS GEMMs, see the top of this file)")
     ap.add_argument("--prompts", type=int, default=None, help="held-out prompts run one by one at batch 1 "
@@ -490,6 +544,24 @@ def main(argv=None):
         ap.error("--variants: " + "; ".join(bad))
     if args.ce_weight is not None and args.ce_weight < 0:
         ap.error(f"--ce-weight must be >= 0, got {args.ce_weight}")
+    try:
+        gen_temps = [float(t) for t in args.gen_temperature.split(",") if t.strip()]
+    except ValueError:
+        gen_temps = []
+    if not gen_temps or any(not t >= 0 for t in gen_temps) or len(set(gen_temps)) != len(gen_temps):
+        ap.error(f"--gen-temperature: distinct temperatures >= 0, comma-separated; got {args.gen_temperature!r}")
+    if args.markov_rank is not None and args.markov_rank < 1:
+        ap.error(f"--markov-rank must be >= 1, got {args.markov_rank}")
+    for v in variants:
+        try:
+            drafter_of(v, gen_temps)
+        except ValueError as e:
+            bad.append(str(e))
+        if uses_triton_verify(v) and parse_variant(v)[0] not in ("none", "threshold"):
+            bad.append(f"{v!r}: '{TRITON_VERIFY}' (Triton GEMMs in the speculative programs) only goes with none / "
+                       "threshold")
+    if bad:
+        ap.error("--variants: " + "; ".join(bad))
     if "plain" not in variants:
         variants.insert(0, "plain")  # every speculative row is a ratio against it
     for v in list(variants):  # and every sampled row against plain sampling at its temperature
@@ -541,14 +613,16 @@ def main(argv=None):
         faulthandler.enable(file=stacks)  # a real crash writes its thread's stack here
         stop_watch = stack_watchdog(watchdog, stacks, t_start)
 
-    config = target_config(smoke, args.block_size, args.target_experts, args.target_topk, args.drafter_experts)
+    config = target_config(smoke, args.block_size, args.target_experts, args.target_topk, args.drafter_experts,
+                           args.markov_rank)
     counts = count_params(config)
     record = dict(config=config.name, device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=" ".join(sys.argv),
                   params=dict(backbone=counts.backbone, dspark=counts.dspark, active_decode=counts.active_decode),
                   moe=dict(target_experts=config.n_routed_experts, target_topk=config.num_experts_per_tok,
                            drafter_experts=config.dspark_n_routed_experts,
-                           drafter_topk=config.dspark_num_experts_per_tok),
+                           drafter_topk=config.dspark_num_experts_per_tok,
+                           markov_rank=config.dspark_markov_rank),
                   xla_flags=os.environ.get("XLA_FLAGS", ""), variants=variants, stages={}, rows=[],
                   compiles=compiles)
 
@@ -591,6 +665,11 @@ def main(argv=None):
     prompts = {b: heldout_prompts(b, prompt_len, tok) for b in batches}
     engines = {(b, role): Engine(config, zeros, max_batch=b, max_len=max_len, options=opts, tokenizer=tok)
                for b in batches for role in ("plain", "spec")}
+    tg_batches = {int(x) for x in args.triton_verify_batches.split(",") if x}
+    opts_tg = dataclasses.replace(opts, verification_compiler_options=(("xla_gpu_enable_triton_gemm", True),))
+    engines.update({(b, "spec_tg"): Engine(config, zeros, max_batch=b, max_len=max_len, options=opts_tg,
+                                           tokenizer=tok)
+                    for b in batches if b in tg_batches and any(uses_triton_verify(v) for v in variants)})
     if not args.no_warm:  # an engine of its own for the prefix table's warm-up (programs are shared by shape)
         engines.update({(b, "prefix"): Engine(config, zeros, max_batch=b, max_len=max_len, options=opts,
                                               tokenizer=tok) for b in prefix_batches if b in batches})
@@ -607,24 +686,30 @@ def main(argv=None):
         return kw
 
     def batch_variants(b):
-        """The rows batch ``b`` runs: the sampled ones (~T) only at --sample-batches."""
-        return [v for v in variants if variant_temperature(v)[1] == 0 or b in sample_batches]
+        """The rows batch ``b`` runs: the sampled ones (~T) only at --sample-batches, the Triton ones (%tg) only at
+        --triton-verify-batches."""
+        return [v for v in variants if (variant_temperature(v)[1] == 0 or b in sample_batches)
+                and (not uses_triton_verify(v) or b in tg_batches)]
 
     def warm_plain(b):
         def fn(w):
             engines[b, "plain"].generate(prompts[b], max_new_tokens=3, stop_tokens=())
             # the sampler's programs (one for every temperature > 0): sampled rows, sampled generations
             if any(variant_temperature(v)[1] > 0 for v in batch_variants(b)) or (
-                    b == gen_batch and args.gen_temperature > 0):
+                    b == gen_batch and max(gen_temps) > 0):
                 engines[b, "plain"].generate(prompts[b], max_new_tokens=3, stop_tokens=(), temperature=1.0)
         return fn
 
-    def warm_spec(b):
+    def spec_role(v):
+        return "spec_tg" if uses_triton_verify(v) else "spec"
+
+    def warm_spec(b, role="spec"):
         def fn(w):
             kinds = {(json.dumps(decoder_kwargs(v), sort_keys=True), variant_temperature(v)[1] > 0): v
-                     for v in batch_variants(b) if parse_variant(v)[0] in ("none", "threshold", "host")}
+                     for v in batch_variants(b) if parse_variant(v)[0] in ("none", "threshold", "host")
+                     and spec_role(v) == role}
             for (_, sampled), v in kinds.items():  # device loop (schedule off / threshold, each width); host loop
-                dec = SpeculativeDecoder(engines[b, "spec"], **decoder_kwargs(v))
+                dec = SpeculativeDecoder(engines[b, role], **decoder_kwargs(v))
                 # one run builds every program of the row (fresh rings are committed like those a step returns)
                 dec.generate(prompts[b], max_new_tokens=2 * gamma + 2, stop_tokens=(),
                              temperature=1.0 if sampled else 0.0)
@@ -646,6 +731,8 @@ def main(argv=None):
         for b in batches:
             warmers[b, "plain"] = Warmer(f"plain-b{b}", warm_plain(b), say)
             warmers[b, "spec"] = Warmer(f"spec-b{b}", warm_spec(b), say)
+            if (b, "spec_tg") in engines:
+                warmers[b, "spec_tg"] = Warmer(f"spec-triton-b{b}", warm_spec(b, "spec_tg"), say)
         for b in batches:
             if b in prefix_batches:
                 warmers[b, "prefix"] = Warmer(f"prefix-b{b}", warm_prefix(b), say)
@@ -689,6 +776,7 @@ def main(argv=None):
         target_job["compiled"] = compiled
         say(f"target train step compiled in {target_job['compile_s']:.1f} s (beside the warm-ups)")
 
+    drafter_params = {}  # generation temperature of its rows -> the parameters with that drafter
     if args.no_train:  # random weights: the programs' compile times and the steps' costs, no acceptance to speak of
         from dsv41_jax.model.params import init_from_specs, param_specs
 
@@ -699,6 +787,7 @@ def main(argv=None):
             say("WARNING: the random parameters' signature differs from the warm-up's: programs compile again")
         for e in engines.values():
             e.params = params
+        drafter_params.update({t: params for t in gen_temps})
         record["weights"] = "random (std 0.02), untrained"
         del zeros
     else:
@@ -728,23 +817,31 @@ def main(argv=None):
         for e in engines.values():
             e.params = params
 
-        # ---- 2. target generations, the drafter against the frozen target -------------------------------------------
-        rows = None
+        # ---- 2. target generations, the drafter(s) against the frozen target -------------------------------------
+        # one drafter per --gen-temperature, each on its own rows (the target's continuations in one decoding mode)
+        # beside corpus rows; every drafter starts from the same initialisation and sees the same corpus rows, so
+        # they differ only in the mode of the target's text they learned
+        rows_of = {t: None for t in gen_temps}
         if gen_s > 0:
             if (gen_batch, "plain") in warmers:
                 warmers[gen_batch, "plain"].wait(say)
             width = max(len(p) for p in prompts[gen_batch])  # the prompts' width: the prefill program already built
-            say(f"target generations for the drafter: batch {gen_batch}, {width}-token corpus stretches + "
-                f"{seq - width} tokens at temperature {args.gen_temperature:g}, {gen_s:.0f} s")
-            rows = target_rows(engines[gen_batch, "plain"], corpus, width, seq, gen_s, seed=3, say=say,
-                               temperature=args.gen_temperature)
-            np.save(os.path.join(out, "target_rows.npy"), rows)
-            sample = tok.decode(rows[0, width:].tolist())
-            record["generations"] = dict(rows=int(len(rows)), prompt_width=width, seq=seq, sample=sample[:400],
-                                         temperature=args.gen_temperature)
-            say(f"  sample continuation: {sample[:200]!r}")
+            record["generations"] = []
+            for t in gen_temps:
+                say(f"target generations for the drafter: batch {gen_batch}, {width}-token corpus stretches + "
+                    f"{seq - width} tokens at temperature {t:g}, {gen_s:.0f} s")
+                rows = target_rows(engines[gen_batch, "plain"], corpus, width, seq, gen_s, seed=3, say=say,
+                                   temperature=t)
+                rows_of[t] = rows
+                np.save(os.path.join(out, f"target_rows_T{t:g}.npy"), rows)
+                sample = tok.decode(rows[0, width:].tolist())
+                record["generations"].append(dict(rows=int(len(rows)), prompt_width=width, seq=seq,
+                                                  sample=sample[:400], temperature=t,
+                                                  text=text_stats(rows[:, width:].reshape(-1)[:4096])))
+                say(f"  sample continuation: {sample[:200]!r}")
             stage("generated")
-        say(f"drafter: {counts.dspark / 1e9:.3f} B parameters ({config.num_nextn_predict_layers} block); training")
+        say(f"drafter: {counts.dspark / 1e9:.3f} B parameters ({config.num_nextn_predict_layers} block); "
+            f"{len(gen_temps)} to train")
         dstep = DSparkTrainStep(config, tcd, target_params, opts_d)
         del target_params
         dstep.target = jax.device_put(dstep.target, device)  # committed, like the warm-up's zeros
@@ -752,21 +849,34 @@ def main(argv=None):
             warmers["drafter"].wait(say)
             if warmers["drafter"].error is None:
                 dstep._jitted = zero_dstep._jitted  # the program compiled on zeros (the target is an argument)
-        dstate = dstep.init_state()
-        k = int(round(args.gen_rows * bs)) if rows is not None else 0
-        loader = MixedLoader(DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=1)), rows, k,
-                             seed=4)
-        d_seconds = max(5.0, min(drafter_s, left() - reserve)) if not smoke else drafter_s
-        say(f"  {k} of {bs} rows per batch from the target's generations; {d_seconds:.0f} s")
-        dstate, rec = train_loop(dstep, dstate, loader, tcd, d_seconds, 6 if smoke else 10000, 2 if smoke else 25,
-                                 os.path.join(out, "train_drafter.jsonl"), say)
-        loader.close()
-        record["drafter_training"] = dict(rec, options=opts_d.to_dict(), target_rows_per_batch=k)
-        params = jax.device_put(inference_params({**dstep.target, "dspark": dstate["params"]["dspark"]}, config),
-                                device)
-        del dstate, dstep
+        # the target's inference parameters once; each drafter's own subtree beside them
+        base_params = jax.device_put(inference_params({**dstep.target, "dspark": zeros["dspark"]}, config), device)
+        record["drafters"] = []
+        for i, t in enumerate(gen_temps):
+            dstate = dstep.init_state()
+            rows = rows_of[t]
+            k = int(round(args.gen_rows * bs)) if rows is not None else 0
+            loader = MixedLoader(DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=1)),
+                                 rows, k, seed=4)
+            # the time left before the decoding reserve, shared by the drafters still to train
+            d_seconds = (max(5.0, min(drafter_s, (left() - reserve) / (len(gen_temps) - i))) if not smoke
+                         else drafter_s)
+            say(f"  drafter {i} (rows generated at T {t:g}): {k} of {bs} rows per batch from the target's "
+                f"generations; {d_seconds:.0f} s")
+            name = "train_drafter.jsonl" if len(gen_temps) == 1 else f"train_drafter_T{t:g}.jsonl"
+            dstate, rec = train_loop(dstep, dstate, loader, tcd, d_seconds, 6 if smoke else 10000,
+                                     2 if smoke else 25, os.path.join(out, name), say)
+            loader.close()
+            record["drafters"].append(dict(rec, options=opts_d.to_dict(), target_rows_per_batch=k,
+                                           gen_temperature=t))
+            dparams = jax.device_put(inference_params({"dspark": dstate["params"]["dspark"]}, config)["dspark"],
+                                     device)
+            drafter_params[t] = {**base_params, "dspark": dparams}
+            del dstate
+        record["drafter_training"] = record["drafters"][0]
+        del dstep, base_params
         for e in engines.values():
-            e.params = params
+            e.params = drafter_params[gen_temps[0]]
         del zeros
         stage("drafter_trained")
 
@@ -837,7 +947,8 @@ def main(argv=None):
                 record.setdefault("samples", {})[f"{b}{variant[5:]}"] = dict(prompt=tok.decode(ps[0]), plain=sample)
                 say(f"  sample: {sample[:160]!r}")
         else:
-            eng = engines[b, "spec"]
+            eng = engines[b, spec_role(variant)]
+            eng.params = drafter_params[drafter_of(variant, gen_temps)]  # same signature: no new program
             kind, n_draft, thr = parse_variant(variant)
             if (b, variant) not in decoders:
                 kw = dict(num_draft=n_draft) if n_draft else {}
@@ -912,6 +1023,11 @@ def main(argv=None):
                 "prefix": "DSpark + prefix (measured, host loop)"}[kind] + ("" if kind == "plain" else
                                                                            f", γ {n_draft or gamma}")
         name += f", sampled T {temp:g}" if temp > 0 else ", greedy"
+        if kind != "plain" and len(gen_temps) > 1:
+            dt_ = drafter_of(variant, gen_temps)
+            name += f", drafter of {'greedy' if dt_ == 0 else f'T-{dt_:g}'} rows"
+        if uses_triton_verify(variant):
+            name += ", Triton GEMMs in its programs"
         texts = [t for r in rs for t in ps[r["set"]]["text"]]
         own = [t for r in rs for t in r.get("text", [])] if kind != "plain" and temp > 0 else []
         row = dict(batch=b, prompts=label, decoding=name, variant=variant, sets=len(rs), tokens=tokens, decode_s=dt,
@@ -934,8 +1050,9 @@ def main(argv=None):
 
     for bi, b in enumerate(batches):
         later = 20 * (len(batches) - bi - 1)  # seconds kept for the later batches' rows
-        if (b, "spec") in warmers:
-            warmers[b, "spec"].wait(say)
+        for role in ("spec", "spec_tg"):
+            if (b, role) in warmers:
+                warmers[b, role].wait(say)
         if (b, "plain") in warmers:
             warmers[b, "plain"].wait(say)
         if b in prefix_batches:

@@ -464,6 +464,28 @@ def test_training_forward_equals_drafting_and_the_loss_trains():
     assert 0.0 <= float(m["accept_rate"]) <= 1.0
 
 
+def test_dspark_loss_per_slot_acceptance_recombines_to_the_weighted_mean():
+    """accept_{k}: slot k's mean of 1 - TV / 2 over its valid entries; with the loss's decay weights and the
+    per-slot counts they give back accept_rate. A slot whose drafter distribution equals the target's scores 1."""
+    from dsv41_jax.train.dspark import dspark_loss
+
+    rng = np.random.default_rng(0)
+    b, a, s, v, decay = 2, 3, 4, 11, 4.0
+    target = rng.standard_normal((b, a, s, v)).astype(np.float32)
+    logits = rng.standard_normal((b, a, s, v)).astype(np.float32)
+    logits[..., 0, :] = target[..., 0, :]  # slot 0 drafts exactly the target's distribution
+    valid = rng.random((b, a, s)) < 0.7
+    valid[0, 0] = True
+    labels = rng.integers(0, v, (b, a, s))
+    _, m = dspark_loss(jnp.asarray(logits), jnp.zeros((b, a, s)), jnp.asarray(labels), jnp.asarray(valid),
+                       jnp.asarray(target), decay=decay)
+    per = np.array([float(m[f"accept_{k}"]) for k in range(s)])
+    assert abs(per[0] - 1.0) < 1e-5 and (per[1:] < 0.99).all()
+    counts = valid.reshape(-1, s).sum(0)
+    w = np.exp(-np.arange(s) / decay) * counts
+    np.testing.assert_allclose(np.sum(w * per) / np.sum(w), float(m["accept_rate"]), rtol=1e-5)
+
+
 def test_bad_drafter_output_and_options_are_clear_errors():
     eng = _engine(True)
     dec = SpeculativeDecoder(eng, drafter=lambda *a: None)

@@ -248,6 +248,11 @@ def test_verification_programs_turn_the_dot_merger_off_on_the_gpu_only():
     both = dataclasses.replace(gpu, compiler_options=(("xla_disable_hlo_passes", "cse"), ("a", 1)))
     assert verify(both).compiler_options == (("a", 1), ("xla_disable_hlo_passes", "cse,dot-merger"))
     assert verify(InferenceOptions(kernel_backend="reference")).compiler_options == ()
+    # verification_compiler_options: added to the speculative programs only, once
+    tg = dataclasses.replace(gpu, verification_compiler_options=(("xla_gpu_enable_triton_gemm", True),))
+    assert verify(tg).compiler_options == (("xla_gpu_enable_triton_gemm", True), off)
+    assert verify(verify(tg)).compiler_options == (("xla_gpu_enable_triton_gemm", True), off)
+    assert _decode_opts(tg).compiler_options == ()
 
 
 def test_sampling_filters():

@@ -131,6 +131,11 @@ class InferenceOptions:
     #                              decode keeps it: on the 40-layer bench model at batch 32 the split GEMMs are
     #                              1,560 -> 1,660 launches per step (39.0 -> 41.5 per layer, deviceless H200
     #                              compile), their step time not measured (RESULTS.md)
+    verification_compiler_options: tuple = ()  # XLA options added to the speculative programs only (verification,
+    #                              drafting, the speculative device loop), after compiler_options: e.g. XLA's Triton
+    #                              GEMMs for their (γ + 1)-row projections while the other programs keep cuBLAS
+    #                              (H200, DSpark bench recipe: −0.39 ms of device time on the verification step,
+    #                              compile time doubled: RESULTS.md, "DSpark on the H200, call 12")
 
     def resolved_quant(self, config: ModelConfig) -> bool:
         return config.quant_sim if self.quant_sim is None else self.quant_sim
@@ -547,10 +552,13 @@ def _auto(flag: bool | None, default: bool) -> bool:
 
 
 def decode_compiler_options(opts: InferenceOptions, *, verification: bool = False) -> tuple:
-    """The XLA options of the decode (``verification``: speculative verification) programs: the options' own, plus
+    """The XLA options of the decode (``verification``: speculative verification) programs: the options' own (and
+    for verification ``InferenceOptions.verification_compiler_options`` after them, where not already there), plus
     XLA's dot merger off where ``InferenceOptions.decode_dot_merger`` resolves to off (idempotent: the pass is
-    named once)."""
+    named once, the verification options added once)."""
     copts = tuple(opts.compiler_options)
+    if verification:
+        copts += tuple(kv for kv in opts.verification_compiler_options if kv not in copts)
     gpu = kernels.resolve_backend(opts.kernel_backend) == "pallas_gpu"
     if _auto(opts.decode_dot_merger, not (verification and gpu)):
         return copts

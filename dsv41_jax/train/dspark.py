@@ -44,7 +44,10 @@ def dspark_loss(logits: jax.Array, confidence: jax.Array, labels: jax.Array, val
                 target_logits: jax.Array | None = None, *, decay: float = 4.0, ce_weight: float = 0.1,
                 tv_weight: float = 0.9, conf_weight: float = 1.0):
     """logits [..., S, V] (Markov-corrected), confidence [..., S] logits, labels / valid [..., S], target_logits
-    [..., S, V] or None. Returns (loss, metrics dict)."""
+    [..., S, V] or None. Returns (loss, metrics dict): the three terms, ``accept_rate`` (the weighted mean of
+    1 - TV / 2) and ``accept_{k}`` per slot k (its unweighted mean over the valid slots k: teacher-forced, the
+    expected acceptance of slot k's sampled draft given that the drafts before it were the labels — where the
+    drafter loses its acceptance along the block)."""
     s, v = logits.shape[-2:]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     p_d = jnp.exp(logp)
@@ -61,7 +64,10 @@ def dspark_loss(logits: jax.Array, confidence: jax.Array, labels: jax.Array, val
     c = confidence.astype(jnp.float32)
     bce = jnp.maximum(c, 0) - c * accept + jnp.log1p(jnp.exp(-jnp.abs(c)))  # BCE with logits, stable
     loss = ce_weight * ce + tv_weight * mean(tv) + conf_weight * mean(bce)
-    return loss, {"ce": ce, "tv": mean(tv), "conf_bce": mean(bce), "accept_rate": mean(accept)}
+    ok = valid.astype(jnp.float32).reshape(-1, s)
+    per_slot = jnp.sum(accept.reshape(-1, s) * ok, axis=0) / jnp.maximum(jnp.sum(ok, axis=0), 1.0)
+    return loss, {"ce": ce, "tv": mean(tv), "conf_bce": mean(bce), "accept_rate": mean(accept),
+                  **{f"accept_{k}": per_slot[k] for k in range(s)}}
 
 
 
@@ -125,7 +131,7 @@ class DSparkTrainStep:
     every anchor exactly as a drafting step with that token pending; :func:`dspark_loss` is minimised. Metrics:
     ``ce`` (of the drafter's labels), ``tv``, ``conf_bce``, ``accept_rate`` (mean 1 - TV / 2, the expected
     acceptance of a sampled draft) and ``top1`` (the drafter's argmax equals the label: greedy acceptance per
-    slot, teacher-forced)."""
+    slot, teacher-forced); ``accept_{k}`` / ``top1_{k}``: the same per draft slot k."""
 
     mesh = None
     rules = "tp"
@@ -207,8 +213,10 @@ class DSparkTrainStep:
         loss, m = dspark_loss(lg, cf, labels, ok, tgt, decay=o.decay, ce_weight=o.ce_weight, tv_weight=o.tv_weight,
                               conf_weight=o.conf_weight)
         hit = (jnp.argmax(lg, axis=-1) == labels) & ok
+        # per slot k, teacher-forced: the greedy draft at slot k equals the label (given the labels before it)
+        hit_k = jnp.sum(hit.reshape(-1, s), axis=0) / jnp.maximum(jnp.sum(ok.reshape(-1, s), axis=0), 1)
         m = dict(m, loss=loss, tokens=jnp.sum(ok.astype(jnp.float32)),
-                 top1=jnp.sum(hit) / jnp.maximum(jnp.sum(ok), 1))
+                 top1=jnp.sum(hit) / jnp.maximum(jnp.sum(ok), 1), **{f"top1_{k}": hit_k[k] for k in range(s)})
         return loss, m
 
     def step_fn(self, state: dict, target: dict, batch: dict, lr):
