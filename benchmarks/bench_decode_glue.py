@@ -10,7 +10,8 @@ Parts:
         and the sum of squares as ONE multiply-reduce over the 20,480-long contraction, which XLA emits as a
         reduction kernel — the profile's ``input_reduce_fusion`` of 20 µs a launch at batch 32), "two_pass" (RMS
         normalisation, then ``narrow_matmul_f32``'s split-K GEMM and its sum), "dot" (the projection as one float32
-        ``dot`` at HIGHEST precision + the sum of squares, handed to the kernel with ``rms_k`` as the one-pass sums).
+        ``dot`` at HIGHEST precision + the sum of squares, handed to the kernel with ``rms_k`` as the one-pass sums),
+        "split_dot" (the same with ``narrow_matmul_f32``'s split-K GEMM for the raw products).
         Each call runs R = 8 sites (distinct weights and streams); µs per site = device time / R; distinct kernel
         names per site (≈ launches).
         Max abs difference of pre / post / comb against "one_pass".
@@ -58,10 +59,14 @@ def device_us(fn, args):
     return tot * 1e6, len(by_name)
 
 
-def dot_form(streams, fn, base, scale):
-    """The projection as one float32 dot (HIGHEST) and the sum of squares, as the kernel's one-pass sums."""
+def dot_form(streams, fn, base, scale, split=False):
+    """The projection as one float32 dot (HIGHEST; ``split``: ``narrow_matmul_f32``'s split-K GEMM and the sum of
+    its chunks) and the sum of squares, as the kernel's one-pass sums."""
+    from dsv41_jax.ops.linear import narrow_matmul_f32
+
     flat = streams.reshape(streams.shape[0], -1).astype(jnp.float32)
-    proj = jnp.dot(flat, fn.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
+    proj = (narrow_matmul_f32(flat, fn) if split else
+            jnp.dot(flat, fn.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST))
     sums = jnp.concatenate([proj, jnp.sum(flat * flat, axis=-1, keepdims=True)], axis=-1)
     from dsv41_jax.kernels.mhc_gpu import mhc_coefficients_kernel
 
@@ -77,7 +82,8 @@ def mhc_part(batches, out):
              "two_pass": lambda s, f, b, sc: M.mhc_coefficients(s, f, b, sc, hc_eps=HC_EPS, rms_eps=RMS_EPS,
                                                                 sinkhorn_iters=ITERS, unroll=True, comb_kernel=COMB,
                                                                 one_pass=False),
-             "dot": dot_form}
+             "dot": dot_form,
+             "split_dot": lambda s, f, b, sc: dot_form(s, f, b, sc, split=True)}
     for b in batches:
         key = jax.random.PRNGKey(b)
         ss = [jax.random.normal(jax.random.fold_in(key, i), (b, HC, D), jnp.float32) for i in range(R)]
