@@ -64,7 +64,9 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
 
         lead = streams.shape[:-2]
         flat = streams.reshape(*lead, -1)
-        if one_pass:  # one token: the kernel adds the partial sums (one XLA reduction kernel before it, not two)
+        if one_pass and math.prod(lead) >= _DOT_MIN_TOKENS:  # several tokens: the projection as a GEMM
+            x, rms_k = _project_sums_dot(flat, fn), flat.shape[-1]
+        elif one_pass:  # one token: the kernel adds the partial sums (one XLA reduction kernel before it, not two)
             parts = _KERNEL_PARTS if math.prod(lead) <= _KERNEL_PARTS_MAX_TOKENS else 1
             x, rms_k = _project_sums_one_pass(flat, fn, parts=parts), flat.shape[-1]
         else:
@@ -110,6 +112,28 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
 # sum kernels fewer) but 1.36 ms per batch-32 step (+1.25 ms; likely the tiles' registers spilling)
 _KERNEL_PARTS = 128
 _KERNEL_PARTS_MAX_TOKENS = 1
+
+
+# From this many tokens, the one-pass sums handed to the coefficient kernel take the projection as a float32 GEMM
+# (:func:`_project_sums_dot`) instead of one multiply-reduce over the contraction. Why: the reduce reads every
+# token's 20,480 stream entries once per output (25 times) and every weight once per token; at batch 32 XLA:GPU emits
+# it as a reduction kernel of 20 µs a launch on an H200 (1.56 ms of the 40-layer bench model's decode step, 2 sites
+# per layer), where the bytes are ≈ 4.6 MB (≈ 1 µs at the read-only bandwidth); a GEMM reads each once.
+_DOT_MIN_TOKENS = 2
+_DOT_SPLIT = False  # True: ``narrow_matmul_f32``'s own split of the contraction instead of XLA's
+
+
+def _project_sums_dot(flat: jax.Array, fn: jax.Array) -> jax.Array:
+    """:func:`_project_sums_one_pass`'s N + 1 sums (parts = 1) with the N products as one float32 GEMM at HIGHEST
+    precision (exact float32 products; XLA:GPU splits the 20,480-long contraction itself) and the sum of squares
+    as a reduction: flat [..., K], fn [N, K] -> [..., N + 1] float32; the same sums up to the order of the
+    float32 additions."""
+    x = flat.astype(jnp.float32)
+    x2 = x.reshape(-1, x.shape[-1])
+    proj = (narrow_matmul_f32(x2, fn) if _DOT_SPLIT else
+            jnp.dot(x2, fn.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST))
+    sumsq = jnp.sum(x * x, axis=-1, keepdims=True)
+    return jnp.concatenate([proj.reshape(*x.shape[:-1], -1), sumsq], axis=-1)
 
 
 def _project_sums_one_pass(flat: jax.Array, fn: jax.Array, parts: int = 1) -> jax.Array:
