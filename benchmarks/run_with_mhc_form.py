@@ -16,6 +16,11 @@ from dsv41_jax.ops import mhc as M  # noqa: E402
 
 def main():
     glue, script, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
+    if not os.path.exists(glue):  # the bench did not run: the code's default form
+        print(f"{glue} missing: the default mHC projection form (_DOT_MIN_TOKENS {M._DOT_MIN_TOKENS})", flush=True)
+        sys.argv = [script] + rest
+        runpy.run_path(script, run_name="__main__")
+        return
     rows = [r for r in json.load(open(glue))["rows"] if r["part"] == "mhc"]
     top = max(r["batch"] for r in rows)
     us = {r["form"]: r["us_per_site"] for r in rows if r["batch"] == top}
