@@ -43,7 +43,8 @@ def _sinkhorn_form() -> str:
 
 def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, hc_eps: float,
                      rms_eps: float, sinkhorn_iters: int, unroll: bool = False,
-                     comb_kernel: str | None = None, one_pass: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     comb_kernel: str | None = None, one_pass: bool = False,
+                     projection: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """streams [..., hc, D] -> (pre [..., hc], post [..., hc], comb [..., hc, hc]).
 
     ``fn`` [(2+hc)*hc, hc*D] rows are ordered pre(hc), post(hc), comb(hc*hc, row-major i -> j). ``comb`` is
@@ -54,8 +55,12 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
     on a CPU) computes the softmax and the Sinkhorn iterations in one kernel (``kernels.mhc_gpu``; inference only:
     no gradient). ``one_pass`` (for a few tokens, a decode step): the projection and the RMS of the streams as one
     reduction over the streams (:func:`_project_rms_one_pass`) instead of a normalisation, a split-K GEMM and the sum
-    of its chunks — fewer kernels, the same float32 maths up to the order of the additions.
+    of its chunks — fewer kernels, the same float32 maths up to the order of the additions. ``projection`` (one_pass
+    with ``comb_kernel``): how the one-pass sums are formed — "reduce" (one multiply-reduce over the contraction),
+    "gemm" (:func:`_project_sums_dot`), None: "gemm" from ``_DOT_MIN_TOKENS`` tokens, "reduce" below.
     """
+    if projection not in (None, "reduce", "gemm"):
+        raise ValueError(f"mhc_coefficients: projection must be None, 'reduce' or 'gemm', got {projection!r}")
     hc = streams.shape[-2]
     if comb_kernel is not None:
         # every coefficient in one kernel after the projection (kernels.mhc_gpu.mhc_coefficients_kernel); with
@@ -64,7 +69,8 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
 
         lead = streams.shape[:-2]
         flat = streams.reshape(*lead, -1)
-        if one_pass and math.prod(lead) >= _DOT_MIN_TOKENS:  # several tokens: the projection as a GEMM
+        gemm = projection == "gemm" or (projection is None and math.prod(lead) >= _DOT_MIN_TOKENS)
+        if one_pass and gemm:  # several tokens: the projection as a GEMM
             x, rms_k = _project_sums_dot(flat, fn), flat.shape[-1]
         elif one_pass:  # one token: the kernel adds the partial sums (one XLA reduction kernel before it, not two)
             parts = _KERNEL_PARTS if math.prod(lead) <= _KERNEL_PARTS_MAX_TOKENS else 1
@@ -120,7 +126,9 @@ _KERNEL_PARTS_MAX_TOKENS = 1
 # it as a reduction kernel of 20 µs a launch on an H200 (1.56 ms of the 40-layer bench model's decode step, 2 sites
 # per layer), where the bytes are ≈ 4.6 MB (≈ 1 µs at the read-only bandwidth); a GEMM reads each once.
 _DOT_MIN_TOKENS = 2
-_DOT_SPLIT = False  # True: ``narrow_matmul_f32``'s own split of the contraction instead of XLA's
+# ``narrow_matmul_f32``'s own split of the contraction (True) or one dot that XLA:GPU splits itself (False): in
+# isolation on an H200 (bench_decode_glue.py, batch 32, the coefficient kernel included) 18.2 against 19.5 µs a site
+_DOT_SPLIT = True
 
 
 def _project_sums_dot(flat: jax.Array, fn: jax.Array) -> jax.Array:
