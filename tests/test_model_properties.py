@@ -73,9 +73,9 @@ def test_mhc_comb_kernel_equals_the_xla_sinkhorn():
     scale = jnp.array([0.5, 1.0, 2.0])
     kw = dict(hc_eps=1e-6, rms_eps=1e-20, sinkhorn_iters=20)
     # the last case is one token (a batch-1 decode step): the kernel then adds the projection's partial sums
-    # (the one-pass sums: a GEMM for the 150 tokens by default, the multiply-reduce when asked, partials for one)
+    # (the one-pass sums: the multiply-reduce by default, a GEMM when asked, partial sums for one token)
     for f, sc, one_pass, x, proj in ((fn, scale, False, streams, None), (10 * fn, 4 * scale, False, streams, None),
-                                     (fn, scale, True, streams, None), (fn, scale, True, streams, "reduce"),
+                                     (fn, scale, True, streams, None), (fn, scale, True, streams, "gemm"),
                                      (fn, scale, True, streams[:1, :1], None)):
         want = mhc_coefficients(x, f, base, sc, one_pass=one_pass, **kw)
         got = mhc_coefficients(x, f, base, sc, comb_kernel="pallas_gpu_interpret", one_pass=one_pass,
