@@ -128,6 +128,22 @@ def classify_fusion(line: str) -> str:
     return base or "?"
 
 
+def release_abstract(config, params16):
+    """Abstract release-format parameters of ``config`` (the bf16 tree ``params16``, abstract): the layout
+    ``bench_fused_fp8.random_release_params`` makes, with ``wo_a`` dequantised to bf16 as the Engine serves it."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench_fused_fp8 import random_release_params
+    from dsv41_jax.checkpoint.quantized import QuantizedTensor
+    from dsv41_jax.model import release_weights as RW
+
+    stored = jax.eval_shape(lambda p: random_release_params(config, p, jax.random.PRNGKey(0)), params16)
+    # ``dequantize_wo_a`` reads the scales on the host: here only its result's shape (the logical shape, bf16)
+    return RW._map_with_path(lambda p, w: jax.ShapeDtypeStruct(w.shape, jnp.bfloat16)
+                             if RW.served_in_float(p) and isinstance(w, QuantizedTensor) else w, stored)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,32")
@@ -136,6 +152,10 @@ def main(argv=None):
     ap.add_argument("--model", default="12L", choices=("12L", "bench40"), help="bench-h200-12L or configs/bench40.py")
     ap.add_argument("--sampler", default="filtered", help="decode_chain's sampler (greedy: as Engine.generate runs "
                     "a greedy batch)")
+    ap.add_argument("--weights", default="bf16", choices=("bf16", "release"),
+                    help="release: the release's weights as the Engine serves them (FP8 / FP4 / Engram-row bytes, "
+                    "wo_a bf16 from load; GEMM inputs rounded to FP8, quantized_gemm=pallas_gpu, one-token FP4 "
+                    "kernels at one token, the grouped FP4 kernel above) - profile_release_decode's release form")
     ap.add_argument("--out", default=None)
     ap.add_argument("--hlo", action="store_true", help="also write the optimised HLO text")
     args = ap.parse_args(argv)
@@ -159,6 +179,8 @@ def main(argv=None):
     for f in filter(None, args.flags.split(",")):  # name (True) or name=0 / name=1
         name, _, value = f.partition("=")
         flags[name] = value != "0"
+    if args.weights == "release":  # profile_release_decode's release form (flags may override)
+        flags = dict(dict(gemm_input_fp8=True, quantized_gemm="pallas_gpu", fp4_one_token=True), **flags)
     opts = _decode_opts(InferenceOptions(quant_sim=False, index_block_elems=1 << 28, kernel_backend="pallas_gpu",
                                          **flags))
     layers = config.num_hidden_layers
@@ -166,6 +188,8 @@ def main(argv=None):
     for b in (int(x) for x in args.batches.split(",")):
         fn, fargs = decode_program(config, b, args.context + 512, opts=opts, chained=True,
                                    hasher=synthetic_hasher(config), sampler=args.sampler)
+        if args.weights == "release":
+            fargs = (release_abstract(config, fargs[0]),) + tuple(fargs[1:])
         t0 = time.perf_counter()
         # with the decode options' XLA options (``step.decode_compiler_options``), as the Engine's program has them
         compiled = jax.jit(fn, donate_argnums=(1,), compiler_options=dict(opts.compiler_options) or None).lower(
@@ -205,7 +229,7 @@ def main(argv=None):
                     f.write(text)
     if args.out:
         with open(os.path.join(args.out, "decode_kernel_inventory.json"), "w") as f:
-            json.dump(dict(config=config.name, context=args.context, flags=flags, sampler=args.sampler, results=results), f,
+            json.dump(dict(config=config.name, context=args.context, weights=args.weights, flags=flags, sampler=args.sampler, results=results), f,
                       indent=1)
     return results
 

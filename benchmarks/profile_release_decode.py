@@ -551,7 +551,7 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
                 engram_host=False, no_bf16=False, device_loop=False, release_cache: tuple = (), ahead=False,
                 readback: tuple = (1, 8, 32), profile_steps: int = 3, trace_max_mb: float = 15.0,
                 no_release_bf16_cache=False, profile_until_s: float | None = None,
-                engram_host_gathers: tuple = ("kernel",), timing_repeats: int = 1):
+                engram_host_gathers: tuple = ("kernel",), timing_repeats: int = 1, mhc_projections: tuple = ()):
     """Per batch: every form's first call (trace + compile + one step) concurrently in threads (XLA compiles
     release the GIL; the forms' first-call times overlap, so each is an upper bound of its compile), then each
     form timed and profiled alone. ``engram_host``: after every batch's rows are saved, the release form with the
@@ -608,6 +608,10 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
         for how in engram_host_gathers:
             forms.append((f"{HOST_FORM} ({'the GPU reads the rows' if how == 'kernel' else 'host gather'})", phost,
                           InferenceOptions(**rel, fp4_one_token=True, engram_host_gather=how), False))
+    for proj in mhc_projections:  # the mHC projection's forms beside the default (ops.mhc projection)
+        forms.append((f"bf16, mHC projection {proj}", p16, InferenceOptions(**base, mhc_projection=proj), False))
+        forms.append((f"release, one-token FP4 kernels, mHC projection {proj}", prel,
+                      InferenceOptions(**rel, fp4_one_token=True, mhc_projection=proj), False))
     if not no_grouped:
         forms.append(("release, grouped FP4 kernel", prel, InferenceOptions(**rel, fp4_one_token=False), False))
     if combine:  # one form with both kernels' first tunings instead of a form per tuning (fewer concurrent compiles;
@@ -827,6 +831,9 @@ def main():
                          "then timed in turn (default: batch by batch)")
     ap.add_argument("--profile-until-s", type=float, default=None,
                     help="decode, --device-loop: rows timed after this many seconds are not profiled")
+    ap.add_argument("--mhc-projections", default="",
+                    help="decode: also a bf16 and a release form per mHC projection form named (reduce / gemm: "
+                         "InferenceOptions.mhc_projection), beside the forms on the default")
     ap.add_argument("--trace-max-mb", type=float, default=15.0,
                     help="decode: keep a form's perfetto trace in --out when under this size (0: none)")
     ap.add_argument("--dense32", action="store_true",
@@ -876,7 +883,8 @@ def main():
                             tuple(int(k) for k in args.readback.split(",")),
                             args.profile_steps or (8 if args.device_loop else 3), args.trace_max_mb,
                             args.no_release_bf16_cache, args.profile_until_s,
-                            tuple(filter(None, args.engram_host_gathers.split(","))), args.timing_repeats)
+                            tuple(filter(None, args.engram_host_gathers.split(","))), args.timing_repeats,
+                            mhc_projections=tuple(filter(None, args.mhc_projections.split(","))))
             except Exception as e:  # noqa: BLE001
                 OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
                 log(f"decode FAILED: {type(e).__name__}: {str(e)[:300]}")

@@ -73,13 +73,18 @@ def test_mhc_comb_kernel_equals_the_xla_sinkhorn():
     scale = jnp.array([0.5, 1.0, 2.0])
     kw = dict(hc_eps=1e-6, rms_eps=1e-20, sinkhorn_iters=20)
     # the last case is one token (a batch-1 decode step): the kernel then adds the projection's partial sums
-    for f, sc, one_pass, x in ((fn, scale, False, streams), (10 * fn, 4 * scale, False, streams),
-                               (fn, scale, True, streams), (fn, scale, True, streams[:1, :1])):
+    # (the one-pass sums: the multiply-reduce by default, a GEMM when asked, partial sums for one token)
+    for f, sc, one_pass, x, proj in ((fn, scale, False, streams, None), (10 * fn, 4 * scale, False, streams, None),
+                                     (fn, scale, True, streams, None), (fn, scale, True, streams, "gemm"),
+                                     (fn, scale, True, streams[:1, :1], None)):
         want = mhc_coefficients(x, f, base, sc, one_pass=one_pass, **kw)
-        got = mhc_coefficients(x, f, base, sc, comb_kernel="pallas_gpu_interpret", one_pass=one_pass, **kw)
+        got = mhc_coefficients(x, f, base, sc, comb_kernel="pallas_gpu_interpret", one_pass=one_pass,
+                               projection=proj, **kw)
         for g, w in zip(got, want):
             assert g.shape == w.shape
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="projection"):
+        mhc_coefficients(streams, fn, base, scale, one_pass=True, projection="dot", **kw)
 
 
 def test_collapse_rms_norm_kernel_equals_the_xla_forms():

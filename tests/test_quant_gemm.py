@@ -145,10 +145,13 @@ def test_decode_defaults_pick_the_measured_forms():
     assert G.fp8_default_tiling(32, 5120, 2300)["split_k"] == 2
     # the M = 1 gemv's K-step / column-block defaults at the bench model's single-weight shapes (2026-12-03): wo_b
     # (K 8192) 512-wide steps 2 ahead, the shared expert's w2 (K 2304) 128-wide steps, wq_b (K 1280, N 32768) 16-row
-    # blocks; a K none of these measured (5120) keeps the 8-row, 256-wide, 8-ahead tiling
+    # blocks (persistent, 1 step ahead); a K none of these measured (5120) keeps the 8-row, 256-wide, 8-ahead tiling
     pick = ("block_n", "block_k", "prefetch")
     assert [G.fp8_default_tiling(1, n, k)[a] for n, k in ((5120, 8192), (5120, 2304), (32768, 1280), (2304, 5120))
-            for a in pick] == [8, 512, 2, 8, 128, 8, 16, 256, 5, 8, 256, 8]
+            for a in pick] == [8, 512, 2, 8, 128, 8, 16, 256, 1, 8, 256, 8]
+    # wq_b persistent (528 programs, 1 step ahead; 2026-12-03 15:15), the other shapes not
+    assert [G.fp8_default_tiling(1, n, k)["programs"] for n, k in ((32768, 1280), (5120, 8192), (5120, 2304))] == [
+        528, 0, 0]
     # the one-token FP4 kernels: the "word" decode, gate / up 4 warps 2 steps ahead, down 2 ahead; "pair_group" keeps
     # the tiling it was measured at
     assert G.FP4_SLOT_DEFAULT_DECODE == "word"

@@ -77,6 +77,9 @@ class InferenceOptions:
     #                             the "pallas_gpu" backend, where the coefficient kernel then also applies the RMS
     #                             (kernels.mhc_gpu): 4 launches fewer per layer in the H200 decode step
     #                             (benchmarks/decode_kernel_inventory.py), the same float32 maths
+    mhc_projection: str | None = None  # with mhc_one_pass and the coefficient kernel: the one-pass sums as "reduce"
+    #                             (one multiply-reduce) or "gemm" (a float32 GEMM + a sum of squares); None:
+    #                             "reduce" (ops.mhc.mhc_coefficients' projection; why: benchmarks/RESULTS.md 15:15)
     norm_kernel: bool | None = None  # each site's mHC collapse and RMS norm in one Pallas GPU kernel (ops.mhc.
     #                             collapse_rms_norm; XLA runs them as 3 kernels), the q-LoRA norm in one (XLA: 2);
     #                             None: steps of at most 64 tokens on the "pallas_gpu" backend (not its interpret
@@ -646,7 +649,7 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
     on_gpu = kernels.resolve_backend(opts.kernel_backend) == "pallas_gpu"
     few = _auto(opts.mhc_one_pass, on_gpu) and small  # fewer, fused mHC kernels (ops.mhc one_pass)
     if few:
-        mhc_kw = dict(mhc_kw, one_pass=True)
+        mhc_kw = dict(mhc_kw, one_pass=True, projection=opts.mhc_projection)
     norm_kernel = _norm_kernel(opts, small)
     for spec in c.plan.layers[lo:hi]:
         lp = params["layers"][spec.index]

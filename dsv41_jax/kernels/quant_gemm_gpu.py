@@ -157,6 +157,11 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
             block_k = 128
         elif block_n is None and n >= 8448:
             block_n = 16
+            if programs is None and n % 16 == 0 and k % 256 == 0:
+                # the persistent form, 1 step ahead, 528 programs (4 per multiprocessor of an H200's 132 at 112
+                # registers): wq_b 13.92 µs vs 14.59 / 14.68 for the default before it in the same run
+                # (benchmarks/RESULTS.md, 2026-12-03 15:15 UTC; wo_b and the shared w2 were slower persistent)
+                prefetch, programs = 1, 528
     bm = 1 if gemv else (block_m or min(64, max(16, _pow2(m))))
     bk = max(SCALE_BLOCK, min(block_k or 256, _pow2(k)))
     bn = block_n or (8 if gemv else 64 if mma_rows == "weights" else 32)

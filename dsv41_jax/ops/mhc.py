@@ -43,7 +43,8 @@ def _sinkhorn_form() -> str:
 
 def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, hc_eps: float,
                      rms_eps: float, sinkhorn_iters: int, unroll: bool = False,
-                     comb_kernel: str | None = None, one_pass: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     comb_kernel: str | None = None, one_pass: bool = False,
+                     projection: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """streams [..., hc, D] -> (pre [..., hc], post [..., hc], comb [..., hc, hc]).
 
     ``fn`` [(2+hc)*hc, hc*D] rows are ordered pre(hc), post(hc), comb(hc*hc, row-major i -> j). ``comb`` is
@@ -54,8 +55,12 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
     on a CPU) computes the softmax and the Sinkhorn iterations in one kernel (``kernels.mhc_gpu``; inference only:
     no gradient). ``one_pass`` (for a few tokens, a decode step): the projection and the RMS of the streams as one
     reduction over the streams (:func:`_project_rms_one_pass`) instead of a normalisation, a split-K GEMM and the sum
-    of its chunks — fewer kernels, the same float32 maths up to the order of the additions.
+    of its chunks — fewer kernels, the same float32 maths up to the order of the additions. ``projection`` (one_pass
+    with ``comb_kernel``): how the one-pass sums are formed — "reduce" (one multiply-reduce over the contraction),
+    "gemm" (:func:`_project_sums_dot`), None: "reduce" (or "gemm" from ``_DOT_MIN_TOKENS`` tokens when set).
     """
+    if projection not in (None, "reduce", "gemm"):
+        raise ValueError(f"mhc_coefficients: projection must be None, 'reduce' or 'gemm', got {projection!r}")
     hc = streams.shape[-2]
     if comb_kernel is not None:
         # every coefficient in one kernel after the projection (kernels.mhc_gpu.mhc_coefficients_kernel); with
@@ -64,7 +69,11 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
 
         lead = streams.shape[:-2]
         flat = streams.reshape(*lead, -1)
-        if one_pass:  # one token: the kernel adds the partial sums (one XLA reduction kernel before it, not two)
+        gemm = projection == "gemm" or (projection is None and _DOT_MIN_TOKENS is not None
+                                         and math.prod(lead) >= _DOT_MIN_TOKENS)
+        if one_pass and gemm:  # the projection as a GEMM
+            x, rms_k = _project_sums_dot(flat, fn), flat.shape[-1]
+        elif one_pass:  # one token: the kernel adds the partial sums (one XLA reduction kernel before it, not two)
             parts = _KERNEL_PARTS if math.prod(lead) <= _KERNEL_PARTS_MAX_TOKENS else 1
             x, rms_k = _project_sums_one_pass(flat, fn, parts=parts), flat.shape[-1]
         else:
@@ -110,6 +119,33 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
 # sum kernels fewer) but 1.36 ms per batch-32 step (+1.25 ms; likely the tiles' registers spilling)
 _KERNEL_PARTS = 128
 _KERNEL_PARTS_MAX_TOKENS = 1
+
+
+# From this many tokens (None: never), the one-pass sums handed to the coefficient kernel take the projection as a
+# float32 GEMM (:func:`_project_sums_dot`) instead of one multiply-reduce over the contraction. Why the GEMM was
+# tried: the reduce reads every token's 20,480 stream entries once per output (25 times) and every weight once per
+# token; at batch 32 XLA:GPU emits it as a reduction kernel of 20 µs a launch on an H200 (1.56 ms of the 40-layer
+# bench model's decode step, 2 sites per layer) for ≈ 4.6 MB. Why it is off: in the step (H200, 2026-12-03 15:15)
+# the GEMM form's split-K GEMM took 0.86 ms for those sites but its sum of squares, chunk sum and concatenation
+# added about 4 launches per layer (bf16 step 39.2 -> 43.3 per layer, kernel time unchanged: 22.00 vs 22.02 ms;
+# release step -0.4 ms of kernel time against another machine's profile) and no same-run comparison was made.
+_DOT_MIN_TOKENS = None
+# ``narrow_matmul_f32``'s own split of the contraction (True) or one dot that XLA:GPU splits itself (False): in
+# isolation on an H200 (bench_decode_glue.py, batch 32, the coefficient kernel included) 18.2 against 19.5 µs a site
+_DOT_SPLIT = True
+
+
+def _project_sums_dot(flat: jax.Array, fn: jax.Array) -> jax.Array:
+    """:func:`_project_sums_one_pass`'s N + 1 sums (parts = 1) with the N products as one float32 GEMM at HIGHEST
+    precision (exact float32 products; XLA:GPU splits the 20,480-long contraction itself) and the sum of squares
+    as a reduction: flat [..., K], fn [N, K] -> [..., N + 1] float32; the same sums up to the order of the
+    float32 additions."""
+    x = flat.astype(jnp.float32)
+    x2 = x.reshape(-1, x.shape[-1])
+    proj = (narrow_matmul_f32(x2, fn) if _DOT_SPLIT else
+            jnp.dot(x2, fn.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST))
+    sumsq = jnp.sum(x * x, axis=-1, keepdims=True)
+    return jnp.concatenate([proj.reshape(*x.shape[:-1], -1), sumsq], axis=-1)
 
 
 def _project_sums_one_pass(flat: jax.Array, fn: jax.Array, parts: int = 1) -> jax.Array:

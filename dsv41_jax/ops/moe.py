@@ -194,8 +194,12 @@ def routed_ragged(x, weights, idx, w1, w2, w3, limit, grouped_impl: str = "ragge
     # every (token, slot) row once, permuted by expert: a gather with unique indices, whose transpose (the input
     # gradient) is a plain scatter and a sum over the k slots rather than an atomic scatter-add of 16-bit rows
     # (the latter measured at ~1 ms per MoE layer on the H200 at 4,096 tokens, benchmarks/RESULTS.md)
-    x_slots = jnp.broadcast_to(x[:, None, :], (m, k, x.shape[-1])).reshape(m * k, x.shape[-1])
-    xs = gemm_input(x_slots.at[order].get(unique_indices=True), w1)
+    # the input rounded (release weights) before its rows are copied: the rounding is per row, so the copies are
+    # the same values, and a shared expert rounding the same ``x`` shares the one rounding (XLA's CSE) instead of a
+    # second one over k times the rows
+    x_in = gemm_input(x, w1)
+    x_slots = jnp.broadcast_to(x_in[:, None, :], (m, k, x.shape[-1])).reshape(m * k, x.shape[-1])
+    xs = x_slots.at[order].get(unique_indices=True)
     act_w2 = w2
     group_sizes = jnp.bincount(flat_expert, length=n_exp).astype(jnp.int32)
     kernel = grouped_kernel_backend(w1, w2, w3)
