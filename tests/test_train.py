@@ -311,7 +311,7 @@ def test_freezing_by_path_and_muon(cfg):
     ):
         opt = build_optimizer(tc, params)
         updates, _ = jax.jit(opt.update)(grads, jax.jit(opt.init)(params), params)
-        moved = {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): bool(jnp.any(u != 0))
+        moved = {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): bool(np.any(np.asarray(u) != 0))
                  for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]}
         for path, m in moved.items():
             expect = should_move(path) and not path.endswith("ffn/gate/bias")  # router bias: noaux rule only
@@ -614,21 +614,21 @@ def test_blocked_grouped_matmul_equals_ragged_dot():
     rows = jnp.asarray(rng.standard_normal((m, 16)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((6, 12, 16)), jnp.float32)
     ct = jnp.asarray(rng.standard_normal((m, 12)), jnp.float32)
-    blocked = lambda r, w_: jnp.sum(blocked_grouped_matmul(r, w_, sizes, block=8, precision=hi) * ct)  # noqa: E731
-    ragged = lambda r, w_: jnp.sum(  # noqa: E731
-        jax.lax.ragged_dot(r, jnp.swapaxes(w_, 1, 2), sizes, precision=hi) * ct)
-    np.testing.assert_allclose(blocked_grouped_matmul(rows, w, sizes, block=8, precision=hi),
-                               jax.lax.ragged_dot(rows, jnp.swapaxes(w, 1, 2), sizes, precision=hi),
-                               rtol=1e-5, atol=1e-5)
-    for a, b in zip(jax.grad(blocked, (0, 1))(rows, w), jax.grad(ragged, (0, 1))(rows, w)):
+    blocked = lambda r, w_: blocked_grouped_matmul(r, w_, sizes, block=8, precision=hi)  # noqa: E731
+    ragged = lambda r, w_: jax.lax.ragged_dot(r, jnp.swapaxes(w_, 1, 2), sizes, precision=hi)  # noqa: E731
+    # values and gradients of both in one jitted program (one compile, not one per primitive op by op)
+    both = jax.jit(lambda r, w_: [(f(r, w_), jax.grad(lambda r, w_: jnp.sum(f(r, w_) * ct), (0, 1))(r, w_))
+                                  for f in (blocked, ragged)])
+    (y_b, g_b), (y_r, g_r) = both(rows, w)
+    np.testing.assert_allclose(y_b, y_r, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g_b, g_r):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
     d, f, n_exp = 16, 24, 6
     params = random_moe_params(rng, d, f, n_exp)
     x = jnp.asarray(rng.standard_normal((2, 9, d)), jnp.float32)
     kw = dict(top_k=2, temp=1.0, scaling=1.5, limit=7.0)
-    y_ragged, _ = moe(x, params, impl="ragged", **kw)
-    y_blocked, _ = moe(x, params, impl="blocked", **kw)
+    y_ragged, y_blocked = jax.jit(lambda x, p: [moe(x, p, impl=i, **kw)[0] for i in ("ragged", "blocked")])(x, params)
     np.testing.assert_allclose(y_blocked, y_ragged, rtol=1e-5, atol=1e-5)
 
 
