@@ -350,7 +350,7 @@ def test_indexer_kl_trains_only_the_indexer(cfg, mode):
     for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
         name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
         if "/indexer/" not in name:
-            assert not bool(jnp.any(g != 0)), name  # the indexer input is detached
+            assert not np.any(np.asarray(g) != 0), name  # the indexer input is detached
     g_idx = grads["layers"][2]["attn"]["indexer"]
     assert float(jnp.abs(g_idx["wq_b"]).sum()) > 0 and float(jnp.abs(g_idx["weights_proj"]).sum()) > 0
     if mode == "dense":
