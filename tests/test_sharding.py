@@ -256,13 +256,21 @@ def _generate(params, cache, cfg, hasher, prompt, steps, opts):
     return outs
 
 
-@pytest.mark.parametrize("shape", MESHES)
-def test_sharded_prefill_decode_equals_unsharded(setup, shape):
+@pytest.fixture(scope="session")
+def unsharded_generate(setup):
+    """The unsharded CED prefill + 2 decode steps every mesh below is compared with: the same inputs for each mesh,
+    so computed once (session scope, read-only: see ``setup``)."""
     init_cache, _, _, InferenceOptions = _engine()
     cfg, params, hasher, tokens, _, _ = setup
     prompt = tokens[:, :21]  # crosses the window (8), ratio-2 groups and HSI blocks
-    opts = InferenceOptions(quant_sim=False)
-    ref = _generate(params, init_cache(cfg, 8, 32), cfg, hasher, prompt, 2, opts)
+    return prompt, _generate(params, init_cache(cfg, 8, 32), cfg, hasher, prompt, 2, InferenceOptions(quant_sim=False))
+
+
+@pytest.mark.parametrize("shape", MESHES)
+def test_sharded_prefill_decode_equals_unsharded(setup, unsharded_generate, shape):
+    init_cache, _, _, InferenceOptions = _engine()
+    cfg, params, hasher, _, _, _ = setup
+    prompt, ref = unsharded_generate
     mesh = par.make_mesh(shape)
     with par.sharding_context(mesh, "tp"):
         sp = par.shard_params(params, cfg, mesh, "tp")

@@ -311,7 +311,7 @@ def test_freezing_by_path_and_muon(cfg):
     ):
         opt = build_optimizer(tc, params)
         updates, _ = jax.jit(opt.update)(grads, jax.jit(opt.init)(params), params)
-        moved = {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): bool(jnp.any(u != 0))
+        moved = {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): bool(np.any(np.asarray(u) != 0))
                  for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]}
         for path, m in moved.items():
             expect = should_move(path) and not path.endswith("ffn/gate/bias")  # router bias: noaux rule only
@@ -350,7 +350,7 @@ def test_indexer_kl_trains_only_the_indexer(cfg, mode):
     for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
         name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
         if "/indexer/" not in name:
-            assert not bool(jnp.any(g != 0)), name  # the indexer input is detached
+            assert not np.any(np.asarray(g) != 0), name  # the indexer input is detached
     g_idx = grads["layers"][2]["attn"]["indexer"]
     assert float(jnp.abs(g_idx["wq_b"]).sum()) > 0 and float(jnp.abs(g_idx["weights_proj"]).sum()) > 0
     if mode == "dense":
@@ -580,10 +580,10 @@ def test_per_layer_remat_gradients_equal_plain_gradients(cfg):
     layered = make_train_step(c3, base.replace(remat="full", remat_scope="layer"))
     params = plain.init_state(seed=0)["params"]
     grad = lambda step: jax.jit(jax.value_and_grad(step.loss_fn, has_aux=True))  # noqa: E731
-    jaxpr = str(jax.make_jaxpr(jax.value_and_grad(layered.loss_fn, has_aux=True))(params, batch))
-    assert jaxpr.count("remat") == c3.num_hidden_layers  # one checkpoint per layer, none around the forward
+    traced = grad(layered).trace(params, batch)  # one trace: its jaxpr is checked, then it is compiled and run
+    assert str(traced.jaxpr).count("remat") == c3.num_hidden_layers  # one checkpoint per layer, none around the forward
     (ref_loss, _), ref = grad(plain)(params, batch)
-    (loss, _), got = grad(layered)(params, batch)
+    (loss, _), got = traced.lower().compile()(params, batch)
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
     # float32 rounding only (XLA fuses the recomputed forward differently; measured: per-leaf relative L2 error
     # ~1e-6, at most 1.4e-5 on a 3-element mHC scale whose gradient is a cancelling sum): each leaf's relative L2
@@ -614,21 +614,21 @@ def test_blocked_grouped_matmul_equals_ragged_dot():
     rows = jnp.asarray(rng.standard_normal((m, 16)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((6, 12, 16)), jnp.float32)
     ct = jnp.asarray(rng.standard_normal((m, 12)), jnp.float32)
-    blocked = lambda r, w_: jnp.sum(blocked_grouped_matmul(r, w_, sizes, block=8, precision=hi) * ct)  # noqa: E731
-    ragged = lambda r, w_: jnp.sum(  # noqa: E731
-        jax.lax.ragged_dot(r, jnp.swapaxes(w_, 1, 2), sizes, precision=hi) * ct)
-    np.testing.assert_allclose(blocked_grouped_matmul(rows, w, sizes, block=8, precision=hi),
-                               jax.lax.ragged_dot(rows, jnp.swapaxes(w, 1, 2), sizes, precision=hi),
-                               rtol=1e-5, atol=1e-5)
-    for a, b in zip(jax.grad(blocked, (0, 1))(rows, w), jax.grad(ragged, (0, 1))(rows, w)):
+    blocked = lambda r, w_: blocked_grouped_matmul(r, w_, sizes, block=8, precision=hi)  # noqa: E731
+    ragged = lambda r, w_: jax.lax.ragged_dot(r, jnp.swapaxes(w_, 1, 2), sizes, precision=hi)  # noqa: E731
+    # values and gradients of both in one jitted program (one compile, not one per primitive op by op)
+    both = jax.jit(lambda r, w_: [(f(r, w_), jax.grad(lambda r, w_: jnp.sum(f(r, w_) * ct), (0, 1))(r, w_))
+                                  for f in (blocked, ragged)])
+    (y_b, g_b), (y_r, g_r) = both(rows, w)
+    np.testing.assert_allclose(y_b, y_r, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g_b, g_r):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
     d, f, n_exp = 16, 24, 6
     params = random_moe_params(rng, d, f, n_exp)
     x = jnp.asarray(rng.standard_normal((2, 9, d)), jnp.float32)
     kw = dict(top_k=2, temp=1.0, scaling=1.5, limit=7.0)
-    y_ragged, _ = moe(x, params, impl="ragged", **kw)
-    y_blocked, _ = moe(x, params, impl="blocked", **kw)
+    y_ragged, y_blocked = jax.jit(lambda x, p: [moe(x, p, impl=i, **kw)[0] for i in ("ragged", "blocked")])(x, params)
     np.testing.assert_allclose(y_blocked, y_ragged, rtol=1e-5, atol=1e-5)
 
 
