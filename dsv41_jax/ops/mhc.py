@@ -57,7 +57,7 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
     reduction over the streams (:func:`_project_rms_one_pass`) instead of a normalisation, a split-K GEMM and the sum
     of its chunks — fewer kernels, the same float32 maths up to the order of the additions. ``projection`` (one_pass
     with ``comb_kernel``): how the one-pass sums are formed — "reduce" (one multiply-reduce over the contraction),
-    "gemm" (:func:`_project_sums_dot`), None: "reduce" (or "gemm" from ``_DOT_MIN_TOKENS`` tokens when set).
+    "gemm" (:func:`_project_sums_dot`), None: "reduce" (why: the note above :func:`_project_sums_dot`).
     """
     if projection not in (None, "reduce", "gemm"):
         raise ValueError(f"mhc_coefficients: projection must be None, 'reduce' or 'gemm', got {projection!r}")
@@ -69,9 +69,7 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
 
         lead = streams.shape[:-2]
         flat = streams.reshape(*lead, -1)
-        gemm = projection == "gemm" or (projection is None and _DOT_MIN_TOKENS is not None
-                                         and math.prod(lead) >= _DOT_MIN_TOKENS)
-        if one_pass and gemm:  # the projection as a GEMM
+        if one_pass and projection == "gemm":  # the projection as a GEMM
             x, rms_k = _project_sums_dot(flat, fn), flat.shape[-1]
         elif one_pass:  # one token: the kernel adds the partial sums (one XLA reduction kernel before it, not two)
             parts = _KERNEL_PARTS if math.prod(lead) <= _KERNEL_PARTS_MAX_TOKENS else 1
@@ -121,29 +119,23 @@ _KERNEL_PARTS = 128
 _KERNEL_PARTS_MAX_TOKENS = 1
 
 
-# From this many tokens (None: never), the one-pass sums handed to the coefficient kernel take the projection as a
-# float32 GEMM (:func:`_project_sums_dot`) instead of one multiply-reduce over the contraction. Why the GEMM was
-# tried: the reduce reads every token's 20,480 stream entries once per output (25 times) and every weight once per
-# token; at batch 32 XLA:GPU emits it as a reduction kernel of 20 µs a launch on an H200 (1.56 ms of the 40-layer
-# bench model's decode step, 2 sites per layer) for ≈ 4.6 MB. Why it is off: in the step (H200, 2026-12-03 15:15)
-# the GEMM form's split-K GEMM took 0.86 ms for those sites but its sum of squares, chunk sum and concatenation
-# added about 4 launches per layer (bf16 step 39.2 -> 43.3 per layer, kernel time unchanged: 22.00 vs 22.02 ms;
-# release step -0.4 ms of kernel time against another machine's profile) and no same-run comparison was made.
-_DOT_MIN_TOKENS = None
-# ``narrow_matmul_f32``'s own split of the contraction (True) or one dot that XLA:GPU splits itself (False): in
-# isolation on an H200 (bench_decode_glue.py, batch 32, the coefficient kernel included) 18.2 against 19.5 µs a site
-_DOT_SPLIT = True
-
-
+# The one-pass sums as a float32 GEMM (``projection="gemm"``) rather than one multiply-reduce over the contraction.
+# Why it was tried: the reduce reads every token's 20,480 stream entries once per output (25 times) and every weight
+# once per token; at batch 32 XLA:GPU emits it as a reduction kernel of 20 µs a launch on an H200 (1.56 ms of the
+# 40-layer bench model's decode step, 2 sites per layer) for ≈ 4.6 MB. Why it is not the default: in the step (H200,
+# 2026-12-03 15:15) the GEMM form's split-K GEMM took 0.86 ms for those sites but its sum of squares, chunk sum and
+# concatenation added about 4 launches per layer (bf16 step 39.2 -> 43.3 per layer, kernel time unchanged: 22.00 vs
+# 22.02 ms; release step -0.4 ms of kernel time against another machine's profile) and no same-run comparison was
+# made. ``narrow_matmul_f32``'s own split of the contraction rather than one dot XLA:GPU splits itself: in isolation
+# on an H200 (bench_decode_glue.py, batch 32, the coefficient kernel included) 18.2 against 19.5 µs a site.
 def _project_sums_dot(flat: jax.Array, fn: jax.Array) -> jax.Array:
     """:func:`_project_sums_one_pass`'s N + 1 sums (parts = 1) with the N products as one float32 GEMM at HIGHEST
-    precision (exact float32 products; XLA:GPU splits the 20,480-long contraction itself) and the sum of squares
+    precision (exact float32 products; ``narrow_matmul_f32`` splits the long contraction) and the sum of squares
     as a reduction: flat [..., K], fn [N, K] -> [..., N + 1] float32; the same sums up to the order of the
     float32 additions."""
     x = flat.astype(jnp.float32)
     x2 = x.reshape(-1, x.shape[-1])
-    proj = (narrow_matmul_f32(x2, fn) if _DOT_SPLIT else
-            jnp.dot(x2, fn.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST))
+    proj = narrow_matmul_f32(x2, fn)
     sumsq = jnp.sum(x * x, axis=-1, keepdims=True)
     return jnp.concatenate([proj.reshape(*x.shape[:-1], -1), sumsq], axis=-1)
 
