@@ -906,8 +906,11 @@ def main(argv=None):
             loader.close()
             record["drafters"].append(dict(rec, options=opts_d.to_dict(), target_rows_per_batch=k,
                                            gen_temperature=t))
-            dparams = jax.device_put(inference_params({"dspark": dstate["params"]["dspark"]}, config)["dspark"],
-                                     device)
+            # copies: the float32-only leaves would otherwise be the state's own buffers, which the held-out
+            # evaluation's steps donate (on an H200 that deleted them: every speculative row failed, and plain
+            # decoding, whose programs take the whole parameter tree, left jit's fast path for a 2.8x slower step)
+            dparams = jax.tree.map(lambda x: jnp.array(x, copy=True), jax.device_put(
+                inference_params({"dspark": dstate["params"]["dspark"]}, config)["dspark"], device))
             drafter_params[t] = {**base_params, "dspark": dparams}
             if n_eval:  # learning rate 0: the same compiled step, no update — metrics on rows it never saw
                 ev = DataLoader(Dataset(heldout, seq_len=seq, batch_size=bs, packing="concat", seed=11))
