@@ -12,6 +12,7 @@ verification step; greedy runs' tokens checked against plain decoding).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -36,11 +37,25 @@ from dsv41_jax.train.optimizer import lr_at  # noqa: E402
 from dsv41_jax.train.step import make_train_step  # noqa: E402
 
 
-def parse_arm(text: str) -> tuple[str, float, int | None]:
-    """An arm of --arms: ``ROWS:FRACTION[:RANK]`` -> (rows: corpus / greedy / sampled, the fraction of each batch's
-    rows taken from the target's continuations of that kind, the drafter's Markov rank or None = the config's).
-    Raises ValueError naming the bad arm."""
-    parts = text.split(":")
+ARM_KEYS = {"anchors": int, "steps": int, "ce": float}  # an arm's KEY=VALUE settings (training recipe)
+
+
+def parse_arm(text: str) -> tuple[str, float, int | None, dict]:
+    """An arm of --arms: ``ROWS:FRACTION[:RANK][:KEY=VALUE...]`` -> (rows: corpus / greedy / sampled, the fraction
+    of each batch's rows taken from the target's continuations of that kind, the drafter's Markov rank or None = the
+    config's, {anchors: block starts per row, steps: drafter steps, ce: the loss's cross-entropy weight} where
+    given). Raises ValueError naming the bad arm."""
+    parts = [x for x in text.split(":") if "=" not in x]
+    extra = {}
+    for kv in (x for x in text.split(":") if "=" in x):
+        key, _, value = kv.partition("=")
+        try:
+            extra[key] = ARM_KEYS[key](value)
+        except (KeyError, ValueError):
+            raise ValueError(f"arm {text!r}: {kv!r} is not one of " + ", ".join(f"{k}=<{t.__name__}>"
+                                                                              for k, t in ARM_KEYS.items())) from None
+        if extra[key] < 0 or (key != "ce" and extra[key] < 1):
+            raise ValueError(f"arm {text!r}: {kv!r} out of range")
     try:
         rows, frac = parts[0], float(parts[1]) if len(parts) > 1 else 0.0
         rank = int(parts[2]) if len(parts) > 2 else None
@@ -50,7 +65,7 @@ def parse_arm(text: str) -> tuple[str, float, int | None]:
             rank is not None and rank < 1) or (rows == "corpus") != (frac == 0):
         raise ValueError(f"arm {text!r}: ROWS:FRACTION[:RANK], ROWS corpus (fraction 0) / greedy / sampled "
                          "(fraction in (0, 1]), RANK >= 1")
-    return rows, frac, rank
+    return rows, frac, rank, extra
 
 
 def main(argv=None):
@@ -106,14 +121,19 @@ def main(argv=None):
     cast = (lambda p, c: inference_params(p, c)) if args.bf16 else (lambda p, c: p)  # noqa: E731
     configs, steps, engines = {}, {}, {}
 
-    def setup(rank):  # one config / drafter train step / engine per Markov rank (its own programs)
+    def setup(rank, extra=None):  # one config / engine per Markov rank, one drafter train step per recipe
+        extra = extra or {}
         if rank not in configs:
             c = config if rank is None else config.replace(dspark_markov_rank=rank)
             configs[rank] = c
-            steps[rank] = DSparkTrainStep(c, tcd, target, opts_d)
-            engines[rank] = Engine(c, cast({**target, "dspark": steps[rank].init_state()["params"]["dspark"]}, c),
-                                   max_batch=args.eval_batch, max_len=max_len, options=opts, tokenizer=tok)
-        return configs[rank], steps[rank], engines[rank]
+            engines[rank] = Engine(c, cast({**target, "dspark": DSparkTrainStep(c, tcd, target, opts_d).init_state()[
+                "params"]["dspark"]}, c), max_batch=args.eval_batch, max_len=max_len, options=opts, tokenizer=tok)
+        key = (rank, extra.get("anchors"), extra.get("ce"))
+        if key not in steps:
+            o = dataclasses.replace(opts_d, **({"anchors": extra["anchors"]} if "anchors" in extra else {}),
+                                    **({"ce_weight": extra["ce"]} if "ce" in extra else {}))
+            steps[key] = DSparkTrainStep(configs[rank], tcd, target, o)
+        return configs[rank], steps[key], engines[rank]
 
     _, _, eng = setup(None)
     rows_of = {}
@@ -132,20 +152,23 @@ def main(argv=None):
     record = dict(config=config.name, weights="bf16" if args.bf16 else "float32", target_steps=args.target_steps,
                   drafter_steps=args.drafter_steps, seq=seq, block_size=args.block_size,
                   target_rows={k: int(len(v)) for k, v in rows_of.items()}, arms=[])
-    for kind, frac, rank in arms:
-        c, dstep, eng = setup(rank)
+    for kind, frac, rank, extra in arms:
+        c, dstep, eng = setup(rank, extra)
+        n_steps = extra.get("steps", args.drafter_steps)
+        tcd_arm = tcd.replace(steps=n_steps)
         dstate = dstep.init_state()
         k = int(round(frac * bs))
         loader = MixedLoader(DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=1)),
                              rows_of.get(kind), k, seed=4)
         hist = []
-        for i in range(args.drafter_steps):
-            dstate, m = dstep(dstate, next(loader), lr_at(i, tcd, args.drafter_steps))
+        for i in range(n_steps):
+            dstate, m = dstep(dstate, next(loader), lr_at(i, tcd_arm, n_steps))
             hist.append({key: float(v) for key, v in m.items()})
         loader.close()
         last = {key: float(np.mean([h[key] for h in hist[-20:]])) for key in hist[-1]}
         eng.params = cast({**dstep.target, "dspark": dstate["params"]["dspark"]}, c)
-        arm = dict(rows=kind, target_rows_per_batch=k, markov_rank=c.dspark_markov_rank,
+        arm = dict(rows=kind, target_rows_per_batch=k, markov_rank=c.dspark_markov_rank, steps=n_steps,
+                   anchors=dstep.options.anchors, ce_weight=dstep.options.ce_weight,
                    train_top1_last20=last["top1"], train_accept_last20=last["accept_rate"],
                    train_accept_by_slot=[last[f"accept_{j}"] for j in range(c.dspark_block_size)],
                    train_top1_by_slot=[last[f"top1_{j}"] for j in range(c.dspark_block_size)], evals={})
@@ -160,13 +183,14 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "ablate_dspark_rows.json"), "w") as f:
         json.dump(record, f, indent=1)
-    print("| drafter rows | target rows per batch | Markov rank | " + " | ".join(
+    print("| drafter rows | target rows per batch | Markov rank | anchors per row | steps | CE weight | " + " | ".join(
         f"tokens per step ({'greedy' if t == 0 else f'T {t:g}'})" for t in evals)
         + " | train top-1 / accept (last 20) | train accept by slot | same tokens (greedy) |")
-    print("|---" * (6 + len(evals)) + "|")
+    print("|---" * (9 + len(evals)) + "|")
     for a in record["arms"]:
         same = a["evals"].get("0.0", {}).get("same_tokens")
-        print(f"| {a['rows']} | {a['target_rows_per_batch']} of {bs} | {a['markov_rank']} | "
+        print(f"| {a['rows']} | {a['target_rows_per_batch']} of {bs} | {a['markov_rank']} | {a['anchors']} | "
+              f"{a['steps']} | {a['ce_weight']:g} | "
               + " | ".join(f"{a['evals'][str(t)]['accepted_length']:.2f}" for t in evals)
               + f" | {a['train_top1_last20']:.3f} / {a['train_accept_last20']:.3f} | "
               + " ".join(f"{x:.2f}" for x in a["train_accept_by_slot"])

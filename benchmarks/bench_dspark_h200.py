@@ -56,6 +56,12 @@ Recipe (``--smoke`` shrinks every size; the numbers below are the defaults):
    speculative step = a full-width verification of b (γ + 1) tokens + the drafter's block), as a fraction of a
    read-only kernel's bandwidth measured in the same process over the measured step time.
 
+Since call 14: ``--anchors`` sets the drafter's anchors per row; ``--early-warm`` names the warm-ups that compile beside
+the target train step (the others start with its training, so that compile is not slowed by six others);
+``--eval-batches`` measures each trained drafter on held-out ``asyncio`` rows (teacher-forced acceptance per draft
+slot, its train step at learning rate 0); the speculative programs take XLA's Triton GEMMs on the GPU by default
+(``InferenceOptions.verification_compiler_options``), ``--cublas-verify-batches`` keeps cuBLAS at given batches.
+
 Output: a table on stdout, ``DIR/bench_dspark_h200.json`` (rewritten after every row, so a run cut short by its
 time limit keeps what it measured; ``compiles``: every XLA compile of the process with its program, thread and
 seconds) and the two training curves in ``DIR/train_*.jsonl``.
@@ -516,6 +522,20 @@ def main(argv=None):
     ap.add_argument("--triton-verify-batches", default="1", help="batches that run the rows with a '%%tg' suffix: "
                     "speculation whose programs (verification, drafting, device loop) use XLA's Triton GEMMs, on an "
                     "engine of their own (InferenceOptions.verification_compiler_options)")
+    ap.add_argument("--cublas-verify-batches", default="", help="batches whose speculative engine keeps cuBLAS GEMMs "
+                    "in its speculative programs (InferenceOptions.verification_compiler_options=()); elsewhere they "
+                    "take the engine's default, XLA's Triton GEMMs on the GPU (no autotuning of the wide verification "
+                    "GEMMs beside the training)")
+    ap.add_argument("--anchors", type=int, default=None, help="drafter training: block starts drawn per row and step "
+                    "(default 32; --smoke 8). The target's forward over the rows is the step's fixed part: more anchors "
+                    "per row give more draft slots to learn from per second")
+    ap.add_argument("--eval-batches", type=int, default=None, help="after each drafter's training: this many batches "
+                    "of held-out asyncio rows (corpus text, never trained on) through the drafter's train step at "
+                    "learning rate 0 — teacher-forced acceptance per draft slot on held-out text (default 4)")
+    ap.add_argument("--early-warm", default="all", help="the warm-ups started beside the target train step's compile "
+                    "(names as logged: plain-b1, spec-b1, spec-triton-b1, plain-b16, spec-b16, drafter-train, "
+                    "prefix-b1; 'all' = every one); the others start when the target's training starts. Fewer beside the "
+                    "compile: it ends sooner (call 13: 113 s beside six); the later ones compile during the training")
     ap.add_argument("--triton-gemm", action="store_true", help="keep XLA's Triton GEMMs (and their autotuning; the "
                     "default turns them off: cuBLAS GEMMs, see the top of this file)")
     ap.add_argument("--prompts", type=int, default=None, help="held-out prompts run one by one at batch 1 "
@@ -550,6 +570,8 @@ def main(argv=None):
         gen_temps = []
     if not gen_temps or any(not t >= 0 for t in gen_temps) or len(set(gen_temps)) != len(gen_temps):
         ap.error(f"--gen-temperature: distinct temperatures >= 0, comma-separated; got {args.gen_temperature!r}")
+    if args.anchors is not None and args.anchors < 1:
+        ap.error(f"--anchors must be >= 1, got {args.anchors}")
     if args.markov_rank is not None and args.markov_rank < 1:
         ap.error(f"--markov-rank must be >= 1, got {args.markov_rank}")
     for v in variants:
@@ -647,7 +669,7 @@ def main(argv=None):
                      min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0, compute_dtype="float32" if cpu else "bfloat16",
                      quant_sim=False)
     tcd = tc.replace(lr=1e-3, seed=1)
-    opts_d = DSparkTrainOptions(anchors=8 if smoke else 32, labels="target",
+    opts_d = DSparkTrainOptions(anchors=args.anchors or (8 if smoke else 32), labels="target",
                                 **({} if args.ce_weight is None else dict(ce_weight=args.ce_weight)))
 
     # ---- decoding setup: engines on zero parameters, their programs compiled beside the target's training ----
@@ -663,7 +685,11 @@ def main(argv=None):
     max_len = max(2 * prompt_len + new + 16, seq)  # seq: the target's generations for the drafter's rows
     zeros = zero_params(config, device)
     prompts = {b: heldout_prompts(b, prompt_len, tok) for b in batches}
-    engines = {(b, role): Engine(config, zeros, max_batch=b, max_len=max_len, options=opts, tokenizer=tok)
+    cublas_batches = {int(x) for x in args.cublas_verify_batches.split(",") if x}
+    opts_cublas = dataclasses.replace(opts, verification_compiler_options=())
+    engines = {(b, role): Engine(config, zeros, max_batch=b, max_len=max_len,
+                                 options=opts_cublas if (role == "spec" and b in cublas_batches) else opts,
+                                 tokenizer=tok)
                for b in batches for role in ("plain", "spec")}
     tg_batches = {int(x) for x in args.triton_verify_batches.split(",") if x}
     opts_tg = dataclasses.replace(opts, verification_compiler_options=(("xla_gpu_enable_triton_gemm", True),))
@@ -764,17 +790,25 @@ def main(argv=None):
         target_job = dict(step_fn=step_fn, state=state, loader=loader, first_batch=first_batch,
                           lower_s=time.perf_counter() - t0)
         say(f"target train step traced + lowered alone in {target_job['lower_s']:.1f} s")
+    early = set(args.early_warm.split(",")) if args.early_warm != "all" else {w.name for w in warmers.values()}
+    late = [w for w in warmers.values() if w.name not in early]
     if warmers:
         for w in warmers.values():
-            w.start()
-        say(f"warm-ups started: {', '.join(w.name for w in warmers.values())}")
+            if w.name in early:
+                w.start()
+        say(f"warm-ups started: {', '.join(w.name for w in warmers.values() if w.name in early) or 'none'}"
+            + (f"; at the training's start: {', '.join(w.name for w in late)}" if late else ""))
     if target_job is not None:
         t0 = time.perf_counter()
         compiled = lowered.compile()
         del lowered
         target_job["compile_s"] = time.perf_counter() - t0
         target_job["compiled"] = compiled
-        say(f"target train step compiled in {target_job['compile_s']:.1f} s (beside the warm-ups)")
+        say(f"target train step compiled in {target_job['compile_s']:.1f} s (beside the warm-ups started)")
+    for w in late:  # they compile (CPU) while the target trains (device)
+        w.start()
+    if late:
+        say(f"warm-ups started: {', '.join(w.name for w in late)}")
 
     drafter_params = {}  # generation temperature of its rows -> the parameters with that drafter
     if args.no_train:  # random weights: the programs' compile times and the steps' costs, no acceptance to speak of
@@ -852,6 +886,9 @@ def main(argv=None):
         # the target's inference parameters once; each drafter's own subtree beside them
         base_params = jax.device_put(inference_params({**dstep.target, "dspark": zeros["dspark"]}, config), device)
         record["drafters"] = []
+        n_eval = args.eval_batches if args.eval_batches is not None else 4
+        heldout = load_corpus([os.path.join(stdlib, "asyncio")], tok, glob="*.py", exclude="test,tests,__pycache__",
+                              model_vocab_size=config.vocab_size) if n_eval else None
         for i, t in enumerate(gen_temps):
             dstate = dstep.init_state()
             rows = rows_of[t]
@@ -869,9 +906,25 @@ def main(argv=None):
             loader.close()
             record["drafters"].append(dict(rec, options=opts_d.to_dict(), target_rows_per_batch=k,
                                            gen_temperature=t))
-            dparams = jax.device_put(inference_params({"dspark": dstate["params"]["dspark"]}, config)["dspark"],
-                                     device)
+            # copies: the float32-only leaves would otherwise be the state's own buffers, which the held-out
+            # evaluation's steps donate (on an H200 that deleted them: every speculative row failed, and plain
+            # decoding, whose programs take the whole parameter tree, left jit's fast path for a 2.8x slower step)
+            dparams = jax.tree.map(lambda x: jnp.array(x, copy=True), jax.device_put(
+                inference_params({"dspark": dstate["params"]["dspark"]}, config)["dspark"], device))
             drafter_params[t] = {**base_params, "dspark": dparams}
+            if n_eval:  # learning rate 0: the same compiled step, no update — metrics on rows it never saw
+                ev = DataLoader(Dataset(heldout, seq_len=seq, batch_size=bs, packing="concat", seed=11))
+                ms = []
+                for _ in range(n_eval):
+                    dstate, m = dstep(dstate, next(ev), 0.0)
+                    ms.append({k: float(v) for k, v in jax.device_get(m).items()})
+                ev.close()
+                keys = ["accept_rate", "top1"] + [f"{n}_{k}" for n in ("accept", "top1") for k in range(gamma)]
+                held = {k: statistics.mean(m[k] for m in ms) for k in keys if k in ms[0]}
+                record["drafters"][-1]["heldout"] = dict(rows=n_eval * bs, seq=seq, source="asyncio", **held)
+                say(f"  drafter {i} on held-out asyncio rows ({n_eval * bs} x {seq}, teacher-forced): accept "
+                    + " ".join(f"{held.get(f'accept_{k}', float('nan')):.3f}" for k in range(gamma))
+                    + " | top-1 " + " ".join(f"{held.get(f'top1_{k}', float('nan')):.3f}" for k in range(gamma)))
             del dstate
         record["drafter_training"] = record["drafters"][0]
         del dstep, base_params
@@ -1026,8 +1079,14 @@ def main(argv=None):
         if kind != "plain" and len(gen_temps) > 1:
             dt_ = drafter_of(variant, gen_temps)
             name += f", drafter of {'greedy' if dt_ == 0 else f'T-{dt_:g}'} rows"
-        if uses_triton_verify(variant):
-            name += ", Triton GEMMs in its programs"
+        gemms = None
+        if kind != "plain" and not cpu:  # the GEMMs of the row's speculative programs
+            from dsv41_jax.inference.decode import _decode_opts
+
+            copts = dict(_decode_opts(engines[b, spec_role(variant)].options, verification=True).compiler_options)
+            gemms = "Triton" if copts.get("xla_gpu_enable_triton_gemm") else (
+                "cuBLAS" if "triton_gemm=false" in os.environ.get("XLA_FLAGS", "") else "XLA default")
+            name += f", {gemms} GEMMs in its programs"
         texts = [t for r in rs for t in ps[r["set"]]["text"]]
         own = [t for r in rs for t in r.get("text", [])] if kind != "plain" and temp > 0 else []
         row = dict(batch=b, prompts=label, decoding=name, variant=variant, sets=len(rs), tokens=tokens, decode_s=dt,
@@ -1037,7 +1096,7 @@ def main(argv=None):
                    accepted=sum(r["accepted"] for r in rs), floor_bytes=floor_bytes,
                    floor_ms=None if bw is None else floor_bytes / bw * 1e3, read_bw_fraction=bw_frac,
                    datasheet_bw_fraction=floor_bytes / (step_ms / 1e3) / 4.8e12, same_tokens=same,
-                   temperature=temp, distinct_fraction=statistics.mean(t["distinct_fraction"] for t in texts),
+                   temperature=temp, verify_gemms=gemms, distinct_fraction=statistics.mean(t["distinct_fraction"] for t in texts),
                    own_distinct_fraction=statistics.mean(t["distinct_fraction"] for t in own) if own else None)
         record["rows"].append(row)
         save()

@@ -9,10 +9,12 @@ the DSpark rings, the next block's drafting, the rest of the chain), and the dra
 Weights are random (std 0.02): a step's cost does not depend on them (static shapes; routing near uniform, so the
 8-token chunk picks nearly all 8 experts, as the trained router did: call 11's byte count), but acceptance does,
 so the tokens per step that turn the step times into a speed-up are call 11's measured ones (``--tokens-per-step``).
-Variants (each its own programs, ``VARIANTS``): ``base`` (the engine's defaults), ``before`` (as call 11 ran:
-XLA's dot merger on in the decode programs — it copies the weights of projections sharing an input into one matrix
-before their GEMM, every step — and the speculative device loop one run at a time), ``merge`` / ``nopipe`` (one of
-the two), ``triton`` (XLA's Triton GEMMs back on, autotuned; the bench turns them off for compile time). Kernels are attributed to phases through the optimised HLO each compile dumps
+Variants (each its own programs, ``VARIANTS``): ``base`` (the engine's defaults: since DSpark call 14 XLA's Triton
+GEMMs in the speculative programs on the GPU), ``cublas`` (the defaults with cuBLAS GEMMs in the speculative programs
+too, as the process's flag says), ``before`` (as call 11 ran: cuBLAS, XLA's dot merger on in the decode programs —
+it copies the weights of projections sharing an input into one matrix before their GEMM, every step — and the
+speculative device loop one run at a time), ``merge`` / ``nopipe`` (one of the two), ``triton`` (XLA's Triton GEMMs
+back on in every program, autotuned; the bench turns them off for compile time). Kernels are attributed to phases through the optimised HLO each compile dumps
 (``--xla_dump_to``): a trace's per-op line ("XLA Ops") names the HLO instruction, whose ``op_name`` carries the scope.
 
 Output: the tables on stdout, ``DIR/profile_dspark_step.json``, ``DIR/traces.tar.gz`` (the traces and the traced
@@ -61,7 +63,8 @@ from dsv41_jax.tokenizer import ByteTokenizer  # noqa: E402
 # (XLA's dot merger on in the decode programs, one device-loop run at a time); "nomerge" = "nopipe" (the call of
 # 2026-12-03 13:00 ran "before" as "base" and this as "nomerge", before these became the defaults)
 VARIANTS = {"base": ({}, {}),
-            "before": (dict(decode_dot_merger=True), dict(pipeline=False)),
+            "cublas": (dict(verification_compiler_options=()), {}),
+            "before": (dict(decode_dot_merger=True, verification_compiler_options=()), dict(pipeline=False)),
             "merge": (dict(decode_dot_merger=True), {}),
             "nopipe": ({}, dict(pipeline=False)),
             "nomerge": ({}, dict(pipeline=False)),
@@ -259,13 +262,13 @@ def main(argv=None):
                        runs_ms=dict(plain=[t * 1e3 for t in times["plain"]], spec=[t * 1e3 for t in times["spec"]]),
                        same_tokens=outs["plain"] == outs["spec"])
             # the drafter's program alone (compiled by the first draft after prefill), on the rings as they are
-            e = eng
+            e, d = eng, dec  # bound here: the loop deletes its names at the end of each variant
             first = jnp.zeros((1,), jnp.int32)
 
             def draft_once():
-                return S._draft_jit(e.params, dec.rings, e.cache["length"], e.cache["floor"], first, None,
-                                    config=config, quant_on=dec.quant_on, moe_impl=dec.opts.moe_impl,
-                                    gemm_input_fp8=dec.opts.gemm_input_fp8)
+                return S._draft_jit(e.params, d.rings, e.cache["length"], e.cache["floor"], first, None,
+                                    config=config, quant_on=d.quant_on, moe_impl=d.opts.moe_impl,
+                                    gemm_input_fp8=d.opts.gemm_input_fp8)
             jax.block_until_ready(draft_once().tokens)
             n = 50
             t0 = time.perf_counter()

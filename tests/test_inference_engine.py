@@ -238,7 +238,8 @@ def test_verification_programs_turn_the_dot_merger_off_on_the_gpu_only():
     # speculative verification programs on the GPU backend (kept with decode_dot_merger=True), on in plain decode
     # unless asked off, untouched elsewhere; idempotent
     off = ("xla_disable_hlo_passes", "dot-merger")
-    gpu = InferenceOptions(kernel_backend="pallas_gpu")
+    triton = ("xla_gpu_enable_triton_gemm", True)
+    gpu = InferenceOptions(kernel_backend="pallas_gpu", verification_compiler_options=())
     verify = functools.partial(_decode_opts, verification=True)
     assert verify(gpu).compiler_options == (off,)
     assert verify(verify(gpu)).compiler_options == (off,)
@@ -249,10 +250,17 @@ def test_verification_programs_turn_the_dot_merger_off_on_the_gpu_only():
     assert verify(both).compiler_options == (("a", 1), ("xla_disable_hlo_passes", "cse,dot-merger"))
     assert verify(InferenceOptions(kernel_backend="reference")).compiler_options == ()
     # verification_compiler_options: added to the speculative programs only, once
-    tg = dataclasses.replace(gpu, verification_compiler_options=(("xla_gpu_enable_triton_gemm", True),))
-    assert verify(tg).compiler_options == (("xla_gpu_enable_triton_gemm", True), off)
-    assert verify(verify(tg)).compiler_options == (("xla_gpu_enable_triton_gemm", True), off)
+    tg = dataclasses.replace(gpu, verification_compiler_options=(triton,))
+    assert verify(tg).compiler_options == (triton, off)
+    assert verify(verify(tg)).compiler_options == (triton, off)
     assert _decode_opts(tg).compiler_options == ()
+    # by default (None) XLA's Triton GEMMs in the speculative programs on the GPU backend only, never in plain decode
+    auto = InferenceOptions(kernel_backend="pallas_gpu")
+    assert auto.verification_compiler_options is None
+    assert verify(auto).compiler_options == (triton, off)
+    assert verify(verify(auto)).compiler_options == (triton, off)
+    assert _decode_opts(auto).compiler_options == ()
+    assert verify(InferenceOptions(kernel_backend="reference")).compiler_options == ()
 
 
 def test_sampling_filters():

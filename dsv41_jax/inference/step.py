@@ -134,11 +134,12 @@ class InferenceOptions:
     #                              decode keeps it: on the 40-layer bench model at batch 32 the split GEMMs are
     #                              1,560 -> 1,660 launches per step (39.0 -> 41.5 per layer, deviceless H200
     #                              compile), their step time not measured (RESULTS.md)
-    verification_compiler_options: tuple = ()  # XLA options added to the speculative programs only (verification,
-    #                              drafting, the speculative device loop), after compiler_options: e.g. XLA's Triton
-    #                              GEMMs for their (γ + 1)-row projections while the other programs keep cuBLAS
-    #                              (H200, DSpark bench recipe: −0.39 ms of device time on the verification step,
-    #                              compile time doubled: RESULTS.md, "DSpark on the H200, call 12")
+    verification_compiler_options: tuple | None = None  # XLA options added to the speculative programs only
+    #                              (verification, drafting, the speculative device loop), after compiler_options.
+    #                              None: XLA's Triton GEMMs (TRITON_GEMMS) on the "pallas_gpu" backend, whatever the
+    #                              process's XLA_FLAGS say, nothing elsewhere; () adds nothing. H200, DSpark bench
+    #                              recipe, batch 1: the greedy step 2.22 -> 1.99 ms, same tokens; the speculative
+    #                              device loop's compile 17 -> 22 s (RESULTS.md, "DSpark on the H200", calls 12-13)
 
     def resolved_quant(self, config: ModelConfig) -> bool:
         return config.quant_sim if self.quant_sim is None else self.quant_sim
@@ -148,6 +149,7 @@ class InferenceOptions:
 
 
 FAST_COMPILE = (("xla_backend_optimization_level", 0), ("xla_llvm_disable_expensive_passes", True))
+TRITON_GEMMS = (("xla_gpu_enable_triton_gemm", True),)  # the speculative programs' GEMMs on the GPU backend
 
 
 def _kernels_read_packed(opts: InferenceOptions) -> bool:
@@ -560,9 +562,11 @@ def decode_compiler_options(opts: InferenceOptions, *, verification: bool = Fals
     XLA's dot merger off where ``InferenceOptions.decode_dot_merger`` resolves to off (idempotent: the pass is
     named once, the verification options added once)."""
     copts = tuple(opts.compiler_options)
-    if verification:
-        copts += tuple(kv for kv in opts.verification_compiler_options if kv not in copts)
     gpu = kernels.resolve_backend(opts.kernel_backend) == "pallas_gpu"
+    if verification:
+        extra = opts.verification_compiler_options
+        extra = (TRITON_GEMMS if gpu else ()) if extra is None else tuple(extra)
+        copts += tuple(kv for kv in extra if kv not in copts)
     if _auto(opts.decode_dot_merger, not (verification and gpu)):
         return copts
     passes = dict(copts).get("xla_disable_hlo_passes", "")
