@@ -53,6 +53,11 @@ DATASHEET_BW = 4.8e12
 BE = "pallas_gpu_interpret" if SMOKE else "pallas_gpu"
 E_, F_, D_, TOPK, LIMIT = (8, 64, 96, 2, 10.0) if SMOKE else (16, 2304, 5120, 6, 10.0)
 R = 2 if SMOKE else 4
+# (gate / up, down) tilings of the every-expert kernels tried at the first batch (the defaults: 64-row blocks, 256-wide
+# K steps, 4 warps, 3 stages): more programs per multiprocessor, more warps, deeper pipelines
+EVERY_TUNINGS = [] if SMOKE else [(dict(block_n=32), dict(block_n=32)), (dict(num_warps=8), dict(num_warps=8)),
+                                  (dict(block_k=128, num_stages=4), dict(block_k=128, num_stages=4)),
+                                  (dict(block_n=32, block_k=512, num_stages=2), dict(block_n=32))]
 OUT: dict = {"meta": {}, "ceilings": {}, "experts": [], "round": [], "checks": [], "errors": []}
 T0 = time.time()
 
@@ -100,13 +105,18 @@ def experts_part(bw, batches):
         def grouped(xs, wts, idxs, stacks):
             return [routed_ragged(x, w, ix, *s, LIMIT) for x, w, ix, s in zip(xs, wts, idxs, stacks)]
 
-        def every(xs, wts, idxs, stacks):
-            return [routed_fp4_every_expert(x, w, ix, *s, LIMIT, BE) for x, w, ix, s in zip(xs, wts, idxs, stacks)]
+        def every(up=None, down=None):
+            def fn(xs, wts, idxs, stacks):
+                return [routed_fp4_every_expert(x, w, ix, *s, LIMIT, BE, up_tuning=up, down_tuning=down)
+                        for x, w, ix, s in zip(xs, wts, idxs, stacks)]
+            return fn
 
         base = None
-        for label, fn, pat in (("grouped FP4 kernel path (before)", grouped, "fp4_grouped"),
-                               ("every expert on every token", every, "fp4_every"),
-                               ("grouped FP4 kernel path, again", grouped, "fp4_grouped")):
+        for label, fn, pat in ([("grouped FP4 kernel path (before)", grouped, "fp4_grouped"),
+                                ("every expert on every token", every(), "fp4_every")] +
+                               [(f"every expert, up {u} / down {d}", every(u, d), "fp4_every")
+                                for u, d in (EVERY_TUNINGS if m == batches[0] else [])] +
+                               [("grouped FP4 kernel path, again", grouped, "fp4_grouped")]):
             if time.time() - T0 > BUDGET:
                 OUT["errors"].append(f"experts batch {m} {label}: skipped, budget")
                 continue

@@ -307,7 +307,8 @@ def fp4_every_expert_backend(n_tokens: int, top_k: int, w1, w2, w3) -> str | Non
     return kernel if f % 32 == 0 and d % 32 == 0 else None
 
 
-def routed_fp4_every_expert(x, weights, idx, w1, w2, w3, limit, backend: str, live=None):
+def routed_fp4_every_expert(x, weights, idx, w1, w2, w3, limit, backend: str, live=None, up_tuning=None,
+                            down_tuning=None):
     """x [M, d]; weights / idx [M, k]; marked stacked FP4 experts -> [M, d] float32: every expert on every token
     (:func:`_routed_every_expert`'s form for the packed FP4 experts) as two kernels
     (``kernels.quant_gemm.fp4_every_swiglu`` / ``fp4_every_down``) over dense routing weights [E, M] — no sort, tile
@@ -315,7 +316,8 @@ def routed_fp4_every_expert(x, weights, idx, w1, w2, w3, limit, backend: str, li
     rounded to FP8 (w1's marker), gate / up rounded to x.dtype, the activation times the routing weight rounded to
     x.dtype and then to FP8 (w2's marker), each pick's output rounded to x.dtype and the picks summed in float32;
     a token's unpicked experts contribute exact zeros. Experts that no (``live`` [M]) token picked are not read.
-    ``live``: rows whose output is needed; the others pick nothing (routed output 0)."""
+    ``live``: rows whose output is needed; the others pick nothing (routed output 0). ``up_tuning`` /
+    ``down_tuning``: the two kernels' tiling overrides (``kernels.quant_gemm_gpu.fp4_every_tiling``; None: defaults)."""
     from dsv41_jax.kernels import quant_gemm
 
     n_exp = w1.shape[0]
@@ -328,8 +330,8 @@ def routed_fp4_every_expert(x, weights, idx, w1, w2, w3, limit, backend: str, li
     # the activations come out of the gate / up kernel already rounded as w2's input (its epilogue): the same
     # values as gemm_input(act, w2), without XLA's two rounding kernels
     act = quant_gemm.fp4_every_swiglu(gemm_input(x, w1), dense, used, w1.weight, w3.weight, limit=float(limit),
-                                      round_fp8=isinstance(w2, Fp8GemmInput), backend=backend)
-    return quant_gemm.fp4_every_down(act, used, w2.weight, backend=backend)
+                                      round_fp8=isinstance(w2, Fp8GemmInput), backend=backend, tuning=up_tuning)
+    return quant_gemm.fp4_every_down(act, used, w2.weight, backend=backend, tuning=down_tuning)
 
 
 def _static_trip_count(m: int, k: int, w1, w2, w3) -> bool:
