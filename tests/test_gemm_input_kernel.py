@@ -86,3 +86,13 @@ def test_round_kernel_lowers_to_triton():
         for split in (False, True):
             tr = jax.jit(lambda a: G.fp8_round_rows(a, split=split)).trace(sds(shape, jnp.bfloat16))
             assert "triton" in tr.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_the_rounding_kernel_is_the_default_on_the_gpu_backend_only():
+    from dsv41_jax.inference.step import InferenceOptions, gemm_input_kernel
+
+    assert gemm_input_kernel(InferenceOptions(quantized_gemm="pallas_gpu"))
+    assert not gemm_input_kernel(InferenceOptions(quantized_gemm="pallas_gpu", gemm_input_kernel=False))
+    assert not gemm_input_kernel(InferenceOptions(quantized_gemm="pallas_gpu_interpret"))  # CPU tests: XLA's form
+    assert not gemm_input_kernel(InferenceOptions(quantized_gemm="reference"))
+    assert gemm_input_kernel(InferenceOptions(quantized_gemm="pallas_gpu_interpret", gemm_input_kernel=True))
