@@ -33,7 +33,9 @@ packed bytes, with no slot padding. One token on the GPU kernels (decode at batc
 :func:`routed_fp4_one_token` instead (``fp4_one_token=True``, the default: 1.10 vs 1.50 ms of expert kernels per step
 on an H200, 0.80 ms since the kernels' pair decode, benchmarks/RESULTS.md):
 its top-k picks are the slots of two gemv kernels over the picked experts' packed bytes
-(``kernels.quant_gemm.fp4_slot_swiglu`` / ``fp4_slot_down``), with no sort, tile metadata or scatter.
+(``kernels.quant_gemm.fp4_slot_swiglu`` / ``fp4_slot_down``), with no sort, tile metadata or scatter. A decode batch
+can take :func:`routed_fp4_every_expert` instead (``fp4_every_expert=True``, off by default: on an H200 its kernels
+were 0.88x the grouped path's and the 40-layer batch-32 step 1.06 ms slower, benchmarks/RESULTS.md 2026-12-03 18:00).
 """
 
 from __future__ import annotations

@@ -105,7 +105,9 @@ class InferenceOptions:
     fp4_every_expert: bool = False  # decode batches' (2-64 tokens, tokens x top-k >= experts) release FP4 routed
     #                             experts on the GPU kernels as every expert on every token (inference.moe.
     #                             routed_fp4_every_expert: two kernels over dense routing weights, no sort / tile
-    #                             table / scatter) instead of the grouped FP4 kernel
+    #                             table / scatter) instead of the grouped FP4 kernel. Off: on an H200 (2026-12-03
+    #                             18:00 UTC, 40-layer bench model, batch 32) 24.14 vs 23.07 ms per step, its kernels
+    #                             0.88x the grouped path's (benchmarks/RESULTS.md)
     gemm_input_kernel: bool | None = None  # with a "pallas_gpu" quantized_gemm backend: each GEMM input's FP8
     #                             rounding as one Pallas kernel (kernels.quant_gemm.fp8_round, bit for bit the same
     #                             values) instead of XLA's two (block amax, then the rounding); None: on when

@@ -17,6 +17,12 @@ Operations
   ``fp4_slot_swiglu(x, slot_expert, slot_wts, w1, w3)`` / ``fp4_slot_down(act, slot_expert, w2)``: ONE token's
   routed experts (its top-k picks as slots; decode at batch 1): the clamped SwiGLU of every pick [S, F] in x.dtype,
   then the picks' down projections summed [D] float32 — only the picked experts' packed bytes are read.
+  ``fp4_every_swiglu(x, wts, used, w1, w3)`` / ``fp4_every_down(act, used, w2)``: a decode batch x [M <= 64, K] through
+  EVERY expert (dense routing weights wts [E, M], 0 where a token did not pick an expert; unused experts not read):
+  act [E, M, F] (optionally FP8-rounded for the down projection in the kernel), then the experts' down projections
+  summed [M, D] float32 — the routed experts without sort, tile table or scatter.
+  ``fp8_round(x)``: the release's GEMM-input FP8 rounding (``ops.quant.fake_quant_gemm_input_fp8``, bit for bit) as
+  one kernel on the GPU (XLA: two).
 
 The activations are taken as given: the release's FP8 rounding of a GEMM's input (``ops.linear.Fp8GemmInput``)
 happens before, in XLA (a few KB at decode), so the kernels see FP8-grid values in bf16 / float32 — products are

@@ -43,6 +43,11 @@
   4.8 TB/s with 32-row token tiles; 16-row tiles (the default while experts hold <= 12 rows on average) 30-36 %
   (benchmarks/RESULTS.md, 2026-12-02).
 
+* ``fp4_every_swiglu`` / ``fp4_every_down``: a decode batch's routed experts as every expert on every token (grid
+  expert x column block, the token batch as each product's columns; section below) — measured on an H200 at the
+  batch-32 step's shapes 0.88x the grouped path (benchmarks/RESULTS.md, 2026-12-03 18:00 UTC): an option.
+* ``fp8_round_rows``: the GEMM-input FP8 rounding in one kernel (XLA: two), 1.9-2.6x on an H200; the default.
+
 Scales: e8m0 byte b -> 2^(b - 127) built from the exponent bits, 0xFF -> NaN, as ``checkpoint.quantized``. In the
 FP8 kernel the dequantised weight ``value * 2^(b - 127)`` is exact while it is a normal float32, i.e. for scale
 bytes >= 10; in the FP4 kernel for bytes 2..240 (bytes 241..254, weights >= 2^113, give NaN, never a wrong
@@ -1319,7 +1324,10 @@ def fp4_slot_down(act, slot_expert, w2_values, w2_scales, *, block_n: int | None
 # w2 the same way and adds each expert's products, rounded to the activations' dtype, into the float32 [M, D]
 # output (atomic adds: the experts' sum in no fixed order, as the grouped path's scatter-add on a GPU). An expert no
 # token picked (``used[e] = 0``) is not read: its programs write zeros (gate / up) or nothing (down), so the bytes
-# read are those of the picked experts, as the grouped kernel's.
+# read are those of the picked experts, as the grouped kernel's. Measured on an H200 (benchmarks/RESULTS.md,
+# 2026-12-03 18:00 UTC; 32 tokens, 16 experts of 2304 x 5120): gate / up 153 µs (29 % of the read-only bandwidth),
+# down 66 µs (34 %) against the grouped kernel's 125 / 54 µs (36 / 41 %); 32-row blocks, 8 warps or 128-wide K steps
+# were slower still. Each gate / up program carries two weight streams and two accumulators.
 EVERY_EXPERT_MAX_TOKENS = 64  # one token tile of at most 64 columns per program
 
 _FP8_AMAX_FLOOR = 1e-4  # ops.quant's constants (float32 when used with float32 values)

@@ -58,7 +58,9 @@ Numerics (bit-exact with the reference on CPU float32; checked against recorded 
   (or a subnormal input read as zero) is below 2^-10 and rounds to the same signed zero in
   e4m3. The rounding is the native float32 -> float8_e4m3fn conversion (nearest-even,
   subnormal step 2^-9, sign kept, so negative values that round to zero give -0.0 as the
-  reference's fp8 cast does); the clamp to +-448 before it is the saturation.
+  reference's fp8 cast does); the clamp to +-448 before it is the saturation. That is on
+  the CPU: XLA:GPU removes the conversion pair as excess precision, so off the CPU the same
+  rounding is done on the bits (``_e4m3_round_trip``).
   ``round_to_fp8_e4m3`` (the e4m3 scales of the FP4 path, any input) rounds on the bits.
 * FP4 rounding follows the reference's thresholds on |q|: > 0.25, >= 0.75, > 1.25, >= 1.75,
   > 2.5, >= 3.5, > 5 (nearest, ties to the even code), sign from the sign bit, and the
