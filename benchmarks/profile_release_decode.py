@@ -105,10 +105,15 @@ OUT: dict = {"meta": {}, "ceilings": {}, "experts": [], "grouped": [], "dense32"
              "errors": []}
 T0 = time.time()
 
+# InferenceOptions fields whose forms are the default's program at one token (--release-options skips batch 1)
+BATCH1_SAME = {"fp4_every_expert"}
+
 FAMILIES = [  # (family, pattern on the device event's name), first match wins
     ("Engram rows read from host memory (Pallas)", r"engram_host_rows"),
     ("FP4 experts: one-token gemv kernels", r"fp4_slot_|fp4up_|fp4dn_"),
     ("FP4 experts: grouped GEMM", r"fp4_grouped_gemm"),
+    ("FP4 experts: every expert on every token", r"fp4_every_"),
+    ("GEMM-input FP8 rounding kernel (Pallas)", r"fp8_round_rows"),
     ("bf16 experts: slot kernels", r"^slot_swiglu|^slot_down"),
     ("FP8 fused gemv (Pallas)", r"fp8_block_gemm_fused"),
     ("FP8 gemv / GEMM (Pallas)", r"fp8_block_gemm"),
@@ -551,7 +556,8 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
                 engram_host=False, no_bf16=False, device_loop=False, release_cache: tuple = (), ahead=False,
                 readback: tuple = (1, 8, 32), profile_steps: int = 3, trace_max_mb: float = 15.0,
                 no_release_bf16_cache=False, profile_until_s: float | None = None,
-                engram_host_gathers: tuple = ("kernel",), timing_repeats: int = 1, mhc_projections: tuple = ()):
+                engram_host_gathers: tuple = ("kernel",), timing_repeats: int = 1, mhc_projections: tuple = (),
+                release_options: tuple = ()):
     """Per batch: every form's first call (trace + compile + one step) concurrently in threads (XLA compiles
     release the GIL; the forms' first-call times overlap, so each is an upper bound of its compile), then each
     form timed and profiled alone. ``engram_host``: after every batch's rows are saved, the release form with the
@@ -564,6 +570,9 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
     ``release_cache``: release-weight forms with the release's packed cache ("kernels": the attention and indexer
     kernels read it packed, ``packed_cache_kernels``; "unpack": unpacked to bf16 every step, the option's default).
     ``ahead``: every batch's forms set up and first-called at once (all their caches resident), then timed in turn.
+    ``release_options``: dicts of ``InferenceOptions`` fields; for each, release-weight forms with those fields set
+    beside the ones on the defaults (one per release cache form run: ``release_cache`` and the bf16 cache unless
+    ``no_release_bf16_cache``); a dict of options that only act at batches > 1 (``BATCH1_SAME``) skips batch 1.
     ``profile_until_s``: device-loop rows timed after this many seconds are not profiled (the profile of a 40-layer
     program costs tens of seconds; the step times still come).
     Each row's floor: ``profile_decode.step_bytes`` of its weights and cache over the read-only bandwidth measured
@@ -608,6 +617,16 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
         for how in engram_host_gathers:
             forms.append((f"{HOST_FORM} ({'the GPU reads the rows' if how == 'kernel' else 'host gather'})", phost,
                           InferenceOptions(**rel, fp4_one_token=True, engram_host_gather=how), False))
+    for extra in release_options:  # release forms with InferenceOptions fields set, beside the defaults
+        tag = " [batches > 1]" if set(extra) <= BATCH1_SAME else ""
+        caches = [(None, "")] * (not no_release_bf16_cache) + [
+            (how, f", release cache ({'kernels read it packed' if how == 'kernels' else 'unpacked every step'})")
+            for how in release_cache]
+        for how, cname in caches:
+            forms.append((f"release, one-token FP4 kernels{cname}, {extra}{tag}", prel,
+                          InferenceOptions(**rel, fp4_one_token=True, **extra,
+                                           **(dict(packed_cache_kernels=how == "kernels") if how else {})),
+                          how is not None))
     for proj in mhc_projections:  # the mHC projection's forms beside the default (ops.mhc projection)
         forms.append((f"bf16, mHC projection {proj}", p16, InferenceOptions(**base, mhc_projection=proj), False))
         forms.append((f"release, one-token FP4 kernels, mHC projection {proj}", prel,
@@ -645,8 +664,8 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
             OUT["errors"].append(f"decode batches {group}: skipped (budget)")
             log(f"decode batches {group}: skipped ({time.time() - T0:.0f} s > budget {budget_s:.0f} s)")
             continue
-        jobs = [(b, f) for b in group for f in forms if b > 1 or not re.search(r"(grouped FP4|FP8 GEMM) kernel \{",
-                                                                                f[0])]
+        jobs = [(b, f) for b in group for f in forms
+                if b > 1 or not re.search(r"(grouped FP4|FP8 GEMM) kernel \{|\[batches > 1\]", f[0])]
         log(f"decode: batches {group}: first calls of {len(jobs)} programs, concurrently ({time.time() - T0:.0f} s)")
 
         def first(job):
@@ -834,6 +853,9 @@ def main():
     ap.add_argument("--mhc-projections", default="",
                     help="decode: also a bf16 and a release form per mHC projection form named (reduce / gemm: "
                          "InferenceOptions.mhc_projection), beside the forms on the default")
+    ap.add_argument("--release-options", default="",
+                    help="decode: a JSON list of dicts of InferenceOptions fields; for each, release forms with them "
+                         "set (e.g. '[{\"fp4_every_expert\": true}]'), beside the forms on the defaults")
     ap.add_argument("--trace-max-mb", type=float, default=15.0,
                     help="decode: keep a form's perfetto trace in --out when under this size (0: none)")
     ap.add_argument("--dense32", action="store_true",
@@ -884,7 +906,8 @@ def main():
                             args.profile_steps or (8 if args.device_loop else 3), args.trace_max_mb,
                             args.no_release_bf16_cache, args.profile_until_s,
                             tuple(filter(None, args.engram_host_gathers.split(","))), args.timing_repeats,
-                            mhc_projections=tuple(filter(None, args.mhc_projections.split(","))))
+                            mhc_projections=tuple(filter(None, args.mhc_projections.split(","))),
+                            release_options=tuple(json.loads(args.release_options or "[]")))
             except Exception as e:  # noqa: BLE001
                 OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
                 log(f"decode FAILED: {type(e).__name__}: {str(e)[:300]}")

@@ -458,3 +458,27 @@ def test_odd_symmetry_and_grid(name):
         grid = np.array([0.5, 1, 1.5, 2, 3, 4, 6])
     q = np.abs(y.reshape(xb.shape).astype(np.float64)) / scale
     assert np.isin(q[q != 0], grid).all()
+
+
+def test_fp8_rounding_off_cpu_rounds_on_the_bits_and_equals_the_native_conversion():
+    """XLA:GPU drops a float32 -> float8 -> float32 conversion pair ("excess precision"), so off the CPU the FP8
+    block quantiser rounds on the bits (``_e4m3_on_bits``): equal to the native conversion on every e4m3 value, the
+    midpoints between neighbours (ties) and their float32 neighbours, random values and subnormal-range ones; the
+    program lowered for CUDA holds no float8 type (nothing for XLA to drop)."""
+
+    from dsv41_jax.ops import quant as Q
+
+    e4 = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
+    e4 = np.sort(e4[np.isfinite(e4)])
+    base = np.concatenate([e4, (e4[1:] + e4[:-1]) / 2])
+    rng = np.random.default_rng(0)
+    q = np.concatenate([base, np.nextafter(base, np.inf, dtype=np.float32),
+                        np.nextafter(base, -np.inf, dtype=np.float32), rng.uniform(-448, 448, 20000),
+                        rng.standard_normal(20000) * np.exp2(rng.integers(-60, -5, 20000)), [0.0, -0.0]])
+    q = jnp.asarray(np.clip(q, -448, 448).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(Q._e4m3_on_bits(q)).view(np.uint32),
+                                  np.asarray(Q._e4m3_native(q)).view(np.uint32))
+    x = jax.ShapeDtypeStruct((4, 64), jnp.bfloat16)
+    cuda = jax.jit(lambda a: Q.fake_quant_gemm_input_fp8(a, 32)).trace(x).lower(lowering_platforms=("cuda",))
+    cpu = jax.jit(lambda a: Q.fake_quant_gemm_input_fp8(a, 32)).trace(x).lower(lowering_platforms=("cpu",))
+    assert "f8E4M3FN" not in cuda.as_text() and "f8E4M3FN" in cpu.as_text()

@@ -33,7 +33,9 @@ packed bytes, with no slot padding. One token on the GPU kernels (decode at batc
 :func:`routed_fp4_one_token` instead (``fp4_one_token=True``, the default: 1.10 vs 1.50 ms of expert kernels per step
 on an H200, 0.80 ms since the kernels' pair decode, benchmarks/RESULTS.md):
 its top-k picks are the slots of two gemv kernels over the picked experts' packed bytes
-(``kernels.quant_gemm.fp4_slot_swiglu`` / ``fp4_slot_down``), with no sort, tile metadata or scatter.
+(``kernels.quant_gemm.fp4_slot_swiglu`` / ``fp4_slot_down``), with no sort, tile metadata or scatter. A decode batch
+can take :func:`routed_fp4_every_expert` instead (``fp4_every_expert=True``, off by default: on an H200 its kernels
+were 0.88x the grouped path's and the 40-layer batch-32 step 1.06 ms slower, benchmarks/RESULTS.md 2026-12-03 18:00).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ import jax.numpy as jnp
 
 from dsv41_jax import kernels
 from dsv41_jax.kernels.expert_gemm_gpu import MIN_ROWS
-from dsv41_jax.ops.linear import gemm_input, is_plain_weight, linear, matmul_precision, select_expert
+from dsv41_jax.ops.linear import (Fp8GemmInput, gemm_input, is_plain_weight, linear, matmul_precision,
+                                  select_expert)
 from dsv41_jax.ops.moe import expert_mlp, grouped_kernel_backend, route, routed_ragged
 
 STATIC_MAX_TOKENS = 64
@@ -289,6 +292,50 @@ def routed_fp4_one_token(x, weights, idx, w1, w2, w3, limit, backend: str, decod
     return y[None]
 
 
+def fp4_every_expert_backend(n_tokens: int, top_k: int, w1, w2, w3) -> str | None:
+    """The GPU kernel backend that runs :func:`routed_fp4_every_expert` for these routed experts, or None: release
+    FP4 experts marked for a ``pallas_gpu`` quantised-GEMM backend (the grouped kernel's condition), a decode batch
+    of 2..``EVERY_EXPERT_MAX_TOKENS`` tokens whose picks can cover every expert (``n_tokens * top_k >= n_experts``,
+    the bf16 path's rule for its every-expert form: below it most experts go unpicked and the grouped kernel's
+    launch is the smaller), and expert widths the kernels' tiles divide (multiples of 16 rows, 32-value K)."""
+    from dsv41_jax.kernels.quant_gemm_gpu import EVERY_EXPERT_MAX_TOKENS
+
+    kernel = grouped_kernel_backend(w1, w2, w3)
+    if kernel is None or not kernel.startswith("pallas_gpu"):
+        return None
+    n_exp, f, d = w1.shape
+    if not (2 <= n_tokens <= EVERY_EXPERT_MAX_TOKENS and n_tokens * top_k >= n_exp):
+        return None
+    return kernel if f % 32 == 0 and d % 32 == 0 else None
+
+
+def routed_fp4_every_expert(x, weights, idx, w1, w2, w3, limit, backend: str, live=None, up_tuning=None,
+                            down_tuning=None):
+    """x [M, d]; weights / idx [M, k]; marked stacked FP4 experts -> [M, d] float32: every expert on every token
+    (:func:`_routed_every_expert`'s form for the packed FP4 experts) as two kernels
+    (``kernels.quant_gemm.fp4_every_swiglu`` / ``fp4_every_down``) over dense routing weights [E, M] — no sort, tile
+    table or scatter. The same maths and roundings as :func:`ops.moe.routed_ragged` on the grouped kernel: the input
+    rounded to FP8 (w1's marker), gate / up rounded to x.dtype, the activation times the routing weight rounded to
+    x.dtype and then to FP8 (w2's marker), each pick's output rounded to x.dtype and the picks summed in float32;
+    a token's unpicked experts contribute exact zeros. Experts that no (``live`` [M]) token picked are not read.
+    ``live``: rows whose output is needed; the others pick nothing (routed output 0). ``up_tuning`` /
+    ``down_tuning``: the two kernels' tiling overrides (``kernels.quant_gemm_gpu.fp4_every_tiling``; None: defaults)."""
+    from dsv41_jax.kernels import quant_gemm
+
+    n_exp = w1.shape[0]
+    picked = idx[:, :, None] == jnp.arange(n_exp, dtype=idx.dtype)  # [M, k, E]; a token's picks are distinct
+    if live is not None:
+        picked = picked & live.reshape(-1, 1, 1)
+    # at most one j matches (t, e): the sum is that weight, exactly, or 0
+    dense = jnp.sum(jnp.where(picked, weights.astype(jnp.float32)[:, :, None], 0.0), axis=1).T  # [E, M]
+    used = jnp.any(picked, axis=(0, 1)).astype(jnp.int32)  # [E]
+    # the activations come out of the gate / up kernel already rounded as w2's input (its epilogue): the same
+    # values as gemm_input(act, w2), without XLA's two rounding kernels
+    act = quant_gemm.fp4_every_swiglu(gemm_input(x, w1), dense, used, w1.weight, w3.weight, limit=float(limit),
+                                      round_fp8=isinstance(w2, Fp8GemmInput), backend=backend, tuning=up_tuning)
+    return quant_gemm.fp4_every_down(act, used, w2.weight, backend=backend, tuning=down_tuning)
+
+
 def _static_trip_count(m: int, k: int, w1, w2, w3) -> bool:
     """Whether m tokens' routed experts take :func:`routed_slots` (static trip count) rather than the tiled loop."""
     if m <= STATIC_MAX_TOKENS:
@@ -315,7 +362,8 @@ def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scalin
                   normalize: bool = True, tile: int | None = None, backend: str = "auto",
                   router_one_pass: bool = False, fp4_one_token: bool = True,
                   fp4_slot_decode: str | None = None, fp4_grouped_tuning: tuple = (),
-                  live: jax.Array | None = None, grouped: bool = False) -> jax.Array:
+                  live: jax.Array | None = None, grouped: bool = False,
+                  fp4_every_expert: bool = False) -> jax.Array:
     """x [..., d] -> y [..., d] in x.dtype (router + tiled routed experts + the shared expert). ``backend`` (a
     ``dsv41_jax.kernels`` backend) picks the decode path's slot kernels on a GPU (:func:`routed_slots`);
     ``router_one_pass``: the router logits as one reduction (``ops.moe.route``); ``fp4_one_token``: one token's
@@ -328,7 +376,9 @@ def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scalin
     static paths (prefill chunks) run the routed experts as one grouped GEMM per projection through the Mosaic GPU
     kernels (``ops.moe.routed_ragged`` with ``grouped_mgpu``: each expert's weights read in place, no loop) instead
     of the tiled loop, where the weights and tiles suit them (:func:`_grouped_fits`; off GPUs the kernels'
-    ``jax.lax`` reference runs)."""
+    ``jax.lax`` reference runs). ``fp4_every_expert``: decode batches' release FP4 experts on the GPU kernels as
+    every expert on every token (:func:`routed_fp4_every_expert`, where :func:`fp4_every_expert_backend` allows)
+    instead of the grouped kernel (``InferenceOptions.fp4_every_expert``); ``live`` applies there too."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, idx, _ = route(flat, params["gate"]["weight"], params["gate"]["bias"], top_k=top_k, temp=temp,
@@ -336,8 +386,12 @@ def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scalin
     e = params["experts"]
     live_rows = None if live is None else jnp.broadcast_to(live, shape[:-1]).reshape(-1)
     one_token = fp4_one_token_backend(flat.shape[0], e["w1"], e["w2"], e["w3"]) if fp4_one_token else None
+    every = (fp4_every_expert_backend(flat.shape[0], top_k, e["w1"], e["w2"], e["w3"]) if fp4_every_expert
+             else None)
     if one_token is not None:
         y = routed_fp4_one_token(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, one_token, fp4_slot_decode)
+    elif every is not None:
+        y = routed_fp4_every_expert(flat, weights, idx, e["w1"], e["w2"], e["w3"], limit, every, live_rows)
     elif grouped_kernel_backend(e["w1"], e["w2"], e["w3"]) is not None:
         # release FP4 experts with a quantised-GEMM kernel: one grouped Pallas GEMM per projection reads only the
         # experts that received rows, straight from their packed bytes (no slot padding, no per-expert loop)
@@ -358,5 +412,6 @@ def moe_inference(x: jax.Array, params: dict, *, top_k: int, temp: float, scalin
 
 
 __all__ = ["moe_inference", "routed_tiled", "routed_slots", "routed_fp4_one_token", "fp4_one_token_backend",
+           "routed_fp4_every_expert", "fp4_every_expert_backend",
            "STATIC_MAX_TOKENS",
            "STATIC_MAX_ROWS", "LIVE_SLOT_MAX_TOKENS"]

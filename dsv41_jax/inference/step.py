@@ -102,6 +102,19 @@ class InferenceOptions:
     #                             form of its down kernel had been slower; benchmarks/RESULTS.md)
     fp4_slot_decode: str | None = None  # those kernels' decode form (kernels.quant_gemm_gpu.FP4_SLOT_DECODES; None:
     #                                     the kernels' default) — to measure one form against another in one run
+    fp4_every_expert: bool = False  # decode batches' (2-64 tokens, tokens x top-k >= experts) release FP4 routed
+    #                             experts on the GPU kernels as every expert on every token (inference.moe.
+    #                             routed_fp4_every_expert: two kernels over dense routing weights, no sort / tile
+    #                             table / scatter) instead of the grouped FP4 kernel. Off: on an H200 (2026-12-03
+    #                             18:00 UTC, 40-layer bench model, batch 32) 24.14 vs 23.07 ms per step, its kernels
+    #                             0.88x the grouped path's (benchmarks/RESULTS.md)
+    gemm_input_kernel: bool | None = None  # with a "pallas_gpu" quantized_gemm backend: each GEMM input's FP8
+    #                             rounding as one Pallas kernel (kernels.quant_gemm.fp8_round, bit for bit the same
+    #                             values) instead of XLA's two (block amax, then the rounding); None: on when
+    #                             quantized_gemm resolves to "pallas_gpu" (not its interpret mode). H200, 40-layer
+    #                             bench model, packed cache (benchmarks/RESULTS.md, 2026-12-03 18:00 UTC): 1.0-1.3 µs
+    #                             a rounding against 2.0-3.4; the step 9.82 -> 9.75 ms at batch 1, 24.14 -> 23.84 ms
+    #                             at batch 32 (on the every-expert MoE); 4 launches a layer fewer
     fp8_gemm_tuning: tuple = ()  # (name, value) pairs for the FP8 dense kernel on the GPU (kernels.quant_gemm_gpu.
     #                              fp8_gemm: e.g. (("mma_rows", "weights"),); empty: its defaults) — to measure one
     #                              form against another in one run
@@ -549,7 +562,16 @@ def _gemm_view(params: dict, config: ModelConfig, opts: InferenceOptions) -> dic
         return params
     from dsv41_jax.model.release_weights import mark_fp8_gemm_inputs
 
-    return mark_fp8_gemm_inputs(params, config, opts.quantized_gemm, opts.fp8_gemm_tuning)
+    return mark_fp8_gemm_inputs(params, config, opts.quantized_gemm, opts.fp8_gemm_tuning, gemm_input_kernel(opts))
+
+
+def gemm_input_kernel(opts: InferenceOptions) -> bool:
+    """``InferenceOptions.gemm_input_kernel`` resolved: None is on for the "pallas_gpu" quantised-GEMM backend."""
+    if opts.gemm_input_kernel is not None:
+        return opts.gemm_input_kernel
+    from dsv41_jax.kernels.quant_gemm import resolve_backend
+
+    return resolve_backend(opts.quantized_gemm) == "pallas_gpu"
 
 
 def _auto(flag: bool | None, default: bool) -> bool:
@@ -677,7 +699,7 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
                               backend=opts.kernel_backend,
                               router_one_pass=_auto(opts.router_one_pass, on_gpu) and small,
                               fp4_one_token=opts.fp4_one_token, fp4_slot_decode=opts.fp4_slot_decode,
-                              fp4_grouped_tuning=opts.fp4_grouped_tuning,
+                              fp4_grouped_tuning=opts.fp4_grouped_tuning, fp4_every_expert=opts.fp4_every_expert,
                               live=valid,  # masked rows (past n_valid) pick no expert: fewer weights read
                               grouped=grouped_prefill_moe(opts))
         else:

@@ -17,6 +17,12 @@ Operations
   ``fp4_slot_swiglu(x, slot_expert, slot_wts, w1, w3)`` / ``fp4_slot_down(act, slot_expert, w2)``: ONE token's
   routed experts (its top-k picks as slots; decode at batch 1): the clamped SwiGLU of every pick [S, F] in x.dtype,
   then the picks' down projections summed [D] float32 — only the picked experts' packed bytes are read.
+  ``fp4_every_swiglu(x, wts, used, w1, w3)`` / ``fp4_every_down(act, used, w2)``: a decode batch x [M <= 64, K] through
+  EVERY expert (dense routing weights wts [E, M], 0 where a token did not pick an expert; unused experts not read):
+  act [E, M, F] (optionally FP8-rounded for the down projection in the kernel), then the experts' down projections
+  summed [M, D] float32 — the routed experts without sort, tile table or scatter.
+  ``fp8_round(x)``: the release's GEMM-input FP8 rounding (``ops.quant.fake_quant_gemm_input_fp8``, bit for bit) as
+  one kernel on the GPU (XLA: two).
 
 The activations are taken as given: the release's FP8 rounding of a GEMM's input (``ops.linear.Fp8GemmInput``)
 happens before, in XLA (a few KB at decode), so the kernels see FP8-grid values in bf16 / float32 — products are
@@ -209,7 +215,7 @@ def _check_slots(what: str, slot_expert, slot_wts=None):
 def _slot_backend(what: str, backend: str) -> str:
     be = resolve_backend(backend)
     if be.startswith("pallas_tpu"):
-        raise QuantGemmError(f"{what}: no TPU kernel for one token's FP4 experts yet; use fp4_grouped (the grouped "
+        raise QuantGemmError(f"{what}: no TPU kernel for these FP4 expert kernels yet; use fp4_grouped (the grouped "
                              f"Mosaic kernel) or backend='reference'")
     return be
 
@@ -289,5 +295,107 @@ def fp4_slot_down(act: jax.Array, slot_expert: jax.Array, w2, *, backend: str = 
                            **_slot_tuning(tuning))
 
 
+def _check_every(what: str, m: int, n_exp: int, wts=None, used=None):
+    from dsv41_jax.kernels.quant_gemm_gpu import EVERY_EXPERT_MAX_TOKENS
+
+    if not 1 <= m <= EVERY_EXPERT_MAX_TOKENS:
+        raise QuantGemmError(f"{what}: takes 1..{EVERY_EXPERT_MAX_TOKENS} tokens (one token tile), got {m}")
+    if wts is not None and tuple(wts.shape) != (n_exp, m):
+        raise QuantGemmError(f"{what}: wts must be [E, M] = {(n_exp, m)} (one routing weight per expert and token, "
+                             f"0 where the token did not pick the expert), got {tuple(wts.shape)}")
+    if used is not None and (tuple(used.shape) != (n_exp,) or not jnp.issubdtype(used.dtype, jnp.integer)):
+        raise QuantGemmError(f"{what}: used must be an integer vector of {n_exp} experts, got {used.dtype} "
+                             f"{tuple(used.shape)}")
+
+
+def fp4_every_swiglu(x: jax.Array, wts: jax.Array, used: jax.Array, w1, w3, *, limit: float, round_fp8: bool = False,
+                     backend: str = "auto", tuning: dict | None = None) -> jax.Array:
+    """Every expert's gate / up projections of a decode batch x [M, K] -> act [E, M, F] in x.dtype:
+    ``silu(min(g, limit)) * clip(u, ±limit) * wts[e, t]`` with g = x·w1[e]ᵀ, u = x·w3[e]ᵀ rounded to x.dtype (as
+    ``fp4_grouped`` returns them), exactly 0 where ``wts[e, t] = 0`` and for experts with ``used[e] = 0`` (not read
+    on the GPU). wts float32 [E, M]: token t's routing weight for expert e; w1 / w3 stacked FP4 experts [E, F, K].
+    ``round_fp8``: act then rounded to FP8 per 32 of F as the down projection's input (``ops.quant.
+    fake_quant_gemm_input_fp8``, bit for bit; on the GPU in the kernel's epilogue)."""
+    for nm, w in (("w1", w1), ("w3", w3)):
+        try:
+            _check_fp4(w)
+        except QuantGemmError as e:
+            raise QuantGemmError(f"fp4_every_swiglu {nm}: {e}") from None
+    if tuple(w1.shape) != tuple(w3.shape):
+        raise QuantGemmError(f"fp4_every_swiglu: w1 {w1.shape} and w3 {w3.shape} must have one shape")
+    if x.ndim != 2:
+        raise QuantGemmError(f"fp4_every_swiglu: x must be [tokens, K], got shape {x.shape}")
+    _check_x(x, w1.shape[2], "fp4_every_swiglu")
+    _check_every("fp4_every_swiglu", x.shape[0], w1.shape[0], wts, used)
+    be = _slot_backend("fp4_every_swiglu", backend)
+    if be == "reference":
+        def proj(w):
+            wd = w.dequantize(x.dtype)
+            y = jnp.einsum("mi,eoi->emo", x, wd, precision=matmul_precision(x, wd))
+            return y.astype(x.dtype).astype(jnp.float32)
+
+        g, u = proj(w1), proj(w3)
+        if limit > 0:
+            u = jnp.clip(u, -limit, limit)
+            g = jnp.minimum(g, limit)
+        wt = wts.astype(jnp.float32)[:, :, None]
+        act = jnp.where((wt != 0) & (used[:, None, None] != 0), jax.nn.silu(g) * u * wt, 0.0).astype(x.dtype)
+        if round_fp8:
+            from dsv41_jax.ops.quant import fake_quant_gemm_input_fp8
+
+            act = fake_quant_gemm_input_fp8(act, 32)
+        return act
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    _check_gpu_addressing("fp4_every_swiglu", w1.values, w1.scales, w3.values, w3.scales)
+    return G.fp4_every_swiglu(x, wts, used, w1.values, w1.scales, w3.values, w3.scales, limit=float(limit),
+                              round_fp8=round_fp8, interpret=be.endswith("interpret"), **(tuning or {}))
+
+
+def fp4_every_down(act: jax.Array, used: jax.Array, w2, *, backend: str = "auto",
+                   tuning: dict | None = None) -> jax.Array:
+    """Every used expert's down projection of a decode batch, summed: act [E, M, F] (expert e's activations of every
+    token), used [E] int, stacked FP4 experts w2 [E, D, F] -> [M, D] float32; each expert's product rounded to
+    act.dtype before the sum (as ``fp4_grouped`` returns its rows); unused experts add nothing (not read on the
+    GPU). On the GPU the experts' products are added in no fixed order (float32 atomic adds)."""
+    _check_fp4(w2)
+    if act.ndim != 3 or act.shape[0] != w2.shape[0]:
+        raise QuantGemmError(f"fp4_every_down: act must be [E, tokens, F] with E = {w2.shape[0]}, got shape "
+                             f"{act.shape}")
+    _check_x(act, w2.shape[2], "fp4_every_down")
+    _check_every("fp4_every_down", act.shape[1], w2.shape[0], used=used)
+    be = _slot_backend("fp4_every_down", backend)
+    if be == "reference":
+        wd = w2.dequantize(act.dtype)
+        y = jnp.einsum("emi,eoi->emo", act, wd, precision=matmul_precision(act, wd))
+        y = jnp.where(used[:, None, None] != 0, y.astype(act.dtype).astype(jnp.float32), 0.0)
+        return jnp.sum(y, axis=0)
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    _check_gpu_addressing("fp4_every_down", w2.values, w2.scales)
+    return G.fp4_every_down(act, used, w2.values, w2.scales, interpret=be.endswith("interpret"), **(tuning or {}))
+
+
+def fp8_round(x: jax.Array, *, split: bool = False, backend: str = "auto"):
+    """The release's GEMM-input rounding x [..., K] -> x.dtype (``ops.quant.fake_quant_gemm_input_fp8(x, 32)``, the
+    same values bit for bit — blocks holding a NaN included where the reference's maximum propagates it, as XLA's
+    GPU reduction does), on ``pallas_gpu`` as ONE kernel (``quant_gemm_gpu.fp8_round_rows``; XLA: two). ``split``:
+    the (even, odd) columns [..., K/2] each instead (the FP4 weights-as-rows kernels' activation layout)."""
+    from dsv41_jax.ops.quant import fake_quant_gemm_input_fp8
+
+    be = resolve_backend(backend)
+    if x.shape[-1] % 32 or x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise QuantGemmError(f"fp8_round: x must be bfloat16 / float32 with K a multiple of 32, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+    if be.startswith("pallas_gpu"):
+        from dsv41_jax.kernels import quant_gemm_gpu as G
+
+        lead, k = x.shape[:-1], x.shape[-1]
+        y = G.fp8_round_rows(x.reshape(-1, k), split=split, interpret=be.endswith("interpret"))
+        return tuple(a.reshape(lead + (k // 2,)) for a in y) if split else y.reshape(x.shape)
+    y = fake_quant_gemm_input_fp8(x, 32)
+    return (y[..., 0::2], y[..., 1::2]) if split else y
+
+
 __all__ = ["BACKENDS", "resolve_backend", "fp8_linear", "fp8_linear_fused", "fp4_grouped", "fp4_slot_swiglu",
-           "fp4_slot_down", "takes_fp8", "takes_fp4_grouped", "QuantGemmError"]
+           "fp4_slot_down", "fp4_every_swiglu", "fp4_every_down", "fp8_round", "takes_fp8", "takes_fp4_grouped", "QuantGemmError"]

@@ -43,6 +43,11 @@
   4.8 TB/s with 32-row token tiles; 16-row tiles (the default while experts hold <= 12 rows on average) 30-36 %
   (benchmarks/RESULTS.md, 2026-12-02).
 
+* ``fp4_every_swiglu`` / ``fp4_every_down``: a decode batch's routed experts as every expert on every token (grid
+  expert x column block, the token batch as each product's columns; section below) — measured on an H200 at the
+  batch-32 step's shapes 0.88x the grouped path (benchmarks/RESULTS.md, 2026-12-03 18:00 UTC): an option.
+* ``fp8_round_rows``: the GEMM-input FP8 rounding in one kernel (XLA: two), 1.9-2.6x on an H200; the default.
+
 Scales: e8m0 byte b -> 2^(b - 127) built from the exponent bits, 0xFF -> NaN, as ``checkpoint.quantized``. In the
 FP8 kernel the dequantised weight ``value * 2^(b - 127)`` is exact while it is a normal float32, i.e. for scale
 bytes >= 10; in the FP4 kernel for bytes 2..240 (bytes 241..254, weights >= 2^113, give NaN, never a wrong
@@ -768,6 +773,24 @@ def _e4m3_bf16x2_scaled(v, mult, interpret: bool):
                                        result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.bfloat16)])[0]
 
 
+def _fp4_weight_tile(v, s, decode: str, dot_dtype, interpret: bool):
+    """A K step's weight tile of the weights-as-rows forms: packed bytes v [bn, bk/2] and scale bytes s [bn, bk/32]
+    -> the (low, high) nibbles' weights ``value x 2^(s - 127)`` [bn, bk/2] in the dot dtype, exact. "bf16x2" (bf16
+    dots): inline PTX (``_e2m1_bf16x2_scaled``); else the float16 pair decode widened to float32 and scaled."""
+    bn, bkh = v.shape
+    sg, hb = s.shape[1], SCALE_BLOCK // 2
+    if decode == "bf16x2" and dot_dtype == jnp.bfloat16:
+        mult = jnp.broadcast_to(_fp4_bf16_multiplier(s)[:, :, None], (bn, sg, hb)).reshape(bn, bkh)
+        return _e2m1_bf16x2_scaled(v, mult, interpret)
+    mult = _fp4_scale_mult(s)[:, :, None]  # [bn, sg, 1]: 2^(s - 127 + 14), NaN past byte 240
+    lo, hi = _e2m1_pair_f16(v)  # [bn, bkh] float32: value x 2^-14, exact
+
+    def scaled(d):
+        return (d.reshape(bn, sg, hb) * mult).reshape(bn, bkh).astype(dot_dtype)
+
+    return scaled(lo), scaled(hi)
+
+
 def _fp4_grouped_weight_rows(x, group_sizes, values, scales, *, block_m, block_n, block_k, num_warps, num_stages,
                              decode, split_k, name, interpret):
     """``fp4_grouped_gemm`` with the weights on the tensor-core product's row side: out[rows, cols]ᵀ =
@@ -786,7 +809,6 @@ def _fp4_grouped_weight_rows(x, group_sizes, values, scales, *, block_m, block_n
     if bk % SCALE_BLOCK or k % SCALE_BLOCK:
         raise ValueError(f"block_k {bk} and K {k} must be multiples of {SCALE_BLOCK}")
     bkh, sg = bk // 2, bk // SCALE_BLOCK
-    hb = SCALE_BLOCK // 2
     dot_dtype = jnp.float32 if x.dtype == jnp.float32 else jnp.bfloat16
     pairs = x.astype(dot_dtype).reshape(a, kh, 2)
     xe, xo = pairs[..., 0], pairs[..., 1]  # [A, K/2]: the activations of the low / high nibbles
@@ -831,17 +853,8 @@ def _fp4_grouped_weight_rows(x, group_sizes, values, scales, *, block_m, block_n
 
             def compute(t, acc):
                 v, s, xe_t, xo_t = load(t)
-                if decode == "bf16x2" and dot_dtype == jnp.bfloat16:
-                    mult = jnp.broadcast_to(_fp4_bf16_multiplier(s)[:, :, None], (bn, sg, hb)).reshape(bn, bkh)
-                    lo, hi = _e2m1_bf16x2_scaled(v, mult, interpret)
-                    return acc + _dot_nt(lo, xe_t) + _dot_nt(hi, xo_t)
-                mult = _fp4_scale_mult(s)[:, :, None]  # [bn, sg, 1]: 2^(s - 127 + 14), NaN past byte 240
-                lo, hi = _e2m1_pair_f16(v)  # [bn, bkh] float32: value x 2^-14, exact
-
-                def scaled(d):
-                    return (d.reshape(bn, sg, hb) * mult).reshape(bn, bkh).astype(dot_dtype)
-
-                return acc + _dot_nt(scaled(lo), xe_t) + _dot_nt(scaled(hi), xo_t)
+                lo, hi = _fp4_weight_tile(v, s, decode, dot_dtype, interpret)
+                return acc + _dot_nt(lo, xe_t) + _dot_nt(hi, xo_t)
 
             # static bounds (a loop the compiler pipelines), this program's K range offset inside
             acc = jax.lax.fori_loop(0, per, lambda i, acc: compute(ki * per + i, acc),
@@ -1295,3 +1308,268 @@ def fp4_slot_down(act, slot_expert, w2_values, w2_scales, *, block_n: int | None
         compiler_params=_params(t["num_warps"], t["num_stages"]), interpret=interpret, name=name,
     )(slot_expert.astype(jnp.int32), ae, ao, w2_values.reshape(e, d, f // SCALE_BLOCK, FP4_HALF), w2_scales)
     return jnp.sum(parts, axis=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Every expert on every token (decode batches): the routed experts without sort, tile table or scatter
+# ----------------------------------------------------------------------------------------------------------------
+# At a decode batch (2-64 tokens) the grouped kernel needs XLA around it to sort the assignments by expert, count
+# them, build its tile table and scatter the rows back (≈ 7 launches a layer in the 40-layer bench model's batch-32
+# step, benchmarks/RESULTS.md), and its tiles are ragged (an expert's handful of rows, 16-row token tiles). Here every
+# expert takes the whole batch as its token tile — the bf16 path's ``inference.moe._routed_every_expert`` for the
+# packed FP4 experts: ``fp4_every_swiglu`` (grid expert x column block) streams expert e's w1 and w3 rows once, one
+# tensor-core product per K step each with the dequantised weight tile as the row side (the grouped kernel's
+# "weights" form and bf16x2 decode) and all M tokens as the columns, and applies the clamped SwiGLU and the token's
+# dense routing weight for e in its epilogue (exact 0 where the token did not pick e); ``fp4_every_down`` streams
+# w2 the same way and adds each expert's products, rounded to the activations' dtype, into the float32 [M, D]
+# output (atomic adds: the experts' sum in no fixed order, as the grouped path's scatter-add on a GPU). An expert no
+# token picked (``used[e] = 0``) is not read: its programs write zeros (gate / up) or nothing (down), so the bytes
+# read are those of the picked experts, as the grouped kernel's. Measured on an H200 (benchmarks/RESULTS.md,
+# 2026-12-03 18:00 UTC; 32 tokens, 16 experts of 2304 x 5120): gate / up 153 µs (29 % of the read-only bandwidth),
+# down 66 µs (34 %) against the grouped kernel's 125 / 54 µs (36 / 41 %); 32-row blocks, 8 warps or 128-wide K steps
+# were slower still. Each gate / up program carries two weight streams and two accumulators.
+EVERY_EXPERT_MAX_TOKENS = 64  # one token tile of at most 64 columns per program
+
+_FP8_AMAX_FLOOR = 1e-4  # ops.quant's constants (float32 when used with float32 values)
+_INV_448 = 1.0 / 448.0
+
+
+def fp8_round_groups(v, axis: int):
+    """The release's GEMM-input rounding (``ops.quant.fake_quant_gemm_input_fp8``, 32-value blocks) of float32
+    values ``v`` whose ``axis`` is one 32-value block, in operations the Pallas Triton lowering takes (a kernel's
+    epilogue rounds its output for the next GEMM with it) -> float32, bit for bit ``ops.quant``'s values: the scale
+    2^k with k = ceil(log2(max(amax, 1e-4) / 448)) read off the float32 bits, q = clip(v / 2^k, ±448) converted to
+    e4m3 (nearest-even) and back, times 2^k; a block holding an inf or NaN gives NaN (the reference's scale is inf
+    there). Flags for inf / NaN are taken apart from the maximum, so NaN need not propagate through it."""
+    a = jnp.abs(v)
+    amax = jnp.max(a, axis=axis, keepdims=True)
+    bad = jnp.max(jnp.where(a < jnp.float32(jnp.inf), 0, 1), axis=axis, keepdims=True) > 0
+    t = jnp.maximum(amax, jnp.float32(_FP8_AMAX_FLOOR)) * jnp.float32(_INV_448)
+    b = jax.lax.bitcast_convert_type(t, jnp.int32)  # t > 0: the sign bit is 0
+    k = ((b >> 23) & 0xFF) - 127 + ((b & 0x7FFFFF) != 0).astype(jnp.int32)  # in [-22, 120] for finite blocks
+    k = jnp.where(bad, 0, k)
+    down = jax.lax.bitcast_convert_type((127 - k) << 23, jnp.float32)
+    up = jax.lax.bitcast_convert_type((127 + k) << 23, jnp.float32)
+    q = jnp.clip(v * down, -448.0, 448.0)
+    y = q.astype(jnp.float8_e4m3fn).astype(jnp.float32) * up
+    return jnp.where(bad, jnp.float32(jnp.nan), y)
+
+
+def fp4_every_tiling(n: int, k: int, *, block_n: int | None = None, block_k: int | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None) -> dict:
+    """Tiling of the every-expert kernels for [n, k] expert matrices (any argument given overrides its default):
+    block_n weight rows per program (a power of two times 16 dividing n: the product's row side) and block_k values
+    per K step (a power of two times 32 dividing k) — the kernels have no tail masking; defaults the grouped
+    kernel's weights form (64 / 256, 4 warps, 3 stages)."""
+    if n % 16 or k % SCALE_BLOCK:
+        raise ValueError(f"the every-expert kernels need N a multiple of 16 and K of {SCALE_BLOCK}, got N {n}, K {k}")
+    return dict(block_n=_largest_pow2_divisor(n, block_n or 64, 16),
+                block_k=_largest_pow2_divisor(k, block_k or 256, SCALE_BLOCK), num_warps=num_warps or 4,
+                num_stages=num_stages or 3)
+
+
+def _every_rows(m: int):
+    """The token tile (columns of each program's product) for m tokens, and whether rows need masking."""
+    if not 1 <= m <= EVERY_EXPERT_MAX_TOKENS:
+        raise ValueError(f"the every-expert kernels take 1..{EVERY_EXPERT_MAX_TOKENS} tokens, got {m}")
+    bm = max(16, _pow2(m))
+    return bm, bm != m
+
+
+def _even_odd_columns(a, dot_dtype):
+    """a [..., K] -> the activations of the low / high nibbles [..., K/2] each, in the dot dtype."""
+    pairs = a.astype(dot_dtype).reshape(a.shape[:-1] + (a.shape[-1] // 2, 2))
+    return pairs[..., 0], pairs[..., 1]
+
+
+@functools.partial(jax.jit, static_argnames=("limit", "round_fp8", "block_n", "block_k", "num_warps", "num_stages",
+                                             "name", "interpret"))
+def fp4_every_swiglu(x, wts, used, w1_values, w1_scales, w3_values, w3_scales, *, limit: float,
+                     round_fp8: bool = False, block_n: int | None = None, block_k: int | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None, name: str = "fp4_every_swiglu",
+                     interpret: bool = False):
+    """x [M, K] (bf16 / float32, M <= ``EVERY_EXPERT_MAX_TOKENS``), wts float32 [E, M] (token t's routing weight for
+    expert e, 0 where it did not pick it), used int32 [E] (0: expert e is not read), stacked FP4 experts w1 / w3
+    (values uint8 [E, F, K/2], scales uint8 [E, F, K/32]) -> act [E, M, F] in x.dtype: ``silu(min(g, limit)) *
+    clip(u, ±limit) * wts[e, t]`` with g = x·w1[e]ᵀ, u = x·w3[e]ᵀ rounded to x.dtype; exactly 0 where
+    wts[e, t] = 0 and for unused experts. ``round_fp8``: the activations then rounded as the down projection's input
+    (``fp8_round_groups`` over each 32 of F, after the rounding to x.dtype) in the epilogue — no XLA rounding
+    kernels between the two GEMMs; needs block_n a multiple of 32."""
+    m, k = x.shape
+    e, f, _ = w1_values.shape
+    for nm, v, s in (("w1", w1_values, w1_scales), ("w3", w3_values, w3_scales)):
+        _check_slot_operands(f"fp4_every_swiglu {nm}", v, s, k)
+    if tuple(w3_values.shape) != tuple(w1_values.shape):
+        raise ValueError(f"fp4_every_swiglu: w1 {tuple(w1_values.shape)} and w3 {tuple(w3_values.shape)} differ")
+    if tuple(wts.shape) != (e, m) or tuple(used.shape) != (e,):
+        raise ValueError(f"fp4_every_swiglu: wts must be [E, M] = {(e, m)} and used [E], got {tuple(wts.shape)} / "
+                         f"{tuple(used.shape)}")
+    t = fp4_every_tiling(f, k, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    bn, bk = t["block_n"], t["block_k"]
+    if round_fp8 and bn % SCALE_BLOCK:
+        raise ValueError(f"round_fp8 needs block_n a multiple of {SCALE_BLOCK} (whole rounding blocks), got {bn}")
+    bkh, sg = bk // 2, bk // SCALE_BLOCK
+    bm, row_mask = _every_rows(m)
+    out_dtype = x.dtype
+    dot_dtype = jnp.float32 if x.dtype == jnp.float32 else jnp.bfloat16
+    xe, xo = _even_odd_columns(x, dot_dtype)
+    steps = k // bk
+
+    def kernel(u_ref, w_ref, xe_ref, xo_ref, v1_ref, s1_ref, v3_ref, s3_ref, o_ref):
+        ex, ni = pl.program_id(0), pl.program_id(1)
+        rows = jnp.arange(bm)
+        rmask = rows < m
+        rows_c = jnp.minimum(rows, m - 1)
+        cols = ni * bn + jnp.arange(bn)
+        out_mask = jnp.broadcast_to(rmask[None, :], (bn, bm))
+
+        def tokens(ref, t_):
+            if not row_mask:
+                return ref[:, pl.ds(t_ * bkh, bkh)]
+            cb = t_ * bkh + jnp.arange(bkh)
+            return pltr.load(ref.at[rows_c[:, None], cb[None, :]],
+                             mask=jnp.broadcast_to(rmask[:, None], (bm, bkh)), other=0)
+
+        def compute(t_, accs):
+            xe_t, xo_t = tokens(xe_ref, t_), tokens(xo_ref, t_)
+            new = []
+            for acc, v_ref, s_ref in zip(accs, (v1_ref, v3_ref), (s1_ref, s3_ref)):
+                v = v_ref[ex, pl.ds(ni * bn, bn), pl.ds(t_ * bkh, bkh)]
+                s = s_ref[ex, pl.ds(ni * bn, bn), pl.ds(t_ * sg, sg)]
+                lo, hi = _fp4_weight_tile(v, s, "bf16x2", dot_dtype, interpret)
+                new.append(acc + _dot_nt(lo, xe_t) + _dot_nt(hi, xo_t))
+            return tuple(new)
+
+        @pl.when(u_ref[ex] > 0)
+        def _():
+            zero = jnp.zeros((bn, bm), jnp.float32)
+            a1, a3 = jax.lax.fori_loop(0, steps, compute, (zero, zero))
+            g = a1.astype(out_dtype).astype(jnp.float32)  # as the grouped kernel returns gate / up
+            u = a3.astype(out_dtype).astype(jnp.float32)
+            if limit > 0:
+                u = jnp.clip(u, -limit, limit)
+                g = jnp.minimum(g, limit)
+            wt = pltr.load(w_ref.at[ex, rows_c], mask=rmask, other=0.0)[None, :]
+            # a token that did not pick e (weight 0) gets 0, not silu · u · 0: an overflowed activation there would
+            # reach its sum as NaN
+            act = jnp.where(wt != 0, g / (1.0 + jnp.exp(-g)) * u * wt, 0.0)
+            if round_fp8:  # rows of act are F: [bn / 32, 32, tokens] blocks of the next GEMM's rounding
+                act = act.astype(out_dtype).astype(jnp.float32).reshape(bn // SCALE_BLOCK, SCALE_BLOCK, bm)
+                act = fp8_round_groups(act, axis=1).reshape(bn, bm)
+            # acc[j, i] is act[e, token i, column j]: stored through transposed indices
+            pltr.store(o_ref.at[ex, rows[None, :], cols[:, None]], act.astype(out_dtype), mask=out_mask)
+
+        @pl.when(u_ref[ex] == 0)
+        def _():
+            pltr.store(o_ref.at[ex, rows[None, :], cols[:, None]], jnp.zeros((bn, bm), out_dtype), mask=out_mask)
+
+    return pl.pallas_call(
+        kernel, grid=(e, f // bn), out_shape=jax.ShapeDtypeStruct((e, m, f), out_dtype),
+        compiler_params=_params(t["num_warps"], t["num_stages"]), interpret=interpret, name=name,
+    )(used.astype(jnp.int32), wts.astype(jnp.float32), xe, xo, w1_values, w1_scales, w3_values, w3_scales)
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages", "name", "interpret"))
+def fp4_every_down(act, used, w2_values, w2_scales, *, block_n: int | None = None, block_k: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None, name: str = "fp4_every_down",
+                   interpret: bool = False):
+    """act [E, M, F] (bf16 / float32; expert e's activations of every token), used int32 [E], stacked FP4 experts
+    w2 (values uint8 [E, D, F/2], scales uint8 [E, D, F/32]) -> y [M, D] float32 = the sum over the used experts of
+    act[e]·w2[e]ᵀ, each expert's product rounded to act.dtype first (as the grouped path's per-row outputs)."""
+    e, m, f = act.shape
+    _, d, _ = w2_values.shape
+    _check_slot_operands("fp4_every_down w2", w2_values, w2_scales, f)
+    if w2_values.shape[0] != e or tuple(used.shape) != (e,):
+        raise ValueError(f"fp4_every_down: act has {e} experts, w2 {w2_values.shape[0]}, used {tuple(used.shape)}")
+    t = fp4_every_tiling(d, f, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    bn, bk = t["block_n"], t["block_k"]
+    bkh, sg = bk // 2, bk // SCALE_BLOCK
+    bm, row_mask = _every_rows(m)
+    round_dtype = act.dtype
+    dot_dtype = jnp.float32 if act.dtype == jnp.float32 else jnp.bfloat16
+    ae, ao = _even_odd_columns(act, dot_dtype)
+    steps = f // bk
+
+    def kernel(u_ref, ae_ref, ao_ref, v_ref, s_ref, _zeros_ref, o_ref):
+        ex, ni = pl.program_id(0), pl.program_id(1)
+        rows = jnp.arange(bm)
+        rmask = rows < m
+        rows_c = jnp.minimum(rows, m - 1)
+        cols = ni * bn + jnp.arange(bn)
+
+        def tokens(ref, t_):
+            if not row_mask:
+                return ref[ex, :, pl.ds(t_ * bkh, bkh)]
+            cb = t_ * bkh + jnp.arange(bkh)
+            return pltr.load(ref.at[ex, rows_c[:, None], cb[None, :]],
+                             mask=jnp.broadcast_to(rmask[:, None], (bm, bkh)), other=0)
+
+        def compute(t_, acc):
+            v = v_ref[ex, pl.ds(ni * bn, bn), pl.ds(t_ * bkh, bkh)]
+            s = s_ref[ex, pl.ds(ni * bn, bn), pl.ds(t_ * sg, sg)]
+            lo, hi = _fp4_weight_tile(v, s, "bf16x2", dot_dtype, interpret)
+            return acc + _dot_nt(lo, tokens(ae_ref, t_)) + _dot_nt(hi, tokens(ao_ref, t_))
+
+        @pl.when(u_ref[ex] > 0)
+        def _():
+            acc = jax.lax.fori_loop(0, steps, compute, jnp.zeros((bn, bm), jnp.float32))
+            part = acc.astype(round_dtype).astype(jnp.float32)
+            # the output has the tile's bm rows (rows past M add the zeros of their masked activations): unmasked
+            # adds, which interpret mode can run too
+            pltr.atomic_add(o_ref, (rows[None, :], cols[:, None]), part)
+
+    out = pl.pallas_call(
+        kernel, grid=(e, d // bn), out_shape=jax.ShapeDtypeStruct((bm, d), jnp.float32),
+        input_output_aliases={5: 0}, compiler_params=_params(t["num_warps"], t["num_stages"]), interpret=interpret,
+        name=name,
+    )(used.astype(jnp.int32), ae, ao, w2_values, w2_scales, jnp.zeros((bm, d), jnp.float32))
+    return out[:m] if row_mask else out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The GEMM-input FP8 rounding as one kernel
+# ----------------------------------------------------------------------------------------------------------------
+# XLA compiles ``ops.quant.fake_quant_gemm_input_fp8`` (amax per 32, then scale / round / rescale) into two kernels —
+# the block amax (a reduction) and the rounding that reads it — because it does not fuse a reduction with the
+# elementwise ops that consume it when those use bit casts (benchmarks/RESULTS.md, 2026-12-03: 2.86 µs per rounding at
+# the batch-32 decode step, 7 roundings a layer). Here one program rounds a [32-value groups x 32] tile of one row
+# in registers (``fp8_round_groups``); ``split`` writes the even / odd columns as two arrays, the activation layout
+# of the FP4 kernels' weights-as-rows forms, so that split costs no kernel of its own either.
+ROUND_GROUPS_PER_PROGRAM = 32
+
+
+@functools.partial(jax.jit, static_argnames=("split", "groups", "num_warps", "name", "interpret"))
+def fp8_round_rows(x, *, split: bool = False, groups: int | None = None, num_warps: int | None = None,
+                   name: str = "fp8_round_rows", interpret: bool = False):
+    """x [R, K] (bf16 / float32, K a multiple of 32) -> the release's GEMM-input rounding of every row
+    (``ops.quant.fake_quant_gemm_input_fp8(x, 32)``: the same values bit for bit, in x.dtype), one kernel; with
+    ``split`` the (even, odd) columns [R, K/2] each instead. Grid (row, group block): ``groups`` 32-value groups per
+    program (the largest power of two up to ``ROUND_GROUPS_PER_PROGRAM`` dividing K / 32)."""
+    r, k = x.shape
+    if k % SCALE_BLOCK:
+        raise ValueError(f"fp8_round_rows: K = {k} is not a multiple of the rounding block {SCALE_BLOCK}")
+    kg = k // SCALE_BLOCK
+    gb = _largest_pow2_divisor(kg, groups or ROUND_GROUPS_PER_PROGRAM)
+    dtype = x.dtype
+    half = SCALE_BLOCK // 2
+
+    def kernel(x_ref, *o_refs):
+        ri, gi = pl.program_id(0), pl.program_id(1)
+        v = x_ref[ri, pl.ds(gi * gb, gb), :].astype(jnp.float32)  # [gb, 32]: whole rounding blocks
+        y = fp8_round_groups(v, axis=1).astype(dtype)
+        if not split:
+            o_refs[0][ri, pl.ds(gi * gb, gb), :] = y
+            return
+        ev, od = jax.lax.unstack(y.reshape(gb, half, 2), axis=2)
+        o_refs[0][ri, pl.ds(gi * gb, gb), :] = ev
+        o_refs[1][ri, pl.ds(gi * gb, gb), :] = od
+
+    shapes = ((jax.ShapeDtypeStruct((r, kg, half), dtype),) * 2 if split
+              else (jax.ShapeDtypeStruct((r, kg, SCALE_BLOCK), dtype),))
+    outs = pl.pallas_call(
+        kernel, grid=(r, kg // gb), out_shape=shapes, compiler_params=_params(num_warps or 4, 1),
+        interpret=interpret, name=name,
+    )(x.reshape(r, kg, SCALE_BLOCK))
+    if split:
+        return tuple(o.reshape(r, k // 2) for o in outs)
+    return outs[0].reshape(r, k)

@@ -74,11 +74,13 @@ def _map_with_path(fn, params):
     return jax.tree_util.tree_map_with_path(visit, params, is_leaf=_is_leaf)
 
 
-def mark_fp8_gemm_inputs(params: dict, config: ModelConfig, gemm: str = "reference", tuning: tuple = ()) -> dict:
+def mark_fp8_gemm_inputs(params: dict, config: ModelConfig, gemm: str = "reference", tuning: tuple = (),
+                         round_kernel: bool = False) -> dict:
     """The same parameters with the release's FP8 / FP4 GEMM weights wrapped in ``Fp8GemmInput`` (free under jit:
     a pytree restructure). ``gemm``: how their QuantizedTensor GEMMs run (``Fp8GemmInput.gemm``: "reference" or a
     ``kernels.quant_gemm`` backend); ``tuning``: the FP8 dense kernel's (name, value) pairs
-    (``Fp8GemmInput.tuning``)."""
+    (``Fp8GemmInput.tuning``); ``round_kernel``: their inputs rounded by one Pallas kernel on the GPU
+    (``Fp8GemmInput.round_kernel``)."""
     from dsv41_jax.kernels.quant_gemm import resolve_backend
 
     resolve_backend(gemm)  # an unknown name fails here, not deep in a trace
@@ -87,7 +89,7 @@ def mark_fp8_gemm_inputs(params: dict, config: ModelConfig, gemm: str = "referen
     def mark(w):
         if isinstance(w, LoraWeight):  # the release's rounding belongs to the base GEMM; the adapter reads x as is
             return dataclasses.replace(w, base=mark(w.base))
-        return Fp8GemmInput(w.weight if isinstance(w, Fp8GemmInput) else w, gemm, tuple(tuning))
+        return Fp8GemmInput(w.weight if isinstance(w, Fp8GemmInput) else w, gemm, tuple(tuning), bool(round_kernel))
 
     return _map_with_path(lambda p, w: mark(w) if p in paths else w, params)
 

@@ -224,11 +224,14 @@ class Fp8GemmInput:
     GEMM) or a :mod:`dsv41_jax.kernels.quant_gemm` backend (``"auto"``, ``"pallas_gpu"``, ``"pallas_tpu"``, their
     ``*_interpret`` forms): Pallas kernels that read the stored FP8 / FP4 bytes and dequantise in registers.
     ``tuning`` (static): (name, value) pairs passed to the FP8 dense kernel (``quant_gemm.fp8_linear`` /
-    ``fp8_linear_fused``'s ``tuning``; empty: its defaults) — to measure one kernel form against another."""
+    ``fp8_linear_fused``'s ``tuning``; empty: its defaults) — to measure one kernel form against another.
+    ``round_kernel`` (static): with a ``pallas_gpu`` kernel backend, the input's rounding as one Pallas kernel
+    (``kernels.quant_gemm.fp8_round``; the same values bit for bit) instead of XLA's two (block amax, rounding)."""
 
     weight: Any
     gemm: str = dataclasses.field(default="reference", metadata=dict(static=True))
     tuning: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    round_kernel: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self):
@@ -314,8 +317,14 @@ def quantized_gemm_backend(w) -> str | None:
 
 def gemm_input(x: jax.Array, w) -> jax.Array:
     """``x`` as the GEMM with weight ``w`` consumes it: FP8-rounded per 32 (ue8m0) when ``w`` is marked
-    :class:`Fp8GemmInput`, unchanged otherwise."""
+    :class:`Fp8GemmInput`, unchanged otherwise (one Pallas kernel where the marker asks for it, ``round_kernel``)."""
     if isinstance(w, Fp8GemmInput):
+        be = quantized_gemm_backend(w) if w.round_kernel else None
+        if be is not None and be.startswith("pallas_gpu") and x.shape[-1] % 32 == 0 and x.size and \
+                x.dtype in (jnp.bfloat16, jnp.float32):
+            from dsv41_jax.kernels import quant_gemm  # lazy: kernels import ops
+
+            return quant_gemm.fp8_round(x, backend=be)
         return fake_quant_gemm_input_fp8(x, 32)
     return x
 
@@ -332,7 +341,7 @@ def select_expert(w, e):
     QuantizedTensor, marked): a QuantizedTensor gives the expert's own values and scales, so only that expert's
     packed bytes are read and dequantised."""
     if isinstance(w, Fp8GemmInput):
-        return Fp8GemmInput(select_expert(w.weight, e), w.gemm, w.tuning)
+        return dataclasses.replace(w, weight=select_expert(w.weight, e))
     if _is_quantized(w):
         return dataclasses.replace(w, values=w.values[e], scales=w.scales[e], shape=tuple(w.shape[1:]))
     return w[e]

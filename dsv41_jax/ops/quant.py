@@ -58,7 +58,9 @@ Numerics (bit-exact with the reference on CPU float32; checked against recorded 
   (or a subnormal input read as zero) is below 2^-10 and rounds to the same signed zero in
   e4m3. The rounding is the native float32 -> float8_e4m3fn conversion (nearest-even,
   subnormal step 2^-9, sign kept, so negative values that round to zero give -0.0 as the
-  reference's fp8 cast does); the clamp to +-448 before it is the saturation.
+  reference's fp8 cast does); the clamp to +-448 before it is the saturation. That is on
+  the CPU: XLA:GPU removes the conversion pair as excess precision, so off the CPU the same
+  rounding is done on the bits (``_e4m3_round_trip``).
   ``round_to_fp8_e4m3`` (the e4m3 scales of the FP4 path, any input) rounds on the bits.
 * FP4 rounding follows the reference's thresholds on |q|: > 0.25, >= 0.75, > 1.25, >= 1.75,
   > 2.5, >= 3.5, > 5 (nearest, ties to the even code), sign from the sign bit, and the
@@ -285,6 +287,32 @@ def _block_amax(xb: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
 
 
+def _e4m3_native(q: jax.Array) -> jax.Array:
+    return q.astype(jnp.float8_e4m3fn).astype(_F32)
+
+
+def _e4m3_round_trip(q: jax.Array) -> jax.Array:
+    """float32 ``q`` (|q| <= 448 or NaN) rounded to the nearest e4m3 value (ties to even), float32. XLA:CPU keeps the
+    native float32 -> float8_e4m3fn -> float32 conversion pair (the cheap form); XLA:GPU removes such a pair as
+    "excess precision" (``xla_allow_excess_precision``, on by default: seen in the H200 compile, 2026-12-03, where the
+    GEMM-input rounding had become a no-op), so every other platform rounds on the bits (:func:`round_to_fp8_e4m3`,
+    the same values), which no simplification can drop. Chosen when the program is lowered for its platform."""
+    return lax.platform_dependent(q, cpu=_e4m3_native, default=_e4m3_on_bits)
+
+
+def _e4m3_on_bits(q: jax.Array) -> jax.Array:
+    """:func:`_e4m3_native` for float32 |q| <= 448 (or NaN) without a float8 type: the normal range (|q| >= 2^-6)
+    keeps 3 mantissa bits, nearest-even on the bits; below it the nearest-even multiple of 2^-9 (an exact scaling by
+    2^9, an integer rounding, and back). A few integer ops where :func:`round_to_fp8_e4m3` (any input) takes many."""
+    b = _bits(q)
+    sign, mag = b & _SIGN, b & _ABS
+    lsb = lax.shift_right_logical(mag, _U32(20)) & _U32(1)
+    normal = (mag + _U32(0x7FFFF) + lsb) & _U32(0xFFF00000)
+    sub = _bits(lax.round(_float(mag) * np.float32(512.0), lax.RoundingMethod.TO_NEAREST_EVEN)
+                * np.float32(2.0 ** -9))
+    return _float(sign | jnp.where(mag >= _E4M3_MIN_NORMAL_BITS, normal, sub))
+
+
 def _fake_quant_fp8_e4m3_block(x: jax.Array, block: int = 32) -> jax.Array:
     """Quantise-dequantise to FP8 e4m3 with one power-of-two (ue8m0) scale per ``block``
     values of the last axis (reference ``_fake_quant_fp8_block``).
@@ -296,7 +324,7 @@ def _fake_quant_fp8_e4m3_block(x: jax.Array, block: int = 32) -> jax.Array:
     amax = jnp.maximum(_block_amax(xb), _FP8_AMAX_FLOOR)
     k = _pow2_ceil_exponent(amax * _INV_448)
     q = jnp.clip(xb * _exp2(-k), -FP8_E4M3_MAX, FP8_E4M3_MAX)
-    y = q.astype(jnp.float8_e4m3fn).astype(_F32) * _exp2(k)
+    y = _e4m3_round_trip(q) * _exp2(k)
     y = jnp.where(k >= 128, np.float32(np.nan), y)  # inf/NaN in the block: reference scale = inf
     return y.reshape(x.shape).astype(x.dtype)
 
