@@ -25,8 +25,9 @@ Operations
   one kernel on the GPU (XLA: two).
 
 The activations are taken as given: the release's FP8 rounding of a GEMM's input (``ops.linear.Fp8GemmInput``)
-happens before, in XLA (a few KB at decode), so the kernels see FP8-grid values in bf16 / float32 — products are
-exact and only the float32 accumulation order differs from the reference.
+happens before (a few KB at decode: in XLA, or on the GPU by ``fp8_round``, or in ``fp4_every_swiglu``'s epilogue),
+so the kernels see FP8-grid values in bf16 / float32 — products are exact and only the float32 accumulation order
+differs from the reference.
 """
 
 from __future__ import annotations
@@ -398,4 +399,5 @@ def fp8_round(x: jax.Array, *, split: bool = False, backend: str = "auto"):
 
 
 __all__ = ["BACKENDS", "resolve_backend", "fp8_linear", "fp8_linear_fused", "fp4_grouped", "fp4_slot_swiglu",
-           "fp4_slot_down", "fp4_every_swiglu", "fp4_every_down", "fp8_round", "takes_fp8", "takes_fp4_grouped", "QuantGemmError"]
+           "fp4_slot_down", "fp4_every_swiglu", "fp4_every_down", "fp8_round", "takes_fp8", "takes_fp4_grouped",
+           "QuantGemmError"]
