@@ -104,6 +104,30 @@ GPU_BWD_DEFAULTS = {
 }
 
 
+# The flash-decoding split of the key list (``num_splits``) when the query rows alone leave the GPU's 132
+# multiprocessors (an H200's) partly idle; ``tuning={"split_rule": ...}`` picks one per call, an explicit
+# ``num_splits`` wins over both. The packed-cache and bf16-cache calls take the same rule, so the packed kernels stay
+# bit-equal to unpack-then-kernel (a split count changes the float32 merge order).
+#   "fill"  ceil(132 / programs) splits (at most half the key blocks); 1-4 16-bit query rows: 4 splits.
+#   "wave"  floor(132 / programs) splits (at most half the key blocks): the programs fit in one wave.
+SPLIT_RULES = ("fill", "wave")
+SPLIT_RULE = "fill"
+GPU_SMS = 132
+
+
+def decode_splits(progs: int, nblk: int, few_rows: bool, rule: str = SPLIT_RULE) -> int:
+    """Key-list splits for ``progs`` programs (query rows x head blocks x value blocks) over ``nblk`` key blocks;
+    ``few_rows``: the 16-bit tiling of 1-4 query rows (16 heads a program)."""
+    if rule not in SPLIT_RULES:
+        raise ValueError(f"unknown split rule {rule!r}; choose one of {SPLIT_RULES}")
+    if rule == "fill" and few_rows:
+        return 4
+    if progs >= GPU_SMS:
+        return 1
+    per_wave = -(-GPU_SMS // progs) if rule == "fill" else GPU_SMS // progs
+    return int(max(1, min(nblk // 2, per_wave)))
+
+
 def _gpu_tuning(cfg: _AttnCfg, q, topk, bwd=False):
     """Block sizes for the GPU kernels: explicit ``tuning`` entries win; defaults were picked by the H200 sweeps in
     benchmarks/RESULTS.md (decode: 32 heads x 512 x 32 rows, 4 warps, 3 stages; prefill: 64 x 512 x 64, 8 warps)."""
@@ -111,6 +135,7 @@ def _gpu_tuning(cfg: _AttnCfg, q, topk, bwd=False):
 
     t = dict(cfg.tuning)
     t.pop("fused_bwd", None)
+    rule = t.pop("split_rule", None) or SPLIT_RULE
     b, c, h, d = q.shape
     wide = jnp.dtype(q.dtype).itemsize >= 4  # fp32 tiles are twice the registers / shared memory
     if bwd:
@@ -124,8 +149,8 @@ def _gpu_tuning(cfg: _AttnCfg, q, topk, bwd=False):
         base = dict(block_h=16, block_d=256, block_k=16, num_warps=4, num_stages=2)
     elif rows >= 512:  # prefill-like: many queries
         base = dict(block_h=64, block_d=512, block_k=64, num_warps=8, num_stages=2)
-    elif rows <= 4:  # a handful of queries: split heads finer and split the key list
-        base = dict(block_h=16, block_d=512, block_k=32, num_warps=4, num_stages=3, num_splits=4)
+    elif rows <= 4:  # a handful of queries: split heads finer (and the key list: ``decode_splits``)
+        base = dict(block_h=16, block_d=512, block_k=32, num_warps=4, num_stages=3)
     else:
         base = dict(block_h=32, block_d=512, block_k=32, num_warps=4, num_stages=3)
     for k_, v_ in base.items():
@@ -135,8 +160,7 @@ def _gpu_tuning(cfg: _AttnCfg, q, topk, bwd=False):
         nblk = -(-cfg.wspan // t["block_k"]) + -(-kk // t["block_k"])
         hb = -(-h // max(16, min(t["block_h"], G._pow2(h))))
         db = max(1, G._pow2(d) // t["block_d"])
-        progs = b * c * hb * db
-        t["num_splits"] = 1 if progs >= 132 else int(max(1, min(nblk // 2, -(-132 // progs))))
+        t["num_splits"] = decode_splits(b * c * hb * db, nblk, rows <= 4 and not wide, rule)
     return t
 
 
