@@ -106,12 +106,18 @@ GPU_BWD_DEFAULTS = {
 
 # The flash-decoding split of the key list (``num_splits``) when the query rows alone leave the GPU's 132
 # multiprocessors (an H200's) partly idle; ``tuning={"split_rule": ...}`` picks one per call, an explicit
-# ``num_splits`` wins over both. The packed-cache and bf16-cache calls take the same rule, so the packed kernels stay
-# bit-equal to unpack-then-kernel (a split count changes the float32 merge order).
-#   "fill"  ceil(132 / programs) splits (at most half the key blocks); 1-4 16-bit query rows: 4 splits.
-#   "wave"  floor(132 / programs) splits (at most half the key blocks): the programs fit in one wave.
-SPLIT_RULES = ("fill", "wave")
-SPLIT_RULE = "fill"
+# ``num_splits`` wins over every rule. The packed-cache and bf16-cache calls take the same rule, so the packed kernels
+# stay bit-equal to unpack-then-kernel (a split count changes the float32 merge order).
+#   "fill"      ceil(132 / programs) splits, at most half the key blocks; 1-4 16-bit query rows: 4 splits.
+#   "wave"      floor(132 / programs) splits, at most half the key blocks: the programs fit in one wave.
+#   "few_wave"  (the default) "wave" for 1-4 16-bit query rows, "fill" for more. On an H200 (benchmarks/RESULTS.md,
+#               2026-12-03 18:40 UTC; bench40 layer, top-512 + 129 window rows, kernel µs per call) batch 1 gained
+#               on both caches with more splits than 4 (bf16 cache 27.5 -> 20.5 µs at 8, packed 43.7 -> 31.6) and
+#               the 40-layer release step 9.62 -> 9.20 ms; at batch 32 "wave" (2 splits instead of 3) made the
+#               packed kernel faster (141.6 -> 132.7 µs, the step 22.71 -> 21.91 ms) but the bf16-cache kernel slower
+#               (60.1 -> 71.2 µs), so batch 32 keeps "fill".
+SPLIT_RULES = ("fill", "wave", "few_wave")
+SPLIT_RULE = "few_wave"
 GPU_SMS = 132
 
 
@@ -120,6 +126,8 @@ def decode_splits(progs: int, nblk: int, few_rows: bool, rule: str = SPLIT_RULE)
     ``few_rows``: the 16-bit tiling of 1-4 query rows (16 heads a program)."""
     if rule not in SPLIT_RULES:
         raise ValueError(f"unknown split rule {rule!r}; choose one of {SPLIT_RULES}")
+    if rule == "few_wave":
+        rule = "wave" if few_rows else "fill"
     if rule == "fill" and few_rows:
         return 4
     if progs >= GPU_SMS:
