@@ -111,8 +111,24 @@ def _median_s(fn, *args, n=20):
     return statistics.median(ts)
 
 
+def _looped(fn, n: int):
+    """``fn(ring, kv, dp)`` called ``n`` times in one jitted program, each call's positions offset by a zero the
+    compiler cannot see through (derived from the previous call's output), so no call is hoisted or merged: the
+    time per call is then the kernels' own, without the host's dispatch and sync."""
+    @jax.jit
+    def run(ring, kv):
+        def body(_, carry):
+            dp, acc = carry
+            x = fn(ring, kv, dp)[0, 0, 0, 0].astype(jnp.float32)
+            return (x != x).astype(jnp.int32), acc + x
+        dp, acc = jax.lax.fori_loop(0, n - 1, body, (jnp.int32(0), jnp.float32(0)))
+        return dp, acc, fn(ring, kv, dp)  # the last call's whole output, for the checks
+    return run
+
+
 def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: bool,
-                 attn_tuning: dict | None = None, attn_tunings: list | None = None, lean: bool = False) -> dict:
+                 attn_tuning: dict | None = None, attn_tunings: list | None = None, lean: bool = False,
+                 tune_bf16: bool = False, no_indexer: bool = False, loop: int = 0) -> dict:
     c = config
     rng = np.random.default_rng(batch)
     hd, di, h, hi, w = c.head_dim, c.index_head_dim, c.num_attention_heads, c.index_n_heads, c.sliding_window
@@ -137,8 +153,8 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
     iw = jnp.asarray(rng.normal(size=(batch, 1, hi)), jnp.float32) * hi ** -0.5
 
     @jax.jit
-    def attention(ring, kv):  # packed ring + packed KV read by the kernel
-        return KN.sparse_attention(q, pos, new, wpos, kv, topk, sink, window=w, backend=backend,
+    def attention(ring, kv, dp=0):  # packed ring + packed KV read by the kernel
+        return KN.sparse_attention(q, pos + dp, new, wpos, kv, topk, sink, window=w, backend=backend,
                                    win_ring=(ring, base))
 
     @jax.jit
@@ -147,9 +163,9 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
                                    win_ring=(ring, base), tuning=attn_tuning)
 
     @jax.jit
-    def attention_unpack(ring, kv):
+    def attention_unpack(ring, kv, dp=0):
         win = jnp.concatenate([KN.ring_rows(PC.read(ring), base).astype(dtype), new], axis=1)
-        return KN.sparse_attention(q, pos, win, wpos, PC.read(kv), topk, sink, window=w, backend=backend)
+        return KN.sparse_attention(q, pos + dp, win, wpos, PC.read(kv), topk, sink, window=w, backend=backend)
 
     @jax.jit
     def attention_ring_only(ring, kv):  # packed ring read by the kernel, KV unpacked first
@@ -161,10 +177,11 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
         win = jnp.concatenate([KN.ring_rows(PC.read(ring), base).astype(dtype), new], axis=1)
         return KN.sparse_attention(q, pos, win, wpos, kv, topk, sink, window=w, backend=backend)
 
-    @jax.jit
-    def attention_bf16(ring, kv):  # a bf16 cache: ring and KV in bf16
+    def attention_bf16_at(ring, kv, dp=0, tuning=None):  # a bf16 cache: ring and KV in bf16
         win = jnp.concatenate([KN.ring_rows(ring, base), new], axis=1)
-        return KN.sparse_attention(q, pos, win, wpos, kv, topk, sink, window=w, backend=backend)
+        return KN.sparse_attention(q, pos + dp, win, wpos, kv, topk, sink, window=w, backend=backend, tuning=tuning)
+
+    attention_bf16 = jax.jit(attention_bf16_at)
 
     def indexer(ks):
         return KN.indexer_topk(iq, iw, ks, pos, ratio=1, topk=k, block_size=bs,
@@ -181,14 +198,43 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
         finally:
             G.PACKED_LOAD = old
 
-    attention_gather = jax.jit(lambda ring, kv: KN.sparse_attention(
-        q, pos, new, wpos, kv, topk, sink, window=w, backend=backend, win_ring=(ring, base),
+    attention_gather = jax.jit(lambda ring, kv, dp=0: KN.sparse_attention(
+        q, pos + dp, new, wpos, kv, topk, sink, window=w, backend=backend, win_ring=(ring, base),
         tuning={"packed_load": "gather"}))
     tuned = {json.dumps(t_, sort_keys=True): jax.jit(functools.partial(
-        lambda ring, kv, t_: KN.sparse_attention(q, pos, new, wpos, kv, topk, sink, window=w, backend=backend,
-                                                 win_ring=(ring, base), tuning=t_), t_=t_))
-        for t_ in (attn_tunings or [])}
+        lambda ring, kv, dp=0, t_=None: KN.sparse_attention(q, pos + dp, new, wpos, kv, topk, sink, window=w,
+                                                            backend=backend, win_ring=(ring, base), tuning=t_),
+        t_=t_)) for t_ in (attn_tunings or [])}
+    # the bf16 cache at the same tunings (the packed-row entries dropped: they do not apply to bf16 rows)
+    tuned_bf16 = {json.dumps(t_, sort_keys=True): jax.jit(functools.partial(attention_bf16_at, tuning={
+        k_: v_ for k_, v_ in t_.items() if not k_.startswith("packed_")})) for t_ in (attn_tunings or [])
+        if tune_bf16}
     bf16_ring, bf16_kv, bf16_keys = (PC.read(x).astype(dtype) for x in (ring, ckv, keys))
+    if lean and loop:  # every form only as its looped program (half the compiles): the checks on its last call
+        forms = ((("bf16", attention_bf16, (bf16_ring, bf16_kv)),
+                  ("unpack", attention_unpack, (ring, ckv)), ("direct", attention, (ring, ckv)))
+                 + tuple((f"direct {n_}", f_, (ring, ckv)) for n_, f_ in tuned.items())
+                 + tuple((f"bf16 {n_}", f_, (bf16_ring, bf16_kv)) for n_, f_ in tuned_bf16.items()))
+        forms = tuple((name, _looped(f, loop), x) for name, f, x in forms)
+        outs = {name: np.asarray(f(*x)[2], np.float64) for name, f, x in forms}
+
+        def rel(x, y):
+            return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
+
+        forms_rel = {n_: ({"vs bf16 (defaults)": rel(o_, outs["bf16"])} if n_.startswith("bf16") else
+                          {"vs unpack": rel(o_, outs["unpack"]), "vs direct": rel(o_, outs["direct"]),
+                           "vs bf16 at the same tuning": rel(o_, outs.get("bf16" + n_[6:], np.nan))})
+                     for n_, o_ in outs.items() if n_ not in ("bf16", "unpack")}
+        print(f"batch {batch}: relative distances (last call of each program): {forms_rel}", flush=True)
+        res = dict(batch=batch, context=context, topk=k, dtype=str(jnp.dtype(dtype)), loop=loop,
+                   attention_equal=bool(np.array_equal(outs["direct"], outs["unpack"])), indexer_equal=True,
+                   forms_rel=forms_rel, indexer="not run (--loop)")
+        if smoke:
+            return res
+        res["attention_us"] = {name: 1e6 * _median_s(f, *x) / loop for name, f, x in forms}
+        print(f"batch {batch}: attention µs per call ({loop} calls a program): "
+              + ", ".join(f"{n_} {v_:,.1f}" for n_, v_ in res["attention_us"].items()), flush=True)
+        return res
     # equality first: the packed forms must give the unpacking forms' results bit for bit
     a, b_ = attention(ring, ckv), attention_unpack(ring, ckv)
     same_attn = bool(np.array_equal(np.asarray(a, np.float32), np.asarray(b_, np.float32)))
@@ -215,19 +261,25 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
     forms_rel["direct"] = {"vs unpack": float(np.linalg.norm(a64 - b64) / max(np.linalg.norm(b64), 1e-30))}
     print(f"batch {batch}: other forms equal to the unpacking path: {forms_equal}", flush=True)
     print(f"batch {batch}: relative distances: {forms_rel}", flush=True)
+    for name_, f_ in tuned_bf16.items():  # each bf16-cache tuning against the bf16 cache at the defaults
+        o64 = np.asarray(f_(bf16_ring, bf16_kv), np.float64)
+        r64 = np.asarray(attention_bf16(bf16_ring, bf16_kv), np.float64)
+        forms_rel[f"bf16 {name_}"] = {"vs bf16": float(np.linalg.norm(o64 - r64) / max(np.linalg.norm(r64), 1e-30))}
     if lean:  # timings and equality only (no float32 distances / one-operand forms: fewer device compiles)
         res = dict(batch=batch, context=context, topk=k, dtype=str(jnp.dtype(dtype)), attention_equal=same_attn,
-                   indexer_equal=same_idx, forms_equal=forms_equal, forms_rel=forms_rel)
+                   indexer_equal=same_idx, forms_equal=forms_equal, forms_rel=forms_rel, loop=loop)
+        forms = ((("bf16", attention_bf16, (bf16_ring, bf16_kv)),
+                  ("unpack", attention_unpack, (ring, ckv)), ("direct", attention, (ring, ckv)),
+                  ("direct gather", attention_gather, (ring, ckv)))
+                 + tuple((f"direct {n_}", f_, (ring, ckv)) for n_, f_ in tuned.items())
+                 + tuple((f"bf16 {n_}", f_, (bf16_ring, bf16_kv)) for n_, f_ in tuned_bf16.items()))
         if smoke:
             return res
-        res["attention_us"] = {name: 1e6 * _median_s(f, *x) for name, f, x in
-                               (("bf16", attention_bf16, (bf16_ring, bf16_kv)),
-                                ("unpack", attention_unpack, (ring, ckv)), ("direct", attention, (ring, ckv)),
-                                ("direct gather", attention_gather, (ring, ckv)))
-                               + tuple((f"direct {n_}", f_, (ring, ckv)) for n_, f_ in tuned.items())}
-        res["indexer_us"] = {name: 1e6 * _median_s(f, x) for name, f, x in
-                             (("bf16", indexer_direct, bf16_keys), ("unpack", indexer_unpack, keys),
-                              ("direct", indexer_direct, keys), ("direct gather", indexer_gather, keys))}
+        res["attention_us"] = {name: 1e6 * _median_s(f, *x) for name, f, x in forms}
+        if not no_indexer:
+            res["indexer_us"] = {name: 1e6 * _median_s(f, x) for name, f, x in
+                                 (("bf16", indexer_direct, bf16_keys), ("unpack", indexer_unpack, keys),
+                                  ("direct", indexer_direct, keys), ("direct gather", indexer_gather, keys))}
         return res
     # how far apart, against float32: both kernel forms and the plain-JAX reference on the same (upcast) values. On
     # an H200 the two forms differed (2026-12-02) while equal bit for bit in interpret mode on CPU; if both lie
@@ -283,10 +335,18 @@ def main():
     ap.add_argument("--context", type=int, default=16384)
     ap.add_argument("--out", default=None)
     ap.add_argument("--attn-tunings", default="", help="JSON list: the packed form also at each of these sparse-"
-                                                       "attention tunings (with --lean)")
+                                                       "attention tunings (with --lean); or an object of such "
+                                                       "lists keyed by batch")
     ap.add_argument("--tunings-batches", default="32", help="the batches --attn-tunings applies to")
     ap.add_argument("--lean", action="store_true", help="time bf16 / unpack / direct / direct gather (the first "
                                                         "packed-row load) and the tunings only")
+    ap.add_argument("--tune-bf16", action="store_true", help="--lean: the bf16-cache form at each of --attn-tunings "
+                                                            "too (its packed-row entries dropped)")
+    ap.add_argument("--no-indexer", action="store_true", help="--lean: leave out the indexer timings")
+    ap.add_argument("--loop", type=int, default=0, help="--lean: time each attention form as this many calls in "
+                                                        "one program (µs per call; 0: one call a program); the "
+                                                        "checks then compare each program's last call, the "
+                                                        "indexer and the gather form are left out")
     ap.add_argument("--attn-tuning", default="", help="JSON: also the packed form at this sparse-attention tuning "
                                                       "(e.g. '{\"num_warps\": 8}')")
     args = ap.parse_args()
@@ -303,18 +363,25 @@ def main():
         out["timings"] = []
         for b in batches:
             tb = [int(x) for x in args.tunings_batches.split(",")] if args.tunings_batches else []
+            tunings = json.loads(args.attn_tunings) if args.attn_tunings else None
+            if isinstance(tunings, dict):  # {"batch": [tunings], ...}
+                tunings = tunings.get(str(b)) or (next(iter(tunings.values()), None) if args.smoke else None)
             r = time_kernels(config, b, ctx, backend, jnp.bfloat16, args.smoke,
                              json.loads(args.attn_tuning) if args.attn_tuning else None,
-                             json.loads(args.attn_tunings) if args.attn_tunings and (b in tb or args.smoke) else None,
-                             args.lean)
+                             tunings if tunings and (b in tb or args.smoke) else None,
+                             args.lean, args.tune_bf16, args.no_indexer, args.loop)
             out["timings"].append(r)
+            if args.out:  # after every batch, so that a run cut short keeps the batches done
+                os.makedirs(args.out, exist_ok=True)
+                with open(os.path.join(args.out, "bench_packed_cache_kernels.json"), "w") as f:
+                    json.dump(out, f, indent=1)
             for kind in ("attention", "indexer"):
                 t = r.get(f"{kind}_us", {})
                 cells = " | ".join(f"{t[f]:,.1f}" if f in t else "-" for f in ("bf16", "unpack", "direct"))
                 print(f"| {b} | {kind} | {cells} | {r[f'{kind}_equal']} |")
             for kind in ("attention", "indexer"):
                 extra = {f: v for f, v in r.get(f"{kind}_us", {}).items() if f not in ("bf16", "unpack", "direct")}
-                if extra:
+                if extra and "direct" in r[f"{kind}_us"]:
                     d_ = r[f"{kind}_us"]["direct"]
                     print(f"(batch {b} {kind}, other forms: " + ", ".join(
                         f"{f} {v:,.1f} µs ({v / d_:.2f}x direct)" for f, v in extra.items()) + ")")

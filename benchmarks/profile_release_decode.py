@@ -557,7 +557,7 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
                 readback: tuple = (1, 8, 32), profile_steps: int = 3, trace_max_mb: float = 15.0,
                 no_release_bf16_cache=False, profile_until_s: float | None = None,
                 engram_host_gathers: tuple = ("kernel",), timing_repeats: int = 1, mhc_projections: tuple = (),
-                release_options: tuple = ()):
+                release_options: tuple = (), bf16_options=False):
     """Per batch: every form's first call (trace + compile + one step) concurrently in threads (XLA compiles
     release the GIL; the forms' first-call times overlap, so each is an upper bound of its compile), then each
     form timed and profiled alone. ``engram_host``: after every batch's rows are saved, the release form with the
@@ -573,6 +573,7 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
     ``release_options``: dicts of ``InferenceOptions`` fields; for each, release-weight forms with those fields set
     beside the ones on the defaults (one per release cache form run: ``release_cache`` and the bf16 cache unless
     ``no_release_bf16_cache``); a dict of options that only act at batches > 1 (``BATCH1_SAME``) skips batch 1.
+    ``bf16_options``: a bf16 form with each of them too (its same-run baseline stays the bf16 form on the defaults).
     ``profile_until_s``: device-loop rows timed after this many seconds are not profiled (the profile of a 40-layer
     program costs tens of seconds; the step times still come).
     Each row's floor: ``profile_decode.step_bytes`` of its weights and cache over the read-only bandwidth measured
@@ -622,6 +623,8 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
         caches = [(None, "")] * (not no_release_bf16_cache) + [
             (how, f", release cache ({'kernels read it packed' if how == 'kernels' else 'unpacked every step'})")
             for how in release_cache]
+        if bf16_options and not no_bf16:
+            forms.append((f"bf16, {extra}{tag}", p16, InferenceOptions(**base, **extra), False))
         for how, cname in caches:
             forms.append((f"release, one-token FP4 kernels{cname}, {extra}{tag}", prel,
                           InferenceOptions(**rel, fp4_one_token=True, **extra,
@@ -856,6 +859,9 @@ def main():
     ap.add_argument("--release-options", default="",
                     help="decode: a JSON list of dicts of InferenceOptions fields; for each, release forms with them "
                          "set (e.g. '[{\"fp4_every_expert\": true}]'), beside the forms on the defaults")
+    ap.add_argument("--bf16-options", action="store_true",
+                    help="decode: a bf16 form with each of --release-options too (e.g. '[{\"attention_split_rule\": "
+                         "\"wave\"}]': both caches' attention on another split rule)")
     ap.add_argument("--trace-max-mb", type=float, default=15.0,
                     help="decode: keep a form's perfetto trace in --out when under this size (0: none)")
     ap.add_argument("--dense32", action="store_true",
@@ -907,7 +913,8 @@ def main():
                             args.no_release_bf16_cache, args.profile_until_s,
                             tuple(filter(None, args.engram_host_gathers.split(","))), args.timing_repeats,
                             mhc_projections=tuple(filter(None, args.mhc_projections.split(","))),
-                            release_options=tuple(json.loads(args.release_options or "[]")))
+                            release_options=tuple(json.loads(args.release_options or "[]")),
+                            bf16_options=args.bf16_options)
             except Exception as e:  # noqa: BLE001
                 OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
                 log(f"decode FAILED: {type(e).__name__}: {str(e)[:300]}")

@@ -3,6 +3,8 @@ mode on CPU): the sparse attention over packed FP4 compressed KV and the indexer
 kernels run on ``packed_cache.read`` of the buffer, bit for bit (the in-register dequantisation gives exactly the
 unpacked values, and everything after it is the same kernel)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,6 +72,56 @@ def test_sparse_attention_on_packed_compressed_kv_equals_unpacked(dtype, d, tuni
     assert got.dtype == want.dtype == dtype
     np.testing.assert_array_equal(_bits(got), _bits(want))
     assert np.isfinite(np.asarray(got, np.float32)).all()
+
+
+def test_decode_split_rules():
+    """The split of the key list: "fill" is the rule before the rules were named (ceil(132 / programs), at most half
+    the key blocks; 4 for 1-4 16-bit rows), "wave" keeps the programs to one wave of the 132 multiprocessors,
+    "few_wave" (the default) is "wave" for 1-4 16-bit rows and "fill" above; an explicit ``num_splits`` wins."""
+    cases = {  # (programs, key blocks, few 16-bit rows): (fill, wave, few_wave)
+        (64, 21, False): (3, 2, 3),  # bench40 decode at batch 32: 64 heads in 32-head tiles
+        (4, 21, True): (4, 10, 10),  # batch 1: 16-head tiles, 5 window + 16 compressed key blocks
+        (4, 5, True): (4, 2, 2),  # batch 1 without compressed rows
+        (200, 21, False): (1, 1, 1),  # more than one wave already
+        (50, 4, False): (2, 2, 2),  # capped at half the key blocks
+        (8, 21, False): (10, 10, 10),
+    }
+    for (progs, nblk, few), want in cases.items():
+        assert tuple(KN.decode_splits(progs, nblk, few, r) for r in KN.SPLIT_RULES) == want, (progs, nblk, few)
+    assert KN.SPLIT_RULE == "few_wave"
+    with pytest.raises(ValueError, match="split rule"):
+        KN.decode_splits(4, 21, True, "half")
+    q = jnp.zeros((32, 1, 64, 512), jnp.bfloat16)
+    cfg = KN._AttnCfg("pallas_gpu", "explicit", 128, 1.0, 129, 0, (("split_rule", "wave"),))
+    topk = jnp.zeros((32, 1, 512), jnp.int32)
+    assert KN._gpu_tuning(cfg, q, topk)["num_splits"] == 2
+    assert "split_rule" not in KN._gpu_tuning(cfg, q, topk)
+    default = dataclasses.replace(cfg, tuning=())
+    assert KN._gpu_tuning(default, q, topk)["num_splits"] == 3  # batch 32: "fill"
+    assert KN._gpu_tuning(default, q[:1], topk[:1])["num_splits"] == 10  # batch 1: "wave"
+    # float32 tiles (16 heads x 256 values, 16-row key blocks: 8 programs, 41 blocks) keep "fill" at one row
+    assert KN._gpu_tuning(default, q[:1].astype(jnp.float32), topk[:1])["num_splits"] == 17
+    cfg1 = dataclasses.replace(cfg, tuning=(("num_splits", 5), ("split_rule", "wave")))
+    assert KN._gpu_tuning(cfg1, q[:1], topk[:1])["num_splits"] == 5
+
+
+@pytest.mark.parametrize("rule", KN.SPLIT_RULES)
+def test_packed_attention_equals_unpacked_under_each_split_rule(rule):
+    """Both caches take the same split rule, so the packed kernel stays bit-equal to unpack-then-kernel under each
+    (7 key blocks of 16 rows: "fill" 4 splits, "wave" / "few_wave" 3)."""
+    rng = np.random.default_rng(11)
+    b, c, h, d, n, k, w = 1, 1, 4, 64, 120, 96, 16
+    q = jnp.asarray(rng.normal(size=(b, c, h, d)), jnp.bfloat16)
+    win = jnp.asarray(rng.normal(size=(b, w, d)), jnp.bfloat16)
+    wpos = jnp.asarray(100 - w + np.arange(w)[None, :], jnp.int32)
+    qpos = jnp.full((b, c), 100, jnp.int32)
+    ckv = _packed(rng, (b, n, d), PC.FP4_E4M3_16, jnp.bfloat16)
+    topk = jnp.asarray(np.sort(rng.choice(n, size=(b, c, k), replace=False), axis=-1), jnp.int32)
+    sink = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
+    kw = dict(window=w, backend=GPU, tuning={"split_rule": rule, "block_k": 16, "packed_ahead": True})
+    got = KN.sparse_attention(q, qpos, win, wpos, ckv, topk, sink, **kw)
+    want = KN.sparse_attention(q, qpos, win, wpos, PC.read(ckv), topk, sink, **kw)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
 @pytest.mark.parametrize("dtype,tuning", [(jnp.bfloat16, {}), (jnp.float32, {"block_d": 32, "block_k": 16})])

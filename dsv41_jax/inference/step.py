@@ -154,6 +154,9 @@ class InferenceOptions:
     #                              recipe, batch 1: the greedy step 2.22 -> 1.99 ms, same tokens; the speculative
     #                              device loop's compile 17 -> 22 s (RESULTS.md, "DSpark on the H200", calls 12-13)
 
+    attention_split_rule: str | None = None  # the GPU sparse attention's split of the key list over programs
+    #                              (kernels.SPLIT_RULES; None: kernels.SPLIT_RULE) — the packed and bf16 caches alike
+
     def resolved_quant(self, config: ModelConfig) -> bool:
         return config.quant_sim if self.quant_sim is None else self.quant_sim
 
@@ -458,14 +461,15 @@ def streaming_select(q, weights, keys, q_pos, *, ratio: int, topk: int, block_si
 # ----------------------------------------------------------------------------------------------------------
 
 def chunk_attention(q, pos, win_kv, win_pos, compressed, topk, sink, *, window: int, floor, q_block: int,
-                    backend: str = "auto", win_ring=None, banded: bool = False):
+                    backend: str = "auto", win_ring=None, banded: bool = False, tuning: dict | None = None):
     """q [B, C, H, D] at pos [B, C]; window keys [B, W + C, D] where index k holds position pos0 - W + k.
     ``win_ring`` (one query block only): (ring, pos0), the first W window keys read from the ring itself and
     ``win_kv`` [B, C, D] the chunk's (``kernels.sparse_attention``). ``banded``: a chunk of more than ``q_block``
     queries runs as one kernel call in which each query scans only its window's rows (that layout is
-    ``kernels.sparse_attention``'s ``band``), not as a map over query blocks each scanning W + q_block rows."""
+    ``kernels.sparse_attention``'s ``band``), not as a map over query blocks each scanning W + q_block rows.
+    ``tuning``: the kernels' (``kernels.sparse_attention``), every call alike."""
     b, t = q.shape[:2]
-    sparse_attention = functools.partial(kernels.sparse_attention, backend=backend)
+    sparse_attention = functools.partial(kernels.sparse_attention, backend=backend, tuning=tuning)
     if banded and t > q_block and win_ring is None:
         # The map's blocks ran the kernel's 256-query tiling (32 heads per program: every key row read twice) over
         # W + 256 window rows per query, and sliced each block's queries out (16 kernels + ~120 XLA glue kernels per
@@ -551,7 +555,8 @@ def attention_step(p: dict, x: jax.Array, spec: LayerSpec, pos: jax.Array, pos0:
     floor = cache["floor"] if spec.stack == "decoder" else 0
     out = chunk_attention(q, pos, win_kv, win_pos, compressed, topk, p["attn_sink"], window=c.sliding_window,
                           floor=floor, q_block=opts.query_chunk, backend=opts.kernel_backend, win_ring=win_ring,
-                          banded=banded_chunk_attention(opts))
+                          banded=banded_chunk_attention(opts),
+                          tuning={"split_rule": opts.attention_split_rule} if opts.attention_split_rule else None)
     return attention_output(p, out, cos, sin, c), cache, shared
 
 

@@ -104,6 +104,38 @@ GPU_BWD_DEFAULTS = {
 }
 
 
+# The flash-decoding split of the key list (``num_splits``) when the query rows alone leave the GPU's 132
+# multiprocessors (an H200's) partly idle; ``tuning={"split_rule": ...}`` picks one per call, an explicit
+# ``num_splits`` wins over every rule. The packed-cache and bf16-cache calls take the same rule, so the packed kernels
+# stay bit-equal to unpack-then-kernel (a split count changes the float32 merge order).
+#   "fill"      ceil(132 / programs) splits, at most half the key blocks; 1-4 16-bit query rows: 4 splits.
+#   "wave"      floor(132 / programs) splits, at most half the key blocks: the programs fit in one wave.
+#   "few_wave"  (the default) "wave" for 1-4 16-bit query rows, "fill" for more. On an H200 (benchmarks/RESULTS.md,
+#               2026-12-03 18:40 UTC; bench40 layer, top-512 + 129 window rows, kernel µs per call) batch 1 gained
+#               on both caches with more splits than 4 (bf16 cache 27.5 -> 20.5 µs at 8, packed 43.7 -> 31.6) and
+#               the 40-layer release step 9.62 -> 9.20 ms; at batch 32 "wave" (2 splits instead of 3) made the
+#               packed kernel faster (141.6 -> 132.7 µs, the step 22.71 -> 21.91 ms) but the bf16-cache kernel slower
+#               (60.1 -> 71.2 µs), so batch 32 keeps "fill".
+SPLIT_RULES = ("fill", "wave", "few_wave")
+SPLIT_RULE = "few_wave"
+GPU_SMS = 132
+
+
+def decode_splits(progs: int, nblk: int, few_rows: bool, rule: str = SPLIT_RULE) -> int:
+    """Key-list splits for ``progs`` programs (query rows x head blocks x value blocks) over ``nblk`` key blocks;
+    ``few_rows``: the 16-bit tiling of 1-4 query rows (16 heads a program)."""
+    if rule not in SPLIT_RULES:
+        raise ValueError(f"unknown split rule {rule!r}; choose one of {SPLIT_RULES}")
+    if rule == "few_wave":
+        rule = "wave" if few_rows else "fill"
+    if rule == "fill" and few_rows:
+        return 4
+    if progs >= GPU_SMS:
+        return 1
+    per_wave = -(-GPU_SMS // progs) if rule == "fill" else GPU_SMS // progs
+    return int(max(1, min(nblk // 2, per_wave)))
+
+
 def _gpu_tuning(cfg: _AttnCfg, q, topk, bwd=False):
     """Block sizes for the GPU kernels: explicit ``tuning`` entries win; defaults were picked by the H200 sweeps in
     benchmarks/RESULTS.md (decode: 32 heads x 512 x 32 rows, 4 warps, 3 stages; prefill: 64 x 512 x 64, 8 warps)."""
@@ -111,6 +143,7 @@ def _gpu_tuning(cfg: _AttnCfg, q, topk, bwd=False):
 
     t = dict(cfg.tuning)
     t.pop("fused_bwd", None)
+    rule = t.pop("split_rule", None) or SPLIT_RULE
     b, c, h, d = q.shape
     wide = jnp.dtype(q.dtype).itemsize >= 4  # fp32 tiles are twice the registers / shared memory
     if bwd:
@@ -124,8 +157,8 @@ def _gpu_tuning(cfg: _AttnCfg, q, topk, bwd=False):
         base = dict(block_h=16, block_d=256, block_k=16, num_warps=4, num_stages=2)
     elif rows >= 512:  # prefill-like: many queries
         base = dict(block_h=64, block_d=512, block_k=64, num_warps=8, num_stages=2)
-    elif rows <= 4:  # a handful of queries: split heads finer and split the key list
-        base = dict(block_h=16, block_d=512, block_k=32, num_warps=4, num_stages=3, num_splits=4)
+    elif rows <= 4:  # a handful of queries: split heads finer (and the key list: ``decode_splits``)
+        base = dict(block_h=16, block_d=512, block_k=32, num_warps=4, num_stages=3)
     else:
         base = dict(block_h=32, block_d=512, block_k=32, num_warps=4, num_stages=3)
     for k_, v_ in base.items():
@@ -135,8 +168,7 @@ def _gpu_tuning(cfg: _AttnCfg, q, topk, bwd=False):
         nblk = -(-cfg.wspan // t["block_k"]) + -(-kk // t["block_k"])
         hb = -(-h // max(16, min(t["block_h"], G._pow2(h))))
         db = max(1, G._pow2(d) // t["block_d"])
-        progs = b * c * hb * db
-        t["num_splits"] = 1 if progs >= 132 else int(max(1, min(nblk // 2, -(-132 // progs))))
+        t["num_splits"] = decode_splits(b * c * hb * db, nblk, rows <= 4 and not wide, rule)
     return t
 
 
