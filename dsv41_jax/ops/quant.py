@@ -58,9 +58,9 @@ Numerics (bit-exact with the reference on CPU float32; checked against recorded 
   (or a subnormal input read as zero) is below 2^-10 and rounds to the same signed zero in
   e4m3. The rounding is the native float32 -> float8_e4m3fn conversion (nearest-even,
   subnormal step 2^-9, sign kept, so negative values that round to zero give -0.0 as the
-  reference's fp8 cast does); the clamp to +-448 before it is the saturation. That is on
-  the CPU: XLA:GPU removes the conversion pair as excess precision, so off the CPU the same
-  rounding is done on the bits (``_e4m3_round_trip``).
+  reference's fp8 cast does); the clamp to +-448 before it is the saturation. It is done on
+  the bits (``_e4m3_round_trip``): XLA:GPU removes a float32 -> float8 -> float32 conversion
+  pair as excess precision, which made the rounding a no-op there.
   ``round_to_fp8_e4m3`` (the e4m3 scales of the FP4 path, any input) rounds on the bits.
 * FP4 rounding follows the reference's thresholds on |q|: > 0.25, >= 0.75, > 1.25, >= 1.75,
   > 2.5, >= 3.5, > 5 (nearest, ties to the even code), sign from the sign bit, and the
@@ -288,16 +288,19 @@ def _block_amax(xb: jax.Array) -> jax.Array:
 
 
 def _e4m3_native(q: jax.Array) -> jax.Array:
+    """The native float32 -> float8_e4m3fn -> float32 conversion pair: the oracle :func:`_e4m3_on_bits` is tested
+    against (on the CPU, which keeps the pair), not used by the model."""
     return q.astype(jnp.float8_e4m3fn).astype(_F32)
 
 
 def _e4m3_round_trip(q: jax.Array) -> jax.Array:
-    """float32 ``q`` (|q| <= 448 or NaN) rounded to the nearest e4m3 value (ties to even), float32. XLA:CPU keeps the
-    native float32 -> float8_e4m3fn -> float32 conversion pair (the cheap form); XLA:GPU removes such a pair as
+    """float32 ``q`` (|q| <= 448 or NaN) rounded to the nearest e4m3 value (ties to even), float32, on every platform
+    by :func:`_e4m3_on_bits`. Not the native conversion pair (:func:`_e4m3_native`): XLA:GPU removes such a pair as
     "excess precision" (``xla_allow_excess_precision``, on by default: seen in the H200 compile, 2026-12-03, where the
-    GEMM-input rounding had become a no-op), so every other platform rounds on the bits (:func:`round_to_fp8_e4m3`,
-    the same values), which no simplification can drop. Chosen when the program is lowered for its platform."""
-    return lax.platform_dependent(q, cpu=_e4m3_native, default=_e4m3_on_bits)
+    GEMM-input rounding had become a no-op). The bit form gives the same values (tested on every e4m3 value, tie and
+    neighbour) and no simplification can drop it; one form for every platform keeps a conditional out of the
+    programs (a ``lax.platform_dependent`` choice is a ``cond`` in the decode step's graph)."""
+    return _e4m3_on_bits(q)
 
 
 def _e4m3_on_bits(q: jax.Array) -> jax.Array:
