@@ -321,7 +321,16 @@ def test_moe_routing_semantics():
 @pytest.mark.parametrize("quant", [False, True])
 def test_packed_documents_equal_separate_runs(quant):
     """segment_ids: windows, compressor groups (ratio 2 groups realign at each document start), indexer, HSI blocks
-    and Engram n-grams restart per document, so a packed row equals each document run alone."""
+    and Engram n-grams restart per document, so a packed row equals each document run alone — and a document's
+    outputs do not depend on the other documents packed with it.
+
+    With the release's fake quantisation on, "equals the document run alone" is not a float32 identity: the alone
+    run is another program shape, so its float32 sums may differ from the packed run's in the last bit, and an FP8 /
+    FP4 rounding then moves a value by a whole grid step (seen on an AMD EPYC host: 29 % of one document's outputs
+    off by up to 3.6e-3, the same program passing on other hosts). There the test checks what packing must
+    guarantee in the same program: the packed row with every OTHER document's tokens replaced gives the same
+    outputs on this document; the restarts themselves are the same code with quantisation off, checked exactly
+    against separate runs."""
     # the 6-layer cut with every layer role once (SWA, Full ratio 2 + Engram, Reuse, Full ratio 1 / HSI candidate
     # source, Reindex): each restarts per document on its own, so one layer of each kind shows it; its programs
     # compile in about half the time of the 12-layer tiny's
@@ -334,18 +343,28 @@ def test_packed_documents_equal_separate_runs(quant):
     tokens = np.concatenate(docs)[None]
     segments = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])[None]
     opts = ForwardOptions(quant_sim=quant, query_chunk=16)
-    packed = _forward(params, jnp.asarray(tokens), config=config, segment_ids=jnp.asarray(segments), options=opts,
-                     engram_ids=jnp.asarray(hasher.row_ids(tokens, segment_ids=segments)))
+
+    def packed_forward(row):
+        return _forward(params, jnp.asarray(row), config=config, segment_ids=jnp.asarray(segments), options=opts,
+                        engram_ids=jnp.asarray(hasher.row_ids(row, segment_ids=segments)))
+
+    packed = packed_forward(tokens)
+    starts = np.cumsum([0] + lengths[:-1])
+    if quant:
+        for i, (start, n) in enumerate(zip(starts, lengths)):
+            others = rng.integers(3, config.vocab_size, tokens.shape)
+            others[0, start:start + n] = docs[i]
+            np.testing.assert_allclose(np.asarray(packed[0, start:start + n]),
+                                       np.asarray(packed_forward(others)[0, start:start + n]), rtol=1e-5, atol=1e-5)
+        return
     # each document alone, right-padded with other tokens to the longest (the forward is causal,
     # so what follows a document never reaches its positions; one compiled shape instead of one per length)
     alone_tokens = rng.integers(3, config.vocab_size, (len(docs), max(lengths)))
     for i, doc in enumerate(docs):
         alone_tokens[i, :len(doc)] = doc
-    offset = 0
-    for i, doc in enumerate(docs):
+    for i, (start, doc) in enumerate(zip(starts, docs)):
         row = alone_tokens[i:i + 1]
         alone = _forward(params, jnp.asarray(row), config=config, options=opts,
                          engram_ids=jnp.asarray(hasher.row_ids(row)))
-        np.testing.assert_allclose(np.asarray(packed[0, offset:offset + len(doc)]), np.asarray(alone[0, :len(doc)]),
+        np.testing.assert_allclose(np.asarray(packed[0, start:start + len(doc)]), np.asarray(alone[0, :len(doc)]),
                                    rtol=1e-5, atol=1e-5)
-        offset += len(doc)
