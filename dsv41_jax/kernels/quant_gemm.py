@@ -238,18 +238,23 @@ def _picked(w, slot_expert, dtype):
     return sub.dequantize(dtype)
 
 
+def _check_gate_up(what: str, w1, w3):
+    """The gate / up experts of a SwiGLU kernel: both stacked FP4 experts of one shape."""
+    for nm, w in (("w1", w1), ("w3", w3)):
+        try:
+            _check_fp4(w)
+        except QuantGemmError as e:
+            raise QuantGemmError(f"{what} {nm}: {e}") from None
+    if tuple(w1.shape) != tuple(w3.shape):
+        raise QuantGemmError(f"{what}: w1 {w1.shape} and w3 {w3.shape} must have one shape")
+
+
 def fp4_slot_swiglu(x: jax.Array, slot_expert: jax.Array, slot_wts: jax.Array, w1, w3, *, limit: float,
                     backend: str = "auto", tuning: dict | None = None) -> jax.Array:
     """One token x [K] through its picked experts' gate / up projections: -> act [S, F] in x.dtype,
     ``silu(min(g, limit)) * clip(u, ±limit) * slot_wts[s]`` with g = x·w1[e_s]ᵀ, u = x·w3[e_s]ᵀ rounded to x.dtype
     (as ``fp4_grouped`` returns them). w1 / w3: stacked FP4 experts [E, F, K]."""
-    for nm, w in (("w1", w1), ("w3", w3)):
-        try:
-            _check_fp4(w)
-        except QuantGemmError as e:
-            raise QuantGemmError(f"fp4_slot_swiglu {nm}: {e}") from None
-    if tuple(w1.shape) != tuple(w3.shape):
-        raise QuantGemmError(f"fp4_slot_swiglu: w1 {w1.shape} and w3 {w3.shape} must have one shape")
+    _check_gate_up("fp4_slot_swiglu", w1, w3)
     if x.ndim != 1:
         raise QuantGemmError(f"fp4_slot_swiglu: x must be one token's features [K], got shape {x.shape}")
     _check_x(x, w1.shape[2], "fp4_slot_swiglu")
@@ -317,13 +322,7 @@ def fp4_every_swiglu(x: jax.Array, wts: jax.Array, used: jax.Array, w1, w3, *, l
     on the GPU). wts float32 [E, M]: token t's routing weight for expert e; w1 / w3 stacked FP4 experts [E, F, K].
     ``round_fp8``: act then rounded to FP8 per 32 of F as the down projection's input (``ops.quant.
     fake_quant_gemm_input_fp8``, bit for bit; on the GPU in the kernel's epilogue)."""
-    for nm, w in (("w1", w1), ("w3", w3)):
-        try:
-            _check_fp4(w)
-        except QuantGemmError as e:
-            raise QuantGemmError(f"fp4_every_swiglu {nm}: {e}") from None
-    if tuple(w1.shape) != tuple(w3.shape):
-        raise QuantGemmError(f"fp4_every_swiglu: w1 {w1.shape} and w3 {w3.shape} must have one shape")
+    _check_gate_up("fp4_every_swiglu", w1, w3)
     if x.ndim != 2:
         raise QuantGemmError(f"fp4_every_swiglu: x must be [tokens, K], got shape {x.shape}")
     _check_x(x, w1.shape[2], "fp4_every_swiglu")
