@@ -154,15 +154,18 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
     iq = jnp.asarray(rng.normal(size=(batch, 1, hi, di)), dtype)
     iw = jnp.asarray(rng.normal(size=(batch, 1, hi)), jnp.float32) * hi ** -0.5
 
+    kernel = {"packed_attention": "kernel"}  # the packed forms below: the kernel reading packed rows, whatever the
+    # default form at this batch (kernels.packed_attention_form)
+
     @jax.jit
     def attention(ring, kv, dp=0):  # packed ring + packed KV read by the kernel
         return KN.sparse_attention(q, pos + dp, new, wpos, kv, topk, sink, window=w, backend=backend,
-                                   win_ring=(ring, base))
+                                   win_ring=(ring, base), tuning=kernel)
 
     @jax.jit
     def attention_tuned(ring, kv):  # the packed form at --attn-tuning (every other form keeps the defaults)
         return KN.sparse_attention(q, pos, new, wpos, kv, topk, sink, window=w, backend=backend,
-                                   win_ring=(ring, base), tuning=attn_tuning)
+                                   win_ring=(ring, base), tuning=dict(kernel, **(attn_tuning or {})))
 
     @jax.jit
     def attention_unpack(ring, kv, dp=0):
@@ -172,12 +175,12 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
     @jax.jit
     def attention_ring_only(ring, kv):  # packed ring read by the kernel, KV unpacked first
         return KN.sparse_attention(q, pos, new, wpos, PC.read(kv), topk, sink, window=w, backend=backend,
-                                   win_ring=(ring, base))
+                                   win_ring=(ring, base), tuning=kernel)
 
     @jax.jit
     def attention_kv_only(ring, kv):  # packed KV read by the kernel, ring unpacked first
         win = jnp.concatenate([KN.ring_rows(PC.read(ring), base).astype(dtype), new], axis=1)
-        return KN.sparse_attention(q, pos, win, wpos, kv, topk, sink, window=w, backend=backend)
+        return KN.sparse_attention(q, pos, win, wpos, kv, topk, sink, window=w, backend=backend, tuning=kernel)
 
     def attention_bf16_at(ring, kv, dp=0, tuning=None):  # a bf16 cache: ring and KV in bf16
         win = jnp.concatenate([KN.ring_rows(ring, base), new], axis=1)
@@ -202,7 +205,7 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
 
     attention_gather = jax.jit(lambda ring, kv, dp=0: KN.sparse_attention(
         q, pos + dp, new, wpos, kv, topk, sink, window=w, backend=backend, win_ring=(ring, base),
-        tuning={"packed_load": "gather"}))
+        tuning=dict(kernel, packed_load="gather")))
     # the selected rows gathered and unpacked by XLA, the ring unpacked, then the bf16-cache kernel
     attention_gathered = jax.jit(lambda ring, kv, dp=0: KN.sparse_attention(
         q, pos + dp, new, wpos, kv, topk, sink, window=w, backend=backend, win_ring=(ring, base),
@@ -210,7 +213,7 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
     tuned = {json.dumps(t_, sort_keys=True): jax.jit(functools.partial(
         lambda ring, kv, dp=0, t_=None: KN.sparse_attention(q, pos + dp, new, wpos, kv, topk, sink, window=w,
                                                             backend=backend, win_ring=(ring, base), tuning=t_),
-        t_=t_)) for t_ in (attn_tunings or [])}
+        t_=dict(kernel, **t_))) for t_ in (attn_tunings or [])}
     # the bf16 cache at the same tunings (the packed-row entries dropped: they do not apply to bf16 rows)
     tuned_bf16 = {json.dumps(t_, sort_keys=True): jax.jit(functools.partial(attention_bf16_at, tuning={
         k_: v_ for k_, v_ in t_.items() if not k_.startswith("packed_")})) for t_ in (attn_tunings or [])

@@ -199,8 +199,12 @@ def test_gather_form_equals_the_packed_kernel_and_unpack_then_kernel(dtype, n, t
     kernel = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base),
                                  tuning=dict(tuning, packed_attention="kernel"), **kw)
     assert calls[1][1] == PC.FP4_E4M3_16 and calls[1][2] is not None
+    # the default at these 6 query rows: the gather form where the 36 selected rows fit in the buffer (40 rows)
+    default = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base), tuning=tuning, **kw)
+    assert calls[2][1] == (None if c * k <= n else PC.FP4_E4M3_16)
     win = jnp.concatenate([KN.ring_rows(PC.read(ring), base).astype(dtype), new], axis=1)
     want = KN.sparse_attention(q, pos, win, wpos, PC.read(ckv), topk, sink, tuning=tuning, **kw)
+    np.testing.assert_array_equal(_bits(default), _bits(want))
     assert got.dtype == dtype
     np.testing.assert_array_equal(_bits(got), _bits(want))
     np.testing.assert_array_equal(_bits(got), _bits(kernel))
@@ -227,7 +231,11 @@ def test_selected_rows_and_the_form_option():
                 if topk[bi, ci, j] >= 0:
                     np.testing.assert_array_equal(np.asarray(rows[bi, remap[bi, ci, j]], np.float32),
                                                   full[bi, min(int(topk[bi, ci, j]), 8)])
-    assert KN.packed_attention_form(32) == KN.PACKED_ATTENTION and KN.packed_attention_form(1, "gather") == "gather"
+    # the default by query rows: the packed kernel at 1-4 (the few-row tiling), the gather form from 5
+    assert [KN.packed_attention_form(r) for r in (1, 4, 5, 32)] == ["kernel", "kernel", "gather", "gather"]
+    assert KN.packed_attention_form(1, "gather") == "gather" and KN.packed_attention_form(32, "kernel") == "kernel"
+    assert KN.packed_attention_form(32, fits=False) == "kernel"  # a long chunk: more selected rows than the buffer
+    assert KN.packed_attention_form(32, "gather", fits=False) == "gather"
     q = jnp.zeros((1, 1, 2, 32), jnp.bfloat16)
     with pytest.raises(ValueError, match="packed attention form 'dense'"):
         KN.sparse_attention(q, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 4, 32), jnp.bfloat16),

@@ -44,7 +44,7 @@ from dsv41_jax.ops import attention as _ref_attn
 BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret")
 
 __all__ = ["BACKENDS", "resolve_backend", "reads_packed_cache", "ring_rows", "selected_rows", "sparse_attention",
-           "PACKED_ATTENTION_FORMS", "packed_attention_form",
+           "PACKED_ATTENTION_FORMS", "PACKED_GATHER_MIN_ROWS", "packed_attention_form",
            "sequence_sparse_attention", "indexer_topk",
            "pool_ids_to_mask", "pool_mask_to_ids", "backward_kind"]
 
@@ -130,14 +130,24 @@ GPU_SMS = 132
 #   "gather"  plain JAX gathers the selected rows' bytes + scales and unpacks them (:func:`selected_rows`: a dense
 #             [B, C * K, D] of only the rows the kernel reads, the top-k remapped onto it), the packed window ring is
 #             unpacked in window order (:func:`ring_rows`), then the bf16-cache kernel runs over both.
+# The default is "gather" from PACKED_GATHER_MIN_ROWS query rows, "kernel" below. On an H200 (benchmarks/RESULTS.md,
+# 2026-12-03 21:15 UTC; bench40, top-512 + 129 window rows, 64 heads x 512, bf16): at batch 32 one layer's call 113.0
+# µs against the packed kernel's 147.0 (bf16 cache 56.6), and the 40-layer release step 22.85 -> 20.36 ms (0.96x ->
+# 1.07x the bf16 step's 21.86; the sparse attention 4.36 -> 1.19 ms a step, XLA's fusions +0.76 ms: the selected rows
+# are gathered once per KV source and top-k, shared by the layers reusing them). At batch 1 the one-layer call was
+# 29.6 against 33.2 µs but the step was not timed, so 1-4 rows (the kernels' few-row tiling) keep the kernel; 5-31
+# rows are not measured. Nor are long chunks (prefill) whose C x K selected rows outnumber the buffer's (the gather
+# form would unpack the whole buffer): they keep the kernel too.
 PACKED_ATTENTION_FORMS = ("kernel", "gather")
-PACKED_ATTENTION = "kernel"
+PACKED_GATHER_MIN_ROWS = 5
 
 
-def packed_attention_form(rows: int, form: str | None = None) -> str:
-    """The packed-cache form for ``rows`` query rows (batch x chunk): ``form`` if given (checked), else the default."""
+def packed_attention_form(rows: int, form: str | None = None, fits: bool = True) -> str:
+    """The packed-cache form for ``rows`` query rows (batch x chunk): ``form`` if given (checked), else the default:
+    "gather" from :data:`PACKED_GATHER_MIN_ROWS` rows when ``fits`` (the chunk's C x K selected rows are no more than
+    the buffer's), "kernel" otherwise."""
     if form is None:
-        form = PACKED_ATTENTION
+        form = "gather" if rows >= PACKED_GATHER_MIN_ROWS and fits else "kernel"
     if form not in PACKED_ATTENTION_FORMS:
         raise ValueError(f"unknown packed attention form {form!r}; choose one of {PACKED_ATTENTION_FORMS}")
     return form
@@ -434,7 +444,9 @@ def sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, *, wi
     masks every row by position and ignores it."""
     be = resolve_backend(backend)
     tuning = dict(tuning or {})
-    form = packed_attention_form(q.shape[0] * q.shape[1], tuning.pop("packed_attention", None))
+    fits = not _is_packed(compressed_kv) or topk is None or (
+        q.shape[1] * topk.shape[-1] <= compressed_kv.values.shape[1])
+    form = packed_attention_form(q.shape[0] * q.shape[1], tuning.pop("packed_attention", None), fits)
     gather = form == "gather" and be.startswith("pallas_gpu") and (
         win_ring is not None or (_is_packed(compressed_kv) and topk is not None and topk.shape[-1] > 0))
     if gather:  # the bf16-cache kernel over the selected rows, unpacked; its tuning has no packed-row entries
