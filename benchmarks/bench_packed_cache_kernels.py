@@ -22,6 +22,8 @@ Timing (``--time``, a GPU): one Full ratio-1 layer's indexer top-k (``kernels.in
 emitted) and one sparse attention over its window ring + this step's row and its top-k (``kernels.sparse_attention``;
 direct: ``win_ring`` = the packed ring), each in three forms as above
 (unpack: ``packed_cache.read`` + the kernel in one jitted program); median of 20 synced calls after 3 warm-ups.
+``--lean`` adds the attention's gather form (``tuning={"packed_attention": "gather"}``: the selected rows' packed
+bytes gathered and unpacked by XLA, the ring unpacked, then the bf16-cache kernel).
 Output: DIR/bench_packed_cache_kernels.json and the printed tables.
 """
 
@@ -152,15 +154,18 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
     iq = jnp.asarray(rng.normal(size=(batch, 1, hi, di)), dtype)
     iw = jnp.asarray(rng.normal(size=(batch, 1, hi)), jnp.float32) * hi ** -0.5
 
+    kernel = {"packed_attention": "kernel"}  # the packed forms below: the kernel reading packed rows, whatever the
+    # default form at this batch (kernels.packed_attention_form)
+
     @jax.jit
     def attention(ring, kv, dp=0):  # packed ring + packed KV read by the kernel
         return KN.sparse_attention(q, pos + dp, new, wpos, kv, topk, sink, window=w, backend=backend,
-                                   win_ring=(ring, base))
+                                   win_ring=(ring, base), tuning=kernel)
 
     @jax.jit
     def attention_tuned(ring, kv):  # the packed form at --attn-tuning (every other form keeps the defaults)
         return KN.sparse_attention(q, pos, new, wpos, kv, topk, sink, window=w, backend=backend,
-                                   win_ring=(ring, base), tuning=attn_tuning)
+                                   win_ring=(ring, base), tuning=dict(kernel, **(attn_tuning or {})))
 
     @jax.jit
     def attention_unpack(ring, kv, dp=0):
@@ -170,12 +175,12 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
     @jax.jit
     def attention_ring_only(ring, kv):  # packed ring read by the kernel, KV unpacked first
         return KN.sparse_attention(q, pos, new, wpos, PC.read(kv), topk, sink, window=w, backend=backend,
-                                   win_ring=(ring, base))
+                                   win_ring=(ring, base), tuning=kernel)
 
     @jax.jit
     def attention_kv_only(ring, kv):  # packed KV read by the kernel, ring unpacked first
         win = jnp.concatenate([KN.ring_rows(PC.read(ring), base).astype(dtype), new], axis=1)
-        return KN.sparse_attention(q, pos, win, wpos, kv, topk, sink, window=w, backend=backend)
+        return KN.sparse_attention(q, pos, win, wpos, kv, topk, sink, window=w, backend=backend, tuning=kernel)
 
     def attention_bf16_at(ring, kv, dp=0, tuning=None):  # a bf16 cache: ring and KV in bf16
         win = jnp.concatenate([KN.ring_rows(ring, base), new], axis=1)
@@ -200,11 +205,15 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
 
     attention_gather = jax.jit(lambda ring, kv, dp=0: KN.sparse_attention(
         q, pos + dp, new, wpos, kv, topk, sink, window=w, backend=backend, win_ring=(ring, base),
-        tuning={"packed_load": "gather"}))
+        tuning=dict(kernel, packed_load="gather")))
+    # the selected rows gathered and unpacked by XLA, the ring unpacked, then the bf16-cache kernel
+    attention_gathered = jax.jit(lambda ring, kv, dp=0: KN.sparse_attention(
+        q, pos + dp, new, wpos, kv, topk, sink, window=w, backend=backend, win_ring=(ring, base),
+        tuning={"packed_attention": "gather"}))
     tuned = {json.dumps(t_, sort_keys=True): jax.jit(functools.partial(
         lambda ring, kv, dp=0, t_=None: KN.sparse_attention(q, pos + dp, new, wpos, kv, topk, sink, window=w,
                                                             backend=backend, win_ring=(ring, base), tuning=t_),
-        t_=t_)) for t_ in (attn_tunings or [])}
+        t_=dict(kernel, **t_))) for t_ in (attn_tunings or [])}
     # the bf16 cache at the same tunings (the packed-row entries dropped: they do not apply to bf16 rows)
     tuned_bf16 = {json.dumps(t_, sort_keys=True): jax.jit(functools.partial(attention_bf16_at, tuning={
         k_: v_ for k_, v_ in t_.items() if not k_.startswith("packed_")})) for t_ in (attn_tunings or [])
@@ -212,7 +221,8 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
     bf16_ring, bf16_kv, bf16_keys = (PC.read(x).astype(dtype) for x in (ring, ckv, keys))
     if lean and loop:  # every form only as its looped program (half the compiles): the checks on its last call
         forms = ((("bf16", attention_bf16, (bf16_ring, bf16_kv)),
-                  ("unpack", attention_unpack, (ring, ckv)), ("direct", attention, (ring, ckv)))
+                  ("unpack", attention_unpack, (ring, ckv)), ("direct", attention, (ring, ckv)),
+                  ("gather form", attention_gathered, (ring, ckv)))
                  + tuple((f"direct {n_}", f_, (ring, ckv)) for n_, f_ in tuned.items())
                  + tuple((f"bf16 {n_}", f_, (bf16_ring, bf16_kv)) for n_, f_ in tuned_bf16.items()))
         forms = tuple((name, _looped(f, loop), x) for name, f, x in forms)
@@ -228,6 +238,7 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
         print(f"batch {batch}: relative distances (last call of each program): {forms_rel}", flush=True)
         res = dict(batch=batch, context=context, topk=k, dtype=str(jnp.dtype(dtype)), loop=loop,
                    attention_equal=bool(np.array_equal(outs["direct"], outs["unpack"])), indexer_equal=True,
+                   gather_equal_unpack=bool(np.array_equal(outs["gather form"], outs["unpack"])),
                    forms_rel=forms_rel, indexer="not run (--loop)")
         if smoke:
             return res
@@ -270,7 +281,7 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
                    indexer_equal=same_idx, forms_equal=forms_equal, forms_rel=forms_rel, loop=loop)
         forms = ((("bf16", attention_bf16, (bf16_ring, bf16_kv)),
                   ("unpack", attention_unpack, (ring, ckv)), ("direct", attention, (ring, ckv)),
-                  ("direct gather", attention_gather, (ring, ckv)))
+                  ("direct gather", attention_gather, (ring, ckv)), ("gather form", attention_gathered, (ring, ckv)))
                  + tuple((f"direct {n_}", f_, (ring, ckv)) for n_, f_ in tuned.items())
                  + tuple((f"bf16 {n_}", f_, (bf16_ring, bf16_kv)) for n_, f_ in tuned_bf16.items()))
         if smoke:

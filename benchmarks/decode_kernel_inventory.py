@@ -156,6 +156,11 @@ def main(argv=None):
                     help="release: the release's weights as the Engine serves them (FP8 / FP4 / Engram-row bytes, "
                     "wo_a bf16 from load; GEMM inputs rounded to FP8, quantized_gemm=pallas_gpu, one-token FP4 "
                     "kernels at one token, the grouped FP4 kernel above) - profile_release_decode's release form")
+    ap.add_argument("--cache", default="bf16", choices=("bf16", "release"),
+                    help="release: the release's packed cache (FP8 window ring, FP4 compressed KV and keys), read by "
+                    "the kernels (packed_cache_kernels)")
+    ap.add_argument("--options", default="", help="JSON object of further InferenceOptions fields, e.g. "
+                    "'{\"packed_attention\": \"gather\"}'")
     ap.add_argument("--out", default=None)
     ap.add_argument("--hlo", action="store_true", help="also write the optimised HLO text")
     args = ap.parse_args(argv)
@@ -181,13 +186,17 @@ def main(argv=None):
         flags[name] = value != "0"
     if args.weights == "release":  # profile_release_decode's release form (flags may override)
         flags = dict(dict(gemm_input_fp8=True, quantized_gemm="pallas_gpu", fp4_one_token=True), **flags)
+    if args.cache == "release":
+        flags = dict(dict(packed_cache_kernels=True), **flags)
+    flags.update(json.loads(args.options) if args.options else {})
     opts = _decode_opts(InferenceOptions(quant_sim=False, index_block_elems=1 << 28, kernel_backend="pallas_gpu",
                                          **flags))
     layers = config.num_hidden_layers
     results = {}
     for b in (int(x) for x in args.batches.split(",")):
         fn, fargs = decode_program(config, b, args.context + 512, opts=opts, chained=True,
-                                   hasher=synthetic_hasher(config), sampler=args.sampler)
+                                   hasher=synthetic_hasher(config), sampler=args.sampler,
+                                   packed=args.cache == "release")
         if args.weights == "release":
             fargs = (release_abstract(config, fargs[0]),) + tuple(fargs[1:])
         t0 = time.perf_counter()
@@ -229,7 +238,7 @@ def main(argv=None):
                     f.write(text)
     if args.out:
         with open(os.path.join(args.out, "decode_kernel_inventory.json"), "w") as f:
-            json.dump(dict(config=config.name, context=args.context, weights=args.weights, flags=flags, sampler=args.sampler, results=results), f,
+            json.dump(dict(config=config.name, context=args.context, weights=args.weights, cache=args.cache, flags=flags, sampler=args.sampler, results=results), f,
                       indent=1)
     return results
 

@@ -152,6 +152,102 @@ def test_sparse_attention_on_a_packed_window_ring_equals_unpacked(dtype, tuning)
                                rtol=0, atol=1e-5 if dtype == jnp.float32 else 2e-2)
 
 
+def _gather_case(rng, dtype, n):
+    """A verification-sized decode case on a packed cache: 2 batch rows x 3 queries, a packed FP8 window ring
+    (partly empty in row 0, wrapped in row 1) + the chunk's own rows, packed FP4 compressed KV, top-k lists with -1
+    entries, duplicates, a partly empty list and an index past the buffer's rows (clipped, as the kernels clip)."""
+    b, c, h, d, r, k = 2, 3, 4, 64, 24, 12
+    ring = _packed(rng, (b, r, d), PC.FP8_UE8M0_32, dtype)
+    base = jnp.asarray([5, 40], jnp.int32)
+    new = jnp.asarray(rng.normal(size=(b, c, d)), dtype)
+    pos = base[:, None] + jnp.arange(c)[None, :]
+    ring_pos = base[:, None] - r + jnp.arange(r)[None, :]
+    wpos = jnp.concatenate([jnp.where(ring_pos >= 0, ring_pos, -1), pos], axis=1)
+    q = jnp.asarray(rng.normal(size=(b, c, h, d)), dtype)
+    ckv = _packed(rng, (b, n, d), PC.FP4_E4M3_16, dtype)
+    topk = rng.integers(-1, n, size=(b, c, k))
+    topk[0, 1, 4:] = -1  # a partial list
+    topk[1, 2, 1::3] = topk[1, 2, 0]  # duplicates
+    topk[1, 0, 5] = n + 3  # past the buffer: row n - 1
+    sink = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
+    return q, pos, new, wpos, ring, base, ckv, jnp.asarray(topk, jnp.int32), sink
+
+
+@pytest.mark.parametrize("dtype,n,tuning", [(jnp.bfloat16, 40, {}),  # 36 selected rows gathered out of 40
+                                            (jnp.bfloat16, 40, {"num_splits": 3, "block_k": 16}),
+                                            (jnp.float32, 40, {"block_d": 32, "block_k": 16, "num_splits": 2}),
+                                            (jnp.bfloat16, 20, {"num_splits": 2})])  # 36 > 20: the whole buffer
+def test_gather_form_equals_the_packed_kernel_and_unpack_then_kernel(dtype, n, tuning, monkeypatch):
+    """``packed_attention="gather"``: the selected rows' bytes + scales gathered and unpacked, the ring unpacked in
+    window order, then the bf16-cache kernel over them with the top-k remapped (query c's entry j -> row c * K + j).
+    The kernel then reads the same values in the same key blocks (the top-k keeps its length K and the window its
+    span, so the same blocks and splits; the split count is also pinned here), so its float32 sums are the same: bit
+    for bit the unpack-then-kernel result and the packed kernel's, and the reference's within the kernels' bounds."""
+    rng = np.random.default_rng(n)
+    q, pos, new, wpos, ring, base, ckv, topk, sink = _gather_case(rng, dtype, n)
+    b, c, k = topk.shape
+    kw = dict(window=16, floor=jnp.asarray([0, 30], jnp.int32), backend=GPU)
+    calls = []
+    fwd = G.attention_fwd
+    monkeypatch.setattr(G, "attention_fwd", lambda *a, **k_: calls.append((jax.tree.leaves(a[6])[0].shape,
+                                                                           k_.get("ckv_fmt"), k_.get("ring")))
+                        or fwd(*a, **k_))
+    got = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base),
+                              tuning=dict(tuning, packed_attention="gather"), **kw)
+    (shape, fmt, ring_arg), = calls  # the bf16-cache kernel over the selected rows (or the whole buffer)
+    assert fmt is None and ring_arg is None and shape == (b, min(c * k, n), 64)
+    kernel = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base),
+                                 tuning=dict(tuning, packed_attention="kernel"), **kw)
+    assert calls[1][1] == PC.FP4_E4M3_16 and calls[1][2] is not None
+    # the default at these 6 query rows: the gather form where the 36 selected rows fit in the buffer (40 rows)
+    default = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base), tuning=tuning, **kw)
+    assert calls[2][1] == (None if c * k <= n else PC.FP4_E4M3_16)
+    win = jnp.concatenate([KN.ring_rows(PC.read(ring), base).astype(dtype), new], axis=1)
+    want = KN.sparse_attention(q, pos, win, wpos, PC.read(ckv), topk, sink, tuning=tuning, **kw)
+    np.testing.assert_array_equal(_bits(default), _bits(want))
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    np.testing.assert_array_equal(_bits(got), _bits(kernel))
+    ref = KN.sparse_attention(q, pos, win, wpos, PC.read(ckv), topk, sink, **dict(kw, backend="reference"))
+    # the relative L2 bounds of tests/test_kernels.py's sparse-attention checks (float32 1e-5, bf16 2e-2)
+    g64, r64 = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(g64).all()
+    assert np.linalg.norm(g64 - r64) / np.linalg.norm(r64) < (1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+def test_selected_rows_and_the_form_option():
+    """The gathered rows are the buffer's unpacked rows at the clipped indices; the remapped lists point at them and
+    keep every -1; an unknown form is refused; the step's options reach the kernel as tuning entries."""
+    rng = np.random.default_rng(2)
+    buf = _packed(rng, (2, 9, 32), PC.FP4_E4M3_16, jnp.bfloat16)
+    topk = jnp.asarray([[[3, -1, 8], [12, 0, -1]], [[-1, -1, -1], [5, 5, 1]]], jnp.int32)
+    rows, remap = KN.selected_rows(buf, topk, jnp.bfloat16)
+    assert rows.shape == (2, 6, 32) and rows.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(remap), [[[0, -1, 2], [3, 4, -1]], [[-1, -1, -1], [3, 4, 5]]])
+    full = np.asarray(PC.read(buf), np.float32)
+    for bi in range(2):
+        for ci in range(2):
+            for j in range(3):
+                if topk[bi, ci, j] >= 0:
+                    np.testing.assert_array_equal(np.asarray(rows[bi, remap[bi, ci, j]], np.float32),
+                                                  full[bi, min(int(topk[bi, ci, j]), 8)])
+    # the default by query rows: the packed kernel at 1-4 (the few-row tiling), the gather form from 5
+    assert [KN.packed_attention_form(r) for r in (1, 4, 5, 32)] == ["kernel", "kernel", "gather", "gather"]
+    assert KN.packed_attention_form(1, "gather") == "gather" and KN.packed_attention_form(32, "kernel") == "kernel"
+    assert KN.packed_attention_form(32, fits=False) == "kernel"  # a long chunk: more selected rows than the buffer
+    assert KN.packed_attention_form(32, "gather", fits=False) == "gather"
+    q = jnp.zeros((1, 1, 2, 32), jnp.bfloat16)
+    with pytest.raises(ValueError, match="packed attention form 'dense'"):
+        KN.sparse_attention(q, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 4, 32), jnp.bfloat16),
+                            jnp.zeros((1, 4), jnp.int32), buf, topk[:1, :1], jnp.zeros((2,)), window=4, backend=GPU,
+                            tuning={"packed_attention": "dense"})
+    from dsv41_jax.inference import step as S
+
+    assert S.attention_tuning(S.InferenceOptions()) is None
+    assert S.attention_tuning(S.InferenceOptions(packed_attention="gather", attention_split_rule="wave")) == {
+        "packed_attention": "gather", "split_rule": "wave"}
+
+
 def test_indexer_on_packed_keys_equals_unpacked():
     """Both score kernels (the streamed block maxima and the gathered leaves) and the Reindex pool path."""
     rng = np.random.default_rng(3)

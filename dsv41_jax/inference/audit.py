@@ -113,17 +113,17 @@ def audit_jaxpr(jaxpr, big_bytes: int) -> GraphAudit:
 
 def decode_program(config: ModelConfig, batch: int, max_len: int, *, dtype=jnp.bfloat16,
                    opts: InferenceOptions = InferenceOptions(), chained: bool = False, readback: int = 8,
-                   hasher=None, sampler: str = "filtered"):
+                   hasher=None, sampler: str = "filtered", packed: bool = False):
     """(function, abstract arguments) of a decode step, ready for ``jax.make_jaxpr`` / ``jax.jit(...).lower``:
     ``decode_and_sample`` (decode + sampling, the Engram rows given), or with ``chained`` the step ``Engine.generate``
     runs, ``decode_chain`` (the Engram hash on the device, its tokens fed to the next step, a ``readback`` ring;
     its tables' shapes from ``hasher``, default ``model.hasher.default_hasher(config)``); ``sampler`` as
-    ``decode_chain``'s (``sampling.sampler_for``)."""
+    ``decode_chain``'s (``sampling.sampler_for``); ``packed``: the release's packed cache (``init_cache(packed=True)``)."""
     from dsv41_jax.inference.decode import _decode_chain, _decode_opts, _decode_sample
 
     opts = _decode_opts(opts)
     params = abstract_params(config, dtype)
-    cache = abstract_cache(config, batch, max_len, dtype)
+    cache = abstract_cache(config, batch, max_len, dtype, packed=packed)
     vec = lambda dt: jax.ShapeDtypeStruct((batch,), dt)  # noqa: E731
     if chained:
         state = {"tokens": vec(jnp.int32), "active": vec(jnp.bool_), "generated": vec(jnp.int32),

@@ -156,6 +156,11 @@ class InferenceOptions:
 
     attention_split_rule: str | None = None  # the GPU sparse attention's split of the key list over programs
     #                              (kernels.SPLIT_RULES; None: kernels.SPLIT_RULE) — the packed and bf16 caches alike
+    packed_attention: str | None = None  # with packed_cache_kernels: how the GPU sparse attention reads the packed
+    #                              cache (kernels.PACKED_ATTENTION_FORMS: "kernel", dequantised in its registers;
+    #                              "gather", the selected rows gathered and unpacked by XLA, then the bf16-cache
+    #                              kernel; None: kernels.packed_attention_form's default by query rows, "gather"
+    #                              from 5: on an H200 the batch-32 release step 22.85 -> 20.36 ms, RESULTS.md)
 
     def resolved_quant(self, config: ModelConfig) -> bool:
         return config.quant_sim if self.quant_sim is None else self.quant_sim
@@ -556,8 +561,14 @@ def attention_step(p: dict, x: jax.Array, spec: LayerSpec, pos: jax.Array, pos0:
     out = chunk_attention(q, pos, win_kv, win_pos, compressed, topk, p["attn_sink"], window=c.sliding_window,
                           floor=floor, q_block=opts.query_chunk, backend=opts.kernel_backend, win_ring=win_ring,
                           banded=banded_chunk_attention(opts),
-                          tuning={"split_rule": opts.attention_split_rule} if opts.attention_split_rule else None)
+                          tuning=attention_tuning(opts))
     return attention_output(p, out, cos, sin, c), cache, shared
+
+
+def attention_tuning(opts: InferenceOptions) -> dict | None:
+    """The sparse attention's ``tuning`` entries that the options set (``kernels.sparse_attention``)."""
+    t = {"split_rule": opts.attention_split_rule, "packed_attention": opts.packed_attention}
+    return {k: v for k, v in t.items() if v is not None} or None
 
 
 def _gemm_view(params: dict, config: ModelConfig, opts: InferenceOptions) -> dict:

@@ -43,7 +43,8 @@ from dsv41_jax.ops import attention as _ref_attn
 
 BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret")
 
-__all__ = ["BACKENDS", "resolve_backend", "reads_packed_cache", "ring_rows", "sparse_attention",
+__all__ = ["BACKENDS", "resolve_backend", "reads_packed_cache", "ring_rows", "selected_rows", "sparse_attention",
+           "PACKED_ATTENTION_FORMS", "PACKED_GATHER_MIN_ROWS", "packed_attention_form",
            "sequence_sparse_attention", "indexer_topk",
            "pool_ids_to_mask", "pool_mask_to_ids", "backward_kind"]
 
@@ -119,6 +120,37 @@ GPU_BWD_DEFAULTS = {
 SPLIT_RULES = ("fill", "wave", "few_wave")
 SPLIT_RULE = "few_wave"
 GPU_SMS = 132
+
+
+# How the GPU decode kernel consumes a PACKED compressed-KV cache buffer (``tuning={"packed_attention": ...}``, in the
+# step ``InferenceOptions.packed_attention``); every form gives the unpack-then-kernel result bit for bit in interpret
+# mode (the same kernel over the same values, the same key blocks and splits):
+#   "kernel"  the sparse-attention kernel loads each selected row's packed bytes + scales and dequantises them in
+#             registers (``pallas_gpu.attention_fwd(ckv_fmt=...)``; the packed window ring likewise).
+#   "gather"  plain JAX gathers the selected rows' bytes + scales and unpacks them (:func:`selected_rows`: a dense
+#             [B, C * K, D] of only the rows the kernel reads, the top-k remapped onto it), the packed window ring is
+#             unpacked in window order (:func:`ring_rows`), then the bf16-cache kernel runs over both.
+# The default is "gather" from PACKED_GATHER_MIN_ROWS query rows, "kernel" below. On an H200 (benchmarks/RESULTS.md,
+# 2026-12-03 21:15 UTC; bench40, top-512 + 129 window rows, 64 heads x 512, bf16): at batch 32 one layer's call 113.0
+# µs against the packed kernel's 147.0 (bf16 cache 56.6), and the 40-layer release step 22.85 -> 20.36 ms (0.96x ->
+# 1.07x the bf16 step's 21.86; the sparse attention 4.36 -> 1.19 ms a step, XLA's fusions +0.76 ms: the selected rows
+# are gathered once per KV source and top-k, shared by the layers reusing them). At batch 1 the one-layer call was
+# 29.6 against 33.2 µs but the step was not timed, so 1-4 rows (the kernels' few-row tiling) keep the kernel; 5-31
+# rows are not measured. Nor are long chunks (prefill) whose C x K selected rows outnumber the buffer's (the gather
+# form would unpack the whole buffer): they keep the kernel too.
+PACKED_ATTENTION_FORMS = ("kernel", "gather")
+PACKED_GATHER_MIN_ROWS = 5
+
+
+def packed_attention_form(rows: int, form: str | None = None, fits: bool = True) -> str:
+    """The packed-cache form for ``rows`` query rows (batch x chunk): ``form`` if given (checked), else the default:
+    "gather" from :data:`PACKED_GATHER_MIN_ROWS` rows when ``fits`` (the chunk's C x K selected rows are no more than
+    the buffer's), "kernel" otherwise."""
+    if form is None:
+        form = "gather" if rows >= PACKED_GATHER_MIN_ROWS and fits else "kernel"
+    if form not in PACKED_ATTENTION_FORMS:
+        raise ValueError(f"unknown packed attention form {form!r}; choose one of {PACKED_ATTENTION_FORMS}")
+    return form
 
 
 def decode_splits(progs: int, nblk: int, few_rows: bool, rule: str = SPLIT_RULE) -> int:
@@ -292,6 +324,25 @@ def ring_rows(ring, base):
     return jnp.take_along_axis(vals, slot.reshape(slot.shape + (1,) * (vals.ndim - 2)), axis=1)
 
 
+def selected_rows(buf, topk, dtype):
+    """The rows a top-k list selects from a packed cache buffer [B, N, D], unpacked to ``dtype``: (rows [B, C * K, D],
+    top-k [B, C, K] remapped onto them: query c's entry j -> row c * K + j, -1 (empty) kept). Indices are clipped to
+    [0, N) as the kernels clip them, so every entry reads the row it would read in the buffer. When C * K > N (a
+    long chunk) the whole buffer unpacked is the smaller tensor and is returned with the top-k as it is; either way
+    the kernel sees the same values in the same key blocks."""
+    from dsv41_jax.inference.packed_cache import unpack
+
+    b, c, k = topk.shape
+    n = int(buf.values.shape[1])
+    if c * k > n:
+        return unpack(buf.values, buf.scales, buf.fmt, dtype), topk
+    idx = jnp.clip(topk.astype(jnp.int32), 0, n - 1).reshape(b, c * k, 1)
+    rows = unpack(jnp.take_along_axis(buf.values, idx, axis=1), jnp.take_along_axis(buf.scales, idx, axis=1),
+                  buf.fmt, dtype)
+    slots = jnp.arange(c * k, dtype=jnp.int32).reshape(1, c, k)
+    return rows, jnp.where(topk >= 0, slots, -1).astype(topk.dtype)
+
+
 def reads_packed_cache(backend: str = "auto") -> bool:
     """Whether this backend's decode kernels read a packed (release-format) cache directly: the GPU (Triton) sparse
     attention and indexer kernels dequantise the rows they load in registers; the reference and TPU backends unpack
@@ -376,6 +427,9 @@ def sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, *, wi
     ``compressed_kv`` may be a packed cache buffer (``packed_cache.PackedRows``): the GPU kernel then reads the
     selected rows' packed bytes and scales and dequantises them in registers (forward only: the decode path),
     equal to running it on ``packed_cache.read(compressed_kv)``; the other backends unpack it first.
+    ``tuning={"packed_attention": "gather"}`` (GPU backends; :data:`PACKED_ATTENTION_FORMS`) instead gathers and
+    unpacks only the selected rows (:func:`selected_rows`) and the ring, then runs the bf16-cache kernel: the same
+    result again.
 
     ``win_ring`` = (ring [B, R, D] array or packed buffer, base [B] int32): the window's first R rows are the ring's
     slots in window order (:func:`ring_rows`) and ``win_kv`` holds only the rows after them; ``win_pos`` /
@@ -389,6 +443,19 @@ def sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, *, wi
     masks admit lies in that span), so the same result up to the order of the float32 sums. The reference backend
     masks every row by position and ignores it."""
     be = resolve_backend(backend)
+    tuning = dict(tuning or {})
+    fits = not _is_packed(compressed_kv) or topk is None or (
+        q.shape[1] * topk.shape[-1] <= compressed_kv.values.shape[1])
+    form = packed_attention_form(q.shape[0] * q.shape[1], tuning.pop("packed_attention", None), fits)
+    gather = form == "gather" and be.startswith("pallas_gpu") and (
+        win_ring is not None or (_is_packed(compressed_kv) and topk is not None and topk.shape[-1] > 0))
+    if gather:  # the bf16-cache kernel over the selected rows, unpacked; its tuning has no packed-row entries
+        tuning = {k_: v_ for k_, v_ in tuning.items() if not k_.startswith("packed_")}
+        if _is_packed(compressed_kv) and topk is not None and topk.shape[-1] > 0:
+            compressed_kv, topk = selected_rows(compressed_kv, topk, q.dtype)
+        if win_ring is not None:
+            win_kv = jnp.concatenate([ring_rows(*win_ring).astype(win_kv.dtype), win_kv], axis=1)
+            win_ring = None
     if _is_packed(compressed_kv) and not (be.startswith("pallas_gpu") and topk is not None and topk.shape[-1] > 0):
         compressed_kv = _unpacked(compressed_kv)
     if win_ring is not None and not (be.startswith("pallas_gpu") and _is_packed(win_ring[0]) and win_kv.shape[1]):
@@ -458,7 +525,9 @@ def sequence_sparse_attention(q, kv, positions, compressed_kv, topk, sink, *, wi
     q [B, T, H, D]; kv [B, T, D] (the sequence's own window latents, key t at positions[:, t]); ``segments``
     [B, T] packed-document ids (positions restart per document)."""
     be = resolve_backend(backend)
-    compressed_kv = _unpacked(compressed_kv)
+    compressed_kv = _unpacked(compressed_kv)  # (a whole sequence's top-k lists: every packed form unpacks first)
+    tuning = dict(tuning or {})
+    packed_attention_form(q.shape[0] * q.shape[1], tuning.pop("packed_attention", None))
     if be == "reference":
         seg = {} if segments is None else {"segments": segments}
         return reference.sequence_sparse_attention(q, kv, positions, compressed_kv, topk, sink, window=window,
