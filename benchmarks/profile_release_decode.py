@@ -106,7 +106,7 @@ OUT: dict = {"meta": {}, "ceilings": {}, "experts": [], "grouped": [], "dense32"
 T0 = time.time()
 
 # InferenceOptions fields whose forms are the default's program at one token (--release-options skips batch 1)
-BATCH1_SAME = {"fp4_every_expert"}
+BATCH1_SAME = {"fp4_every_expert", "fp4_grouped_tuning"}
 
 FAMILIES = [  # (family, pattern on the device event's name), first match wins
     ("Engram rows read from host memory (Pallas)", r"engram_host_rows"),
@@ -796,6 +796,11 @@ def engram_host_part(config, prel, opts, batches, context, budget_s, out_dir, sa
         save()
 
 
+def _hashable_options(opts: dict) -> dict:
+    """JSON ``InferenceOptions`` fields as the options hold them: the kernels' tunings as (name, value) pairs."""
+    return {k: tuple(sorted(v.items())) if isinstance(v, dict) else v for k, v in opts.items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -913,7 +918,8 @@ def main():
                             args.no_release_bf16_cache, args.profile_until_s,
                             tuple(filter(None, args.engram_host_gathers.split(","))), args.timing_repeats,
                             mhc_projections=tuple(filter(None, args.mhc_projections.split(","))),
-                            release_options=tuple(json.loads(args.release_options or "[]")),
+                            release_options=tuple(_hashable_options(o) for o in
+                                                  json.loads(args.release_options or "[]")),
                             bf16_options=args.bf16_options)
             except Exception as e:  # noqa: BLE001
                 OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
