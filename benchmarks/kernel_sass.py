@@ -9,7 +9,7 @@ the SASS opcode histogram, registers, stack (spills) and instructions per weight
 
 Kernels: ``fp4_up`` / ``fp4_down`` (``fp4_slot_swiglu`` / ``fp4_slot_down`` at the bench model's expert shape,
 16 experts of 2304 x 5120, 6 picks, bf16), ``fp8_fused`` (``fp8_gemm_fused`` at M = 1: the shared expert's
-w1 + w3, 2 x 2304 x 5120), ``fp8_m32`` (``fp8_gemm`` at M = 32), ``fp4_grouped`` (the batch-32 step's grouped
+w1 + w3, 2 x 2304 x 5120), ``fp8_m32`` (``fp8_gemm`` at M = 32; ``--tuning '{"mma": "fp8"}'`` its FP8 tensor-core form), ``fp4_grouped`` (the batch-32 step's grouped
 FP4 GEMM), ``attn_packed`` / ``attn_bf16`` (the decode sparse attention of one bench40 layer at ``--batch`` (1) on
 the packed cache / on bf16 rows; "per byte" there is per key-block value and thread), ``idx_pool_*`` /
 ``idx_gather_*`` (the indexer's score kernels, ``score_pool`` over 32K keys / ``gather_score``, at ``--batch``, on
@@ -169,6 +169,9 @@ def kernel_case(name: str, tuning: dict, nk: tuple[int, int] = (F, D), batch: in
         n, k = nk
         fn = jax.jit(lambda x, v, s: G.fp8_gemm(x, v, s, **tuning))
         args = (sds((32, k), jnp.bfloat16), sds((n, k), u8), sds((-(-n // 32), -(-k // 32)), u8))
+        if tuning.get("mma") == "fp8":  # the FP8 tensor-core form: 64-row blocks, 256-wide K steps, 4 warps, 3 stages
+            bn, bk, nw = tuning.get("block_n") or 64, tuning.get("block_k") or 256, tuning.get("num_warps") or 4
+            return ((lambda: fn.trace(*args).lower(**lower)), nw, tuning.get("num_stages") or 3, bn * bk / (32 * nw))
         t = G.fp8_default_tiling(32, n, k, **tuning)
         return ((lambda: fn.trace(*args).lower(**lower)), t["num_warps"], t["num_stages"],
                 t["block_n"] * t["block_k"] / (32 * t["num_warps"]))

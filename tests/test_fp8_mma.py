@@ -131,3 +131,24 @@ def test_fp8_mma_form_lowers_to_an_fp8_dot_with_float32_promotion():
     (ir,) = got
     dots = [ln for ln in ir.splitlines() if "tt.dot" in ln]
     assert dots and all("maxNumImpreciseAcc = 32" in ln and "f8E4M3FN" in ln for ln in dots)
+
+
+def test_fp8_dense_mma_form_equals_float64_on_the_dequantised_values():
+    """``fp8_gemm(..., mma="fp8")``: 13 FP8-rounded float32 rows (a partial 16-row block), N = 80 (a partial 64-row
+    weight block; 32 x 32 block scales), K = 192 in 64-wide K steps: equal to float64 within float32 accumulation
+    noise; unrounded rows are rounded first; bf16 rows give the float32 result rounded once."""
+    rng = np.random.default_rng(9)
+    w = RW._quantize(rng.standard_normal((80, 192)).astype(np.float32) * 0.05
+                     * np.exp2(rng.integers(-6, 7, (80, 1))), N.FP8_BLOCK)
+    raw = jnp.asarray(rng.standard_normal((13, 192)) * np.exp2(rng.integers(-8, 8, (13, 1))), jnp.float32)
+    x = Q.fake_quant_gemm_input_fp8(raw, 32)
+    want = np.asarray(x, np.float64) @ np.asarray(w.dequantize(), np.float64).T
+    run = jax.jit(lambda x: G.fp8_gemm(x, w.values, w.scales, mma="fp8", block_k=64, interpret=True))
+    got = run(x)
+    assert got.shape == (13, 80) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    np.testing.assert_array_equal(run(raw), got)
+    gb = G.fp8_gemm(x.astype(jnp.bfloat16), w.values, w.scales, mma="fp8", block_k=64, interpret=True)
+    np.testing.assert_array_equal(np.asarray(gb, np.float32), np.asarray(got.astype(jnp.bfloat16), np.float32))
+    with pytest.raises(ValueError, match="mma='fp8'"):
+        G.fp8_gemm(x, w.values, w.scales, mma="fp8", split_k=2, interpret=True)

@@ -207,14 +207,32 @@ _TILING_ARGS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_st
                 "scale_side", "group_view", "mma_rows", "programs")
 
 
-@functools.partial(jax.jit, static_argnames=_TILING_ARGS + ("name", "interpret"))
+@functools.partial(jax.jit, static_argnames=_TILING_ARGS + ("mma", "name", "interpret"))
 def fp8_gemm(x, values, scales, *, block_m: int | None = None, block_n: int | None = None,
              block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
              num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
              scale_side: str | None = None, group_view: bool | None = None, mma_rows: str | None = None,
-             programs: int | None = None, name: str = "fp8_block_gemm", interpret: bool = False):
+             programs: int | None = None, mma: str | None = None, name: str = "fp8_block_gemm",
+             interpret: bool = False):
     """x [M, K] (bf16 / f32), values uint8 e4m3 bytes [N, K], scales uint8 [ceil(N/32), ceil(K/32)] -> [M, N]
-    x.dtype. Tiling: ``fp8_default_tiling``."""
+    x.dtype. Tiling: ``fp8_default_tiling``. ``mma="fp8"``: the weights-as-rows form on FP8 tensor cores
+    (``_fp8_gemm_fp8_mma``: activations rounded to FP8 per 32 — exact for the release's rounded inputs —, one FP8
+    wgmma per 32-wide K chunk on the stored bytes, promoted to float32 with both scales); None / "bf16": the forms
+    above."""
+    if mma not in (None, "bf16", "fp8"):
+        raise ValueError(f"mma must be 'bf16' or 'fp8', got {mma!r}")
+    if mma == "fp8":
+        if mma_rows not in (None, "weights") or (split_k or 1) != 1 or gemv or prefetch or programs or \
+                scale_side is not None or group_view is not None:
+            raise ValueError("mma='fp8' is a weights-as-rows form with block_m / block_n / block_k / num_warps / "
+                             "num_stages options only")
+        if values.ndim != 2 or values.shape[1] != x.shape[1] or values.dtype != jnp.uint8 or \
+                scales.dtype != jnp.uint8 or scales.shape != (-(-values.shape[0] // SCALE_BLOCK),
+                                                              -(-x.shape[1] // SCALE_BLOCK)):
+            raise ValueError(f"fp8_gemm: values must be uint8 [N, K] and scales uint8 [ceil(N/32), ceil(K/32)], got "
+                             f"{values.dtype} {tuple(values.shape)} / {scales.dtype} {tuple(scales.shape)}")
+        return _fp8_gemm_fp8_mma(x, values, scales, block_m=block_m, block_n=block_n, block_k=block_k,
+                                 num_warps=num_warps, num_stages=num_stages, name=name, interpret=interpret)
     return fp8_gemm_fused(x, ((values, scales),), block_m=block_m, block_n=block_n, block_k=block_k,
                           split_k=split_k, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, gemv=gemv,
                           scale_side=scale_side, group_view=group_view, mma_rows=mma_rows, programs=programs,
@@ -1092,6 +1110,70 @@ def _fp4_grouped_fp8_mma(x, group_sizes, values, scales, *, block_m, block_n, bl
         out_shape=jax.ShapeDtypeStruct((a, n), x.dtype),
         compiler_params=_params(num_warps or 4, num_stages or 3), interpret=interpret, name=name,
     )(grp, r0s, nrs, codes, xs, values, scales)
+
+
+def _fp8_gemm_fp8_mma(x, values, scales, *, block_m, block_n, block_k, num_warps, num_stages, name, interpret):
+    """``fp8_gemm(..., mma="fp8")``: the weights-as-rows form on FP8 tensor cores, no weight decode at all — per
+    32-wide K chunk the [block_n, 32] e4m3 weight bytes as stored take one FP8 wgmma against the activations' FP8
+    codes [block_m, 32] (``ops.quant.fp8_e4m3_block_codes``: exact for the release's FP8-rounded GEMM inputs, else
+    that rounding), the float32 result added times the weight block's scale (per 32 rows) x the activation scale
+    (per token) to a float32 accumulator."""
+    from dsv41_jax.ops.quant import fp8_e4m3_block_codes
+
+    m, k = x.shape
+    n = values.shape[0]
+    if k % SCALE_BLOCK:
+        raise ValueError(f"the FP8 wgmma form needs K a multiple of {SCALE_BLOCK}, got {k}")
+    bm = block_m or max(16, min(64, _pow2(m)))
+    bn = block_n or 64
+    if bn < 64 or bn % SCALE_BLOCK or bm < 16:
+        raise ValueError(f"the FP8 wgmma form needs block_n >= 64 (a multiple of 32) and block_m >= 16, got {bn} / "
+                         f"{bm}")
+    chunks = k // SCALE_BLOCK
+    sg = _largest_pow2_divisor(chunks, max(1, (block_k or 256) // SCALE_BLOCK))
+    n_steps = chunks // sg
+    nb, ks = bn // SCALE_BLOCK, -(-n // SCALE_BLOCK)
+    n_tail = n % bn != 0
+    nm = -(-m // bm)
+    codes, xs = fp8_e4m3_block_codes(x)  # [M, K] e4m3, [M, K / 32] float32
+    # rows padded to whole row blocks (read unmasked: straight into the wgmma's shared-memory operand; the padding
+    # rows' outputs are not stored); scales transposed: a chunk's scales of a row block are one contiguous run
+    codes = jnp.pad(codes, ((0, nm * bm - m), (0, 0)))
+    xs = jnp.pad(xs.T, ((0, 0), (0, nm * bm - m)))
+    w8 = jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn)
+
+    def kernel(xq_ref, xs_ref, v_ref, s_ref, o_ref):
+        mi, ni = pl.program_id(0), pl.program_id(1)
+        rows_m = mi * bm + jnp.arange(bm)
+        rows_n = ni * bn + jnp.arange(bn)
+        nmask = rows_n < n
+        srow = jnp.minimum(ni * nb + jnp.arange(nb), ks - 1)
+
+        def chunk(c, acc):
+            if n_tail:
+                w = pltr.load(v_ref.at[jnp.minimum(rows_n, n - 1)[:, None],
+                                       (c * SCALE_BLOCK + jnp.arange(SCALE_BLOCK))[None, :]])
+            else:
+                w = v_ref[pl.ds(ni * bn, bn), pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)]
+            xq = xq_ref[pl.ds(mi * bm, bm), pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)]
+            xsc = xs_ref[c, pl.ds(mi * bm, bm)]
+            ws = jnp.broadcast_to(_e8m0_mult(s_ref[srow, c])[:, None], (nb, SCALE_BLOCK)).reshape(bn)
+            return acc + fp8_dot_nt(w, xq) * (ws[:, None] * xsc[None, :])
+
+        def step(t, acc):
+            for j in range(sg):
+                acc = chunk(t * sg + j, acc)
+            return acc
+
+        acc = jax.lax.fori_loop(0, n_steps, step, jnp.zeros((bn, bm), jnp.float32))
+        pltr.store(o_ref.at[rows_m[None, :], rows_n[:, None]], acc.astype(o_ref.dtype),
+                   mask=(rows_m < m)[None, :] & nmask[:, None])
+
+    return pl.pallas_call(
+        kernel, grid=(nm, -(-n // bn)),
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        compiler_params=_params(num_warps or 4, num_stages or 3), interpret=interpret, name=name,
+    )(codes, xs, w8, scales)
 
 
 # ----------------------------------------------------------------------------------------------------------------
