@@ -310,7 +310,8 @@ def grouped_part(bw, budget_s, fp8_inputs: bool = False):
                 log(f"grouped {label} {vlabel}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
                 continue
             row = dict(shape=label, variant=vlabel, tuning=tuning, call_us=t_all, kernel_us=t_k, bytes=nbytes,
-                       used_experts=used, rel_err=err, max_abs_err_over_max=max_err, call_rates=rates(nbytes, t_all, bw) if bw else {},
+                       used_experts=used, rel_err=err, max_abs_err_over_max=max_err,
+                       call_rates=rates(nbytes, t_all, bw) if bw else {},
                        kernel_rates=rates(nbytes, t_k, bw) if bw else {})
             base = base or row
             row["x_default_call"] = base["call_us"] / t_all

@@ -925,6 +925,15 @@ def _fp4_grouped_weight_rows(x, group_sizes, values, scales, *, block_m, block_n
 # SASS). ``fp8_dot_nt`` is a primitive of its own whose Triton lowering sets ``maxNumImpreciseAcc`` to the chunk's
 # K: Triton then emits Hopper's ``wgmma`` on e4m3 (``QGMMA ... E4M3.E4M3``; benchmarks/kernel_sass.py); off the GPU
 # (interpret mode, XLA) it is the exact float32 product of the e4m3 values.
+# Both FP8 forms are options, NOT the defaults: measured on an H200 (benchmarks/RESULTS.md, 2026-12-03 21:25 UTC) the
+# grouped FP4 form took 128-186 µs for the batch-32 w1 / w3 (default 61-63) and 100-121 µs for w2 (default 57), the
+# release batch-32 step 30.58 ms against 22.85 with it; the dense form at M = 32 took 1.7x the default at equal grids
+# (up to 5x where the default splits K, which the FP8 form does not). The SASS
+# holds fewer instructions per weight byte (grouped 7.8 at block_n 128 vs 10.5; dense 3.5 vs 6.6), but each chunk's
+# scaled promotion needs the wgmma's result at once: Triton emits every chunk's wgmma as commit + wait_group 0 (plus
+# a fence.proxy.async for its shared-memory operand), so the 160 chunks of a program run one tensor-core latency
+# after another. Triton keeps a wgmma in flight (wait_group 1) only for an accumulator carried straight into the
+# next dot, i.e. with scales constant along K — not the release's per-32 scales.
 def _fp8_dot_nt_impl(a, b):
     return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), (((1,), (1,)), ((), ())),
                                precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
@@ -971,8 +980,8 @@ _FP8_DOT_NT = _make_fp8_dot_nt()
 
 
 def fp8_dot_nt(a, b):
-    """a [M, K] · b [N, K]ᵀ -> [M, N] float32 for float8_e4m3fn tiles: in a Pallas GPU kernel one Hopper FP8 wgmma per
-    32 of K (K = 32 here: one instruction, its result promoted by the caller)."""
+    """a [M, K] · b [N, K]ᵀ -> [M, N] float32 for float8_e4m3fn tiles: in a Pallas GPU kernel one Hopper FP8
+    wgmma per 32 of K (K = 32 here: one instruction, its result promoted by the caller)."""
     return _FP8_DOT_NT.bind(a, b)
 
 
@@ -1117,7 +1126,7 @@ def _fp8_gemm_fp8_mma(x, values, scales, *, block_m, block_n, block_k, num_warps
     32-wide K chunk the [block_n, 32] e4m3 weight bytes as stored take one FP8 wgmma against the activations' FP8
     codes [block_m, 32] (``ops.quant.fp8_e4m3_block_codes``: exact for the release's FP8-rounded GEMM inputs, else
     that rounding), the float32 result added times the weight block's scale (per 32 rows) x the activation scale
-    (per token) to a float32 accumulator."""
+    (per token) to a float32 accumulator. Grid: row block x 64-row column block, no K split."""
     from dsv41_jax.ops.quant import fp8_e4m3_block_codes
 
     m, k = x.shape
