@@ -139,6 +139,15 @@ GROUPED_VARIANTS = {0: [("default", {}), ("split_k 2", dict(split_k=2)), ("split
                         ("default, again", {})]}
 if SMOKE:
     GROUPED_VARIANTS = {0: [("default", {}), ("split_k 2", dict(split_k=2, block_k=64))]}
+# --grouped-fp8: the FP8 tensor-core form (mma="fp8": e2m1 -> e4m3 bytes, one FP8 wgmma per 32-wide K chunk promoted to
+# float32 with both scales) against the default, on FP8-rounded rows (the release's GEMM inputs)
+GROUPED_FP8_VARIANTS = [("default (bf16 wgmma, bf16x2 decode)", {}), ("fp8 wgmma, block_n 64", dict(mma="fp8")),
+                        ("fp8 wgmma, block_n 128", dict(mma="fp8", block_n=128)),
+                        ("fp8 wgmma, block_n 256", dict(mma="fp8", block_n=256)),
+                        ("fp8 wgmma, block_n 128, 4 stages", dict(mma="fp8", block_n=128, num_stages=4)),
+                        ("default, again", {})]
+if SMOKE:
+    GROUPED_FP8_VARIANTS = [("default", {}), ("fp8 wgmma", dict(mma="fp8", block_k=64))]
 OUT: dict = {"meta": {}, "ceilings": {}, "fp4": [], "fp8": [], "grouped": [], "errors": []}
 T0 = time.time()
 
@@ -254,12 +263,14 @@ def fp8_part(bw, budget_s, plan=None):
                 f"read-only | {row['pct_datasheet']:.0f}% of 4.8 | x {row['x_default']:.2f} | err {err:.1e}")
 
 
-def grouped_part(bw, budget_s):
+def grouped_part(bw, budget_s, fp8_inputs: bool = False):
     """The grouped FP4 kernel (``quant_gemm.fp4_grouped``, bf16 rows) at the batch-32 step's shapes: each call R
     distinct expert stacks (> L2) with their own routings; device µs per GEMM of the whole call (the kernel, the
-    XLA ops around it — tile metadata, the even / odd split of x, the split-K sum) and of the kernel alone; bytes =
-    the used experts' packed bytes + scales + activations + output; rel err of the bf16 output against float32 on
-    the dequantised weights (the first routing's rows)."""
+    XLA ops around it — tile metadata, the even / odd split of x, the split-K sum, the FP8 form's codes and tile
+    gather) and of the kernel alone; bytes = the used experts' packed bytes + scales + activations + output; rel err
+    of the bf16 output against float32 on the dequantised weights (the first routing's rows). ``fp8_inputs``: the
+    rows FP8-rounded per 32 first (the release's GEMM inputs; the reference takes the same rounded rows) and
+    ``GROUPED_FP8_VARIANTS``; the max abs error over the output's max abs is recorded too."""
     m, e, topk = (8, 4, 2) if SMOKE else (32, 16, 6)
     r = 2 if SMOKE else 4
     for gi, (label, n, k) in enumerate(GROUPED_SHAPES):
@@ -268,19 +279,24 @@ def grouped_part(bw, budget_s):
         gss = [B._routing(jax.random.fold_in(key, 100 + j), m, e, topk) for j in range(r)]
         a = m * topk
         x = jax.random.normal(jax.random.fold_in(key, 7), (a, k), jnp.float32).astype(jnp.bfloat16)
+        if fp8_inputs:
+            x = QG.fp8_round(x, backend="reference")
         used = float(np.mean([int(jnp.sum(g > 0)) for g in gss]))
         nbytes = used * (n * k // 2 + n * k // 32) + a * k * 2 + a * n * 2
         want = jax.lax.ragged_dot(x.astype(jnp.float32), jnp.swapaxes(ws[0].dequantize(jnp.float32), 1, 2), gss[0],
                                   precision=jax.lax.Precision.HIGHEST)
         base = None
-        for vi, (vlabel, tuning) in enumerate(GROUPED_VARIANTS.get(gi, GROUPED_VARIANTS[0])):
+        variants = GROUPED_FP8_VARIANTS if fp8_inputs else GROUPED_VARIANTS.get(gi, GROUPED_VARIANTS[0])
+        for vi, (vlabel, tuning) in enumerate(variants):
             if time.time() - T0 > budget_s:
                 OUT["errors"].append(f"grouped {label} {vlabel}: skipped, budget")
                 continue
             nm = f"fp4grp{gi}_{vi}"
             tn = dict(tuning, name=nm)
             try:
-                err = B.rel_err(QG.fp4_grouped(x, gss[0], ws[0], backend=BE, tuning=tn), want)
+                got = QG.fp4_grouped(x, gss[0], ws[0], backend=BE, tuning=tn)
+                err = B.rel_err(got, want)
+                max_err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
                 f = jax.jit(lambda x, gss, ws, tn=tn: [QG.fp4_grouped(x, g, w, backend=BE, tuning=tn)
                                                        for g, w in zip(gss, ws)])
                 jax.block_until_ready(f(x, gss, ws))
@@ -294,14 +310,15 @@ def grouped_part(bw, budget_s):
                 log(f"grouped {label} {vlabel}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
                 continue
             row = dict(shape=label, variant=vlabel, tuning=tuning, call_us=t_all, kernel_us=t_k, bytes=nbytes,
-                       used_experts=used, rel_err=err, call_rates=rates(nbytes, t_all, bw) if bw else {},
+                       used_experts=used, rel_err=err, max_abs_err_over_max=max_err,
+                       call_rates=rates(nbytes, t_all, bw) if bw else {},
                        kernel_rates=rates(nbytes, t_k, bw) if bw else {})
             base = base or row
             row["x_default_call"] = base["call_us"] / t_all
             OUT["grouped"].append(row)
             log(f"grouped | {label} | {vlabel} | call {t_all:.1f} µs ({row['call_rates'].get('pct_read', 0):.0f}% "
                 f"of read-only) | kernel {t_k:.1f} µs ({row['kernel_rates'].get('pct_read', 0):.0f}%) | x "
-                f"{row['x_default_call']:.2f} | err {err:.1e}")
+                f"{row['x_default_call']:.2f} | err {err:.1e} | max err {max_err:.1e}")
 
 
 def main():
@@ -310,6 +327,8 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--budget-s", type=float, default=300.0, help="variants started after this many seconds skip")
     ap.add_argument("--skip-fp8", action="store_true")
+    ap.add_argument("--grouped-fp8", action="store_true", help="only the grouped FP4 kernel's FP8 tensor-core form "
+                    "against its default, on FP8-rounded rows (GROUPED_FP8_VARIANTS)")
     ap.add_argument("--lean", action="store_true", help="--set 3 with fewer rows (a short device call): FP4 rows "
                     "0-3 and the last, grouped split 2 / 3 only, FP8 the first persistent row per shape")
     ap.add_argument("--set", type=int, default=1, choices=(1, 2, 3), help="2: the second pass (FP4_VARIANTS_2, "
@@ -331,6 +350,11 @@ def main():
             with open(os.path.join(args.out, "bench_decode_gemv.json"), "w") as f:
                 json.dump(OUT, f, indent=1, default=str)
 
+    if args.grouped_fp8:
+        grouped_part(bw, args.budget_s, fp8_inputs=True)
+        save()
+        log(f"done in {time.time() - T0:.0f} s; errors: {OUT['errors']}")
+        return
     second, third = args.set == 2, args.set == 3
     if third and args.lean and not SMOKE:
         global FP4_VARIANTS_3, FP8_PLAN_3, GROUPED_VARIANTS

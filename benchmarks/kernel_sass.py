@@ -7,16 +7,17 @@ the SASS opcode histogram, registers, stack (spills) and instructions per weight
     python benchmarks/kernel_sass.py fp4_up --tuning '{"decode": "f16"}'
     python benchmarks/kernel_sass.py fp4_down --tuning '{"block_n": 8}' --keep DIR   # also keeps .ttir/.ptx/.sass
 
-Kernels: ``fp4_up`` / ``fp4_down`` (``fp4_slot_swiglu`` / ``fp4_slot_down`` at the bench model's expert shape,
-16 experts of 2304 x 5120, 6 picks, bf16), ``fp8_fused`` (``fp8_gemm_fused`` at M = 1: the shared expert's
-w1 + w3, 2 x 2304 x 5120), ``fp8_m32`` (``fp8_gemm`` at M = 32), ``fp4_grouped`` (the batch-32 step's grouped
-FP4 GEMM), ``attn_packed`` / ``attn_bf16`` (the decode sparse attention of one bench40 layer at ``--batch`` (1) on
-the packed cache / on bf16 rows; "per byte" there is per key-block value and thread), ``idx_pool_*`` /
-``idx_gather_*`` (the indexer's score kernels, ``score_pool`` over 32K keys / ``gather_score``, at ``--batch``, on
-FP4 + ue8m0 keys (``packed``) or bf16 keys; per key value of one tile and thread). The packed cases take
-``--tuning '{"packed_load": "gather"}'`` for the first packed-row read (``pallas_gpu.PACKED_LOADS``) and
-``'{"packed_ahead": false}'`` for the attention's compressed rows read by pipelined tile loads (decoded once per dot
-operand) instead of one block ahead (decoded once). Every loop of a kernel is listed with its own counts.
+Kernels: ``fp4_up`` / ``fp4_down`` (``fp4_slot_swiglu`` / ``fp4_slot_down`` at the bench model's expert shape, 16
+experts of 2304 x 5120, 6 picks, bf16), ``fp8_fused`` (``fp8_gemm_fused`` at M = 1: the shared expert's w1 + w3, 2 x
+2304 x 5120), ``fp8_m32`` (``fp8_gemm`` at M = 32; ``--tuning '{"mma": "fp8"}'`` its FP8 tensor-core form),
+``fp4_grouped`` (the batch-32 step's grouped FP4 GEMM; ``mma`` likewise), ``attn_packed`` / ``attn_bf16`` (the decode
+sparse attention of one bench40 layer at ``--batch`` (1) on the packed cache / on bf16 rows; "per byte" there is per
+key-block value and thread), ``idx_pool_*`` / ``idx_gather_*`` (the indexer's score kernels, ``score_pool`` over 32K
+keys / ``gather_score``, at ``--batch``, on FP4 + ue8m0 keys (``packed``) or bf16 keys; per key value of one tile and
+thread). The packed cases take ``--tuning '{"packed_load": "gather"}'`` for the first packed-row read
+(``pallas_gpu.PACKED_LOADS``) and ``'{"packed_ahead": false}'`` for the attention's compressed rows read by pipelined
+tile loads (decoded once per dot operand) instead of one block ahead (decoded once). Every loop of a kernel is listed
+with its own counts.
 
 Why: the one-token FP4 kernels turned out bound by the CUDA cores, not HBM — 17.9 instructions per weight byte and
 255 registers with spills before the pair decode, 13.3 and 101 registers after (measured on an H200 1.35x faster,
@@ -169,6 +170,9 @@ def kernel_case(name: str, tuning: dict, nk: tuple[int, int] = (F, D), batch: in
         n, k = nk
         fn = jax.jit(lambda x, v, s: G.fp8_gemm(x, v, s, **tuning))
         args = (sds((32, k), jnp.bfloat16), sds((n, k), u8), sds((-(-n // 32), -(-k // 32)), u8))
+        if tuning.get("mma") == "fp8":  # the FP8 tensor-core form: 64-row blocks, 256-wide K steps, 4 warps, 3 stages
+            bn, bk, nw = tuning.get("block_n") or 64, tuning.get("block_k") or 256, tuning.get("num_warps") or 4
+            return ((lambda: fn.trace(*args).lower(**lower)), nw, tuning.get("num_stages") or 3, bn * bk / (32 * nw))
         t = G.fp8_default_tiling(32, n, k, **tuning)
         return ((lambda: fn.trace(*args).lower(**lower)), t["num_warps"], t["num_stages"],
                 t["block_n"] * t["block_k"] / (32 * t["num_warps"]))
@@ -212,7 +216,7 @@ def kernel_case(name: str, tuning: dict, nk: tuple[int, int] = (F, D), batch: in
         q, pos, new = sds((b, 1, h, hd), bf), sds((b, 1), i32), sds((b, 1, hd), bf)
         wpos, topk, base = sds((b, w + 1), i32), sds((b, 1, kk), i32), sds((b,), i32)
 
-        def fn(q, pos, new, wpos, ring, kv, topk, base):
+        def attn(q, pos, new, wpos, ring, kv, topk, base):
             return KN.sparse_attention(q, pos, new, wpos, kv, topk, jnp.zeros((h,), jnp.float32), window=w,
                                        backend="pallas_gpu", win_ring=(ring, base), tuning=tuning or None)
 
@@ -221,7 +225,7 @@ def kernel_case(name: str, tuning: dict, nk: tuple[int, int] = (F, D), batch: in
         # and 3 stages at batch 1 and 32 (16 heads a program at batch 1, 32 at batch 32)
         nw = tuning.get("num_warps") or (8 if pk and b <= 32 else 4)
         # "per byte" here: per value of one 32-row key block, per thread
-        return (lambda: jax.jit(fn).trace(*args).lower(**lower)), nw, tuning.get("num_stages") or 3, \
+        return (lambda: jax.jit(attn).trace(*args).lower(**lower)), nw, tuning.get("num_stages") or 3, \
             32 * hd / (32 * nw)
     if name in ("idx_pool_packed", "idx_pool_bf16", "idx_gather_packed", "idx_gather_bf16"):
         # the indexer's score kernels of one bench40 Full ratio-1 layer (one query per row, 32K keys): the streamed

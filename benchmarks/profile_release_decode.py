@@ -106,7 +106,7 @@ OUT: dict = {"meta": {}, "ceilings": {}, "experts": [], "grouped": [], "dense32"
 T0 = time.time()
 
 # InferenceOptions fields whose forms are the default's program at one token (--release-options skips batch 1)
-BATCH1_SAME = {"fp4_every_expert"}
+BATCH1_SAME = {"fp4_every_expert", "fp4_grouped_tuning"}
 
 FAMILIES = [  # (family, pattern on the device event's name), first match wins
     ("Engram rows read from host memory (Pallas)", r"engram_host_rows"),
@@ -337,7 +337,11 @@ DENSE32_TUNINGS = [("tokens form (the default before)", dict(mma_rows="tokens"))
                    # kernel_sass.py fp8_m32 --nk 5120,2304); for the shapes whose blocks 3 does not divide, the reverse
                    ("weights form, split_k 3", dict(split_k=3)),
                    # the default split before it divided the K blocks (the same as the default where they divide)
-                   ("weights form, split_k 2 (the default before for K = 2304)", dict(split_k=2))]
+                   ("weights form, split_k 2 (the default before for K = 2304)", dict(split_k=2)),
+                   # the FP8 tensor-core form (one FP8 wgmma per 32-wide K chunk on the stored bytes, float32
+                   # promotion with both scales; the activations rounded to FP8: run with --dense32-fp8-inputs)
+                   ("FP8 wgmma, block_n 64", dict(mma="fp8")),
+                   ("FP8 wgmma, block_n 128", dict(mma="fp8", block_n=128))]
 # the bench model's FP8 projections at decode (N, K): shared expert w1 / w3 and w2, the attention's wq_b and wo_b,
 # the Engram layers' 25600 x 6144 (2 launches per step; 400 column blocks of 64 rows and no K split by default:
 # 1.5 waves of two programs per multiprocessor), and the fused launches' shapes as one weight
@@ -345,10 +349,11 @@ DENSE32_SHAPES = [(2304, 5120), (5120, 2304), (32768, 1280), (5120, 8192), (2560
                   (4608, 5120), (1792, 5120)]  # the last two: the fused w1 + w3 and wq_a + wkv's total N
 
 
-def dense32_part(bw, m=32, picks=None):
+def dense32_part(bw, m=32, picks=None, fp8_inputs=False):
     """The FP8 dense GEMM (32 x 32 block scales) at M = ``m`` (the batch-32 decode step's dense projections) at each
     of DENSE32_TUNINGS: device µs per GEMM (each call runs R distinct weights, > L2), bytes = weight bytes + scales +
-    activations + output, % of 4.8 TB/s and of the read-only bandwidth; checked against float32 (bf16 inputs)."""
+    activations + output, % of 4.8 TB/s and of the read-only bandwidth; checked against float32 (bf16 inputs;
+    ``fp8_inputs``: FP8-rounded per 32 first, as the release's GEMM inputs, the reference on the same rows)."""
     r = 2 if SMOKE else 8
     shapes = [(64, 96), (96, 64)] if SMOKE else DENSE32_SHAPES
     for n, k in shapes:
@@ -356,6 +361,8 @@ def dense32_part(bw, m=32, picks=None):
         ws = [B.random_fp8(jax.random.fold_in(key, i), n, k) for i in range(r)]
         xs = [jax.random.normal(jax.random.fold_in(key, 100 + i), (m, k), jnp.float32).astype(jnp.bfloat16)
               for i in range(r)]
+        if fp8_inputs:
+            xs = [QG.fp8_round(x, backend="reference") for x in xs]
         nbytes = n * k + (-(-n // 32)) * (-(-k // 32)) + m * k * 2 + m * n * 2
         want = np.asarray(xs[0], np.float64) @ np.asarray(ws[0].dequantize(jnp.float32), np.float64).T
         base = None
@@ -796,6 +803,11 @@ def engram_host_part(config, prel, opts, batches, context, budget_s, out_dir, sa
         save()
 
 
+def _hashable_options(opts: dict) -> dict:
+    """JSON ``InferenceOptions`` fields as the options hold them: the kernels' tunings as (name, value) pairs."""
+    return {k: tuple(sorted(v.items())) if isinstance(v, dict) else v for k, v in opts.items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -825,6 +837,8 @@ def main():
                     help="the batch-32 grouped FP4 GEMMs at GROUPED_TUNINGS (kernel micro-benchmark) first")
     ap.add_argument("--grouped-quick", action="store_true", help="--grouped: the first GROUPED_QUICK tunings only")
     ap.add_argument("--grouped-pick", default="", help="--grouped: these indices of GROUPED_TUNINGS only (e.g. 2,3)")
+    ap.add_argument("--dense32-fp8-inputs", action="store_true", help="--dense32: the rows FP8-rounded first (the "
+                    "release's GEMM inputs; needed for a fair error of the FP8 tensor-core form)")
     ap.add_argument("--dense32-pick", default="", help="--dense32: these indices of DENSE32_TUNINGS only (e.g. 0,1)")
     ap.add_argument("--combine", action="store_true",
                     help="decode: one release form with the first of --grouped-tunings and of --fp8-tunings together, "
@@ -913,7 +927,8 @@ def main():
                             args.no_release_bf16_cache, args.profile_until_s,
                             tuple(filter(None, args.engram_host_gathers.split(","))), args.timing_repeats,
                             mhc_projections=tuple(filter(None, args.mhc_projections.split(","))),
-                            release_options=tuple(json.loads(args.release_options or "[]")),
+                            release_options=tuple(_hashable_options(o) for o in
+                                                  json.loads(args.release_options or "[]")),
                             bf16_options=args.bf16_options)
             except Exception as e:  # noqa: BLE001
                 OUT["errors"].append(f"decode: {type(e).__name__}: {str(e)[:400]}")
@@ -936,7 +951,7 @@ def main():
             "rel err vs float32 |\n|---|---|---:|---:|---:|---:|---:|")
         try:
             dense32_part(OUT["ceilings"], picks=[int(i) for i in args.dense32_pick.split(",")] if args.dense32_pick
-                         else None)
+                         else None, fp8_inputs=args.dense32_fp8_inputs)
         except Exception as e:  # noqa: BLE001
             OUT["errors"].append(f"dense32: {type(e).__name__}: {str(e)[:400]}")
             log(f"dense32 FAILED: {type(e).__name__}: {str(e)[:300]}")

@@ -207,14 +207,32 @@ _TILING_ARGS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_st
                 "scale_side", "group_view", "mma_rows", "programs")
 
 
-@functools.partial(jax.jit, static_argnames=_TILING_ARGS + ("name", "interpret"))
+@functools.partial(jax.jit, static_argnames=_TILING_ARGS + ("mma", "name", "interpret"))
 def fp8_gemm(x, values, scales, *, block_m: int | None = None, block_n: int | None = None,
              block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
              num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
              scale_side: str | None = None, group_view: bool | None = None, mma_rows: str | None = None,
-             programs: int | None = None, name: str = "fp8_block_gemm", interpret: bool = False):
+             programs: int | None = None, mma: str | None = None, name: str = "fp8_block_gemm",
+             interpret: bool = False):
     """x [M, K] (bf16 / f32), values uint8 e4m3 bytes [N, K], scales uint8 [ceil(N/32), ceil(K/32)] -> [M, N]
-    x.dtype. Tiling: ``fp8_default_tiling``."""
+    x.dtype. Tiling: ``fp8_default_tiling``. ``mma="fp8"``: the weights-as-rows form on FP8 tensor cores
+    (``_fp8_gemm_fp8_mma``: activations rounded to FP8 per 32 — exact for the release's rounded inputs —, one FP8
+    wgmma per 32-wide K chunk on the stored bytes, promoted to float32 with both scales); None / "bf16": the forms
+    above."""
+    if mma not in (None, "bf16", "fp8"):
+        raise ValueError(f"mma must be 'bf16' or 'fp8', got {mma!r}")
+    if mma == "fp8":
+        if mma_rows not in (None, "weights") or (split_k or 1) != 1 or gemv or prefetch or programs or \
+                scale_side is not None or group_view is not None:
+            raise ValueError("mma='fp8' is a weights-as-rows form with block_m / block_n / block_k / num_warps / "
+                             "num_stages options only")
+        if values.ndim != 2 or values.shape[1] != x.shape[1] or values.dtype != jnp.uint8 or \
+                scales.dtype != jnp.uint8 or scales.shape != (-(-values.shape[0] // SCALE_BLOCK),
+                                                              -(-x.shape[1] // SCALE_BLOCK)):
+            raise ValueError(f"fp8_gemm: values must be uint8 [N, K] and scales uint8 [ceil(N/32), ceil(K/32)], got "
+                             f"{values.dtype} {tuple(values.shape)} / {scales.dtype} {tuple(scales.shape)}")
+        return _fp8_gemm_fp8_mma(x, values, scales, block_m=block_m, block_n=block_n, block_k=block_k,
+                                 num_warps=num_warps, num_stages=num_stages, name=name, interpret=interpret)
     return fp8_gemm_fused(x, ((values, scales),), block_m=block_m, block_n=block_n, block_k=block_k,
                           split_k=split_k, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, gemv=gemv,
                           scale_side=scale_side, group_view=group_view, mma_rows=mma_rows, programs=programs,
@@ -543,11 +561,13 @@ def tile_metadata(group_sizes, n_rows: int, block_m: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
-                                             "prefetch", "mma_rows", "decode", "split_k", "name", "interpret"))
+                                             "prefetch", "mma_rows", "decode", "split_k", "mma", "name",
+                                             "interpret"))
 def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = None, block_n: int | None = None,
                      block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      prefetch: int = 0, mma_rows: str | None = None, decode: str | None = None,
-                     split_k: int | None = None, name: str = "fp4_grouped_gemm", interpret: bool = False):
+                     split_k: int | None = None, mma: str | None = None, name: str = "fp4_grouped_gemm",
+                     interpret: bool = False):
     """x [A, K] rows sorted by group; group_sizes [E] (sum <= A; rows past the sum give 0); values uint8
     [E, N, K/2]; scales uint8 [E, N, K/32] -> [A, N] in x.dtype.
 
@@ -561,7 +581,20 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
     ``_e2m1_bf16x2_scaled``). None: ``FP4_GROUPED_DEFAULT_DECODE``. ``split_k`` (the "weights" form only; must
     divide the K steps): K ranges given to separate programs, their float32 partial products [split_k, A, N] added
     by one small XLA reduction, then rounded to x.dtype — more programs when a call's (row tile, column block)
-    programs fill the multiprocessors only about once."""
+    programs fill the multiprocessors only about once.
+    ``mma``: the tensor-core product's operand type — "bf16" (the default: weights decoded to the dot dtype) or
+    "fp8" (the "weights" form only: the activations rounded to FP8 per 32 along K — the release's GEMM-input
+    rounding, so exact for its already rounded inputs —, the nibbles decoded to e4m3 bytes, one FP8 wgmma per 32-wide
+    K chunk promoted to float32 with both scales; ``_fp4_grouped_fp8_mma``)."""
+    if mma not in (None, "bf16", "fp8"):
+        raise ValueError(f"mma must be 'bf16' or 'fp8', got {mma!r}")
+    if mma == "fp8":
+        if mma_rows not in (None, "weights") or decode is not None or (split_k or 1) != 1 or prefetch:
+            raise ValueError("mma='fp8' is the weights-as-rows form without decode / split_k / prefetch options, got "
+                             f"mma_rows={mma_rows!r}, decode={decode!r}, split_k={split_k}, prefetch={prefetch}")
+        return _fp4_grouped_fp8_mma(x, group_sizes, values, scales, block_m=block_m, block_n=block_n,
+                                    block_k=block_k, num_warps=num_warps, num_stages=num_stages, name=name,
+                                    interpret=interpret)
     mma_rows = mma_rows or ("weights" if x.shape[0] <= FP4_GROUPED_WEIGHT_ROWS_MAX else "tokens")
     if mma_rows not in ("tokens", "weights"):
         raise ValueError(f"mma_rows must be 'tokens' or 'weights', got {mma_rows!r}")
@@ -876,6 +909,280 @@ def _fp4_grouped_weight_rows(x, group_sizes, values, scales, *, block_m, block_n
         compiler_params=_params(num_warps or 4, num_stages or 3), interpret=interpret, name=name,
     )(grp, r0s, nrs, xe, xo, values, scales)
     return out if split_k == 1 else jnp.sum(out, axis=0).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FP8 tensor-core products (Hopper wgmma e4m3 x e4m3) with float32 promotion per 32-wide K chunk
+# ----------------------------------------------------------------------------------------------------------------
+# The release rounds every FP8 / FP4 GEMM input to FP8 (e4m3 codes, one power-of-two scale per 32 along K), so the
+# activations are e4m3 codes x 2^k per 32, and an e2m1 weight nibble n is the e4m3 byte ``(n & 7) << 2 | (n & 8) << 4``
+# of exactly value x 2^-6 (0.5, the e2m1 subnormal, lands on the e4m3 subnormal 4 x 2^-9). One 32-wide chunk of the
+# product is then one FP8 tensor-core instruction (K = 32) on bytes as stored, and its float32 result is scaled by
+# the two chunks' scales and added to a float32 accumulator ("promotion" per 32, the release's own kernels' form):
+# the weight decode is a shift and a mask per byte, not a float conversion and multiply per value.
+# JAX's Triton lowering emits ``tt.dot`` with ``maxNumImpreciseAcc = 0``, for which Triton gives FP8 operands with a
+# float32 result to the pre-Hopper ``mma.sync`` path (each byte widened to float16 first: ``F2FP`` + ``HMMA`` in the
+# SASS). ``fp8_dot_nt`` is a primitive of its own whose Triton lowering sets ``maxNumImpreciseAcc`` to the chunk's
+# K: Triton then emits Hopper's ``wgmma`` on e4m3 (``QGMMA ... E4M3.E4M3``; benchmarks/kernel_sass.py); off the GPU
+# (interpret mode, XLA) it is the exact float32 product of the e4m3 values.
+# Both FP8 forms are options, NOT the defaults: measured on an H200 (benchmarks/RESULTS.md, 2026-12-03 21:25 UTC) the
+# grouped FP4 form took 128-186 µs for the batch-32 w1 / w3 (default 61-63) and 100-121 µs for w2 (default 57), the
+# release batch-32 step 30.58 ms against 22.85 with it; the dense form at M = 32 took 1.7x the default at equal grids
+# (up to 5x where the default splits K, which the FP8 form does not). The SASS
+# holds fewer instructions per weight byte (grouped 7.8 at block_n 128 vs 10.5; dense 3.5 vs 6.6), but each chunk's
+# scaled promotion needs the wgmma's result at once: Triton emits every chunk's wgmma as commit + wait_group 0 (plus
+# a fence.proxy.async for its shared-memory operand), so the 160 chunks of a program run one tensor-core latency
+# after another. Triton keeps a wgmma in flight (wait_group 1) only for an accumulator carried straight into the
+# next dot, i.e. with scales constant along K — not the release's per-32 scales.
+def _fp8_dot_nt_impl(a, b):
+    return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), (((1,), (1,)), ((), ())),
+                               precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _fp8_dot_nt_abstract(a, b):
+    if a.dtype != jnp.float8_e4m3fn or b.dtype != jnp.float8_e4m3fn or a.ndim != 2 or b.ndim != 2 or \
+            a.shape[1] != b.shape[1]:
+        raise ValueError(f"fp8_dot_nt takes two float8_e4m3fn tiles [M, K] and [N, K], got {a.dtype}{a.shape} and "
+                         f"{b.dtype}{b.shape}")
+    return jax.core.ShapedArray((a.shape[0], b.shape[0]), jnp.float32)
+
+
+def _fp8_dot_nt_triton(ctx, a, b):
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith as arith_dialect
+    from jax._src.lib.triton import dialect as tt_dialect
+
+    (m, kk), (n, _) = ctx.avals_in[0].shape, ctx.avals_in[1].shape
+    f32 = ir.F32Type.get()
+    acc_type = ir.RankedTensorType.get([m, n], f32)
+    zeros = arith_dialect.constant(acc_type, ir.DenseElementsAttr.get_splat(acc_type, ir.FloatAttr.get(f32, 0.0)))
+    return tt_dialect.dot(a, tt_dialect.trans(b, (1, 0)), zeros, max_num_imprecise_acc=kk)
+
+
+def _make_fp8_dot_nt():
+    from jax.extend import core as jex_core
+    from jax.interpreters import mlir
+
+    prim = jex_core.Primitive("fp8_dot_nt")
+    prim.def_impl(_fp8_dot_nt_impl)
+    prim.def_abstract_eval(_fp8_dot_nt_abstract)
+    mlir.register_lowering(prim, mlir.lower_fun(_fp8_dot_nt_impl, multiple_results=False))
+    try:  # JAX's private Pallas Triton lowering table (present in jax 0.10 and 0.11)
+        from jax._src.pallas.triton import lowering as triton_lowering
+
+        triton_lowering.register_lowering(prim)(_fp8_dot_nt_triton)
+    except (ImportError, AttributeError):  # then the kernels using it fail to lower, with JAX's own error
+        pass
+    return prim
+
+
+_FP8_DOT_NT = _make_fp8_dot_nt()
+
+
+def fp8_dot_nt(a, b):
+    """a [M, K] · b [N, K]ᵀ -> [M, N] float32 for float8_e4m3fn tiles: in a Pallas GPU kernel one Hopper FP8
+    wgmma per 32 of K (K = 32 here: one instruction, its result promoted by the caller)."""
+    return _FP8_DOT_NT.bind(a, b)
+
+
+# e2m1 -> e4m3 bytes for four packed bytes per instance ($1: bytes b0..b3, each two nibbles): the low nibbles'
+# e4m3 bytes ((n & 7) << 2 | (n & 8) << 4 per byte lane) or the high nibbles' ((n >> 4 & 7) << 2 | n & 0x80);
+# the masks keep each lane's bits from its neighbours'.
+_E2M1_E4M3_PTX = {
+    0: """{
+.reg .b32 a, b;
+shl.b32 a, $1, 2;
+and.b32 a, a, 0x1C1C1C1C;
+shl.b32 b, $1, 4;
+and.b32 b, b, 0x80808080;
+or.b32 $0, a, b;
+}""",
+    4: """{
+.reg .b32 a, b;
+shr.b32 a, $1, 2;
+and.b32 a, a, 0x1C1C1C1C;
+and.b32 b, $1, 0x80808080;
+or.b32 $0, a, b;
+}""",
+}
+
+
+def e2m1_e4m3_bytes(v):
+    """Packed e2m1 bytes uint8 [...] -> (low, high) nibbles' e4m3 bytes uint8 [...], each the exact e4m3 pattern of
+    the nibble's value x 2^-6 (plain integer ops; the kernel's PTX computes the same four bytes at a time)."""
+    vi = v.astype(jnp.int32)
+    lo = ((vi & 7) << 2) | ((vi & 8) << 4)
+    hi = ((vi >> 2) & 0x1C) | (vi & 0x80)
+    return lo.astype(jnp.uint8), hi.astype(jnp.uint8)
+
+
+def _e2m1_e4m3_chunk(v, interpret: bool):
+    """One scale chunk's packed bytes uint8 [bn, 16] -> its 32 weights as e4m3 [bn, 32] (value x 2^-6) in the order
+    ``FP8_CHUNK_ORDER``: position j < 16 holds element 2j (byte j's low nibble), 16 + j element 2j + 1."""
+    if interpret:
+        lo, hi = e2m1_e4m3_bytes(v)
+    else:
+        lo, hi = (pltr.elementwise_inline_asm(_E2M1_E4M3_PTX[sh], args=[v], constraints="=r,r", pack=4,
+                                              result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.int8)])[0]
+                  for sh in (0, 4))  # int8: Triton's inline asm takes signless integers only
+    # chunk order [low nibbles | high nibbles]: the wgmma's register operand gives a thread four consecutive K
+    # positions in each half, i.e. four consecutive packed bytes — one 32-bit word per half, no byte shuffles
+    w = jnp.stack([lo, hi], axis=-1).transpose(0, 2, 1).reshape(v.shape[0], 2 * v.shape[1])
+    return jax.lax.bitcast_convert_type(w, jnp.float8_e4m3fn)
+
+
+# The K order of a 32-wide chunk in the FP8 form (weights and activations alike): the even elements, then the odd.
+FP8_CHUNK_ORDER = tuple(range(0, SCALE_BLOCK, 2)) + tuple(range(1, SCALE_BLOCK, 2))
+
+
+def _e8m0_x64(s):
+    """e8m0 scale bytes -> float32 2^(s - 127) x 2^6 (undoes the e4m3 weights' 2^-6): exact for bytes <= 248 (every
+    scale a quantiser writes for real weights); larger bytes and 0xFF give NaN."""
+    si = s.astype(jnp.int32)
+    return jnp.where(si > 248, jnp.float32(jnp.nan), jax.lax.bitcast_convert_type((si + 6) << 23, jnp.float32))
+
+
+def _fp4_grouped_fp8_mma(x, group_sizes, values, scales, *, block_m, block_n, block_k, num_warps, num_stages,
+                         name, interpret):
+    """``fp4_grouped_gemm(..., mma="fp8")``: the weights-as-rows form on FP8 tensor cores. The activations become
+    e4m3 codes and a float32 scale per 32 in XLA (``ops.quant.fp8_e4m3_block_codes``: exact for the release's
+    FP8-rounded GEMM inputs, else it is that rounding); per 32-wide chunk a program decodes its [block_n, 16] packed
+    bytes to [block_n, 32] e4m3 bytes, takes one FP8 wgmma against the [block_m, 32] activation codes (float32
+    result) and adds it times 2^6 x weight scale (per row) x activation scale (per token) to a float32 accumulator."""
+    from dsv41_jax.ops.quant import fp8_e4m3_block_codes
+
+    a, k = x.shape
+    e, n, kh = values.shape
+    if k % SCALE_BLOCK:
+        raise ValueError(f"K {k} must be a multiple of {SCALE_BLOCK}")
+    bm = block_m or fp4_weight_rows_block_m(a, e)
+    bn = block_n or 64
+    if bn < 64 or bm < 16:
+        raise ValueError(f"the FP8 wgmma form needs block_n >= 64 and block_m >= 16, got {bn} / {bm}")
+    chunks = k // SCALE_BLOCK
+    sg = _largest_pow2_divisor(chunks, max(1, (block_k or 256) // SCALE_BLOCK))  # chunks per K step: divides K
+    n_steps = chunks // sg
+    hb = SCALE_BLOCK // 2
+    n_tail = n % bn != 0
+    codes, xs = fp8_e4m3_block_codes(x)  # [A, K] e4m3, [A, K / 32] float32
+    grp, r0s, nrs = tile_metadata(group_sizes, a, bm)
+    t_max = grp.shape[0]
+    # each row tile's activations gathered by XLA (a few MB at decode): codes [T, bm, K] in FP8_CHUNK_ORDER, scales
+    # [T, K / 32, bm] — a chunk's tiles are aligned contiguous runs (the codes straight into the wgmma's shared-
+    # memory operand); rows past a tile's group only reach output elements that are not stored
+    tile_rows = jnp.minimum(jnp.maximum(r0s, 0)[:, None] + jnp.arange(bm)[None, :], a - 1)  # [T, bm]
+    codes = codes.reshape(a, chunks, SCALE_BLOCK)[:, :, jnp.asarray(FP8_CHUNK_ORDER)].reshape(a, k)[tile_rows]
+    xs = jnp.swapaxes(xs[tile_rows], 1, 2)
+
+    def kernel(g_ref, r0_ref, nr_ref, xq_ref, xs_ref, v_ref, s_ref, o_ref):
+        ti, ni = pl.program_id(0), pl.program_id(1)
+        ex, r0, nr = g_ref[ti], r0_ref[ti], nr_ref[ti]
+        rows = r0 + jnp.arange(bm)
+        cols_n = ni * bn + jnp.arange(bn)
+        nmask = cols_n < n
+
+        @pl.when(nr > 0)
+        def _():
+            rmask = jnp.arange(bm) < nr
+            cols_nc = jnp.minimum(cols_n, n - 1)
+
+            def chunk(c, acc):  # the 32-wide K chunk c: one wgmma, promoted with both scales
+                cb = c * hb + jnp.arange(hb)
+                if n_tail:
+                    v = pltr.load(v_ref.at[ex, cols_nc[:, None], cb[None, :]], mask=nmask[:, None], other=0)
+                    s = pltr.load(s_ref.at[ex, cols_nc, c], mask=nmask, other=127)
+                else:
+                    v = v_ref[ex, pl.ds(ni * bn, bn), pl.ds(c * hb, hb)]
+                    s = s_ref[ex, pl.ds(ni * bn, bn), c]
+                xq = xq_ref[ti, :, pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)]
+                xsc = xs_ref[ti, c, :]
+                d = fp8_dot_nt(_e2m1_e4m3_chunk(v, interpret), xq)  # [bn, bm] float32
+                return acc + d * (_e8m0_x64(s)[:, None] * xsc[None, :])
+
+            def step(t, acc):
+                for j in range(sg):
+                    acc = chunk(t * sg + j, acc)
+                return acc
+
+            acc = jax.lax.fori_loop(0, n_steps, step, jnp.zeros((bn, bm), jnp.float32))
+            # acc[j, i] is out[rows[i], cols[j]]: stored through transposed indices
+            pltr.store(o_ref.at[rows[None, :], cols_n[:, None]], acc.astype(o_ref.dtype),
+                       mask=rmask[None, :] & nmask[:, None])
+
+        @pl.when(nr < 0)
+        def _():  # rows past the groups' total: 0
+            zmask = (jnp.arange(bm) < -nr)[:, None] & nmask[None, :]
+            pltr.store(o_ref.at[rows[:, None], cols_n[None, :]], jnp.zeros((bm, bn), o_ref.dtype), mask=zmask)
+
+    return pl.pallas_call(
+        kernel, grid=(t_max, -(-n // bn)),
+        out_shape=jax.ShapeDtypeStruct((a, n), x.dtype),
+        compiler_params=_params(num_warps or 4, num_stages or 3), interpret=interpret, name=name,
+    )(grp, r0s, nrs, codes, xs, values, scales)
+
+
+def _fp8_gemm_fp8_mma(x, values, scales, *, block_m, block_n, block_k, num_warps, num_stages, name, interpret):
+    """``fp8_gemm(..., mma="fp8")``: the weights-as-rows form on FP8 tensor cores, no weight decode at all — per
+    32-wide K chunk the [block_n, 32] e4m3 weight bytes as stored take one FP8 wgmma against the activations' FP8
+    codes [block_m, 32] (``ops.quant.fp8_e4m3_block_codes``: exact for the release's FP8-rounded GEMM inputs, else
+    that rounding), the float32 result added times the weight block's scale (per 32 rows) x the activation scale
+    (per token) to a float32 accumulator. Grid: row block x 64-row column block, no K split."""
+    from dsv41_jax.ops.quant import fp8_e4m3_block_codes
+
+    m, k = x.shape
+    n = values.shape[0]
+    if k % SCALE_BLOCK:
+        raise ValueError(f"the FP8 wgmma form needs K a multiple of {SCALE_BLOCK}, got {k}")
+    bm = block_m or max(16, min(64, _pow2(m)))
+    bn = block_n or 64
+    if bn < 64 or bn % SCALE_BLOCK or bm < 16:
+        raise ValueError(f"the FP8 wgmma form needs block_n >= 64 (a multiple of 32) and block_m >= 16, got {bn} / "
+                         f"{bm}")
+    chunks = k // SCALE_BLOCK
+    sg = _largest_pow2_divisor(chunks, max(1, (block_k or 256) // SCALE_BLOCK))
+    n_steps = chunks // sg
+    nb, ks = bn // SCALE_BLOCK, -(-n // SCALE_BLOCK)
+    n_tail = n % bn != 0
+    nm = -(-m // bm)
+    codes, xs = fp8_e4m3_block_codes(x)  # [M, K] e4m3, [M, K / 32] float32
+    # rows padded to whole row blocks (read unmasked: straight into the wgmma's shared-memory operand; the padding
+    # rows' outputs are not stored); scales transposed: a chunk's scales of a row block are one contiguous run
+    codes = jnp.pad(codes, ((0, nm * bm - m), (0, 0)))
+    xs = jnp.pad(xs.T, ((0, 0), (0, nm * bm - m)))
+    w8 = jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn)
+
+    def kernel(xq_ref, xs_ref, v_ref, s_ref, o_ref):
+        mi, ni = pl.program_id(0), pl.program_id(1)
+        rows_m = mi * bm + jnp.arange(bm)
+        rows_n = ni * bn + jnp.arange(bn)
+        nmask = rows_n < n
+        srow = jnp.minimum(ni * nb + jnp.arange(nb), ks - 1)
+
+        def chunk(c, acc):
+            if n_tail:
+                w = pltr.load(v_ref.at[jnp.minimum(rows_n, n - 1)[:, None],
+                                       (c * SCALE_BLOCK + jnp.arange(SCALE_BLOCK))[None, :]])
+            else:
+                w = v_ref[pl.ds(ni * bn, bn), pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)]
+            xq = xq_ref[pl.ds(mi * bm, bm), pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)]
+            xsc = xs_ref[c, pl.ds(mi * bm, bm)]
+            ws = jnp.broadcast_to(_e8m0_mult(s_ref[srow, c])[:, None], (nb, SCALE_BLOCK)).reshape(bn)
+            return acc + fp8_dot_nt(w, xq) * (ws[:, None] * xsc[None, :])
+
+        def step(t, acc):
+            for j in range(sg):
+                acc = chunk(t * sg + j, acc)
+            return acc
+
+        acc = jax.lax.fori_loop(0, n_steps, step, jnp.zeros((bn, bm), jnp.float32))
+        pltr.store(o_ref.at[rows_m[None, :], rows_n[:, None]], acc.astype(o_ref.dtype),
+                   mask=(rows_m < m)[None, :] & nmask[:, None])
+
+    return pl.pallas_call(
+        kernel, grid=(nm, -(-n // bn)),
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        compiler_params=_params(num_warps or 4, num_stages or 3), interpret=interpret, name=name,
+    )(codes, xs, w8, scales)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -94,6 +94,7 @@ __all__ = [
     "fake_quant_fp8_e4m3_block",
     "fake_quant_fp4_e2m1_block",
     "fake_quant_gemm_input_fp8",
+    "fp8_e4m3_block_codes",
 ]
 
 FP8_E4M3_MAX = 448.0
@@ -330,6 +331,21 @@ def _fake_quant_fp8_e4m3_block(x: jax.Array, block: int = 32) -> jax.Array:
     y = _e4m3_round_trip(q) * _exp2(k)
     y = jnp.where(k >= 128, np.float32(np.nan), y)  # inf/NaN in the block: reference scale = inf
     return y.reshape(x.shape).astype(x.dtype)
+
+
+def fp8_e4m3_block_codes(x: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Array]:
+    """The FP8 block quantisation of :func:`_fake_quant_fp8_e4m3_block` as its parts: (e4m3 codes float8_e4m3fn
+    [..., K], float32 scales 2^k [..., K / block]) with ``codes * scale`` = the fake-quantised ``x`` (NaN scale for
+    a block holding an inf / NaN, as there). For a GEMM on FP8 tensor cores: when ``x`` is already FP8-rounded
+    (the release's GEMM inputs) the codes are exact, ``codes * scale == x``."""
+    xb = _blocks(x, block, "fp8_e4m3_block_codes")
+    amax = jnp.maximum(_block_amax(xb), _FP8_AMAX_FLOOR)
+    k = _pow2_ceil_exponent(amax * _INV_448)
+    q = jnp.clip(xb * _exp2(-k), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    # rounded on the bits first: the cast below then only changes the type (exact), on every platform
+    codes = _e4m3_round_trip(q).astype(jnp.float8_e4m3fn).reshape(x.shape)
+    scale = jnp.where(k >= 128, np.float32(np.nan), _exp2(k))[..., 0]
+    return codes, scale
 
 
 def _fake_quant_fp4_e2m1_block(x: jax.Array, block: int | None = None, scale_format: str = "ue8m0") -> jax.Array:
