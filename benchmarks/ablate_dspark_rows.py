@@ -38,6 +38,9 @@ from dsv41_jax.train.step import make_train_step  # noqa: E402
 
 
 ARM_KEYS = {"anchors": int, "steps": int, "ce": float, "init": str}  # an arm's KEY=VALUE settings (training recipe)
+# init=context (this ablation only): the target initialisation's context path alone — main_proj / main_norm and every
+# block's wkv / kv_norm from drafter_from_target, every other tensor the random initialisation's (same seed)
+ARM_INITS = (*DRAFTER_INITS, "context")
 
 
 def parse_arm(text: str) -> tuple[str, float, int | None, dict]:
@@ -56,8 +59,8 @@ def parse_arm(text: str) -> tuple[str, float, int | None, dict]:
             raise ValueError(f"arm {text!r}: {kv!r} is not one of " + ", ".join(f"{k}=<{t.__name__}>"
                                                                               for k, t in ARM_KEYS.items())) from None
         if key == "init":
-            if value not in DRAFTER_INITS:
-                raise ValueError(f"arm {text!r}: init is one of {DRAFTER_INITS}")
+            if value not in ARM_INITS:
+                raise ValueError(f"arm {text!r}: init is one of {ARM_INITS}")
         elif extra[key] < 0 or (key != "ce" and extra[key] < 1):
             raise ValueError(f"arm {text!r}: {kv!r} out of range")
     try:
@@ -136,7 +139,8 @@ def main(argv=None):
         if key not in steps:
             o = dataclasses.replace(opts_d, **({"anchors": extra["anchors"]} if "anchors" in extra else {}),
                                     **({"ce_weight": extra["ce"]} if "ce" in extra else {}),
-                                    **({"drafter_init": extra["init"]} if "init" in extra else {}))
+                                    **({"drafter_init": "target" if extra["init"] == "context" else extra["init"]}
+                                       if "init" in extra else {}))
             steps[key] = DSparkTrainStep(configs[rank], tcd, target, o)
         return configs[rank], steps[key], engines[rank]
 
@@ -162,6 +166,13 @@ def main(argv=None):
         n_steps = extra.get("steps", args.drafter_steps)
         tcd_arm = tcd.replace(steps=n_steps)
         dstate = dstep.init_state()
+        if extra.get("init") == "context":
+            rand = DSparkTrainStep(c, tcd, target, opts_d).init_state()["params"]["dspark"]
+            tgt = dstate["params"]["dspark"]
+            dp = {**rand, "main_proj": tgt["main_proj"], "main_norm": tgt["main_norm"],
+                  "blocks": [{**rb, "attn": {**rb["attn"], "wkv": tb["attn"]["wkv"], "kv_norm": tb["attn"]["kv_norm"]}}
+                             for rb, tb in zip(rand["blocks"], tgt["blocks"])]}
+            dstate = dstep.init_state({"dspark": dp})
         k = int(round(frac * bs))
         loader = MixedLoader(DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=1)),
                              rows_of.get(kind), k, seed=4)
@@ -174,7 +185,7 @@ def main(argv=None):
         eng.params = cast({**dstep.target, "dspark": dstate["params"]["dspark"]}, c)
         arm = dict(rows=kind, target_rows_per_batch=k, markov_rank=c.dspark_markov_rank, steps=n_steps,
                    anchors=dstep.options.anchors, ce_weight=dstep.options.ce_weight,
-                   drafter_init=dstep.options.drafter_init,
+                   drafter_init=extra.get("init", dstep.options.drafter_init),
                    train_top1_last20=last["top1"], train_accept_last20=last["accept_rate"],
                    train_accept_by_slot=[last[f"accept_{j}"] for j in range(c.dspark_block_size)],
                    train_top1_by_slot=[last[f"top1_{j}"] for j in range(c.dspark_block_size)],
