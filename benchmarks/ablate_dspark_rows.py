@@ -32,19 +32,23 @@ from dsv41_jax.inference.step import FAST_COMPILE  # noqa: E402
 from dsv41_jax.tokenizer import ByteTokenizer  # noqa: E402
 from dsv41_jax.train.config import TrainConfig  # noqa: E402
 from dsv41_jax.train.data import DataLoader, Dataset, load_corpus  # noqa: E402
-from dsv41_jax.train.dspark import DSparkTrainOptions, DSparkTrainStep  # noqa: E402
+from dsv41_jax.train.dspark import DRAFTER_INITS, DSparkTrainOptions, DSparkTrainStep  # noqa: E402
 from dsv41_jax.train.optimizer import lr_at  # noqa: E402
 from dsv41_jax.train.step import make_train_step  # noqa: E402
 
 
-ARM_KEYS = {"anchors": int, "steps": int, "ce": float}  # an arm's KEY=VALUE settings (training recipe)
+ARM_KEYS = {"anchors": int, "steps": int, "ce": float, "init": str}  # an arm's KEY=VALUE settings (training recipe)
+# init=context (this ablation only): the target initialisation's context path alone — main_proj / main_norm and every
+# block's wkv / kv_norm from drafter_from_target, every other tensor the random initialisation's (same seed)
+ARM_INITS = (*DRAFTER_INITS, "context")
 
 
 def parse_arm(text: str) -> tuple[str, float, int | None, dict]:
     """An arm of --arms: ``ROWS:FRACTION[:RANK][:KEY=VALUE...]`` -> (rows: corpus / greedy / sampled, the fraction
     of each batch's rows taken from the target's continuations of that kind, the drafter's Markov rank or None = the
     config's, {anchors: block starts per row, steps: drafter steps, ce: the loss's cross-entropy weight} where
-    given). Raises ValueError naming the bad arm."""
+    given, init: the drafter's start, ``DSparkTrainOptions.drafter_init`` random / target). Raises ValueError naming
+    the bad arm."""
     parts = [x for x in text.split(":") if "=" not in x]
     extra = {}
     for kv in (x for x in text.split(":") if "=" in x):
@@ -54,7 +58,10 @@ def parse_arm(text: str) -> tuple[str, float, int | None, dict]:
         except (KeyError, ValueError):
             raise ValueError(f"arm {text!r}: {kv!r} is not one of " + ", ".join(f"{k}=<{t.__name__}>"
                                                                               for k, t in ARM_KEYS.items())) from None
-        if extra[key] < 0 or (key != "ce" and extra[key] < 1):
+        if key == "init":
+            if value not in ARM_INITS:
+                raise ValueError(f"arm {text!r}: init is one of {ARM_INITS}")
+        elif extra[key] < 0 or (key != "ce" and extra[key] < 1):
             raise ValueError(f"arm {text!r}: {kv!r} out of range")
     try:
         rows, frac = parts[0], float(parts[1]) if len(parts) > 1 else 0.0
@@ -128,10 +135,12 @@ def main(argv=None):
             configs[rank] = c
             engines[rank] = Engine(c, cast({**target, "dspark": DSparkTrainStep(c, tcd, target, opts_d).init_state()[
                 "params"]["dspark"]}, c), max_batch=args.eval_batch, max_len=max_len, options=opts, tokenizer=tok)
-        key = (rank, extra.get("anchors"), extra.get("ce"))
+        key = (rank, extra.get("anchors"), extra.get("ce"), extra.get("init"))
         if key not in steps:
             o = dataclasses.replace(opts_d, **({"anchors": extra["anchors"]} if "anchors" in extra else {}),
-                                    **({"ce_weight": extra["ce"]} if "ce" in extra else {}))
+                                    **({"ce_weight": extra["ce"]} if "ce" in extra else {}),
+                                    **({"drafter_init": "target" if extra["init"] == "context" else extra["init"]}
+                                       if "init" in extra else {}))
             steps[key] = DSparkTrainStep(configs[rank], tcd, target, o)
         return configs[rank], steps[key], engines[rank]
 
@@ -157,6 +166,13 @@ def main(argv=None):
         n_steps = extra.get("steps", args.drafter_steps)
         tcd_arm = tcd.replace(steps=n_steps)
         dstate = dstep.init_state()
+        if extra.get("init") == "context":
+            rand = DSparkTrainStep(c, tcd, target, opts_d).init_state()["params"]["dspark"]
+            tgt = dstate["params"]["dspark"]
+            dp = {**rand, "main_proj": tgt["main_proj"], "main_norm": tgt["main_norm"],
+                  "blocks": [{**rb, "attn": {**rb["attn"], "wkv": tb["attn"]["wkv"], "kv_norm": tb["attn"]["kv_norm"]}}
+                             for rb, tb in zip(rand["blocks"], tgt["blocks"])]}
+            dstate = dstep.init_state({"dspark": dp})
         k = int(round(frac * bs))
         loader = MixedLoader(DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=1)),
                              rows_of.get(kind), k, seed=4)
@@ -169,9 +185,15 @@ def main(argv=None):
         eng.params = cast({**dstep.target, "dspark": dstate["params"]["dspark"]}, c)
         arm = dict(rows=kind, target_rows_per_batch=k, markov_rank=c.dspark_markov_rank, steps=n_steps,
                    anchors=dstep.options.anchors, ce_weight=dstep.options.ce_weight,
+                   drafter_init=extra.get("init", dstep.options.drafter_init),
                    train_top1_last20=last["top1"], train_accept_last20=last["accept_rate"],
                    train_accept_by_slot=[last[f"accept_{j}"] for j in range(c.dspark_block_size)],
-                   train_top1_by_slot=[last[f"top1_{j}"] for j in range(c.dspark_block_size)], evals={})
+                   train_top1_by_slot=[last[f"top1_{j}"] for j in range(c.dspark_block_size)],
+                   # the first step's metrics: the drafter as initialised (before any update)
+                   step0_accept_by_slot=[hist[0][f"accept_{j}"] for j in range(c.dspark_block_size)],
+                   step0_top1_by_slot=[hist[0][f"top1_{j}"] for j in range(c.dspark_block_size)],
+                   curve_top1_0=[float(np.mean([h["top1_0"] for h in hist[i:i + 10]]))
+                                 for i in range(0, n_steps, 10)], evals={})
         for t in evals:
             dec = SpeculativeDecoder(eng)
             res = dec.generate(prompts, max_new_tokens=args.new_tokens, stop_tokens=(), temperature=t, seed=0)
@@ -183,17 +205,19 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "ablate_dspark_rows.json"), "w") as f:
         json.dump(record, f, indent=1)
-    print("| drafter rows | target rows per batch | Markov rank | anchors per row | steps | CE weight | " + " | ".join(
+    print("| drafter rows | target rows per batch | Markov rank | anchors per row | steps | CE weight | init | "
+          + " | ".join(
         f"tokens per step ({'greedy' if t == 0 else f'T {t:g}'})" for t in evals)
-        + " | train top-1 / accept (last 20) | train accept by slot | same tokens (greedy) |")
-    print("|---" * (9 + len(evals)) + "|")
+        + " | train top-1 / accept (last 20) | train accept by slot | train top-1 by slot | same tokens (greedy) |")
+    print("|---" * (11 + len(evals)) + "|")
     for a in record["arms"]:
         same = a["evals"].get("0.0", {}).get("same_tokens")
         print(f"| {a['rows']} | {a['target_rows_per_batch']} of {bs} | {a['markov_rank']} | {a['anchors']} | "
-              f"{a['steps']} | {a['ce_weight']:g} | "
+              f"{a['steps']} | {a['ce_weight']:g} | {a['drafter_init']} | "
               + " | ".join(f"{a['evals'][str(t)]['accepted_length']:.2f}" for t in evals)
               + f" | {a['train_top1_last20']:.3f} / {a['train_accept_last20']:.3f} | "
-              + " ".join(f"{x:.2f}" for x in a["train_accept_by_slot"])
+              + " ".join(f"{x:.2f}" for x in a["train_accept_by_slot"]) + " | "
+              + " ".join(f"{x:.2f}" for x in a["train_top1_by_slot"])
               + f" | {'—' if same is None else ('yes' if same else 'NO')} |")
 
 

@@ -61,6 +61,9 @@ the target train step (the others start with its training, so that compile is no
 ``--eval-batches`` measures each trained drafter on held-out ``asyncio`` rows (teacher-forced acceptance per draft
 slot, its train step at learning rate 0); the speculative programs take XLA's Triton GEMMs on the GPU by default
 (``InferenceOptions.verification_compiler_options``), ``--cublas-verify-batches`` keeps cuBLAS at given batches.
+Since call 15: ``--drafter-init random,target`` trains one drafter per initialisation (``DSparkTrainOptions.
+drafter_init``; ``target``: the target's last layer's weights, ``train.dspark.drafter_from_target``) on the same rows,
+seed and seconds each; a row's ``^INIT`` suffix picks the drafter (``none^target``; default the first listed).
 
 Output: a table on stdout, ``DIR/bench_dspark_h200.json`` (rewritten after every row, so a run cut short by its
 time limit keeps what it measured; ``compiles``: every XLA compile of the process with its program, thread and
@@ -109,7 +112,7 @@ from dsv41_jax.model.params import abstract_params, flat_specs  # noqa: E402
 from dsv41_jax.tokenizer import ByteTokenizer  # noqa: E402
 from dsv41_jax.train.config import TrainConfig  # noqa: E402
 from dsv41_jax.train.data import DataLoader, Dataset, load_corpus  # noqa: E402
-from dsv41_jax.train.dspark import DSparkTrainOptions, DSparkTrainStep  # noqa: E402
+from dsv41_jax.train.dspark import DRAFTER_INITS, DSparkTrainOptions, DSparkTrainStep  # noqa: E402
 from dsv41_jax.train.optimizer import lr_at  # noqa: E402
 from dsv41_jax.train.step import make_train_step  # noqa: E402
 
@@ -150,12 +153,36 @@ def uses_triton_verify(v: str) -> bool:
     return TRITON_VERIFY in v
 
 
+INIT_SUFFIX = "^"  # row suffix: the drafter of that initialisation (--drafter-init), e.g. none^target
+
+
+def init_suffix(v: str) -> tuple[str, str | None]:
+    """A row of --variants -> (the row without its ``^INIT`` suffix, the drafter initialisation it asks for or
+    None). Raises ValueError naming the bad entry."""
+    base, sep, init = v.partition(INIT_SUFFIX)
+    if not sep:
+        return v, None
+    init = init.replace(TRITON_VERIFY, "")
+    if init not in DRAFTER_INITS or base.partition("~")[0].partition(":")[0].partition("@")[0] == "plain":
+        raise ValueError(f"{v!r}: '{INIT_SUFFIX}INIT' (the drafter started {' / '.join(DRAFTER_INITS)}) only goes "
+                         "with a speculative row")
+    return base + (TRITON_VERIFY if TRITON_VERIFY in v.partition(INIT_SUFFIX)[2] else ""), init
+
+
+def init_of(v: str, inits) -> str:
+    """The initialisation of the drafter that decodes row ``v``: its ``^INIT``, else the first of --drafter-init."""
+    asked = init_suffix(v)[1]
+    if asked is not None and asked not in inits:
+        raise ValueError(f"{v!r}: no drafter started {asked!r} (--drafter-init {','.join(inits)})")
+    return inits[0] if asked is None else asked
+
+
 def drafter_suffix(v: str) -> tuple[str, float | None]:
     """A row of --variants -> (the row without its drafter suffix, the drafter asked for or None): ``none#1.0``
     decodes with the drafter trained on the target's continuations sampled at T 1 (``--gen-temperature``),
-    ``none#0`` with the one trained on its greedy continuations. A ``%tg`` engine suffix is left out too. Raises
-    ValueError naming the bad entry."""
-    v = v.replace(TRITON_VERIFY, "")
+    ``none#0`` with the one trained on its greedy continuations. A ``%tg`` engine suffix and a ``^INIT`` drafter
+    initialisation (:func:`init_suffix`) are left out too. Raises ValueError naming the bad entry."""
+    v = init_suffix(v)[0].replace(TRITON_VERIFY, "")
     base, sep, t = v.rpartition("#")
     if not sep:
         return v, None
@@ -551,8 +578,16 @@ def main(argv=None):
                     "every this many seconds (where a slow compile sits); 0 = off (default: 60 on an accelerator, "
                     "off on the CPU)")
     ap.add_argument("--log-compiles", action="store_true", help="log every compilation (jax_log_compiles)")
+    ap.add_argument("--drafter-init", default="random", help="the drafters' starting values, comma-separated "
+                    f"({' / '.join(DRAFTER_INITS)}; DSparkTrainOptions.drafter_init): several train one drafter per "
+                    "initialisation and generation temperature on the same rows and seconds each (an A/B); a row "
+                    f"decodes with the first unless its '{INIT_SUFFIX}INIT' suffix picks another, e.g. none^target")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    inits = [x for x in args.drafter_init.split(",") if x]
+    if not inits or any(x not in DRAFTER_INITS for x in inits) or len(set(inits)) != len(inits):
+        ap.error(f"--drafter-init: distinct values of {', '.join(DRAFTER_INITS)}, comma-separated; got "
+                 f"{args.drafter_init!r}")
     variants = [v for v in args.variants.split(",") if v]
     bad = []
     for v in variants:
@@ -577,6 +612,7 @@ def main(argv=None):
     for v in variants:
         try:
             drafter_of(v, gen_temps)
+            init_of(v, inits)
         except ValueError as e:
             bad.append(str(e))
         if uses_triton_verify(v) and parse_variant(v)[0] not in ("none", "threshold"):
@@ -810,7 +846,7 @@ def main(argv=None):
     if late:
         say(f"warm-ups started: {', '.join(w.name for w in late)}")
 
-    drafter_params = {}  # generation temperature of its rows -> the parameters with that drafter
+    drafter_params = {}  # (generation temperature of its rows, its initialisation) -> the parameters with it
     if args.no_train:  # random weights: the programs' compile times and the steps' costs, no acceptance to speak of
         from dsv41_jax.model.params import init_from_specs, param_specs
 
@@ -821,7 +857,7 @@ def main(argv=None):
             say("WARNING: the random parameters' signature differs from the warm-up's: programs compile again")
         for e in engines.values():
             e.params = params
-        drafter_params.update({t: params for t in gen_temps})
+        drafter_params.update({(t, x): params for t in gen_temps for x in inits})
         record["weights"] = "random (std 0.02), untrained"
         del zeros
     else:
@@ -875,7 +911,7 @@ def main(argv=None):
                 say(f"  sample continuation: {sample[:200]!r}")
             stage("generated")
         say(f"drafter: {counts.dspark / 1e9:.3f} B parameters ({config.num_nextn_predict_layers} block); "
-            f"{len(gen_temps)} to train")
+            f"{len(gen_temps) * len(inits)} to train")
         dstep = DSparkTrainStep(config, tcd, target_params, opts_d)
         del target_params
         dstep.target = jax.device_put(dstep.target, device)  # committed, like the warm-up's zeros
@@ -889,29 +925,35 @@ def main(argv=None):
         n_eval = args.eval_batches if args.eval_batches is not None else 4
         heldout = load_corpus([os.path.join(stdlib, "asyncio")], tok, glob="*.py", exclude="test,tests,__pycache__",
                               model_vocab_size=config.vocab_size) if n_eval else None
-        for i, t in enumerate(gen_temps):
+        drafters = [(t, x) for t in gen_temps for x in inits]
+        for i, (t, init) in enumerate(drafters):
+            # the same seed for every drafter: a target-initialised one keeps the random one's Markov and
+            # confidence heads (drafter_from_target); the step's program does not depend on the initialisation
+            opts_i = dataclasses.replace(opts_d, drafter_init=init)
+            dstep.options = opts_i
             dstate = dstep.init_state()
             rows = rows_of[t]
             k = int(round(args.gen_rows * bs)) if rows is not None else 0
             loader = MixedLoader(DataLoader(Dataset(corpus, seq_len=seq, batch_size=bs, packing="concat", seed=1)),
                                  rows, k, seed=4)
             # the time left before the decoding reserve, shared by the drafters still to train
-            d_seconds = (max(5.0, min(drafter_s, (left() - reserve) / (len(gen_temps) - i))) if not smoke
+            d_seconds = (max(5.0, min(drafter_s, (left() - reserve) / (len(drafters) - i))) if not smoke
                          else drafter_s)
-            say(f"  drafter {i} (rows generated at T {t:g}): {k} of {bs} rows per batch from the target's "
-                f"generations; {d_seconds:.0f} s")
-            name = "train_drafter.jsonl" if len(gen_temps) == 1 else f"train_drafter_T{t:g}.jsonl"
+            say(f"  drafter {i} (rows generated at T {t:g}, init {init}): {k} of {bs} rows per batch from the "
+                f"target's generations; {d_seconds:.0f} s")
+            name = ("train_drafter" + ("" if len(gen_temps) == 1 else f"_T{t:g}")
+                    + ("" if len(inits) == 1 else f"_{init}") + ".jsonl")
             dstate, rec = train_loop(dstep, dstate, loader, tcd, d_seconds, 6 if smoke else 10000,
                                      2 if smoke else 25, os.path.join(out, name), say)
             loader.close()
-            record["drafters"].append(dict(rec, options=opts_d.to_dict(), target_rows_per_batch=k,
-                                           gen_temperature=t))
+            record["drafters"].append(dict(rec, options=opts_i.to_dict(), target_rows_per_batch=k,
+                                           gen_temperature=t, drafter_init=init))
             # copies: the float32-only leaves would otherwise be the state's own buffers, which the held-out
             # evaluation's steps donate (on an H200 that deleted them: every speculative row failed, and plain
             # decoding, whose programs take the whole parameter tree, left jit's fast path for a 2.8x slower step)
             dparams = jax.tree.map(lambda x: jnp.array(x, copy=True), jax.device_put(
                 inference_params({"dspark": dstate["params"]["dspark"]}, config)["dspark"], device))
-            drafter_params[t] = {**base_params, "dspark": dparams}
+            drafter_params[t, init] = {**base_params, "dspark": dparams}
             if n_eval:  # learning rate 0: the same compiled step, no update — metrics on rows it never saw
                 ev = DataLoader(Dataset(heldout, seq_len=seq, batch_size=bs, packing="concat", seed=11))
                 ms = []
@@ -929,7 +971,7 @@ def main(argv=None):
         record["drafter_training"] = record["drafters"][0]
         del dstep, base_params
         for e in engines.values():
-            e.params = drafter_params[gen_temps[0]]
+            e.params = drafter_params[gen_temps[0], inits[0]]
         del zeros
         stage("drafter_trained")
 
@@ -1001,7 +1043,7 @@ def main(argv=None):
                 say(f"  sample: {sample[:160]!r}")
         else:
             eng = engines[b, spec_role(variant)]
-            eng.params = drafter_params[drafter_of(variant, gen_temps)]  # same signature: no new program
+            eng.params = drafter_params[drafter_of(variant, gen_temps), init_of(variant, inits)]  # no new program
             kind, n_draft, thr = parse_variant(variant)
             if (b, variant) not in decoders:
                 kw = dict(num_draft=n_draft) if n_draft else {}
@@ -1079,6 +1121,8 @@ def main(argv=None):
         if kind != "plain" and len(gen_temps) > 1:
             dt_ = drafter_of(variant, gen_temps)
             name += f", drafter of {'greedy' if dt_ == 0 else f'T-{dt_:g}'} rows"
+        if kind != "plain" and len(inits) > 1:
+            name += f", drafter init {init_of(variant, inits)}"
         gemms = None
         if kind != "plain" and not cpu:  # the GEMMs of the row's speculative programs
             from dsv41_jax.inference.decode import _decode_opts

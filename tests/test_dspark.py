@@ -515,3 +515,64 @@ def test_prefix_schedule_over_a_step_time_table_narrows_the_step():
     assert spec.stats.drafted == 0 and spec.stats.steps == 5 and spec.stats.mean_accepted_length == 1.0
     with pytest.raises(EngineError, match="step_times needs"):
         SpeculativeDecoder(eng, schedule="prefix", step_times={0: 1.0})
+
+
+def test_drafter_init_from_the_target_copies_its_last_layers_and_rejects_mismatches():
+    """--drafter-init target: draft block i of n holds the target's layer L - n + i's norms, mHC, attention and
+    shared expert, and its first routed experts / router rows; main_proj is the identity on the last captured layer
+    (so main_x = RMSNorm(that layer's features) x the copied attn_norm); heads without a counterpart keep the random
+    initialisers of the same seed. Bad shapes / too few target experts are clear errors at construction."""
+    from dsv41_jax.train.config import TrainConfig
+    from dsv41_jax.train.dspark import DSparkTrainError, DSparkTrainOptions, DSparkTrainStep
+
+    config, params = _setup()
+    c = config.replace(dspark_n_routed_experts=4)
+    target = {k: v for k, v in params.items() if k != "dspark"}
+    tc = TrainConfig(seq_len=16, batch_size=1, compute_dtype="float32", quant_sim=False)
+    opts = DSparkTrainOptions(anchors=2, drafter_init="target")
+    dp = jax.device_get(DSparkTrainStep(c, tc, target, opts).init_state()["params"]["dspark"])
+    rand = jax.device_get(DSparkTrainStep(c, tc, target, DSparkTrainOptions(anchors=2)).init_state()[
+        "params"]["dspark"])
+    n, nl, d = c.num_nextn_predict_layers, len(target["layers"]), c.hidden_size
+    assert n == 2 and nl == 6
+    same = lambda a, b: np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))  # noqa
+    for i in range(n):
+        blk, lay = dp["blocks"][i], target["layers"][nl - n + i]
+        for k in ("attn_norm", "ffn_norm"):
+            same(blk[k], lay[k])
+        for site in ("hc_attn", "hc_ffn"):
+            for k in ("fn", "base", "scale"):
+                same(blk[site][k], lay[site][k])
+        for k in ("wq_a", "q_norm", "wq_b", "wkv", "kv_norm", "wo_a", "wo_b", "attn_sink"):
+            same(blk["attn"][k], lay["attn"][k])
+        for k in ("w1", "w2", "w3"):
+            same(blk["ffn"]["shared_experts"][k], lay["ffn"]["shared_experts"][k])
+            same(blk["ffn"]["experts"][k], np.asarray(lay["ffn"]["experts"][k])[:4])
+        for k in ("weight", "bias"):
+            same(blk["ffn"]["gate"][k], np.asarray(lay["ffn"]["gate"][k])[:4])
+        assert set(blk["attn"]) == {"wq_a", "q_norm", "wq_b", "wkv", "kv_norm", "wo_a", "wo_b", "attn_sink"}
+    same(dp["norm"], target["norm"])
+    for k in ("markov_embed", "markov_head", "confidence"):
+        same(dp[k], rand[k])
+    assert not np.array_equal(np.asarray(dp["blocks"][0]["attn"]["wkv"]), np.asarray(rand["blocks"][0]["attn"]["wkv"]))
+    feats = jnp.asarray(np.random.default_rng(0).standard_normal((1, 3, 3 * d)), jnp.float32)
+    want = dspark.rms_norm(feats[..., 2 * d:], target["layers"][nl - n]["attn_norm"], c.rms_norm_eps)
+    np.testing.assert_allclose(np.asarray(dspark.project_context(dp, feats, c)), np.asarray(want), rtol=1e-5,
+                               atol=1e-6)
+
+    with pytest.raises(DSparkTrainError, match="16 routed experts, the target only 8"):
+        DSparkTrainStep(config.replace(dspark_n_routed_experts=16), tc, target, opts)
+    bad = jax.tree.map(lambda x: x, target)
+    bad["layers"][5]["attn"]["wkv"] = np.zeros((3, d), np.float32)
+    with pytest.raises(DSparkTrainError, match="block 1's attn/wkv has shape"):
+        DSparkTrainStep(c, tc, bad, opts)
+    DSparkTrainStep(c, tc, bad, DSparkTrainOptions(anchors=2))  # the random init does not read the target's layers
+    with pytest.raises(ValueError, match="drafter init must be one of"):
+        DSparkTrainOptions(drafter_init="copy")
+    from dsv41_jax.cli import build_parser
+    from dsv41_jax.train.cli import _dspark_options
+
+    args = build_parser().parse_args(["train", "--dspark", "--drafter-init", "target", "--data", "x"])
+    assert _dspark_options(args).drafter_init == "target"
+    args = build_parser().parse_args(["train", "--dspark", "--data", "x"])
+    assert _dspark_options(args).drafter_init == "random"  # the default is unchanged

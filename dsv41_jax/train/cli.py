@@ -121,6 +121,9 @@ def _add_dspark_arguments(s) -> None:
     g.add_argument("--dspark-labels", choices=("target", "data"), default="target",
                    help="what each draft slot learns: the target's greedy token, or the text's next token")
     g.add_argument("--dspark-decay", type=float, default=4.0, help="slot k's loss weight is exp(-k / decay)")
+    g.add_argument("--drafter-init", choices=("random", "target"), default="random",
+                   help="a fresh drafter's start: random, or the target's last layers' weights (attention, norms, "
+                        "mHC, shared and the first routed experts; main_proj = identity on the last captured layer)")
 
 
 def _dspark_options(args):
@@ -128,7 +131,8 @@ def _dspark_options(args):
         return None
     from dsv41_jax.train.dspark import DSparkTrainOptions
 
-    return DSparkTrainOptions(anchors=args.dspark_anchors, labels=args.dspark_labels, decay=args.dspark_decay)
+    return DSparkTrainOptions(anchors=args.dspark_anchors, labels=args.dspark_labels, decay=args.dspark_decay,
+                              drafter_init=args.drafter_init)
 
 
 def _resolve_config(args):

@@ -77,16 +77,20 @@ def dspark_loss(logits: jax.Array, confidence: jax.Array, labels: jax.Array, val
 # ----------------------------------------------------------------------------------------------------------------
 
 LABELS = ("target", "data")
+DRAFTER_INITS = ("random", "target")
 
 
 @dataclasses.dataclass(frozen=True)
 class DSparkTrainOptions:
     """What the drafter is trained on. ``labels``: ``"target"`` — slot k learns the frozen target's greedy token
     (what greedy speculative decoding accepts), ``"data"`` — the text's own next tokens; the TV term always
-    compares with the target's full distribution. ``anchors``: block starts sampled per row and step."""
+    compares with the target's full distribution. ``anchors``: block starts sampled per row and step.
+    ``drafter_init``: a fresh drafter's starting values — ``"random"`` (the parameter specs' initialisers) or
+    ``"target"`` (:func:`drafter_from_target`: the target's last layers' weights)."""
 
     anchors: int = 64
     labels: str = "target"
+    drafter_init: str = "random"
     decay: float = 4.0
     ce_weight: float = 0.1
     tv_weight: float = 0.9
@@ -97,6 +101,8 @@ class DSparkTrainOptions:
             raise ValueError(f"DSpark anchors per row must be >= 1, got {self.anchors}")
         if self.labels not in LABELS:
             raise ValueError(f"DSpark labels must be one of {LABELS}, got {self.labels!r}")
+        if self.drafter_init not in DRAFTER_INITS:
+            raise ValueError(f"DSpark drafter init must be one of {DRAFTER_INITS}, got {self.drafter_init!r}")
         if self.decay <= 0:
             raise ValueError(f"DSpark loss decay must be > 0, got {self.decay}")
 
@@ -106,6 +112,108 @@ class DSparkTrainOptions:
 
 class DSparkTrainError(ValueError):
     pass
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The drafter started from the target (``drafter_init="target"``)
+# ----------------------------------------------------------------------------------------------------------------
+
+# a draft block's tensors that a target layer holds under the same path with the same shape (a target layer may
+# hold more: the compressor / indexer of its compressed attention, an Engram — the SWA-only draft block has none)
+_ATTN_COPIED = ("wq_a", "q_norm", "wq_b", "wkv", "kv_norm", "wo_a", "wo_b", "attn_sink")
+_BLOCK_COPIED = (("attn_norm",), ("ffn_norm",), *(("hc_attn", k) for k in ("fn", "base", "scale")),
+                 *(("hc_ffn", k) for k in ("fn", "base", "scale")), *(("attn", k) for k in _ATTN_COPIED),
+                 *(("ffn", "shared_experts", k) for k in ("w1", "w2", "w3")))
+_EXPERTS_COPIED = (("ffn", "experts", "w1"), ("ffn", "experts", "w2"), ("ffn", "experts", "w3"),
+                   ("ffn", "gate", "weight"), ("ffn", "gate", "bias"))  # the first n_d rows of the target's
+
+
+def _at(tree, path: tuple, where: str):
+    for k in path:
+        if not isinstance(tree, dict) or k not in tree:
+            raise DSparkTrainError(f"--drafter-init target: the target's {where} has no {'/'.join(path)}")
+        tree = tree[k]
+    if not hasattr(tree, "shape"):
+        raise DSparkTrainError(f"--drafter-init target: the target's {where}/{'/'.join(path)} is a "
+                               f"{type(tree).__name__}, not a plain array (pass the training parameters, not the "
+                               "quantised inference form)")
+    return tree
+
+
+def target_init_sources(config: ModelConfig, target_params: dict) -> list[tuple[str, str, tuple]]:
+    """What :func:`drafter_from_target` copies, checked against the drafter's specs without touching values:
+    [(drafter path, target path, slice)] with clear errors where the target cannot supply a tensor. Draft block i
+    of n copies target layer L - n + i (the last layers, in order); its routed experts and router rows are the
+    target's first ``dspark_n_routed_experts``."""
+    c = config
+    specs = param_specs(c, include_dspark=True)["dspark"]
+    layers = target_params.get("layers") if isinstance(target_params, dict) else None
+    if not isinstance(layers, (list, tuple)) or not layers:
+        raise DSparkTrainError("--drafter-init target: the target parameters have no `layers`")
+    n, nl = c.num_nextn_predict_layers, len(layers)
+    if n > nl:
+        raise DSparkTrainError(f"--drafter-init target: {n} draft blocks but the target has only {nl} layers")
+    if c.dspark_n_routed_experts > c.n_routed_experts:
+        raise DSparkTrainError(f"--drafter-init target: the drafter has {c.dspark_n_routed_experts} routed experts, "
+                               f"the target only {c.n_routed_experts} to copy them from")
+    out = []
+    for i in range(n):
+        li = nl - n + i
+        for path, rows in [(p, None) for p in _BLOCK_COPIED] + [(p, c.dspark_n_routed_experts)
+                                                                  for p in _EXPERTS_COPIED]:
+            src = _at(layers[li], path, f"layer {li}")
+            want = _at(specs["blocks"][i], path, "drafter").shape
+            got = tuple(src.shape) if rows is None else (min(rows, src.shape[0]), *src.shape[1:])
+            if got != tuple(want):
+                raise DSparkTrainError(f"--drafter-init target: drafter block {i}'s {'/'.join(path)} has shape "
+                                       f"{tuple(want)}, the target's layer {li} gives {got} (target parameters of "
+                                       "another config?)")
+            out.append((f"blocks/{i}/" + "/".join(path), f"layers/{li}/" + "/".join(path), rows))
+    norm = _at(target_params, ("norm",), "model")
+    if tuple(norm.shape) != tuple(specs["norm"].shape):
+        raise DSparkTrainError(f"--drafter-init target: the target's norm has shape {tuple(norm.shape)}, the "
+                               f"drafter's {tuple(specs['norm'].shape)}")
+    return out + [("norm", "norm", None), ("main_norm", f"layers/{nl - n}/attn_norm", None)]
+
+
+def drafter_from_target(config: ModelConfig, target_params: dict, key: jax.Array, dtype=jnp.float32) -> dict:
+    """A fresh drafter that starts as near as the shapes allow to "the target's last layer over the captured
+    features" (``--drafter-init target``; clear errors where it cannot, see :func:`target_init_sources`):
+
+    * every draft block's norms, mHC coefficients (``hc_attn`` / ``hc_ffn``), attention (SWA part: wq / wkv / wo /
+      norms / sink) and shared expert are the target's layer L - n + i's; its ``dspark_n_routed_experts`` routed
+      experts and router rows (weight, bias) are that layer's first ones (the drafter picks top
+      ``dspark_num_experts_per_tok`` among them);
+    * ``main_proj`` (d x n_targets d) is the identity on the last captured layer's features and zero on the others,
+      ``main_norm`` the first copied layer's ``attn_norm``: the context latents start as ``wkv`` / ``kv_norm`` of
+      that layer applied to RMSNorm(mean over streams of its input) x attn_norm — the layer's own K=V latents up to
+      the mean in place of its learned stream mix (exactly the copied layer's input where the last captured layer
+      is the target's last, as in the benchmarks' 4-layer target with captures 1-3);
+    * the final ``norm`` is the target's;
+    * not copied (no counterpart in the target): the compressor / indexer / Engram of the target's layer (the
+      draft block is SWA-only), the Markov heads and the confidence head — these keep the random initialisers.
+
+    What still differs from the target's last layer: the block's queries and its residual start from the embeddings
+    of ``[x_p, noise ...]``, not from the target's residual at p; the RoPE is the main one."""
+    specs = param_specs(config, include_dspark=True)["dspark"]
+    dp = init_from_specs(specs, key, dtype)
+    flat = {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p): x
+            for p, x in jax.tree_util.tree_flatten_with_path(dp)[0]}
+    d, nt = config.hidden_size, len(config.dspark_target_layer_ids)
+
+    def get(tree, path):
+        for k in path.split("/"):
+            tree = tree[int(k)] if isinstance(tree, (list, tuple)) else tree[k]
+        return tree
+
+    for dst, src, rows in target_init_sources(config, target_params):
+        x = jnp.asarray(get(target_params, src))
+        flat[dst] = (x if rows is None else x[:rows]).astype(flat[dst].dtype)
+    flat["main_proj"] = jnp.zeros((d, nt * d), flat["main_proj"].dtype).at[:, (nt - 1) * d:].set(
+        jnp.eye(d, dtype=flat["main_proj"].dtype))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(dp)
+    return jax.tree.unflatten(treedef, [flat["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p)]
+                                        for p, _ in leaves])
 
 
 def check_trainable(config: ModelConfig, tc: TrainConfig) -> None:
@@ -155,6 +263,8 @@ class DSparkTrainStep:
         paths = ["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p) for p, _ in flat]
         self.target = jax.tree.unflatten(treedef, [cast(x, fp32.get(p, False)) for p, (_, x) in zip(paths, flat)])
         self._target_as_given = {k: v for k, v in target_params.items() if k != "dspark"}  # exported unchanged
+        if options.drafter_init == "target":
+            target_init_sources(config, self._target_as_given)  # a clear error now, not at the first init_state
         self._jitted = None
 
     # -- state ------------------------------------------------------------------------------------------------
@@ -162,7 +272,12 @@ class DSparkTrainStep:
         seed = self.train_config.seed if seed is None else seed
         key = jax.random.PRNGKey(seed) if key is None else key
         pkey, rkey = jax.random.split(key)
-        dp = init_from_specs(self._specs, pkey) if params is None else params["dspark"]
+        if params is not None:
+            dp = params["dspark"]
+        elif self.options.drafter_init == "target":
+            dp = drafter_from_target(self.config, self._target_as_given, pkey)
+        else:
+            dp = init_from_specs(self._specs, pkey)
         params = {"dspark": jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), dp)}
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": jax.jit(self.optimizer.init)(params),
                  "rng": jax.random.key_data(rkey) if jnp.issubdtype(rkey.dtype, jax.dtypes.prng_key) else rkey}
@@ -237,4 +352,5 @@ class DSparkTrainStep:
 
 
 __all__ = ["anchor_targets", "dspark_loss", "DSparkTrainOptions", "DSparkTrainStep", "DSparkTrainError",
+           "DRAFTER_INITS", "target_init_sources", "drafter_from_target",
            "check_trainable"]

@@ -182,7 +182,7 @@ def _dspark_step(config: ModelConfig, tc: TrainConfig, options, init_from: str |
     step = DSparkTrainStep(config, tc, load_init_params(init_from, config), options)
     say(f"# DSpark drafter ({config.num_nextn_predict_layers} blocks, block {config.dspark_block_size}, targets "
         f"{list(config.dspark_target_layer_ids)}) against the frozen target of {init_from}; labels: {options.labels}, "
-        f"{options.anchors} anchors per row")
+        f"{options.anchors} anchors per row, drafter init {options.drafter_init}")
     return step
 
 
