@@ -231,8 +231,8 @@ def test_selected_rows_and_the_form_option():
                 if topk[bi, ci, j] >= 0:
                     np.testing.assert_array_equal(np.asarray(rows[bi, remap[bi, ci, j]], np.float32),
                                                   full[bi, min(int(topk[bi, ci, j]), 8)])
-    # the default by query rows: the packed kernel at 1-4 (the few-row tiling), the gather form from 5
-    assert [KN.packed_attention_form(r) for r in (1, 4, 5, 32)] == ["kernel", "kernel", "gather", "gather"]
+    # the default: the gather form at every row count (from kernels.PACKED_GATHER_MIN_ROWS = 1)
+    assert [KN.packed_attention_form(r) for r in (1, 4, 5, 32)] == ["gather"] * 4
     assert KN.packed_attention_form(1, "gather") == "gather" and KN.packed_attention_form(32, "kernel") == "kernel"
     assert KN.packed_attention_form(32, fits=False) == "kernel"  # a long chunk: more selected rows than the buffer
     assert KN.packed_attention_form(32, "gather", fits=False) == "gather"
@@ -288,11 +288,14 @@ def test_packed_buffer_shape_errors_name_the_tensor():
 
 
 @pytest.mark.slow  # two interpret-mode compiles of a Full layer's attention (indexer + sparse attention): ~10 s
-def test_decode_attention_step_reads_the_packed_cache_like_the_unpacked_one(monkeypatch):
+@pytest.mark.parametrize("form", ["kernel", "gather"])
+def test_decode_attention_step_reads_the_packed_cache_like_the_unpacked_one(monkeypatch, form):
     """A decode step's attention site of the HSI candidate source (emits its compressed entry, scores the packed
     keys, attends over the packed window ring and compressed KV) with the GPU kernels reading the packed cache
     directly == the same step unpacking the cache first (the path the reference / TPU backends take): output,
-    top-k, HSI pool and the updated cache, bit for bit."""
+    top-k, HSI pool and the updated cache, bit for bit. ``form``: the attention's packed-cache form — "kernel" reads
+    the ring and the KV packed, "gather" unpacks the ring and only the selected KV rows; the indexer reads its keys
+    packed in both."""
     import functools
 
     from dsv41_jax.inference import step as S
@@ -316,7 +319,8 @@ def test_decode_attention_step_reads_the_packed_cache_like_the_unpacked_one(monk
     cache = jax.tree.map(fill, init_cache(config, b, 64, packed=True), is_leaf=lambda x: isinstance(x, PC.PackedRows))
     cache["length"] = jnp.asarray([40, 57], jnp.int32)
     x = jnp.asarray(rng.normal(size=(b, 1, config.hidden_size)), jnp.float32)
-    opts = S.InferenceOptions(kernel_backend=GPU, compiler_options=S.FAST_COMPILE, packed_cache_kernels=True)
+    opts = S.InferenceOptions(kernel_backend=GPU, compiler_options=S.FAST_COMPILE, packed_cache_kernels=True,
+                              packed_attention=form)
 
     @functools.partial(jax.jit, static_argnums=0)
     def site(_direct, p, x, cache):  # the flag keys the compile: the patched dispatch is read while tracing
@@ -331,7 +335,9 @@ def test_decode_attention_step_reads_the_packed_cache_like_the_unpacked_one(monk
                         unpack(v, s, fmt, dtype))
     assert KN.reads_packed_cache(GPU)
     direct = site(True, params, x, cache)
-    assert unpacked_while_tracing == []  # window ring, KV and keys all go packed to the kernels
+    # "kernel": window ring, KV and keys all go packed to the kernels; "gather": the keys do
+    assert sorted(unpacked_while_tracing) == ([] if form == "kernel" else sorted([PC.FP8_UE8M0_32, PC.FP4_E4M3_16]))
+    unpacked_while_tracing.clear()
     monkeypatch.setattr(KN, "reads_packed_cache", lambda backend="auto": False)
     unpacked = site(False, params, x, cache)
     assert sorted(unpacked_while_tracing) == sorted([PC.FP8_UE8M0_32, PC.FP4_E4M3_16, PC.FP4_UE8M0_32])
@@ -356,7 +362,7 @@ def test_packed_kernels_lower_to_triton_for_cuda():
 
     def decode(q, pos, new, wpos, ring, ckv, topk, sink, qi, wi, keys):
         out = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, window=w, backend="pallas_gpu",
-                                  win_ring=(ring, pos[:, 0]))
+                                  win_ring=(ring, pos[:, 0]), tuning={"packed_attention": "kernel"})
         sel, pool = KN.indexer_topk(qi, wi, keys, pos, ratio=1, topk=16, block_size=8, candidate_topk_blocks=4,
                                     backend="pallas_gpu")
         return out, sel, pool

@@ -159,8 +159,9 @@ class InferenceOptions:
     packed_attention: str | None = None  # with packed_cache_kernels: how the GPU sparse attention reads the packed
     #                              cache (kernels.PACKED_ATTENTION_FORMS: "kernel", dequantised in its registers;
     #                              "gather", the selected rows gathered and unpacked by XLA, then the bf16-cache
-    #                              kernel; None: kernels.packed_attention_form's default by query rows, "gather"
-    #                              from 5: on an H200 the batch-32 release step 22.85 -> 20.36 ms, RESULTS.md)
+    #                              kernel; None: kernels.packed_attention_form's default, "gather" where the
+    #                              selected rows fit the buffer: on an H200 the batch-32 release step 22.85 ->
+    #                              20.36 ms, batch 1 10.01 -> 9.30 ms, RESULTS.md)
 
     def resolved_quant(self, config: ModelConfig) -> bool:
         return config.quant_sim if self.quant_sim is None else self.quant_sim

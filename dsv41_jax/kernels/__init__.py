@@ -130,16 +130,17 @@ GPU_SMS = 132
 #   "gather"  plain JAX gathers the selected rows' bytes + scales and unpacks them (:func:`selected_rows`: a dense
 #             [B, C * K, D] of only the rows the kernel reads, the top-k remapped onto it), the packed window ring is
 #             unpacked in window order (:func:`ring_rows`), then the bf16-cache kernel runs over both.
-# The default is "gather" from PACKED_GATHER_MIN_ROWS query rows, "kernel" below. On an H200 (benchmarks/RESULTS.md,
-# 2026-12-03 21:15 UTC; bench40, top-512 + 129 window rows, 64 heads x 512, bf16): at batch 32 one layer's call 113.0
-# µs against the packed kernel's 147.0 (bf16 cache 56.6), and the 40-layer release step 22.85 -> 20.36 ms (0.96x ->
-# 1.07x the bf16 step's 21.86; the sparse attention 4.36 -> 1.19 ms a step, XLA's fusions +0.76 ms: the selected rows
-# are gathered once per KV source and top-k, shared by the layers reusing them). At batch 1 the one-layer call was
-# 29.6 against 33.2 µs but the step was not timed, so 1-4 rows (the kernels' few-row tiling) keep the kernel; 5-31
-# rows are not measured. Nor are long chunks (prefill) whose C x K selected rows outnumber the buffer's (the gather
-# form would unpack the whole buffer): they keep the kernel too.
+# The default is "gather" from PACKED_GATHER_MIN_ROWS query rows (1: every decode batch). On an H200
+# (benchmarks/RESULTS.md, 2026-12-03 21:15 UTC; bench40, top-512 + 129 window rows, 64 heads x 512, bf16): at batch 32
+# one layer's call 113.0 µs against the packed kernel's 147.0 (bf16 cache 56.6), and the 40-layer release step 22.85
+# -> 20.36 ms (0.96x -> 1.07x the bf16 step's 21.86; the sparse attention 4.36 -> 1.19 ms a step, XLA's fusions +0.76
+# ms: the selected rows are gathered once per KV source and top-k, shared by the layers reusing them). At batch 1 the
+# one-layer call was 29.6 against 33.2 µs, and the release step (RESULTS.md, 22:17 UTC) 10.01 -> 9.30 ms (kernel time
+# 9.44 -> 9.18; the sparse attention 0.76 -> 0.41 ms a step; 1.24x -> 1.33x the bf16 step's 12.38). 2-31 rows are not
+# measured. Long chunks (prefill) whose C x K selected rows outnumber the buffer's (the gather form would unpack the
+# whole buffer) keep the kernel: not measured either.
 PACKED_ATTENTION_FORMS = ("kernel", "gather")
-PACKED_GATHER_MIN_ROWS = 5
+PACKED_GATHER_MIN_ROWS = 1
 
 
 def packed_attention_form(rows: int, form: str | None = None, fits: bool = True) -> str:
