@@ -124,20 +124,28 @@ def test_packed_attention_equals_unpacked_under_each_split_rule(rule):
     np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
-@pytest.mark.parametrize("dtype,tuning", [(jnp.bfloat16, {}), (jnp.float32, {"block_d": 32, "block_k": 16})])
-def test_sparse_attention_on_a_packed_window_ring_equals_unpacked(dtype, tuning):
-    """The window's ring read from its packed FP8 slots in window order (wrapping around the ring), followed by the
-    chunk's own rows, with packed compressed KV too; rows of the ring before the window / floor masked as usual."""
-    rng = np.random.default_rng(7)
-    b, c, h, d, r, n, k = 2, 2, 4, 64, 24, 20, 12
+def _ring_case(rng, dtype, b, c, h, n, d=64, r=24):
+    """A decode chunk over a packed cache: queries q [b, c, h, d] at positions pos0 + 0..c-1 (pos0 5 in row 0: a
+    partly empty ring; 40 in row 1: wrapped), a packed FP8 window ring of r slots + the chunk's own rows (their
+    positions wpos), packed FP4 compressed KV of n rows. Returns (q, pos, new, wpos, ring, base, ckv)."""
     ring = _packed(rng, (b, r, d), PC.FP8_UE8M0_32, dtype)
-    base = jnp.asarray([5, 40], jnp.int32)  # pos0 per row: 5 (a partly empty ring), 40 (wrapped)
+    base = jnp.asarray([5, 40], jnp.int32)
     new = jnp.asarray(rng.normal(size=(b, c, d)), dtype)
     pos = base[:, None] + jnp.arange(c)[None, :]
     ring_pos = base[:, None] - r + jnp.arange(r)[None, :]
     wpos = jnp.concatenate([jnp.where(ring_pos >= 0, ring_pos, -1), pos], axis=1)
     q = jnp.asarray(rng.normal(size=(b, c, h, d)), dtype)
     ckv = _packed(rng, (b, n, d), PC.FP4_E4M3_16, dtype)
+    return q, pos, new, wpos, ring, base, ckv
+
+
+@pytest.mark.parametrize("dtype,tuning", [(jnp.bfloat16, {}), (jnp.float32, {"block_d": 32, "block_k": 16})])
+def test_sparse_attention_on_a_packed_window_ring_equals_unpacked(dtype, tuning):
+    """The window's ring read from its packed FP8 slots in window order (wrapping around the ring), followed by the
+    chunk's own rows, with packed compressed KV too; rows of the ring before the window / floor masked as usual."""
+    rng = np.random.default_rng(7)
+    b, c, h, n, k = 2, 2, 4, 20, 12
+    q, pos, new, wpos, ring, base, ckv = _ring_case(rng, dtype, b, c, h, n)
     topk = jnp.asarray(rng.integers(-1, n, size=(b, c, k)), jnp.int32)
     sink = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
     kw = dict(window=16, floor=jnp.asarray([0, 30], jnp.int32), backend=GPU, tuning=tuning)
@@ -156,15 +164,8 @@ def _gather_case(rng, dtype, n):
     """A verification-sized decode case on a packed cache: 2 batch rows x 3 queries, a packed FP8 window ring
     (partly empty in row 0, wrapped in row 1) + the chunk's own rows, packed FP4 compressed KV, top-k lists with -1
     entries, duplicates, a partly empty list and an index past the buffer's rows (clipped, as the kernels clip)."""
-    b, c, h, d, r, k = 2, 3, 4, 64, 24, 12
-    ring = _packed(rng, (b, r, d), PC.FP8_UE8M0_32, dtype)
-    base = jnp.asarray([5, 40], jnp.int32)
-    new = jnp.asarray(rng.normal(size=(b, c, d)), dtype)
-    pos = base[:, None] + jnp.arange(c)[None, :]
-    ring_pos = base[:, None] - r + jnp.arange(r)[None, :]
-    wpos = jnp.concatenate([jnp.where(ring_pos >= 0, ring_pos, -1), pos], axis=1)
-    q = jnp.asarray(rng.normal(size=(b, c, h, d)), dtype)
-    ckv = _packed(rng, (b, n, d), PC.FP4_E4M3_16, dtype)
+    b, c, h, k = 2, 3, 4, 12
+    q, pos, new, wpos, ring, base, ckv = _ring_case(rng, dtype, b, c, h, n)
     topk = rng.integers(-1, n, size=(b, c, k))
     topk[0, 1, 4:] = -1  # a partial list
     topk[1, 2, 1::3] = topk[1, 2, 0]  # duplicates

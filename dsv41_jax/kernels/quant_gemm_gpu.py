@@ -560,6 +560,26 @@ def tile_metadata(group_sizes, n_rows: int, block_m: int):
     return grp, r0.astype(jnp.int32), nr.astype(jnp.int32)
 
 
+def _group_tile(g_ref, r0_ref, nr_ref, block_m: int, block_n: int, n: int):
+    """Inside a grouped kernel over the grid (row tile, column block, ...) of :func:`tile_metadata`: (tile index,
+    column block, the tile's expert, its row count (< 0: a zeroing tile), its rows [block_m], its columns
+    [block_n], the columns' mask against ``n``)."""
+    ti, ni = pl.program_id(0), pl.program_id(1)
+    rows = r0_ref[ti] + jnp.arange(block_m)
+    cols_n = ni * block_n + jnp.arange(block_n)
+    return ti, ni, g_ref[ti], nr_ref[ti], rows, cols_n, cols_n < n
+
+
+def _zero_rows_past_groups(o_ref, nr, rows, cols_n, nmask, lead=()):
+    """A zeroing tile (``nr < 0``) writes 0 to its -nr rows: the output past the groups' total is defined in the
+    kernel, with no pass over it in XLA. ``lead``: leading output indices (a K split's slice)."""
+    @pl.when(nr < 0)
+    def _():
+        bm, bn = rows.shape[0], cols_n.shape[0]
+        zmask = (jnp.arange(bm) < -nr)[:, None] & nmask[None, :]
+        pltr.store(o_ref.at[lead + (rows[:, None], cols_n[None, :])], jnp.zeros((bm, bn), o_ref.dtype), mask=zmask)
+
+
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
                                              "prefetch", "mma_rows", "decode", "split_k", "mma", "name",
                                              "interpret"))
@@ -625,11 +645,7 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
     k_tail, n_tail = k % bk != 0, n % bn != 0
 
     def kernel(g_ref, r0_ref, nr_ref, x_ref, v_ref, s_ref, o_ref):
-        ti, ni = pl.program_id(0), pl.program_id(1)
-        ex, r0, nr = g_ref[ti], r0_ref[ti], nr_ref[ti]
-        rows = r0 + jnp.arange(bm)
-        cols_n = ni * bn + jnp.arange(bn)
-        nmask = cols_n < n
+        _, ni, ex, nr, rows, cols_n, nmask = _group_tile(g_ref, r0_ref, nr_ref, bm, bn, n)
 
         @pl.when(nr > 0)
         def _():
@@ -685,10 +701,7 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
             pltr.store(o_ref.at[rows[:, None], cols_n[None, :]], acc.astype(o_ref.dtype),
                        mask=rmask[:, None] & nmask[None, :])
 
-        @pl.when(nr < 0)
-        def _():  # rows past the groups' total: defined as 0 here, no pass over the output in XLA
-            zmask = (jnp.arange(bm) < -nr)[:, None] & nmask[None, :]
-            pltr.store(o_ref.at[rows[:, None], cols_n[None, :]], jnp.zeros((bm, bn), o_ref.dtype), mask=zmask)
+        _zero_rows_past_groups(o_ref, nr, rows, cols_n, nmask)
 
     return pl.pallas_call(
         kernel, grid=(t_max, -(-n // bn)),
@@ -854,12 +867,9 @@ def _fp4_grouped_weight_rows(x, group_sizes, values, scales, *, block_m, block_n
     per = n_steps // split_k
 
     def kernel(g_ref, r0_ref, nr_ref, xe_ref, xo_ref, v_ref, s_ref, o_ref):
-        ti, ni, ki = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        ex, r0, nr = g_ref[ti], r0_ref[ti], nr_ref[ti]
+        _, ni, ex, nr, rows, cols_n, nmask = _group_tile(g_ref, r0_ref, nr_ref, bm, bn, n)
+        ki = pl.program_id(2)
         lead = (ki,) if split_k > 1 else ()
-        rows = r0 + jnp.arange(bm)
-        cols_n = ni * bn + jnp.arange(bn)
-        nmask = cols_n < n
 
         @pl.when(nr > 0)
         def _():
@@ -896,11 +906,7 @@ def _fp4_grouped_weight_rows(x, group_sizes, values, scales, *, block_m, block_n
             pltr.store(o_ref.at[lead + (rows[None, :], cols_n[:, None])], acc.astype(o_ref.dtype),
                        mask=rmask[None, :] & nmask[:, None])
 
-        @pl.when(nr < 0)
-        def _():
-            zmask = (jnp.arange(bm) < -nr)[:, None] & nmask[None, :]
-            pltr.store(o_ref.at[lead + (rows[:, None], cols_n[None, :])], jnp.zeros((bm, bn), o_ref.dtype),
-                       mask=zmask)
+        _zero_rows_past_groups(o_ref, nr, rows, cols_n, nmask, lead)
 
     out_shape = (a, n) if split_k == 1 else (split_k, a, n)
     out = pl.pallas_call(
@@ -1075,11 +1081,7 @@ def _fp4_grouped_fp8_mma(x, group_sizes, values, scales, *, block_m, block_n, bl
     xs = jnp.swapaxes(xs[tile_rows], 1, 2)
 
     def kernel(g_ref, r0_ref, nr_ref, xq_ref, xs_ref, v_ref, s_ref, o_ref):
-        ti, ni = pl.program_id(0), pl.program_id(1)
-        ex, r0, nr = g_ref[ti], r0_ref[ti], nr_ref[ti]
-        rows = r0 + jnp.arange(bm)
-        cols_n = ni * bn + jnp.arange(bn)
-        nmask = cols_n < n
+        ti, ni, ex, nr, rows, cols_n, nmask = _group_tile(g_ref, r0_ref, nr_ref, bm, bn, n)
 
         @pl.when(nr > 0)
         def _():
@@ -1109,10 +1111,7 @@ def _fp4_grouped_fp8_mma(x, group_sizes, values, scales, *, block_m, block_n, bl
             pltr.store(o_ref.at[rows[None, :], cols_n[:, None]], acc.astype(o_ref.dtype),
                        mask=rmask[None, :] & nmask[:, None])
 
-        @pl.when(nr < 0)
-        def _():  # rows past the groups' total: 0
-            zmask = (jnp.arange(bm) < -nr)[:, None] & nmask[None, :]
-            pltr.store(o_ref.at[rows[:, None], cols_n[None, :]], jnp.zeros((bm, bn), o_ref.dtype), mask=zmask)
+        _zero_rows_past_groups(o_ref, nr, rows, cols_n, nmask)
 
     return pl.pallas_call(
         kernel, grid=(t_max, -(-n // bn)),
