@@ -148,6 +148,16 @@ GROUPED_FP8_VARIANTS = [("default (bf16 wgmma, bf16x2 decode)", {}), ("fp8 wgmma
                         ("default, again", {})]
 if SMOKE:
     GROUPED_FP8_VARIANTS = [("default", {}), ("fp8 wgmma", dict(mma="fp8", block_k=64))]
+# --grouped-fp8-tokens: the FP8 form with the token tile as the product's row side (mma_rows="tokens": 16-row tiles,
+# below the 64-row wgmma, so Triton's synchronous MMA path — on sm_90 two float16 MMAs per FP8 chunk, both operands
+# widened by F2FP — with the per-chunk promotion on registers and no wgmma wait), against the default
+GROUPED_FP8_TOKENS_VARIANTS = [("default (bf16 wgmma, bf16x2 decode)", {}),
+                               ("fp8 tokens (sync MMA), block_n 64", dict(mma="fp8", mma_rows="tokens")),
+                               ("fp8 tokens (sync MMA), block_n 128", dict(mma="fp8", mma_rows="tokens", block_n=128)),
+                               ("fp8 tokens (sync MMA), block_n 256", dict(mma="fp8", mma_rows="tokens", block_n=256)),
+                               ("default, again", {})]
+if SMOKE:
+    GROUPED_FP8_TOKENS_VARIANTS = [("default", {}), ("fp8 tokens", dict(mma="fp8", mma_rows="tokens", block_k=64))]
 OUT: dict = {"meta": {}, "ceilings": {}, "fp4": [], "fp8": [], "grouped": [], "errors": []}
 T0 = time.time()
 
@@ -263,14 +273,15 @@ def fp8_part(bw, budget_s, plan=None):
                 f"read-only | {row['pct_datasheet']:.0f}% of 4.8 | x {row['x_default']:.2f} | err {err:.1e}")
 
 
-def grouped_part(bw, budget_s, fp8_inputs: bool = False):
+def grouped_part(bw, budget_s, fp8_inputs: bool = False, fp8_variants=None):
     """The grouped FP4 kernel (``quant_gemm.fp4_grouped``, bf16 rows) at the batch-32 step's shapes: each call R
     distinct expert stacks (> L2) with their own routings; device µs per GEMM of the whole call (the kernel, the
     XLA ops around it — tile metadata, the even / odd split of x, the split-K sum, the FP8 form's codes and tile
     gather) and of the kernel alone; bytes = the used experts' packed bytes + scales + activations + output; rel err
     of the bf16 output against float32 on the dequantised weights (the first routing's rows). ``fp8_inputs``: the
     rows FP8-rounded per 32 first (the release's GEMM inputs; the reference takes the same rounded rows) and
-    ``GROUPED_FP8_VARIANTS``; the max abs error over the output's max abs is recorded too."""
+    ``fp8_variants`` (default ``GROUPED_FP8_VARIANTS``); the max abs error over the output's max abs is recorded
+    too."""
     m, e, topk = (8, 4, 2) if SMOKE else (32, 16, 6)
     r = 2 if SMOKE else 4
     for gi, (label, n, k) in enumerate(GROUPED_SHAPES):
@@ -286,7 +297,8 @@ def grouped_part(bw, budget_s, fp8_inputs: bool = False):
         want = jax.lax.ragged_dot(x.astype(jnp.float32), jnp.swapaxes(ws[0].dequantize(jnp.float32), 1, 2), gss[0],
                                   precision=jax.lax.Precision.HIGHEST)
         base = None
-        variants = GROUPED_FP8_VARIANTS if fp8_inputs else GROUPED_VARIANTS.get(gi, GROUPED_VARIANTS[0])
+        variants = (fp8_variants or GROUPED_FP8_VARIANTS) if fp8_inputs else \
+            GROUPED_VARIANTS.get(gi, GROUPED_VARIANTS[0])
         for vi, (vlabel, tuning) in enumerate(variants):
             if time.time() - T0 > budget_s:
                 OUT["errors"].append(f"grouped {label} {vlabel}: skipped, budget")
@@ -329,6 +341,9 @@ def main():
     ap.add_argument("--skip-fp8", action="store_true")
     ap.add_argument("--grouped-fp8", action="store_true", help="only the grouped FP4 kernel's FP8 tensor-core form "
                     "against its default, on FP8-rounded rows (GROUPED_FP8_VARIANTS)")
+    ap.add_argument("--grouped-fp8-tokens", action="store_true", help="only the grouped FP4 kernel's FP8 form with "
+                    "the token tile as the row side against its default, on FP8-rounded rows "
+                    "(GROUPED_FP8_TOKENS_VARIANTS)")
     ap.add_argument("--lean", action="store_true", help="--set 3 with fewer rows (a short device call): FP4 rows "
                     "0-3 and the last, grouped split 2 / 3 only, FP8 the first persistent row per shape")
     ap.add_argument("--set", type=int, default=1, choices=(1, 2, 3), help="2: the second pass (FP4_VARIANTS_2, "
@@ -350,8 +365,9 @@ def main():
             with open(os.path.join(args.out, "bench_decode_gemv.json"), "w") as f:
                 json.dump(OUT, f, indent=1, default=str)
 
-    if args.grouped_fp8:
-        grouped_part(bw, args.budget_s, fp8_inputs=True)
+    if args.grouped_fp8 or args.grouped_fp8_tokens:
+        grouped_part(bw, args.budget_s, fp8_inputs=True,
+                     fp8_variants=GROUPED_FP8_TOKENS_VARIANTS if args.grouped_fp8_tokens else None)
         save()
         log(f"done in {time.time() - T0:.0f} s; errors: {OUT['errors']}")
         return

@@ -170,7 +170,7 @@ def kernel_case(name: str, tuning: dict, nk: tuple[int, int] = (F, D), batch: in
         n, k = nk
         fn = jax.jit(lambda x, v, s: G.fp8_gemm(x, v, s, **tuning))
         args = (sds((32, k), jnp.bfloat16), sds((n, k), u8), sds((-(-n // 32), -(-k // 32)), u8))
-        if tuning.get("mma") == "fp8":  # the FP8 tensor-core form: 64-row blocks, 256-wide K steps, 4 warps, 3 stages
+        if tuning.get("mma") == "fp8":  # the FP8 tensor-core forms: 64-row blocks, 256-wide K steps, 4 warps, 3 stages
             bn, bk, nw = tuning.get("block_n") or 64, tuning.get("block_k") or 256, tuning.get("num_warps") or 4
             return ((lambda: fn.trace(*args).lower(**lower)), nw, tuning.get("num_stages") or 3, bn * bk / (32 * nw))
         t = G.fp8_default_tiling(32, n, k, **tuning)

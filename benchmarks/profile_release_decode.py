@@ -341,7 +341,12 @@ DENSE32_TUNINGS = [("tokens form (the default before)", dict(mma_rows="tokens"))
                    # the FP8 tensor-core form (one FP8 wgmma per 32-wide K chunk on the stored bytes, float32
                    # promotion with both scales; the activations rounded to FP8: run with --dense32-fp8-inputs)
                    ("FP8 wgmma, block_n 64", dict(mma="fp8")),
-                   ("FP8 wgmma, block_n 128", dict(mma="fp8", block_n=128))]
+                   ("FP8 wgmma, block_n 128", dict(mma="fp8", block_n=128)),
+                   # the FP8 form with the 32 tokens as the product's row side: Triton's synchronous MMA path (on
+                   # sm_90 two float16 MMAs per FP8 chunk after F2FP widening), promotion on registers, no wgmma
+                   # wait (--dense32-fp8-inputs as above)
+                   ("FP8 tokens (sync MMA), block_n 64", dict(mma="fp8", mma_rows="tokens")),
+                   ("FP8 tokens (sync MMA), block_n 128", dict(mma="fp8", mma_rows="tokens", block_n=128))]
 # the bench model's FP8 projections at decode (N, K): shared expert w1 / w3 and w2, the attention's wq_b and wo_b,
 # the Engram layers' 25600 x 6144 (2 launches per step; 400 column blocks of 64 rows and no K split by default:
 # 1.5 waves of two programs per multiprocessor), and the fused launches' shapes as one weight

@@ -69,11 +69,13 @@ def _ragged_reference(x, gs, wd):
     return want, bounds[-1]
 
 
-def test_fp8_mma_form_equals_float64_on_the_dequantised_values():
+@pytest.mark.parametrize("form", [dict(), dict(mma_rows="tokens"), dict(mma_rows="tokens", block_m=32, block_n=32)])
+def test_fp8_mma_form_equals_float64_on_the_dequantised_values(form):
     """21 rows over 5 experts (three empty, 3 rows past the groups' total give 0; a group of 17 spans two 16-row tiles),
-    N = 80 (a partial 64-row weight block), K = 192 in 64-wide K steps (3 steps of 2 chunks), float32 FP8-rounded
-    rows: equal to float64 within float32 accumulation noise. Rows not on the FP8 grid are rounded first (the
-    release's GEMM-input rounding); bf16 rows give the float32 result rounded once."""
+    N = 80 (a partial weight-row block), K = 192 in 64-wide K steps (3 steps of 2 chunks), float32 FP8-rounded
+    rows: equal to float64 within float32 accumulation noise — the weights-as-rows form and the tokens-as-rows form
+    (16- and 32-row token tiles). Rows not on the FP8 grid are rounded first (the release's GEMM-input rounding);
+    bf16 rows give the float32 result rounded once."""
     rng = np.random.default_rng(5)
     w = RW._quantize(rng.standard_normal((5, 80, 192)).astype(np.float32) * 0.1
                      * np.exp2(rng.integers(-6, 7, (5, 80, 1))), N.FP4_ROWS)
@@ -84,14 +86,14 @@ def test_fp8_mma_form_equals_float64_on_the_dequantised_values():
     want, total = _ragged_reference(np.asarray(x, np.float64), gs, wd)
     assert total == 18
     run = jax.jit(lambda x: G.fp4_grouped_gemm(x, jnp.asarray(gs), w.values, w.scales, mma="fp8", block_k=64,
-                                               interpret=True))
+                                               interpret=True, **form))
     got = run(x)
     assert got.shape == (21, 80) and got.dtype == jnp.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
     np.testing.assert_array_equal(np.asarray(got)[18:], 0.0)
     np.testing.assert_array_equal(run(raw), got)  # unrounded rows: the kernel rounds them as the release does
     gb = G.fp4_grouped_gemm(x.astype(jnp.bfloat16), jnp.asarray(gs), w.values, w.scales, mma="fp8", block_k=64,
-                            interpret=True)
+                            interpret=True, **form)
     assert gb.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(gb, np.float32), np.asarray(got.astype(jnp.bfloat16), np.float32))
 
@@ -99,17 +101,25 @@ def test_fp8_mma_form_equals_float64_on_the_dequantised_values():
 def test_fp8_mma_form_refuses_options_of_other_forms():
     x, gs = jnp.ones((4, 64), jnp.float32), jnp.array([4], jnp.int32)
     v, s = jnp.zeros((1, 64, 32), jnp.uint8), jnp.full((1, 64, 2), 127, jnp.uint8)
-    for bad in (dict(mma_rows="tokens"), dict(decode="bf16x2"), dict(split_k=2), dict(block_n=32)):
+    for bad in (dict(mma_rows="lanes"), dict(decode="bf16x2"), dict(split_k=2), dict(block_n=32),
+                dict(mma_rows="tokens", block_m=64), dict(mma_rows="tokens", block_n=48)):
         with pytest.raises(ValueError):
             G.fp4_grouped_gemm(x, gs, v, s, mma="fp8", interpret=True, **bad)
+    v8, s8 = jnp.zeros((64, 64), jnp.uint8), jnp.full((2, 2), 127, jnp.uint8)
+    for bad in (dict(block_m=64), dict(block_n=48)):
+        with pytest.raises(ValueError, match="below the 64-row wgmma"):
+            G.fp8_gemm(x, v8, s8, mma="fp8", mma_rows="tokens", interpret=True, **bad)
     with pytest.raises(ValueError, match="mma must be"):
         G.fp4_grouped_gemm(x, gs, v, s, mma="fp16", interpret=True)
     assert QG.fp4_grouped is not None
 
 
-def test_fp8_mma_form_lowers_to_an_fp8_dot_with_float32_promotion():
+@pytest.mark.parametrize("rows, shape", [("weights", "64x16"), ("tokens", "16x64")])
+def test_fp8_mma_form_lowers_to_an_fp8_dot_with_float32_promotion(rows, shape):
     """The Triton IR of the batch-32 w1 shape: the e4m3 x e4m3 ``tt.dot`` carries ``maxNumImpreciseAcc = 32`` (else
-    Triton takes FP8 with a float32 result to the pre-Hopper mma.sync path, widening each byte), and no bf16 dot."""
+    Triton takes FP8 with a float32 result to the pre-Hopper mma.sync path, widening each byte), and no bf16 dot;
+    its result is [64 weight rows, 16 tokens] in the weights-as-rows form, [16 tokens, 64 weight rows] in the
+    tokens-as-rows form (below the 64-row wgmma: Triton's synchronous MMA path)."""
     from jax._src.pallas.triton import lowering as L
     from jax._src.pallas.triton import pallas_call_registration as R
 
@@ -123,32 +133,35 @@ def test_fp8_mma_form_lowers_to_an_fp8_dot_with_float32_promotion():
     sds, u8 = jax.ShapeDtypeStruct, jnp.uint8
     R.lowering.lower_jaxpr_to_triton_module = wrapped
     try:
-        jax.jit(lambda x, g, v, s: G.fp4_grouped_gemm(x, g, v, s, mma="fp8")).trace(
+        jax.jit(lambda x, g, v, s: G.fp4_grouped_gemm(x, g, v, s, mma="fp8", mma_rows=rows)).trace(
             sds((192, 5120), jnp.bfloat16), sds((16,), jnp.int32), sds((16, 2304, 2560), u8),
             sds((16, 2304, 160), u8)).lower(lowering_platforms=("cuda",))
     finally:
         R.lowering.lower_jaxpr_to_triton_module = orig
     (ir,) = got
     dots = [ln for ln in ir.splitlines() if "tt.dot" in ln]
-    assert dots and all("maxNumImpreciseAcc = 32" in ln and "f8E4M3FN" in ln for ln in dots)
+    assert dots and all("maxNumImpreciseAcc = 32" in ln and "f8E4M3FN" in ln and f"-> tensor<{shape}xf32>" in ln
+                        for ln in dots)
 
 
-def test_fp8_dense_mma_form_equals_float64_on_the_dequantised_values():
-    """``fp8_gemm(..., mma="fp8")``: 13 FP8-rounded float32 rows (a partial 16-row block), N = 80 (a partial 64-row
-    weight block; 32 x 32 block scales), K = 192 in 64-wide K steps: equal to float64 within float32 accumulation
-    noise; unrounded rows are rounded first; bf16 rows give the float32 result rounded once."""
+@pytest.mark.parametrize("form", [dict(), dict(mma_rows="tokens"), dict(mma_rows="tokens", block_m=16, block_n=32)])
+def test_fp8_dense_mma_form_equals_float64_on_the_dequantised_values(form):
+    """``fp8_gemm(..., mma="fp8")``: 13 FP8-rounded float32 rows (a partial row block), N = 80 (a partial weight
+    block; 32 x 32 block scales), K = 192 in 64-wide K steps: equal to float64 within float32 accumulation noise —
+    the weights-as-rows form and the tokens-as-rows form (32- and 16-row token tiles, 64- and 32-row weight blocks);
+    unrounded rows are rounded first; bf16 rows give the float32 result rounded once."""
     rng = np.random.default_rng(9)
     w = RW._quantize(rng.standard_normal((80, 192)).astype(np.float32) * 0.05
                      * np.exp2(rng.integers(-6, 7, (80, 1))), N.FP8_BLOCK)
     raw = jnp.asarray(rng.standard_normal((13, 192)) * np.exp2(rng.integers(-8, 8, (13, 1))), jnp.float32)
     x = Q.fake_quant_gemm_input_fp8(raw, 32)
     want = np.asarray(x, np.float64) @ np.asarray(w.dequantize(), np.float64).T
-    run = jax.jit(lambda x: G.fp8_gemm(x, w.values, w.scales, mma="fp8", block_k=64, interpret=True))
+    run = jax.jit(lambda x: G.fp8_gemm(x, w.values, w.scales, mma="fp8", block_k=64, interpret=True, **form))
     got = run(x)
     assert got.shape == (13, 80) and got.dtype == jnp.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
     np.testing.assert_array_equal(run(raw), got)
-    gb = G.fp8_gemm(x.astype(jnp.bfloat16), w.values, w.scales, mma="fp8", block_k=64, interpret=True)
+    gb = G.fp8_gemm(x.astype(jnp.bfloat16), w.values, w.scales, mma="fp8", block_k=64, interpret=True, **form)
     np.testing.assert_array_equal(np.asarray(gb, np.float32), np.asarray(got.astype(jnp.bfloat16), np.float32))
     with pytest.raises(ValueError, match="mma='fp8'"):
         G.fp8_gemm(x, w.values, w.scales, mma="fp8", split_k=2, interpret=True)

@@ -222,17 +222,18 @@ def fp8_gemm(x, values, scales, *, block_m: int | None = None, block_n: int | No
     if mma not in (None, "bf16", "fp8"):
         raise ValueError(f"mma must be 'bf16' or 'fp8', got {mma!r}")
     if mma == "fp8":
-        if mma_rows not in (None, "weights") or (split_k or 1) != 1 or gemv or prefetch or programs or \
+        if mma_rows not in (None, "weights", "tokens") or (split_k or 1) != 1 or gemv or prefetch or programs or \
                 scale_side is not None or group_view is not None:
-            raise ValueError("mma='fp8' is a weights-as-rows form with block_m / block_n / block_k / num_warps / "
-                             "num_stages options only")
+            raise ValueError("mma='fp8' takes mma_rows ('weights' / 'tokens'), block_m / block_n / block_k / "
+                             "num_warps / num_stages options only")
         if values.ndim != 2 or values.shape[1] != x.shape[1] or values.dtype != jnp.uint8 or \
                 scales.dtype != jnp.uint8 or scales.shape != (-(-values.shape[0] // SCALE_BLOCK),
                                                               -(-x.shape[1] // SCALE_BLOCK)):
             raise ValueError(f"fp8_gemm: values must be uint8 [N, K] and scales uint8 [ceil(N/32), ceil(K/32)], got "
                              f"{values.dtype} {tuple(values.shape)} / {scales.dtype} {tuple(scales.shape)}")
-        return _fp8_gemm_fp8_mma(x, values, scales, block_m=block_m, block_n=block_n, block_k=block_k,
-                                 num_warps=num_warps, num_stages=num_stages, name=name, interpret=interpret)
+        form = _fp8_gemm_fp8_mma_tokens if mma_rows == "tokens" else _fp8_gemm_fp8_mma
+        return form(x, values, scales, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                    num_stages=num_stages, name=name, interpret=interpret)
     return fp8_gemm_fused(x, ((values, scales),), block_m=block_m, block_n=block_n, block_k=block_k,
                           split_k=split_k, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, gemv=gemv,
                           scale_side=scale_side, group_view=group_view, mma_rows=mma_rows, programs=programs,
@@ -609,12 +610,13 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
     if mma not in (None, "bf16", "fp8"):
         raise ValueError(f"mma must be 'bf16' or 'fp8', got {mma!r}")
     if mma == "fp8":
-        if mma_rows not in (None, "weights") or decode is not None or (split_k or 1) != 1 or prefetch:
-            raise ValueError("mma='fp8' is the weights-as-rows form without decode / split_k / prefetch options, got "
-                             f"mma_rows={mma_rows!r}, decode={decode!r}, split_k={split_k}, prefetch={prefetch}")
-        return _fp4_grouped_fp8_mma(x, group_sizes, values, scales, block_m=block_m, block_n=block_n,
-                                    block_k=block_k, num_warps=num_warps, num_stages=num_stages, name=name,
-                                    interpret=interpret)
+        if mma_rows not in (None, "weights", "tokens") or decode is not None or (split_k or 1) != 1 or prefetch:
+            raise ValueError("mma='fp8' takes mma_rows ('weights' / 'tokens') and no decode / split_k / prefetch "
+                             f"options, got mma_rows={mma_rows!r}, decode={decode!r}, split_k={split_k}, "
+                             f"prefetch={prefetch}")
+        form = _fp4_grouped_fp8_mma_tokens if mma_rows == "tokens" else _fp4_grouped_fp8_mma
+        return form(x, group_sizes, values, scales, block_m=block_m, block_n=block_n, block_k=block_k,
+                    num_warps=num_warps, num_stages=num_stages, name=name, interpret=interpret)
     mma_rows = mma_rows or ("weights" if x.shape[0] <= FP4_GROUPED_WEIGHT_ROWS_MAX else "tokens")
     if mma_rows not in ("tokens", "weights"):
         raise ValueError(f"mma_rows must be 'tokens' or 'weights', got {mma_rows!r}")
@@ -1120,6 +1122,75 @@ def _fp4_grouped_fp8_mma(x, group_sizes, values, scales, *, block_m, block_n, bl
     )(grp, r0s, nrs, codes, xs, values, scales)
 
 
+def _fp4_grouped_fp8_mma_tokens(x, group_sizes, values, scales, *, block_m, block_n, block_k, num_warps,
+                                num_stages, name, interpret):
+    """``fp4_grouped_gemm(..., mma="fp8", mma_rows="tokens")``: an expert's token tile (16 or 32 rows: below
+    Hopper's 64-row wgmma, so Triton takes the synchronous ``mma.sync`` path, no commit / wait between chunks) as the
+    row side. Per 32-wide chunk the [block_n, 16] packed bytes become [block_n, 32] e4m3 bytes (``_e2m1_e4m3_chunk``)
+    whose product with the [block_m, 32] activation codes is added to the float32 accumulator times the activation
+    scale (per token) x 2^6 x the weight scale (per weight row)."""
+    from dsv41_jax.ops.quant import fp8_e4m3_block_codes
+
+    a, k = x.shape
+    e, n, kh = values.shape
+    if k % SCALE_BLOCK:
+        raise ValueError(f"K {k} must be a multiple of {SCALE_BLOCK}")
+    bm = block_m or (16 if a <= FP4_GROUPED_SMALL_TILE_ROWS_PER_EXPERT * e else 32)
+    bn = block_n or 64
+    if bm not in (16, 32) or bn < 16 or bn & (bn - 1):
+        raise ValueError(f"the FP8 tokens form needs block_m 16 or 32 (below the 64-row wgmma) and block_n a power "
+                         f"of two >= 16, got {block_m} / {block_n}")
+    chunks = k // SCALE_BLOCK
+    sg = _largest_pow2_divisor(chunks, max(1, (block_k or 256) // SCALE_BLOCK))
+    n_steps = chunks // sg
+    hb = SCALE_BLOCK // 2
+    n_tail = n % bn != 0
+    codes, xs = fp8_e4m3_block_codes(x)  # [A, K] e4m3, [A, K / 32] float32
+    grp, r0s, nrs = tile_metadata(group_sizes, a, bm)
+    t_max = grp.shape[0]
+    tile_rows = jnp.minimum(jnp.maximum(r0s, 0)[:, None] + jnp.arange(bm)[None, :], a - 1)  # [T, bm]
+    codes = codes.reshape(a, chunks, SCALE_BLOCK)[:, :, jnp.asarray(FP8_CHUNK_ORDER)].reshape(a, k)[tile_rows]
+    xs = jnp.swapaxes(xs[tile_rows], 1, 2)  # [T, K / 32, bm]
+
+    def kernel(g_ref, r0_ref, nr_ref, xq_ref, xs_ref, v_ref, s_ref, o_ref):
+        ti, ni, ex, nr, rows, cols_n, nmask = _group_tile(g_ref, r0_ref, nr_ref, bm, bn, n)
+
+        @pl.when(nr > 0)
+        def _():
+            rmask = jnp.arange(bm) < nr
+            cols_nc = jnp.minimum(cols_n, n - 1)
+
+            def chunk(c, acc):
+                cb = c * hb + jnp.arange(hb)
+                if n_tail:
+                    v = pltr.load(v_ref.at[ex, cols_nc[:, None], cb[None, :]], mask=nmask[:, None], other=0)
+                    s = pltr.load(s_ref.at[ex, cols_nc, c], mask=nmask, other=127)
+                else:
+                    v = v_ref[ex, pl.ds(ni * bn, bn), pl.ds(c * hb, hb)]
+                    s = s_ref[ex, pl.ds(ni * bn, bn), c]
+                xq = xq_ref[ti, :, pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)]
+                xsc = xs_ref[ti, c, :]
+                d = fp8_dot_nt(xq, _e2m1_e4m3_chunk(v, interpret))  # [bm, bn] float32
+                return acc + d * (xsc[:, None] * _e8m0_x64(s)[None, :])
+
+            def step(t, acc):
+                for j in range(sg):
+                    acc = chunk(t * sg + j, acc)
+                return acc
+
+            acc = jax.lax.fori_loop(0, n_steps, step, jnp.zeros((bm, bn), jnp.float32))
+            pltr.store(o_ref.at[rows[:, None], cols_n[None, :]], acc.astype(o_ref.dtype),
+                       mask=rmask[:, None] & nmask[None, :])
+
+        _zero_rows_past_groups(o_ref, nr, rows, cols_n, nmask)
+
+    return pl.pallas_call(
+        kernel, grid=(t_max, -(-n // bn)),
+        out_shape=jax.ShapeDtypeStruct((a, n), x.dtype),
+        compiler_params=_params(num_warps or 4, num_stages or 3), interpret=interpret, name=name,
+    )(grp, r0s, nrs, codes, xs, values, scales)
+
+
 def _fp8_gemm_fp8_mma(x, values, scales, *, block_m, block_n, block_k, num_warps, num_stages, name, interpret):
     """``fp8_gemm(..., mma="fp8")``: the weights-as-rows form on FP8 tensor cores, no weight decode at all — per
     32-wide K chunk the [block_n, 32] e4m3 weight bytes as stored take one FP8 wgmma against the activations' FP8
@@ -1176,6 +1247,71 @@ def _fp8_gemm_fp8_mma(x, values, scales, *, block_m, block_n, block_k, num_warps
         acc = jax.lax.fori_loop(0, n_steps, step, jnp.zeros((bn, bm), jnp.float32))
         pltr.store(o_ref.at[rows_m[None, :], rows_n[:, None]], acc.astype(o_ref.dtype),
                    mask=(rows_m < m)[None, :] & nmask[:, None])
+
+    return pl.pallas_call(
+        kernel, grid=(nm, -(-n // bn)),
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        compiler_params=_params(num_warps or 4, num_stages or 3), interpret=interpret, name=name,
+    )(codes, xs, w8, scales)
+
+
+def _fp8_gemm_fp8_mma_tokens(x, values, scales, *, block_m, block_n, block_k, num_warps, num_stages, name,
+                             interpret):
+    """``fp8_gemm(..., mma="fp8", mma_rows="tokens")``: the token tile (``block_m`` 16 or 32 rows: below Hopper's
+    64-row wgmma, so Triton takes its synchronous MMA path and no wgmma commit / wait sits between the chunks) as the
+    FP8 product's row side. Per 32-wide K chunk one product of the [block_m, 32] activation codes and the stored
+    [block_n, 32] e4m3 weight bytes, added to the float32 accumulator times the activation scale (per token) x the
+    weight block's scale (per 32 weight rows). On sm_90 the synchronous product is two float16 MMAs (both operands'
+    bytes widened by ``F2FP``; see the section comment above)."""
+    from dsv41_jax.ops.quant import fp8_e4m3_block_codes
+
+    m, k = x.shape
+    n = values.shape[0]
+    if k % SCALE_BLOCK:
+        raise ValueError(f"the FP8 tokens form needs K a multiple of {SCALE_BLOCK}, got {k}")
+    bm = block_m or (16 if m <= 16 else 32)
+    bn = block_n or 64
+    if bm not in (16, 32) or bn < SCALE_BLOCK or bn % SCALE_BLOCK:
+        raise ValueError(f"the FP8 tokens form needs block_m 16 or 32 (below the 64-row wgmma) and block_n a "
+                         f"multiple of {SCALE_BLOCK}, got {block_m} / {block_n}")
+    chunks = k // SCALE_BLOCK
+    sg = _largest_pow2_divisor(chunks, max(1, (block_k or 256) // SCALE_BLOCK))
+    n_steps = chunks // sg
+    ks = -(-n // SCALE_BLOCK)
+    n_tail = n % bn != 0
+    nm = -(-m // bm)
+    codes, xs = fp8_e4m3_block_codes(x)  # [M, K] e4m3, [M, K / 32] float32
+    codes = jnp.pad(codes, ((0, nm * bm - m), (0, 0)))  # padding rows' outputs: not stored
+    xs = jnp.pad(xs.T, ((0, 0), (0, nm * bm - m)))
+    w8 = jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn)
+
+    def kernel(xq_ref, xs_ref, v_ref, s_ref, o_ref):
+        mi, ni = pl.program_id(0), pl.program_id(1)
+        rows_m = mi * bm + jnp.arange(bm)
+        rows_n = ni * bn + jnp.arange(bn)
+        sub = jnp.arange(SCALE_BLOCK)
+        # each weight row's scale row: a gather of cached bytes (a [nb] load broadcast to [bn] in registers costs
+        # a shared-memory round trip per chunk in the SASS)
+        srow = jnp.minimum(rows_n // SCALE_BLOCK, ks - 1)
+
+        def chunk(c, acc):
+            xq = xq_ref[pl.ds(mi * bm, bm), pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)]
+            xsc = xs_ref[c, pl.ds(mi * bm, bm)]
+            if n_tail:
+                w = pltr.load(v_ref.at[jnp.minimum(rows_n, n - 1)[:, None], (c * SCALE_BLOCK + sub)[None, :]])
+            else:
+                w = v_ref[pl.ds(ni * bn, bn), pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)]
+            ws = _e8m0_mult(pltr.load(s_ref.at[srow, c]))
+            return acc + fp8_dot_nt(xq, w) * (xsc[:, None] * ws[None, :])
+
+        def step(t, acc):
+            for i in range(sg):
+                acc = chunk(t * sg + i, acc)
+            return acc
+
+        acc = jax.lax.fori_loop(0, n_steps, step, jnp.zeros((bm, bn), jnp.float32))
+        pltr.store(o_ref.at[rows_m[:, None], rows_n[None, :]], acc.astype(o_ref.dtype),
+                   mask=(rows_m < m)[:, None] & (rows_n < n)[None, :])
 
     return pl.pallas_call(
         kernel, grid=(nm, -(-n // bn)),
