@@ -9,7 +9,8 @@ the SASS opcode histogram, registers, stack (spills) and instructions per weight
 
 Kernels: ``fp4_up`` / ``fp4_down`` (``fp4_slot_swiglu`` / ``fp4_slot_down`` at the bench model's expert shape, 16
 experts of 2304 x 5120, 6 picks, bf16), ``fp8_fused`` (``fp8_gemm_fused`` at M = 1: the shared expert's w1 + w3, 2 x
-2304 x 5120), ``fp8_m32`` (``fp8_gemm`` at M = 32; ``--tuning '{"mma": "fp8"}'`` its FP8 tensor-core form),
+2304 x 5120), ``fp8_m32`` (``fp8_gemm`` at M = 32; ``--tuning '{"mma": "fp8"}'`` its FP8 tensor-core form, with
+``"mma_rows": "tokens"`` the synchronous one),
 ``fp4_grouped`` (the batch-32 step's grouped FP4 GEMM; ``mma`` likewise), ``attn_packed`` / ``attn_bf16`` (the decode
 sparse attention of one bench40 layer at ``--batch`` (1) on the packed cache / on bf16 rows; "per byte" there is per
 key-block value and thread), ``idx_pool_*`` / ``idx_gather_*`` (the indexer's score kernels, ``score_pool`` over 32K

@@ -215,10 +215,11 @@ def fp8_gemm(x, values, scales, *, block_m: int | None = None, block_n: int | No
              programs: int | None = None, mma: str | None = None, name: str = "fp8_block_gemm",
              interpret: bool = False):
     """x [M, K] (bf16 / f32), values uint8 e4m3 bytes [N, K], scales uint8 [ceil(N/32), ceil(K/32)] -> [M, N]
-    x.dtype. Tiling: ``fp8_default_tiling``. ``mma="fp8"``: the weights-as-rows form on FP8 tensor cores
-    (``_fp8_gemm_fp8_mma``: activations rounded to FP8 per 32 — exact for the release's rounded inputs —, one FP8
-    wgmma per 32-wide K chunk on the stored bytes, promoted to float32 with both scales); None / "bf16": the forms
-    above."""
+    x.dtype. Tiling: ``fp8_default_tiling``. ``mma="fp8"``: FP8 tensor-core forms (activations rounded to FP8 per
+    32 — exact for the release's rounded inputs —, one FP8 product per 32-wide K chunk on the stored bytes, promoted
+    to float32 with both scales): ``mma_rows`` None / "weights" one wgmma per chunk (``_fp8_gemm_fp8_mma``),
+    "tokens" the synchronous MMA path (``_fp8_gemm_fp8_mma_tokens``); both measured slower than the default on an
+    H200. None / "bf16": the forms above."""
     if mma not in (None, "bf16", "fp8"):
         raise ValueError(f"mma must be 'bf16' or 'fp8', got {mma!r}")
     if mma == "fp8":
@@ -604,9 +605,11 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
     by one small XLA reduction, then rounded to x.dtype — more programs when a call's (row tile, column block)
     programs fill the multiprocessors only about once.
     ``mma``: the tensor-core product's operand type — "bf16" (the default: weights decoded to the dot dtype) or
-    "fp8" (the "weights" form only: the activations rounded to FP8 per 32 along K — the release's GEMM-input
-    rounding, so exact for its already rounded inputs —, the nibbles decoded to e4m3 bytes, one FP8 wgmma per 32-wide
-    K chunk promoted to float32 with both scales; ``_fp4_grouped_fp8_mma``)."""
+    "fp8" (the activations rounded to FP8 per 32 along K — the release's GEMM-input rounding, so exact for its
+    already rounded inputs —, the nibbles decoded to e4m3 bytes, one FP8 product per 32-wide K chunk promoted to
+    float32 with both scales: with ``mma_rows`` None / "weights" one FP8 wgmma per chunk, ``_fp4_grouped_fp8_mma``;
+    with "tokens" the synchronous MMA path, ``_fp4_grouped_fp8_mma_tokens``; both measured slower than the default
+    on an H200)."""
     if mma not in (None, "bf16", "fp8"):
         raise ValueError(f"mma must be 'bf16' or 'fp8', got {mma!r}")
     if mma == "fp8":
@@ -942,6 +945,16 @@ def _fp4_grouped_weight_rows(x, group_sizes, values, scales, *, block_m, block_n
 # a fence.proxy.async for its shared-memory operand), so the 160 chunks of a program run one tensor-core latency
 # after another. Triton keeps a wgmma in flight (wait_group 1) only for an accumulator carried straight into the
 # next dot, i.e. with scales constant along K — not the release's per-32 scales.
+# The synchronous alternative (``mma_rows="tokens"``: the 16 / 32-row token tile as the product's row side, below the
+# 64-row wgmma, so Triton's mma.sync path — no commit / wait, the promotion a multiply-add on registers) has no FP8
+# instruction under it on sm_90: ptxas assembles PTX's ``mma.sync ... m16n8k32 ... e4m3.e4m3`` for sm_90a as 12
+# ``F2FP.F16.E4M3.UNPACK_B`` + 2 ``HMMA.16816.F32`` (``QMMA.16832 ... E4M3`` exists for sm_89; the raw disassembly
+# in benchmarks/results/fp8_sync_mma_2026-12-04/), and Triton itself widens FP8 dot operands to float16 on that path
+# for every target but sm_89 / sm_120. So each chunk is two float16 MMAs on widened bytes (both operands: the
+# activation tile again in every program). K loop, SASS per weight byte (``kernel_sass.py``): dense M = 32 5.8 at
+# block_n 64 (default 6.6), grouped 9.9 at block_n 128 (default 10.5) — and on an H200 (benchmarks/RESULTS.md,
+# 2026-12-04 00:03 UTC) 0.34-0.59x the grouped default and 0.12-0.69x the dense default (0.64-0.69x where the grids
+# match): options, not defaults.
 def _fp8_dot_nt_impl(a, b):
     return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), (((1,), (1,)), ((), ())),
                                precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
@@ -989,7 +1002,8 @@ _FP8_DOT_NT = _make_fp8_dot_nt()
 
 def fp8_dot_nt(a, b):
     """a [M, K] · b [N, K]ᵀ -> [M, N] float32 for float8_e4m3fn tiles: in a Pallas GPU kernel one Hopper FP8
-    wgmma per 32 of K (K = 32 here: one instruction, its result promoted by the caller)."""
+    wgmma per 32 of K for M >= 64 (K = 32 here: one instruction, its result promoted by the caller); below 64 rows
+    Triton's synchronous MMA path (on sm_90 float16 MMAs on the widened bytes; section comment above)."""
     return _FP8_DOT_NT.bind(a, b)
 
 
