@@ -607,11 +607,16 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
     base = dict(quant_sim=False, index_block_elems=1 << 28, **(dict(kernel_backend=BE) if SMOKE else {}))
     log(f"decode: {config.name}: init bf16 params ({time.time() - T0:.0f} s)")
     p16 = jax.block_until_ready(init_params(config, jax.random.PRNGKey(0), jnp.bfloat16))
-    log(f"decode: random release params ({time.time() - T0:.0f} s)")
-    stored = jax.block_until_ready(random_release_params(config, p16, jax.random.PRNGKey(5)))
-    # the Engine's serving form (Engine(weights="release")): wo_a dequantised to bf16 once, at load, as the official
-    # code serves it; the stored form keeps wo_a FP8 and dequantises it inside every step (--wo-a-fp8)
-    prel = jax.block_until_ready(dequantize_wo_a(stored, jnp.bfloat16))
+    # release weights only where a release form runs (every form but bf16 and its options' forms)
+    need_release = not (no_release_bf16_cache and no_grouped and no_f16) or bool(
+        release_cache or release_options or grouped_tunings or fp8_tunings or combine or engram_host or wo_a_fp8)
+    stored = prel = None
+    if need_release:
+        log(f"decode: random release params ({time.time() - T0:.0f} s)")
+        stored = jax.block_until_ready(random_release_params(config, p16, jax.random.PRNGKey(5)))
+        # the Engine's serving form (Engine(weights="release")): wo_a dequantised to bf16 once, at load, as the
+        # official code serves it; the stored form keeps wo_a FP8 and dequantises it inside every step (--wo-a-fp8)
+        prel = jax.block_until_ready(dequantize_wo_a(stored, jnp.bfloat16))
     if not wo_a_fp8:
         del stored  # its FP8 wo_a (the rest is shared with prel)
     rel = dict(base, gemm_input_fp8=True, quantized_gemm=BE)
@@ -644,8 +649,9 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
                           how is not None))
     for proj in mhc_projections:  # the mHC projection's forms beside the default (ops.mhc projection)
         forms.append((f"bf16, mHC projection {proj}", p16, InferenceOptions(**base, mhc_projection=proj), False))
-        forms.append((f"release, one-token FP4 kernels, mHC projection {proj}", prel,
-                      InferenceOptions(**rel, fp4_one_token=True, mhc_projection=proj), False))
+        if need_release:
+            forms.append((f"release, one-token FP4 kernels, mHC projection {proj}", prel,
+                          InferenceOptions(**rel, fp4_one_token=True, mhc_projection=proj), False))
     if not no_grouped:
         forms.append(("release, grouped FP4 kernel", prel, InferenceOptions(**rel, fp4_one_token=False), False))
     if combine:  # one form with both kernels' first tunings instead of a form per tuning (fewer concurrent compiles;
@@ -866,7 +872,8 @@ def main():
                     help="decode: comma-separated release-weight forms with the release's packed KV cache: 'kernels' "
                          "(the attention and indexer kernels read it packed) and / or 'unpack' (unpacked every step)")
     ap.add_argument("--no-release-bf16-cache", action="store_true",
-                    help="decode: leave out the release-weight form with the bf16 cache")
+                    help="decode: leave out the release-weight form with the bf16 cache (with --no-grouped, --no-f16 "
+                         "and no other release form: no release weights are built, --mhc-projections' forms bf16 only)")
     ap.add_argument("--ahead", action="store_true",
                     help="decode: every batch's forms set up and compiled at once (their caches resident together), "
                          "then timed in turn (default: batch by batch)")

@@ -64,8 +64,8 @@ def test_mhc_comb_kernel_equals_the_xla_sinkhorn():
     InferenceOptions(mhc_kernel=True) on a GPU: scales, biases, sigmoids, softmax + Sinkhorn, and with one_pass the
     RMS normalisation of the raw sums) compute ops.mhc's pre / post / comb in float32 (left-to-right sums of the 4
     entries: last-bit differences), for ordinary and extreme logits and a token count that is not a block
-    multiple, after either projection form, and for one token (the one-pass projection's partial sums added in the
-    kernel)."""
+    multiple, after each projection form (the Pallas sums kernel's partials among them), and for one token (the
+    one-pass projection's partial sums added in the kernel)."""
     hc, d = 4, 16
     streams = jax.random.normal(jax.random.PRNGKey(0), (3, 50, hc, d))
     fn = 0.1 * jax.random.normal(jax.random.PRNGKey(1), ((2 + hc) * hc, hc * d))
@@ -76,7 +76,7 @@ def test_mhc_comb_kernel_equals_the_xla_sinkhorn():
     # (the one-pass sums: the multiply-reduce by default, a GEMM when asked, partial sums for one token)
     for f, sc, one_pass, x, proj in ((fn, scale, False, streams, None), (10 * fn, 4 * scale, False, streams, None),
                                      (fn, scale, True, streams, None), (fn, scale, True, streams, "gemm"),
-                                     (fn, scale, True, streams[:1, :1], None)):
+                                     (fn, scale, True, streams, "kernel"), (fn, scale, True, streams[:1, :1], None)):
         want = mhc_coefficients(x, f, base, sc, one_pass=one_pass, **kw)
         got = mhc_coefficients(x, f, base, sc, comb_kernel="pallas_gpu_interpret", one_pass=one_pass,
                                projection=proj, **kw)
@@ -85,6 +85,39 @@ def test_mhc_comb_kernel_equals_the_xla_sinkhorn():
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="projection"):
         mhc_coefficients(streams, fn, base, scale, one_pass=True, projection="dot", **kw)
+
+
+def test_mhc_sums_kernel_equals_the_one_pass_sums():
+    """The one-pass sums as one Pallas kernel (kernels.mhc_gpu.mhc_sums_kernel, interpret mode here; the decode
+    step's InferenceOptions(mhc_projection="kernel") on a GPU) are ops.mhc._project_sums_one_pass's [T, N + 1, P]
+    partial sums — the N products and the sum of squares over each of P slices of the contraction — up to the order
+    of the float32 additions (each within the float32 bound of its own terms), for token counts past and short of a
+    token tile (33 with tiles of 16; 5), float32 and bfloat16 streams, slices read as several pieces (K = 320, P = 4:
+    80 = 5 x 16 entries); P falls back to what K allows; a K that is not a multiple of 16 is refused."""
+    from dsv41_jax.kernels.mhc_gpu import mhc_sums_kernel
+    from dsv41_jax.ops.mhc import _project_sums_one_pass
+
+    k, n = 320, 24
+    fn = 0.1 * jax.random.normal(jax.random.PRNGKey(1), (n, k))
+    for n_tok, dtype, parts, max_tokens in ((33, jnp.float32, 4, 16), (5, jnp.bfloat16, 128, 32)):
+        flat = jax.random.normal(jax.random.PRNGKey(n_tok), (n_tok, k)).astype(dtype)
+        got = np.asarray(mhc_sums_kernel(flat, fn, parts=parts, max_tokens=max_tokens, interpret=True))
+        assert got.shape == (n_tok, n + 1, 4)  # 128 asked: 320 / 16 allows at most 4 slices (of 80 entries)
+        want = np.asarray(_project_sums_one_pass(flat, fn, parts=4))
+        x = np.asarray(flat.astype(jnp.float32), np.float64)
+        terms = np.concatenate([np.abs(x[:, None, :] * np.asarray(fn, np.float64)[None]), (x * x)[:, None, :]], 1)
+        # two float32 sums of the same m terms in different orders (fused or rounded products) differ by less than
+        # m eps Σ|term| (to first order)
+        bound = (k // 4) * np.finfo(np.float32).eps * terms.reshape(n_tok, n + 1, 4, k // 4).sum(-1)
+        assert (np.abs(got - want) <= bound).all()
+    with pytest.raises(ValueError, match="multiple of 16"):
+        mhc_sums_kernel(jnp.ones((2, 40)), jnp.ones((n, 40)), interpret=True)
+    # the Triton lowering (in Python, no GPU) at the bench model's width (K = 4 x 5120), a decode step's batches
+    for n_tok in (32, 1):
+        tr = jax.jit(mhc_sums_kernel).trace(jax.ShapeDtypeStruct((n_tok, 20480), jnp.float32),
+                                            jax.ShapeDtypeStruct((n, 20480), jnp.float32))
+        assert tr.out_info.shape == (n_tok, n + 1, 128)
+        assert "triton" in tr.lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_collapse_rms_norm_kernel_equals_the_xla_forms():

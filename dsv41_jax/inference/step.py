@@ -78,8 +78,9 @@ class InferenceOptions:
     #                             (kernels.mhc_gpu): 4 launches fewer per layer in the H200 decode step
     #                             (benchmarks/decode_kernel_inventory.py), the same float32 maths
     mhc_projection: str | None = None  # with mhc_one_pass and the coefficient kernel: the one-pass sums as "reduce"
-    #                             (one multiply-reduce) or "gemm" (a float32 GEMM + a sum of squares); None:
-    #                             "reduce" (ops.mhc.mhc_coefficients' projection; why: benchmarks/RESULTS.md 15:15)
+    #                             (one multiply-reduce), "gemm" (a float32 GEMM + a sum of squares) or "kernel"
+    #                             (one Pallas kernel, kernels.mhc_gpu.mhc_sums_kernel); None: "reduce"
+    #                             (ops.mhc.mhc_coefficients' projection; why: benchmarks/RESULTS.md 15:15, 00:05)
     norm_kernel: bool | None = None  # each site's mHC collapse and RMS norm in one Pallas GPU kernel (ops.mhc.
     #                             collapse_rms_norm; XLA runs them as 3 kernels), the q-LoRA norm in one (XLA: 2);
     #                             None: steps of at most 64 tokens on the "pallas_gpu" backend (not its interpret

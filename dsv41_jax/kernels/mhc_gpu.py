@@ -74,6 +74,9 @@ def mhc_coefficients_kernel(x, scale, base, *, hc: int, hc_eps: float, iters: in
     # a decode step's few tokens: a block no larger than the tokens (the partial sums are loaded as [block, P]
     # tiles, masked rows included: a 128-row block at batch 1 would issue 128x the loads it needs)
     block = min(block, 1 << max(n_tok - 1, 0).bit_length())
+    if parts is not None:  # a [block, P] tile per entry, n + 1 entries: at most 256 values each (measured on an
+        # H200: [32, 128] tiles made a batch-32 site ≈ 16 µs slower, likely spilled registers; ops.mhc _KERNEL_PARTS)
+        block = min(block, max(1, 256 // parts))
     if x.shape[:2] != (n_tok, width) or x.ndim not in (2, 3) or (parts is not None and parts & (parts - 1)):
         raise ValueError(f"mhc_coefficients_kernel: x must be [tokens, {width}] or [tokens, {width}, P] (P a power "
                          f"of two) for hc = {hc}{' with the sum of squares last' if rms_k is not None else ''}, "
@@ -121,6 +124,77 @@ def mhc_coefficients_kernel(x, scale, base, *, hc: int, hc_eps: float, iters: in
                    jax.ShapeDtypeStruct((n_tok, m), f32)),
         compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1), interpret=interpret, name="mhc_coefficients",
     )(x.astype(f32), scale, base)
+
+
+# The one-pass sums' grid: SUMS_PARTS slices of the contraction (K = hc * d = 20,480 at the release's width: 160 entries
+# a slice), each one program per tile of at most SUMS_MAX_TOKENS tokens. Why this split: the 2 MB float32 weight is
+# the bulk of what a decode step's site reads, and 128 programs spread it over the H200's 132 SMs, each reading its
+# slice of the weight once for its whole token tile (XLA's multiply-reduce read it once per token and every token's
+# streams once per output: ≈ 131 MB through L1 / L2 for 4.6 MB at batch 32, 20 µs a site).
+SUMS_PARTS = 128
+SUMS_MAX_TOKENS = 32
+_SUMS_MIN_ROWS = 16  # Triton's dot wants M, N, K >= 16: smaller token tiles and slices are padded / refused
+
+
+@functools.partial(jax.jit, static_argnames=("parts", "max_tokens", "interpret"))
+def mhc_sums_kernel(flat, fn, *, parts: int = SUMS_PARTS, max_tokens: int = SUMS_MAX_TOKENS,
+                    interpret: bool = False):
+    """An mHC site's one-pass sums in ONE kernel: flat [T, K] (the flattened streams, any float dtype), fn [N, K]
+    -> [T, N + 1, P] float32, the N raw products flat · fnᵀ and (last) the sum of squares of flat, each as P partial
+    sums over equal slices of the contraction — ``ops.mhc._project_sums_one_pass(flat, fn, parts=P)``'s sums up to
+    the order of the float32 additions, in the layout :func:`mhc_coefficients_kernel` adds up. P is the largest power
+    of two <= ``parts`` whose slices are a multiple of 16 entries (Triton's smallest dot).
+
+    Grid: (P slices, token tiles of at most ``max_tokens``). A program reads its slice of the weight once for its
+    token tile and its tokens' slice of the streams once, as 16..128-wide pieces, and forms the N products as one
+    float32 dot (IEEE: exact float32 products, float32 accumulation) plus the sum of squares; the weight's rows are
+    padded to a power of two (masked loads, no copy). Why: XLA's multiply-reduce over the 20,480-long contraction
+    was the decode step's largest XLA kernel (benchmarks/RESULTS.md). Measured on an H200 (RESULTS.md 2026-12-04
+    00:05): 11.7 µs at 32 tokens (0.39 TB/s of its 4.6 MB) against XLA's 20.8, 8.0 at one token against 1.9 — the
+    time follows each program's work, not the bytes (the float32 dot runs on FMA units through shared memory; 32
+    slices of 640: 43 µs) — so it is an option (``ops.mhc`` projection "kernel"), not the default."""
+    if flat.ndim != 2 or fn.ndim != 2 or flat.shape[1] != fn.shape[1]:
+        raise ValueError(f"mhc_sums_kernel: want flat [T, K] and fn [N, K], got {flat.shape} and {fn.shape}")
+    n_tok, k = flat.shape
+    n = fn.shape[0]
+    if parts < 1 or max_tokens < 1:
+        raise ValueError(f"mhc_sums_kernel: parts and max_tokens must be >= 1, got {parts} and {max_tokens}")
+    p = 1 << (parts.bit_length() - 1)
+    while p > 1 and k % (p * _SUMS_MIN_ROWS):
+        p //= 2
+    if k % (p * _SUMS_MIN_ROWS):
+        raise ValueError(f"mhc_sums_kernel: the contraction K = {k} must be a multiple of {_SUMS_MIN_ROWS}")
+    chunk = k // p  # entries per slice
+    piece = min(128, chunk & -chunk)  # the largest power of two dividing the slice, at most 128 (>= 16: above)
+    tile = max(_SUMS_MIN_ROWS, min(1 << (max_tokens.bit_length() - 1), 1 << max(n_tok - 1, 0).bit_length()))
+    cols = max(_SUMS_MIN_ROWS, 1 << n.bit_length())  # the N products and the sum of squares: > n, a power of two
+
+    def kernel(x_ref, w_ref, o_ref):
+        part, t = pl.program_id(0), pl.program_id(1)
+        rows = t * tile + jnp.arange(tile)
+        ok = rows < n_tok
+        safe = jnp.minimum(rows, n_tok - 1)
+        wrow = jnp.arange(cols)
+        w_ok = wrow < n
+        w_safe = jnp.minimum(wrow, n - 1)
+        acc = jnp.zeros((tile, cols), jnp.float32)
+        sq = jnp.zeros((tile,), jnp.float32)
+        for s in range(chunk // piece):  # a few static pieces: every load can be in flight at once
+            kk = part * chunk + s * piece + jnp.arange(piece)
+            x = pltr.load(x_ref.at[safe[:, None], kk[None, :]], mask=ok[:, None], other=0.0).astype(jnp.float32)
+            w = pltr.load(w_ref.at[w_safe[:, None], kk[None, :]], mask=w_ok[:, None],
+                          other=0.0).astype(jnp.float32)
+            acc = acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                                            preferred_element_type=jnp.float32)
+            sq = sq + jnp.sum(x * x, axis=1)
+        out = jnp.where(wrow[None, :] == n, sq[:, None], acc)  # column n: the sum of squares
+        # columns past n masked (their indices out of range, not clamped: duplicate indices would race)
+        pltr.store(o_ref.at[rows[:, None], wrow[None, :], part], out, mask=ok[:, None] & (wrow <= n)[None, :])
+
+    return pl.pallas_call(
+        kernel, grid=(p, pl.cdiv(n_tok, tile)), out_shape=jax.ShapeDtypeStruct((n_tok, n + 1, p), jnp.float32),
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1), interpret=interpret, name="mhc_sums",
+    )(flat, fn)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "dtype", "interpret"))
@@ -290,4 +364,4 @@ def _sinkhorn_comb_bwd(hc, eps, iters, block, interpret, logits, g):
 sinkhorn_comb.defvjp(_sinkhorn_comb_fwd, _sinkhorn_comb_bwd)
 
 
-__all__ = ["mhc_coefficients_kernel", "sinkhorn_comb"]
+__all__ = ["mhc_coefficients_kernel", "mhc_sums_kernel", "sinkhorn_comb"]

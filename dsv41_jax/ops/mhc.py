@@ -57,10 +57,12 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
     reduction over the streams (:func:`_project_rms_one_pass`) instead of a normalisation, a split-K GEMM and the sum
     of its chunks — fewer kernels, the same float32 maths up to the order of the additions. ``projection`` (one_pass
     with ``comb_kernel``): how the one-pass sums are formed — "reduce" (one multiply-reduce over the contraction),
-    "gemm" (:func:`_project_sums_dot`), None: "reduce" (why: the note above :func:`_project_sums_dot`).
+    "gemm" (:func:`_project_sums_dot`), "kernel" (``kernels.mhc_gpu.mhc_sums_kernel``: one Pallas kernel, P partial
+    sums the coefficient kernel adds), None: "reduce" (why: the notes above :func:`_project_sums_dot` and
+    :data:`PROJECTIONS`).
     """
-    if projection not in (None, "reduce", "gemm"):
-        raise ValueError(f"mhc_coefficients: projection must be None, 'reduce' or 'gemm', got {projection!r}")
+    if projection not in PROJECTIONS:
+        raise ValueError(f"mhc_coefficients: projection must be one of {PROJECTIONS}, got {projection!r}")
     hc = streams.shape[-2]
     if comb_kernel is not None:
         # every coefficient in one kernel after the projection (kernels.mhc_gpu.mhc_coefficients_kernel); with
@@ -69,7 +71,15 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
 
         lead = streams.shape[:-2]
         flat = streams.reshape(*lead, -1)
-        if one_pass and projection == "gemm":  # the projection as a GEMM
+        if one_pass and projection == "kernel":  # the sums as P partials from one Pallas kernel
+            from dsv41_jax.kernels.mhc_gpu import mhc_sums_kernel
+
+            # the streams as float32 (exact), as collapse_rms_norm hands them to its kernel: XLA then passes the
+            # float32 buffer its mHC expand already wrote (a bf16 operand was one more conversion kernel per site)
+            x = mhc_sums_kernel(flat.reshape(-1, flat.shape[-1]).astype(jnp.float32), fn,
+                                interpret=comb_kernel.endswith("interpret"))
+            x, rms_k = x.reshape(*lead, *x.shape[1:]), flat.shape[-1]
+        elif one_pass and projection == "gemm":  # the projection as a GEMM
             x, rms_k = _project_sums_dot(flat, fn), flat.shape[-1]
         elif one_pass:  # one token: the kernel adds the partial sums (one XLA reduction kernel before it, not two)
             parts = _KERNEL_PARTS if math.prod(lead) <= _KERNEL_PARTS_MAX_TOKENS else 1
@@ -108,6 +118,14 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
 
     comb = jax.lax.fori_loop(0, sinkhorn_iters - 1, body, comb, unroll=True if unroll else 1)
     return pre, post, comb
+
+
+# The one-pass sums' forms with the coefficient kernel (``mhc_coefficients(projection=...)``; None: "reduce").
+# "kernel" (``kernels.mhc_gpu.mhc_sums_kernel``) is not the default: measured on an H200 (2026-12-04 00:05,
+# bench_decode_glue.py, float32, the coefficient kernel included) 24.4 against 25.2 µs a site at batch 32 — its sums
+# 11.7 µs against XLA's 19.4 + 1.4, but the coefficient kernel 12.7 against 4.4 µs on 128 partials — and 19.4
+# against 12.2 µs at batch 1; the bf16 40-layer step at batch 32 22.30 against 22.22 ms (2 launches fewer a layer).
+PROJECTIONS = (None, "reduce", "gemm", "kernel")
 
 
 # partial sums per entry handed to the coefficient kernel (a power of two): XLA's own split of the K-long
