@@ -278,12 +278,14 @@ def test_selected_rows_and_the_form_option():
                 if topk[bi, ci, j] >= 0:
                     np.testing.assert_array_equal(np.asarray(rows[bi, remap[bi, ci, j]], np.float32),
                                                   full[bi, min(int(topk[bi, ci, j]), 8)])
-    # the default: the gather form at every row count (from kernels.PACKED_GATHER_MIN_ROWS = 1)
-    assert [KN.packed_attention_form(r) for r in (1, 4, 5, 32)] == ["gather"] * 4
+    # the default: a gather form at every row count (from kernels.PACKED_GATHER_MIN_ROWS = 1), its gathers fused
+    # from kernels.PACKED_FUSED_GATHER_MIN_ROWS = 32 rows
+    assert [KN.packed_attention_form(r) for r in (1, 4, 31, 32, 64)] == ["gather_xla"] * 3 + ["gather"] * 2
     assert KN.packed_attention_form(1, "gather") == "gather" and KN.packed_attention_form(32, "kernel") == "kernel"
     assert KN.packed_attention_form(32, fits=False) == "kernel"  # a long chunk: more selected rows than the buffer
     assert KN.packed_attention_form(32, "gather", fits=False) == "gather"
-    assert KN.packed_attention_form(32, "gather_xla") == "gather_xla" and KN.PACKED_GATHER_FORM == "gather"
+    assert KN.packed_attention_form(32, "gather_xla") == "gather_xla" and KN.packed_attention_form(1, "gather") == \
+        "gather"
     q = jnp.zeros((1, 1, 2, 32), jnp.bfloat16)
     with pytest.raises(ValueError, match="packed attention form 'dense'"):
         KN.sparse_attention(q, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 4, 32), jnp.bfloat16),

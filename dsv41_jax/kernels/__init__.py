@@ -44,7 +44,7 @@ from dsv41_jax.ops import attention as _ref_attn
 BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret")
 
 __all__ = ["BACKENDS", "resolve_backend", "reads_packed_cache", "ring_rows", "selected_rows", "window_rows",
-           "sparse_attention", "PACKED_ATTENTION_FORMS", "PACKED_GATHER_MIN_ROWS", "PACKED_GATHER_FORM",
+           "sparse_attention", "PACKED_ATTENTION_FORMS", "PACKED_GATHER_MIN_ROWS", "PACKED_FUSED_GATHER_MIN_ROWS",
            "packed_attention_form",
            "sequence_sparse_attention", "indexer_topk",
            "pool_ids_to_mask", "pool_mask_to_ids", "backward_kind"]
@@ -134,26 +134,33 @@ GPU_SMS = 132
 #             are one fused Pallas kernel each (``packed_gather_gpu``: bytes and scales decoded in registers).
 #   "gather_xla"  the same with the gathers and unpacks in plain JAX (XLA's gather + unpack fusions; the first
 #             form of "gather", kept as its oracle and same-run baseline).
-# The default is "gather" from PACKED_GATHER_MIN_ROWS query rows (1: every decode batch). On an H200
-# (benchmarks/RESULTS.md, 2026-12-03 21:15 UTC; bench40, top-512 + 129 window rows, 64 heads x 512, bf16): at batch 32
-# one layer's call 113.0 µs against the packed kernel's 147.0 (bf16 cache 56.6), and the 40-layer release step 22.85
+# The default is a gather form from PACKED_GATHER_MIN_ROWS query rows (1: every decode batch). With XLA's gathers, on
+# an H200 (benchmarks/RESULTS.md, 2026-12-03 21:15 UTC; bench40, top-512 + 129 window rows, 64 heads x 512, bf16): at
+# batch 32 one layer's call 113.0 µs against the packed kernel's 147.0 (bf16 cache 56.6), and the 40-layer release step 22.85
 # -> 20.36 ms (0.96x -> 1.07x the bf16 step's 21.86; the sparse attention 4.36 -> 1.19 ms a step, XLA's fusions +0.76
 # ms: the selected rows are gathered once per KV source and top-k, shared by the layers reusing them). At batch 1 the
 # one-layer call was 29.6 against 33.2 µs, and the release step (RESULTS.md, 22:17 UTC) 10.01 -> 9.30 ms (kernel time
 # 9.44 -> 9.18; the sparse attention 0.76 -> 0.41 ms a step; 1.24x -> 1.33x the bf16 step's 12.38). 2-31 rows are not
 # measured. Long chunks (prefill) whose C x K selected rows outnumber the buffer's (the gather form would unpack the
 # whole buffer) keep the kernel: not measured either.
+# The default gathers are the fused Pallas kernels ("gather") from PACKED_FUSED_GATHER_MIN_ROWS query rows: on an H200
+# (benchmarks/RESULTS.md, 2026-12-04 00:09 UTC; one bench40 layer as above, same run) the batch-32 call took 71.3 µs
+# against 99.8 with XLA's gathers (bf16 cache 60.9, packed kernel 132.9; the gathers ≈ 10 against ≈ 39 µs), while at
+# batch 1 it took 30.5 against 28.4 (one ring program per 32 window rows: 5 programs at batch 1), so fewer rows keep
+# XLA's gathers ("gather_xla"); 2-31 rows and the 40-layer step with the fused gathers are not measured.
 PACKED_ATTENTION_FORMS = ("kernel", "gather", "gather_xla")
 PACKED_GATHER_MIN_ROWS = 1
-PACKED_GATHER_FORM = "gather"  # the default's gather form
+PACKED_FUSED_GATHER_MIN_ROWS = 32
 
 
 def packed_attention_form(rows: int, form: str | None = None, fits: bool = True) -> str:
     """The packed-cache form for ``rows`` query rows (batch x chunk): ``form`` if given (checked), else the default:
-    :data:`PACKED_GATHER_FORM` from :data:`PACKED_GATHER_MIN_ROWS` rows when ``fits`` (the chunk's C x K selected
-    rows are no more than the buffer's), "kernel" otherwise."""
+    a gather form from :data:`PACKED_GATHER_MIN_ROWS` rows when ``fits`` (the chunk's C x K selected rows are no more
+    than the buffer's) — "gather" (the fused gathers) from :data:`PACKED_FUSED_GATHER_MIN_ROWS` rows, "gather_xla"
+    below — and "kernel" otherwise."""
     if form is None:
-        form = PACKED_GATHER_FORM if rows >= PACKED_GATHER_MIN_ROWS and fits else "kernel"
+        form = "kernel" if rows < PACKED_GATHER_MIN_ROWS or not fits else (
+            "gather" if rows >= PACKED_FUSED_GATHER_MIN_ROWS else "gather_xla")
     if form not in PACKED_ATTENTION_FORMS:
         raise ValueError(f"unknown packed attention form {form!r}; choose one of {PACKED_ATTENTION_FORMS}")
     return form
