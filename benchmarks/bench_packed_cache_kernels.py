@@ -22,8 +22,9 @@ Timing (``--time``, a GPU): one Full ratio-1 layer's indexer top-k (``kernels.in
 emitted) and one sparse attention over its window ring + this step's row and its top-k (``kernels.sparse_attention``;
 direct: ``win_ring`` = the packed ring), each in three forms as above
 (unpack: ``packed_cache.read`` + the kernel in one jitted program); median of 20 synced calls after 3 warm-ups.
-``--lean`` adds the attention's gather form (``tuning={"packed_attention": "gather"}``: the selected rows' packed
-bytes gathered and unpacked by XLA, the ring unpacked, then the bf16-cache kernel).
+``--lean`` adds the attention's gather forms (``tuning={"packed_attention": "gather"}``: the selected rows' packed
+bytes gathered and unpacked by one Pallas kernel, the ring unpacked in window order by another, then the bf16-cache
+kernel; "gather xla", ``"gather_xla"``: the same gathers and unpacks by XLA).
 Output: DIR/bench_packed_cache_kernels.json and the printed tables.
 """
 
@@ -206,10 +207,12 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
     attention_gather = jax.jit(lambda ring, kv, dp=0: KN.sparse_attention(
         q, pos + dp, new, wpos, kv, topk, sink, window=w, backend=backend, win_ring=(ring, base),
         tuning=dict(kernel, packed_load="gather")))
-    # the selected rows gathered and unpacked by XLA, the ring unpacked, then the bf16-cache kernel
-    attention_gathered = jax.jit(lambda ring, kv, dp=0: KN.sparse_attention(
-        q, pos + dp, new, wpos, kv, topk, sink, window=w, backend=backend, win_ring=(ring, base),
-        tuning={"packed_attention": "gather"}))
+    # the selected rows gathered and unpacked (one Pallas kernel; "gather_xla": XLA's gathers and unpack fusions),
+    # the ring unpacked in window order, then the bf16-cache kernel
+    attention_gathered, attention_gathered_xla = (jax.jit(functools.partial(
+        lambda ring, kv, dp=0, f_=None: KN.sparse_attention(
+            q, pos + dp, new, wpos, kv, topk, sink, window=w, backend=backend, win_ring=(ring, base),
+            tuning={"packed_attention": f_}), f_=f_)) for f_ in ("gather", "gather_xla"))
     tuned = {json.dumps(t_, sort_keys=True): jax.jit(functools.partial(
         lambda ring, kv, dp=0, t_=None: KN.sparse_attention(q, pos + dp, new, wpos, kv, topk, sink, window=w,
                                                             backend=backend, win_ring=(ring, base), tuning=t_),
@@ -222,7 +225,8 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
     if lean and loop:  # every form only as its looped program (half the compiles): the checks on its last call
         forms = ((("bf16", attention_bf16, (bf16_ring, bf16_kv)),
                   ("unpack", attention_unpack, (ring, ckv)), ("direct", attention, (ring, ckv)),
-                  ("gather form", attention_gathered, (ring, ckv)))
+                  ("gather form", attention_gathered, (ring, ckv)),
+                  ("gather xla", attention_gathered_xla, (ring, ckv)))
                  + tuple((f"direct {n_}", f_, (ring, ckv)) for n_, f_ in tuned.items())
                  + tuple((f"bf16 {n_}", f_, (bf16_ring, bf16_kv)) for n_, f_ in tuned_bf16.items()))
         forms = tuple((name, _looped(f, loop), x) for name, f, x in forms)
@@ -239,6 +243,7 @@ def time_kernels(config, batch: int, context: int, backend: str, dtype, smoke: b
         res = dict(batch=batch, context=context, topk=k, dtype=str(jnp.dtype(dtype)), loop=loop,
                    attention_equal=bool(np.array_equal(outs["direct"], outs["unpack"])), indexer_equal=True,
                    gather_equal_unpack=bool(np.array_equal(outs["gather form"], outs["unpack"])),
+                   gather_xla_equal_unpack=bool(np.array_equal(outs["gather xla"], outs["unpack"])),
                    forms_rel=forms_rel, indexer="not run (--loop)")
         if smoke:
             return res

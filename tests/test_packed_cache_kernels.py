@@ -203,6 +203,11 @@ def test_gather_form_equals_the_packed_kernel_and_unpack_then_kernel(dtype, n, t
     # the default at these 6 query rows: the gather form where the 36 selected rows fit in the buffer (40 rows)
     default = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base), tuning=tuning, **kw)
     assert calls[2][1] == (None if c * k <= n else PC.FP4_E4M3_16)
+    # the gathers by XLA instead of the fused Pallas gathers: the same rows, so the same output bits
+    xla = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base),
+                              tuning=dict(tuning, packed_attention="gather_xla"), **kw)
+    assert calls[3][1] is None and calls[3][2] is None and calls[3][0] == shape
+    np.testing.assert_array_equal(_bits(got), _bits(xla))
     win = jnp.concatenate([KN.ring_rows(PC.read(ring), base).astype(dtype), new], axis=1)
     want = KN.sparse_attention(q, pos, win, wpos, PC.read(ckv), topk, sink, tuning=tuning, **kw)
     np.testing.assert_array_equal(_bits(default), _bits(want))
@@ -214,6 +219,47 @@ def test_gather_form_equals_the_packed_kernel_and_unpack_then_kernel(dtype, n, t
     g64, r64 = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     assert np.isfinite(g64).all()
     assert np.linalg.norm(g64 - r64) / np.linalg.norm(r64) < (1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_fused_gathers_equal_the_plain_jax_gathers(dtype):
+    """``packed_gather_gpu``: the selected rows (-1 entries, duplicates, an index past the buffer, a last block of
+    rows only partly used) and the window (a wrapped ring, a base past R, a negative base read as floor mod, the
+    chunk's own rows after it) equal the plain-JAX gathers + unpack bit for bit, -0.0 and never-written (all-zero)
+    rows included."""
+    from dsv41_jax.kernels import packed_gather_gpu as PG
+
+    rng = np.random.default_rng(11)
+    buf = _packed(rng, (2, 13, 64), PC.FP4_E4M3_16, dtype)
+    vals = buf.values.at[0, 3, :4].set(jnp.asarray([0x08, 0x80, 0x88, 0x8F], jnp.uint8))  # -0.0 nibbles
+    buf = dataclasses.replace(buf, values=vals.at[1, 7].set(0), scales=buf.scales.at[1, 7].set(0))  # never written
+    topk = jnp.asarray([[[3, -1, 12, 3, 0], [20, 7, 7, -1, 5]], [[7, 7, -1, -1, -1], [1, 2, 3, 13, 12]]], jnp.int32)
+    want, remap = KN.selected_rows(buf, topk, dtype)
+    got, remap2 = KN.selected_rows(buf, topk, dtype, fused=True, interpret=True)
+    assert got.shape == (2, 10, 64) and got.dtype == dtype
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    np.testing.assert_array_equal(np.asarray(remap2), np.asarray(remap))
+    direct = PG.selected_rows(buf.values, buf.scales, topk.reshape(2, 10), fmt=buf.fmt, dim=64, dtype=dtype,
+                              block_rows=4, interpret=True)  # three programs a batch row, the last half used
+    np.testing.assert_array_equal(_bits(direct), _bits(want))
+    ring = _packed(rng, (2, 6, 64), PC.FP8_UE8M0_32, jnp.float32)
+    ring = dataclasses.replace(ring, values=ring.values.at[0, 2, 0].set(0x80))  # -0.0
+    new = jnp.asarray(rng.normal(size=(2, 3, 64)), dtype)
+    base = jnp.asarray([15, -2], jnp.int32)  # wrapped past R; a negative base, read as floor mod
+    want = KN.window_rows(ring, base, new)
+    got = PG.window_rows(ring.values, ring.scales, base, new, fmt=ring.fmt, ring_dtype=jnp.float32, block_rows=4,
+                         interpret=True)
+    assert got.shape == (2, 9, 64) and got.dtype == dtype
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    np.testing.assert_array_equal(_bits(KN.window_rows(ring, base, new, fused=True, interpret=True)), _bits(want))
+    # rows that are not one power-of-two tile: the plain-JAX gathers (the fused kernel refuses them)
+    odd = _packed(rng, (1, 5, 48), PC.FP4_E4M3_16, dtype)
+    assert not PG.fits(48, PC.FP4_E4M3_16) and PG.fits(512, PC.FP4_E4M3_16) and PG.fits(512, PC.FP8_UE8M0_32)
+    with pytest.raises(ValueError, match="power-of-two tile"):
+        PG.selected_rows(odd.values, odd.scales, topk[:1, 0], fmt=odd.fmt, dim=48, dtype=dtype, interpret=True)
+    one = topk[:1, :1]  # 5 selected rows of 5: gathered, not the whole buffer
+    np.testing.assert_array_equal(_bits(KN.selected_rows(odd, one, dtype, fused=True, interpret=True)[0]),
+                                  _bits(KN.selected_rows(odd, one, dtype)[0]))
 
 
 def test_selected_rows_and_the_form_option():
@@ -232,11 +278,14 @@ def test_selected_rows_and_the_form_option():
                 if topk[bi, ci, j] >= 0:
                     np.testing.assert_array_equal(np.asarray(rows[bi, remap[bi, ci, j]], np.float32),
                                                   full[bi, min(int(topk[bi, ci, j]), 8)])
-    # the default: the gather form at every row count (from kernels.PACKED_GATHER_MIN_ROWS = 1)
-    assert [KN.packed_attention_form(r) for r in (1, 4, 5, 32)] == ["gather"] * 4
+    # the default: a gather form at every row count (from kernels.PACKED_GATHER_MIN_ROWS = 1), its gathers fused
+    # from kernels.PACKED_FUSED_GATHER_MIN_ROWS = 32 rows
+    assert [KN.packed_attention_form(r) for r in (1, 4, 31, 32, 64)] == ["gather_xla"] * 3 + ["gather"] * 2
     assert KN.packed_attention_form(1, "gather") == "gather" and KN.packed_attention_form(32, "kernel") == "kernel"
     assert KN.packed_attention_form(32, fits=False) == "kernel"  # a long chunk: more selected rows than the buffer
     assert KN.packed_attention_form(32, "gather", fits=False) == "gather"
+    assert KN.packed_attention_form(32, "gather_xla") == "gather_xla" and KN.packed_attention_form(1, "gather") == \
+        "gather"
     q = jnp.zeros((1, 1, 2, 32), jnp.bfloat16)
     with pytest.raises(ValueError, match="packed attention form 'dense'"):
         KN.sparse_attention(q, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 4, 32), jnp.bfloat16),
@@ -295,8 +344,10 @@ def test_decode_attention_step_reads_the_packed_cache_like_the_unpacked_one(monk
     keys, attends over the packed window ring and compressed KV) with the GPU kernels reading the packed cache
     directly == the same step unpacking the cache first (the path the reference / TPU backends take): output,
     top-k, HSI pool and the updated cache, bit for bit. ``form``: the attention's packed-cache form — "kernel" reads
-    the ring and the KV packed, "gather" unpacks the ring and only the selected KV rows; the indexer reads its keys
-    packed in both."""
+    the ring and the KV packed, "gather" unpacks the ring and only the selected KV rows by the fused Pallas gathers
+    (so nothing is unpacked by ``packed_cache.unpack`` either; its plain-JAX twin "gather_xla" is checked against it
+    in ``test_gather_form_equals_the_packed_kernel_and_unpack_then_kernel``); the indexer reads its keys packed in
+    both."""
     import functools
 
     from dsv41_jax.inference import step as S
@@ -336,8 +387,9 @@ def test_decode_attention_step_reads_the_packed_cache_like_the_unpacked_one(monk
                         unpack(v, s, fmt, dtype))
     assert KN.reads_packed_cache(GPU)
     direct = site(True, params, x, cache)
-    # "kernel": window ring, KV and keys all go packed to the kernels; "gather": the keys do
-    assert sorted(unpacked_while_tracing) == ([] if form == "kernel" else sorted([PC.FP8_UE8M0_32, PC.FP4_E4M3_16]))
+    # "kernel": window ring, KV and keys all go packed to the kernels; "gather": the keys do, and the ring and the
+    # selected KV rows go packed to the fused gathers
+    assert unpacked_while_tracing == []
     unpacked_while_tracing.clear()
     monkeypatch.setattr(KN, "reads_packed_cache", lambda backend="auto": False)
     unpacked = site(False, params, x, cache)
@@ -376,4 +428,10 @@ def test_packed_kernels_lower_to_triton_for_cuda():
                        disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)])(*args)
     text = ex.mlir_module()
     assert "csa2_sparse_attention_fwd" in text and "indexer_score_pool" in text and "indexer_gather_score" in text
+    # the gather form's fused gathers (selected rows, window) lower too
+    gathered = export.export(jax.jit(lambda q, pos, new, wpos, ring, ckv, topk, sink: KN.sparse_attention(
+        q, pos, new, wpos, ckv, topk, sink, window=w, backend="pallas_gpu", win_ring=(ring, pos[:, 0]),
+        tuning={"packed_attention": "gather"})), platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)])(*args[:8]).mlir_module()
+    assert "packed_selected_rows" in gathered and "packed_window_rows" in gathered
     assert "tensor<1x16x64xui8>" in text and "tensor<1x64x32xui8>" in text  # the packed buffers go in as bytes

@@ -159,10 +159,12 @@ class InferenceOptions:
     #                              (kernels.SPLIT_RULES; None: kernels.SPLIT_RULE) — the packed and bf16 caches alike
     packed_attention: str | None = None  # with packed_cache_kernels: how the GPU sparse attention reads the packed
     #                              cache (kernels.PACKED_ATTENTION_FORMS: "kernel", dequantised in its registers;
-    #                              "gather", the selected rows gathered and unpacked by XLA, then the bf16-cache
-    #                              kernel; None: kernels.packed_attention_form's default, "gather" where the
-    #                              selected rows fit the buffer: on an H200 the batch-32 release step 22.85 ->
-    #                              20.36 ms, batch 1 10.01 -> 9.30 ms, RESULTS.md)
+    #                              "gather", the selected rows gathered and unpacked by one fused Pallas kernel,
+    #                              then the bf16-cache kernel; "gather_xla", the same gathers by XLA; None:
+    #                              kernels.packed_attention_form's default, a gather form where the selected rows
+    #                              fit the buffer ("gather" from kernels.PACKED_FUSED_GATHER_MIN_ROWS query rows):
+    #                              on an H200 the batch-32 release step 22.85 -> 20.36 ms, batch 1 10.01 -> 9.30 ms
+    #                              with XLA's gathers; one batch-32 layer 99.8 -> 71.3 µs fused, RESULTS.md)
 
     def resolved_quant(self, config: ModelConfig) -> bool:
         return config.quant_sim if self.quant_sim is None else self.quant_sim

@@ -43,8 +43,9 @@ from dsv41_jax.ops import attention as _ref_attn
 
 BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "pallas_gpu_interpret", "pallas_tpu_interpret")
 
-__all__ = ["BACKENDS", "resolve_backend", "reads_packed_cache", "ring_rows", "selected_rows", "sparse_attention",
-           "PACKED_ATTENTION_FORMS", "PACKED_GATHER_MIN_ROWS", "packed_attention_form",
+__all__ = ["BACKENDS", "resolve_backend", "reads_packed_cache", "ring_rows", "selected_rows", "window_rows",
+           "sparse_attention", "PACKED_ATTENTION_FORMS", "PACKED_GATHER_MIN_ROWS", "PACKED_FUSED_GATHER_MIN_ROWS",
+           "packed_attention_form",
            "sequence_sparse_attention", "indexer_topk",
            "pool_ids_to_mask", "pool_mask_to_ids", "backward_kind"]
 
@@ -127,28 +128,39 @@ GPU_SMS = 132
 # mode (the same kernel over the same values, the same key blocks and splits):
 #   "kernel"  the sparse-attention kernel loads each selected row's packed bytes + scales and dequantises them in
 #             registers (``pallas_gpu.attention_fwd(ckv_fmt=...)``; the packed window ring likewise).
-#   "gather"  plain JAX gathers the selected rows' bytes + scales and unpacks them (:func:`selected_rows`: a dense
+#   "gather"  the selected rows' bytes + scales are gathered and unpacked (:func:`selected_rows`: a dense
 #             [B, C * K, D] of only the rows the kernel reads, the top-k remapped onto it), the packed window ring is
-#             unpacked in window order (:func:`ring_rows`), then the bf16-cache kernel runs over both.
-# The default is "gather" from PACKED_GATHER_MIN_ROWS query rows (1: every decode batch). On an H200
-# (benchmarks/RESULTS.md, 2026-12-03 21:15 UTC; bench40, top-512 + 129 window rows, 64 heads x 512, bf16): at batch 32
-# one layer's call 113.0 µs against the packed kernel's 147.0 (bf16 cache 56.6), and the 40-layer release step 22.85
+#             unpacked in window order (:func:`ring_rows`), then the bf16-cache kernel runs over both. The gathers
+#             are one fused Pallas kernel each (``packed_gather_gpu``: bytes and scales decoded in registers).
+#   "gather_xla"  the same with the gathers and unpacks in plain JAX (XLA's gather + unpack fusions; the first
+#             form of "gather", kept as its oracle and same-run baseline).
+# The default is a gather form from PACKED_GATHER_MIN_ROWS query rows (1: every decode batch). With XLA's gathers, on
+# an H200 (benchmarks/RESULTS.md, 2026-12-03 21:15 UTC; bench40, top-512 + 129 window rows, 64 heads x 512, bf16): at
+# batch 32 one layer's call 113.0 µs against the packed kernel's 147.0 (bf16 cache 56.6), and the 40-layer release step 22.85
 # -> 20.36 ms (0.96x -> 1.07x the bf16 step's 21.86; the sparse attention 4.36 -> 1.19 ms a step, XLA's fusions +0.76
 # ms: the selected rows are gathered once per KV source and top-k, shared by the layers reusing them). At batch 1 the
 # one-layer call was 29.6 against 33.2 µs, and the release step (RESULTS.md, 22:17 UTC) 10.01 -> 9.30 ms (kernel time
 # 9.44 -> 9.18; the sparse attention 0.76 -> 0.41 ms a step; 1.24x -> 1.33x the bf16 step's 12.38). 2-31 rows are not
 # measured. Long chunks (prefill) whose C x K selected rows outnumber the buffer's (the gather form would unpack the
 # whole buffer) keep the kernel: not measured either.
-PACKED_ATTENTION_FORMS = ("kernel", "gather")
+# The default gathers are the fused Pallas kernels ("gather") from PACKED_FUSED_GATHER_MIN_ROWS query rows: on an H200
+# (benchmarks/RESULTS.md, 2026-12-04 00:09 UTC; one bench40 layer as above, same run) the batch-32 call took 71.3 µs
+# against 99.8 with XLA's gathers (bf16 cache 60.9, packed kernel 132.9; the gathers ≈ 10 against ≈ 39 µs), while at
+# batch 1 it took 30.5 against 28.4 (one ring program per 32 window rows: 5 programs at batch 1), so fewer rows keep
+# XLA's gathers ("gather_xla"); 2-31 rows and the 40-layer step with the fused gathers are not measured.
+PACKED_ATTENTION_FORMS = ("kernel", "gather", "gather_xla")
 PACKED_GATHER_MIN_ROWS = 1
+PACKED_FUSED_GATHER_MIN_ROWS = 32
 
 
 def packed_attention_form(rows: int, form: str | None = None, fits: bool = True) -> str:
     """The packed-cache form for ``rows`` query rows (batch x chunk): ``form`` if given (checked), else the default:
-    "gather" from :data:`PACKED_GATHER_MIN_ROWS` rows when ``fits`` (the chunk's C x K selected rows are no more than
-    the buffer's), "kernel" otherwise."""
+    a gather form from :data:`PACKED_GATHER_MIN_ROWS` rows when ``fits`` (the chunk's C x K selected rows are no more
+    than the buffer's) — "gather" (the fused gathers) from :data:`PACKED_FUSED_GATHER_MIN_ROWS` rows, "gather_xla"
+    below — and "kernel" otherwise."""
     if form is None:
-        form = "gather" if rows >= PACKED_GATHER_MIN_ROWS and fits else "kernel"
+        form = "kernel" if rows < PACKED_GATHER_MIN_ROWS or not fits else (
+            "gather" if rows >= PACKED_FUSED_GATHER_MIN_ROWS else "gather_xla")
     if form not in PACKED_ATTENTION_FORMS:
         raise ValueError(f"unknown packed attention form {form!r}; choose one of {PACKED_ATTENTION_FORMS}")
     return form
@@ -325,23 +337,50 @@ def ring_rows(ring, base):
     return jnp.take_along_axis(vals, slot.reshape(slot.shape + (1,) * (vals.ndim - 2)), axis=1)
 
 
-def selected_rows(buf, topk, dtype):
+def _gather_kernel(fused: bool, buf) -> bool:
+    from dsv41_jax.kernels import packed_gather_gpu as PG
+
+    return fused and buf.values.ndim == 3 and PG.fits(buf.dim, buf.fmt)
+
+
+def selected_rows(buf, topk, dtype, *, fused: bool = False, interpret: bool = False):
     """The rows a top-k list selects from a packed cache buffer [B, N, D], unpacked to ``dtype``: (rows [B, C * K, D],
     top-k [B, C, K] remapped onto them: query c's entry j -> row c * K + j, -1 (empty) kept). Indices are clipped to
     [0, N) as the kernels clip them, so every entry reads the row it would read in the buffer. When C * K > N (a
     long chunk) the whole buffer unpacked is the smaller tensor and is returned with the top-k as it is; either way
-    the kernel sees the same values in the same key blocks."""
+    the kernel sees the same values in the same key blocks. ``fused``: the rows gathered and unpacked by one Pallas
+    GPU kernel (``packed_gather_gpu.selected_rows``, bit-equal; ``interpret`` runs it in interpret mode) instead of
+    plain JAX, where the row is one power-of-two tile."""
     from dsv41_jax.inference.packed_cache import unpack
 
     b, c, k = topk.shape
     n = int(buf.values.shape[1])
     if c * k > n:
         return unpack(buf.values, buf.scales, buf.fmt, dtype), topk
-    idx = jnp.clip(topk.astype(jnp.int32), 0, n - 1).reshape(b, c * k, 1)
-    rows = unpack(jnp.take_along_axis(buf.values, idx, axis=1), jnp.take_along_axis(buf.scales, idx, axis=1),
-                  buf.fmt, dtype)
+    if _gather_kernel(fused, buf):
+        from dsv41_jax.kernels import packed_gather_gpu as PG
+
+        rows = PG.selected_rows(buf.values, buf.scales, topk.reshape(b, c * k), fmt=buf.fmt, dim=buf.dim,
+                                dtype=dtype, interpret=interpret)
+    else:
+        idx = jnp.clip(topk.astype(jnp.int32), 0, n - 1).reshape(b, c * k, 1)
+        rows = unpack(jnp.take_along_axis(buf.values, idx, axis=1), jnp.take_along_axis(buf.scales, idx, axis=1),
+                      buf.fmt, dtype)
     slots = jnp.arange(c * k, dtype=jnp.int32).reshape(1, c, k)
     return rows, jnp.where(topk >= 0, slots, -1).astype(topk.dtype)
+
+
+def window_rows(ring, base, new, *, fused: bool = False, interpret: bool = False):
+    """The window a ring stands for: its rows in window order (:func:`ring_rows`, unpacked if packed) followed by the
+    chunk's own rows ``new`` [B, L, D], in ``new.dtype``. ``fused`` (a packed ring of [B, R, D] power-of-two-tile
+    rows): one Pallas GPU kernel reads the packed slots, decodes them in registers and writes the whole window
+    (``packed_gather_gpu.window_rows``, bit-equal)."""
+    if _is_packed(ring) and _gather_kernel(fused, ring):
+        from dsv41_jax.kernels import packed_gather_gpu as PG
+
+        return PG.window_rows(ring.values, ring.scales, base, new, fmt=ring.fmt, ring_dtype=jnp.dtype(ring.dtype),
+                              interpret=interpret)
+    return jnp.concatenate([ring_rows(ring, base).astype(new.dtype), new], axis=1)
 
 
 def reads_packed_cache(backend: str = "auto") -> bool:
@@ -448,14 +487,15 @@ def sparse_attention(q, q_pos, win_kv, win_pos, compressed_kv, topk, sink, *, wi
     fits = not _is_packed(compressed_kv) or topk is None or (
         q.shape[1] * topk.shape[-1] <= compressed_kv.values.shape[1])
     form = packed_attention_form(q.shape[0] * q.shape[1], tuning.pop("packed_attention", None), fits)
-    gather = form == "gather" and be.startswith("pallas_gpu") and (
+    gather = form.startswith("gather") and be.startswith("pallas_gpu") and (
         win_ring is not None or (_is_packed(compressed_kv) and topk is not None and topk.shape[-1] > 0))
     if gather:  # the bf16-cache kernel over the selected rows, unpacked; its tuning has no packed-row entries
         tuning = {k_: v_ for k_, v_ in tuning.items() if not k_.startswith("packed_")}
+        fused = dict(fused=form == "gather", interpret=be.endswith("interpret"))
         if _is_packed(compressed_kv) and topk is not None and topk.shape[-1] > 0:
-            compressed_kv, topk = selected_rows(compressed_kv, topk, q.dtype)
+            compressed_kv, topk = selected_rows(compressed_kv, topk, q.dtype, **fused)
         if win_ring is not None:
-            win_kv = jnp.concatenate([ring_rows(*win_ring).astype(win_kv.dtype), win_kv], axis=1)
+            win_kv = window_rows(*win_ring, win_kv, **fused)
             win_ring = None
     if _is_packed(compressed_kv) and not (be.startswith("pallas_gpu") and topk is not None and topk.shape[-1] > 0):
         compressed_kv = _unpacked(compressed_kv)
