@@ -15,7 +15,8 @@ Parts:
         "split_dot" (the same with ``narrow_matmul_f32``'s split-K GEMM for the raw products), "kernel" (the sums as
         P partials from one Pallas kernel, ``kernels.mhc_gpu.mhc_sums_kernel``, added by the coefficient kernel:
         ``projection="kernel"``), "kernel_pP_tT" (the same with P slices and token tiles of T, beside the default
-        P = 128, T = 32).
+        P = 128, T = 32), "one_pass_pP" (the one-pass reduce handing the kernel P partial sums per entry:
+        ``partials=P``; the default hands 128 at one token, 1 above).
         Each call runs R = 8 sites (distinct weights and streams); µs per site = device time / R; distinct kernel
         names per site (≈ launches); each kernel's µs per site; the site's operands (streams + weight, float32) in
         MB and their read rate at the site's µs.
@@ -105,6 +106,10 @@ def mhc_part(batches, out, only=()):
              "kernel": lambda s, f, b, sc: M.mhc_coefficients(s, f, b, sc, hc_eps=HC_EPS, rms_eps=RMS_EPS,
                                                               sinkhorn_iters=ITERS, unroll=True, comb_kernel=COMB,
                                                               one_pass=True, projection="kernel")}
+    for parts in (64, 32, 16, 8):  # the one-pass reduce handing the coefficient kernel this many partial sums
+        forms[f"one_pass_p{parts}"] = lambda s, f, b, sc, p=parts: M.mhc_coefficients(
+            s, f, b, sc, hc_eps=HC_EPS, rms_eps=RMS_EPS, sinkhorn_iters=ITERS, unroll=True, comb_kernel=COMB,
+            one_pass=True, partials=p)
     for parts, tile in ((64, 32), (32, 32), (64, 16)):
         forms[f"kernel_p{parts}_t{tile}"] = lambda s, f, b, sc, p=parts, t=tile: kernel_form(s, f, b, sc, p, t)
     forms["one_pass_again"] = forms["one_pass"]  # drift check: the baseline at the end of the run too

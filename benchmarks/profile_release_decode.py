@@ -569,6 +569,7 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
                 readback: tuple = (1, 8, 32), profile_steps: int = 3, trace_max_mb: float = 15.0,
                 no_release_bf16_cache=False, profile_until_s: float | None = None,
                 engram_host_gathers: tuple = ("kernel",), timing_repeats: int = 1, mhc_projections: tuple = (),
+                mhc_partials: tuple = (),
                 release_options: tuple = (), bf16_options=False):
     """Per batch: every form's first call (trace + compile + one step) concurrently in threads (XLA compiles
     release the GIL; the forms' first-call times overlap, so each is an upper bound of its compile), then each
@@ -652,6 +653,11 @@ def decode_part(model, batches, context, budget_s, out_dir, save, wo_a_fp8=False
         if need_release:
             forms.append((f"release, one-token FP4 kernels, mHC projection {proj}", prel,
                           InferenceOptions(**rel, fp4_one_token=True, mhc_projection=proj), False))
+    for parts in mhc_partials:  # the one-pass reduce's partial sums per entry beside the default (ops.mhc partials)
+        forms.append((f"bf16, mHC partials {parts}", p16, InferenceOptions(**base, mhc_partials=parts), False))
+        if need_release:
+            forms.append((f"release, one-token FP4 kernels, mHC partials {parts}", prel,
+                          InferenceOptions(**rel, fp4_one_token=True, mhc_partials=parts), False))
     if not no_grouped:
         forms.append(("release, grouped FP4 kernel", prel, InferenceOptions(**rel, fp4_one_token=False), False))
     if combine:  # one form with both kernels' first tunings instead of a form per tuning (fewer concurrent compiles;
@@ -882,6 +888,9 @@ def main():
     ap.add_argument("--mhc-projections", default="",
                     help="decode: also a bf16 and a release form per mHC projection form named (reduce / gemm: "
                          "InferenceOptions.mhc_projection), beside the forms on the default")
+    ap.add_argument("--mhc-partials", default="",
+                    help="decode: also a bf16 and a release form per count of the mHC reduce's partial sums named "
+                         "(InferenceOptions.mhc_partials), beside the forms on the default")
     ap.add_argument("--release-options", default="",
                     help="decode: a JSON list of dicts of InferenceOptions fields; for each, release forms with them "
                          "set (e.g. '[{\"fp4_every_expert\": true}]'), beside the forms on the defaults")
@@ -939,6 +948,7 @@ def main():
                             args.no_release_bf16_cache, args.profile_until_s,
                             tuple(filter(None, args.engram_host_gathers.split(","))), args.timing_repeats,
                             mhc_projections=tuple(filter(None, args.mhc_projections.split(","))),
+                            mhc_partials=tuple(int(p) for p in args.mhc_partials.split(",") if p),
                             release_options=tuple(_hashable_options(o) for o in
                                                   json.loads(args.release_options or "[]")),
                             bf16_options=args.bf16_options)

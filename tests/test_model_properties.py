@@ -83,8 +83,17 @@ def test_mhc_comb_kernel_equals_the_xla_sinkhorn():
         for g, w in zip(got, want):
             assert g.shape == w.shape
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
+    # the reduce handing the kernel another count of partial sums (InferenceOptions.mhc_partials): the same values
+    for x, parts in ((streams[:1, :1], 8), (streams, 4)):
+        want = mhc_coefficients(x, fn, base, scale, one_pass=True, **kw)
+        got = mhc_coefficients(x, fn, base, scale, comb_kernel="pallas_gpu_interpret", one_pass=True,
+                               partials=parts, **kw)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="projection"):
         mhc_coefficients(streams, fn, base, scale, one_pass=True, projection="dot", **kw)
+    with pytest.raises(ValueError, match="partials"):
+        mhc_coefficients(streams, fn, base, scale, one_pass=True, partials=0, **kw)
 
 
 def test_mhc_sums_kernel_equals_the_one_pass_sums():

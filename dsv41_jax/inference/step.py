@@ -81,6 +81,8 @@ class InferenceOptions:
     #                             (one multiply-reduce), "gemm" (a float32 GEMM + a sum of squares) or "kernel"
     #                             (one Pallas kernel, kernels.mhc_gpu.mhc_sums_kernel); None: "reduce"
     #                             (ops.mhc.mhc_coefficients' projection; why: benchmarks/RESULTS.md 15:15, 00:05)
+    mhc_partials: int | None = None  # with the "reduce" projection: its partial sums per entry handed to the
+    #                             coefficient kernel (ops.mhc.mhc_coefficients' partials); None: 128 at one token, else 1
     norm_kernel: bool | None = None  # each site's mHC collapse and RMS norm in one Pallas GPU kernel (ops.mhc.
     #                             collapse_rms_norm; XLA runs them as 3 kernels), the q-LoRA norm in one (XLA: 2);
     #                             None: steps of at most 64 tokens on the "pallas_gpu" backend (not its interpret
@@ -695,7 +697,7 @@ def run_layers(params: dict, cache: dict, streams: jax.Array, pre_mix: jax.Array
     on_gpu = kernels.resolve_backend(opts.kernel_backend) == "pallas_gpu"
     few = _auto(opts.mhc_one_pass, on_gpu) and small  # fewer, fused mHC kernels (ops.mhc one_pass)
     if few:
-        mhc_kw = dict(mhc_kw, one_pass=True, projection=opts.mhc_projection)
+        mhc_kw = dict(mhc_kw, one_pass=True, projection=opts.mhc_projection, partials=opts.mhc_partials)
     norm_kernel = _norm_kernel(opts, small)
     for spec in c.plan.layers[lo:hi]:
         lp = params["layers"][spec.index]

@@ -44,7 +44,8 @@ def _sinkhorn_form() -> str:
 def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, hc_eps: float,
                      rms_eps: float, sinkhorn_iters: int, unroll: bool = False,
                      comb_kernel: str | None = None, one_pass: bool = False,
-                     projection: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     projection: str | None = None,
+                     partials: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """streams [..., hc, D] -> (pre [..., hc], post [..., hc], comb [..., hc, hc]).
 
     ``fn`` [(2+hc)*hc, hc*D] rows are ordered pre(hc), post(hc), comb(hc*hc, row-major i -> j). ``comb`` is
@@ -59,10 +60,14 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
     with ``comb_kernel``): how the one-pass sums are formed — "reduce" (one multiply-reduce over the contraction),
     "gemm" (:func:`_project_sums_dot`), "kernel" (``kernels.mhc_gpu.mhc_sums_kernel``: one Pallas kernel, P partial
     sums the coefficient kernel adds), None: "reduce" (why: the notes above :func:`_project_sums_dot` and
-    :data:`PROJECTIONS`).
+    :data:`PROJECTIONS`). ``partials`` ("reduce" with the coefficient kernel): the reduce's partial sums per entry
+    handed to the kernel (a power of two is used: the largest <= partials); None: :data:`_KERNEL_PARTS` for steps
+    of at most :data:`_KERNEL_PARTS_MAX_TOKENS` tokens, else 1.
     """
     if projection not in PROJECTIONS:
         raise ValueError(f"mhc_coefficients: projection must be one of {PROJECTIONS}, got {projection!r}")
+    if partials is not None and (isinstance(partials, bool) or not isinstance(partials, int) or partials < 1):
+        raise ValueError(f"mhc_coefficients: partials must be a positive int or None, got {partials!r}")
     hc = streams.shape[-2]
     if comb_kernel is not None:
         # every coefficient in one kernel after the projection (kernels.mhc_gpu.mhc_coefficients_kernel); with
@@ -82,7 +87,7 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
         elif one_pass and projection == "gemm":  # the projection as a GEMM
             x, rms_k = _project_sums_dot(flat, fn), flat.shape[-1]
         elif one_pass:  # one token: the kernel adds the partial sums (one XLA reduction kernel before it, not two)
-            parts = _KERNEL_PARTS if math.prod(lead) <= _KERNEL_PARTS_MAX_TOKENS else 1
+            parts = partials or (_KERNEL_PARTS if math.prod(lead) <= _KERNEL_PARTS_MAX_TOKENS else 1)
             x, rms_k = _project_sums_one_pass(flat, fn, parts=parts), flat.shape[-1]
         else:
             x = narrow_matmul_f32(rms_normalize(flat, rms_eps).reshape(-1, flat.shape[-1]), fn)
