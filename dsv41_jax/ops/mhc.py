@@ -61,8 +61,8 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
     "gemm" (:func:`_project_sums_dot`), "kernel" (``kernels.mhc_gpu.mhc_sums_kernel``: one Pallas kernel, P partial
     sums the coefficient kernel adds), None: "reduce" (why: the notes above :func:`_project_sums_dot` and
     :data:`PROJECTIONS`). ``partials`` ("reduce" with the coefficient kernel): the reduce's partial sums per entry
-    handed to the kernel (a power of two is used: the largest <= partials); None: :data:`_KERNEL_PARTS` for steps
-    of at most :data:`_KERNEL_PARTS_MAX_TOKENS` tokens, else 1.
+    handed to the kernel (a power of two is used: the largest <= partials); None: by the token count
+    (:func:`_kernel_partials`: 32 at one token, 64 up to 32 tokens, else 1).
     """
     if projection not in PROJECTIONS:
         raise ValueError(f"mhc_coefficients: projection must be one of {PROJECTIONS}, got {projection!r}")
@@ -87,7 +87,7 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
         elif one_pass and projection == "gemm":  # the projection as a GEMM
             x, rms_k = _project_sums_dot(flat, fn), flat.shape[-1]
         elif one_pass:  # one token: the kernel adds the partial sums (one XLA reduction kernel before it, not two)
-            parts = partials or (_KERNEL_PARTS if math.prod(lead) <= _KERNEL_PARTS_MAX_TOKENS else 1)
+            parts = partials or _kernel_partials(math.prod(lead))
             x, rms_k = _project_sums_one_pass(flat, fn, parts=parts), flat.shape[-1]
         else:
             x = narrow_matmul_f32(rms_normalize(flat, rms_eps).reshape(-1, flat.shape[-1]), fn)
@@ -133,13 +133,18 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
 PROJECTIONS = (None, "reduce", "gemm", "kernel")
 
 
-# partial sums per entry handed to the coefficient kernel (a power of two): XLA's own split of the K-long
-# reduction (K = hc * d = 20,480 at the release's width) used 128 partials in a separate kernel. Only for steps of
-# at most _KERNEL_PARTS_MAX_TOKENS tokens: measured on an H200 (2026-12-02 22:27, bench-h200-12L), the kernel's
-# [tokens, 128] tiles of partials made it 0.105 -> 0.280 ms per batch-1 step (24 calls; the step no slower: 24 final-
-# sum kernels fewer) but 1.36 ms per batch-32 step (+1.25 ms; likely the tiles' registers spilling)
-_KERNEL_PARTS = 128
-_KERNEL_PARTS_MAX_TOKENS = 1
+# partial sums per entry handed to the coefficient kernel by the one-pass reduce (a power of two), by the step's
+# token count. Measured on an H200 (benchmarks/RESULTS.md, 2026-12-04 01:21, bench_decode_glue.py, one site with
+# the coefficient kernel, float32): one token 12.78 µs with 128 partials (the coefficient kernel's [1, 128] tiles
+# 10.9 µs) against 6.43 with 32, 6.28 with 8 (the bf16 40-layer step at batch 1 12.46 -> 11.90 ms with 32); 32
+# tokens 24.94 µs with XLA's own split (two reduction kernels) against 18.50 with 64 and 19.82 with 32 (128 had
+# made the 12-layer step at batch 32 1.25 ms slower, 2026-12-02 22:27: its tiles' registers spilling). Other token
+# counts keep XLA's split (partials 1): not measured.
+def _kernel_partials(tokens: int) -> int:
+    return 32 if tokens <= 1 else 64 if tokens <= _KERNEL_PARTS_MAX_TOKENS else 1
+
+
+_KERNEL_PARTS_MAX_TOKENS = 32
 
 
 # The one-pass sums as a float32 GEMM (``projection="gemm"``) rather than one multiply-reduce over the contraction.
