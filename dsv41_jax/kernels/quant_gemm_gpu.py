@@ -607,8 +607,8 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
     ``mma``: the tensor-core product's operand type — "bf16" (the default: weights decoded to the dot dtype) or
     "fp8" (the activations rounded to FP8 per 32 along K — the release's GEMM-input rounding, so exact for its
     already rounded inputs —, the nibbles decoded to e4m3 bytes, one FP8 product per 32-wide K chunk promoted to
-    float32 with both scales: with ``mma_rows`` None / "weights" one FP8 wgmma per chunk, ``_fp4_grouped_fp8_mma``;
-    with "tokens" the synchronous MMA path, ``_fp4_grouped_fp8_mma_tokens``; both measured slower than the default
+    float32 with both scales, ``_fp4_grouped_fp8_mma``: with ``mma_rows`` None / "weights" one FP8 wgmma per chunk,
+    with "tokens" the synchronous MMA path; both measured slower than the default
     on an H200)."""
     if mma not in (None, "bf16", "fp8"):
         raise ValueError(f"mma must be 'bf16' or 'fp8', got {mma!r}")
@@ -617,9 +617,9 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
             raise ValueError("mma='fp8' takes mma_rows ('weights' / 'tokens') and no decode / split_k / prefetch "
                              f"options, got mma_rows={mma_rows!r}, decode={decode!r}, split_k={split_k}, "
                              f"prefetch={prefetch}")
-        form = _fp4_grouped_fp8_mma_tokens if mma_rows == "tokens" else _fp4_grouped_fp8_mma
-        return form(x, group_sizes, values, scales, block_m=block_m, block_n=block_n, block_k=block_k,
-                    num_warps=num_warps, num_stages=num_stages, name=name, interpret=interpret)
+        return _fp4_grouped_fp8_mma(x, group_sizes, values, scales, block_m=block_m, block_n=block_n,
+                                    block_k=block_k, num_warps=num_warps, num_stages=num_stages, name=name,
+                                    interpret=interpret, token_rows=mma_rows == "tokens")
     mma_rows = mma_rows or ("weights" if x.shape[0] <= FP4_GROUPED_WEIGHT_ROWS_MAX else "tokens")
     if mma_rows not in ("tokens", "weights"):
         raise ValueError(f"mma_rows must be 'tokens' or 'weights', got {mma_rows!r}")
@@ -1065,22 +1065,32 @@ def _e8m0_x64(s):
 
 
 def _fp4_grouped_fp8_mma(x, group_sizes, values, scales, *, block_m, block_n, block_k, num_warps, num_stages,
-                         name, interpret):
-    """``fp4_grouped_gemm(..., mma="fp8")``: the weights-as-rows form on FP8 tensor cores. The activations become
+                         name, interpret, token_rows: bool = False):
+    """``fp4_grouped_gemm(..., mma="fp8")``: the grouped FP4 GEMM on FP8 tensor-core products. The activations become
     e4m3 codes and a float32 scale per 32 in XLA (``ops.quant.fp8_e4m3_block_codes``: exact for the release's
     FP8-rounded GEMM inputs, else it is that rounding); per 32-wide chunk a program decodes its [block_n, 16] packed
-    bytes to [block_n, 32] e4m3 bytes, takes one FP8 wgmma against the [block_m, 32] activation codes (float32
-    result) and adds it times 2^6 x weight scale (per row) x activation scale (per token) to a float32 accumulator."""
+    bytes to [block_n, 32] e4m3 bytes (``_e2m1_e4m3_chunk``), takes their product with the [block_m, 32] activation
+    codes (float32) and adds it times 2^6 x weight scale (per weight row) x activation scale (per token) to a
+    float32 accumulator. ``token_rows`` False (``mma_rows`` None / "weights"): the weight rows are the product's row
+    side, one Hopper wgmma per chunk; True ("tokens"): an expert's 16- or 32-row token tile is, below the 64-row
+    wgmma, so Triton takes its synchronous MMA path (no commit / wait between chunks; on sm_90 F2FP + float16 HMMA)."""
     from dsv41_jax.ops.quant import fp8_e4m3_block_codes
 
     a, k = x.shape
     e, n, kh = values.shape
     if k % SCALE_BLOCK:
         raise ValueError(f"K {k} must be a multiple of {SCALE_BLOCK}")
-    bm = block_m or fp4_weight_rows_block_m(a, e)
-    bn = block_n or 64
-    if bn < 64 or bm < 16:
-        raise ValueError(f"the FP8 wgmma form needs block_n >= 64 and block_m >= 16, got {bn} / {bm}")
+    if token_rows:
+        bm = block_m or (16 if a <= FP4_GROUPED_SMALL_TILE_ROWS_PER_EXPERT * e else 32)
+        bn = block_n or 64
+        if bm not in (16, 32) or bn < 16 or bn & (bn - 1):
+            raise ValueError(f"the FP8 tokens form needs block_m 16 or 32 (below the 64-row wgmma) and block_n a "
+                             f"power of two >= 16, got {block_m} / {block_n}")
+    else:
+        bm = block_m or fp4_weight_rows_block_m(a, e)
+        bn = block_n or 64
+        if bn < 64 or bm < 16:
+            raise ValueError(f"the FP8 wgmma form needs block_n >= 64 and block_m >= 16, got {bn} / {bm}")
     chunks = k // SCALE_BLOCK
     sg = _largest_pow2_divisor(chunks, max(1, (block_k or 256) // SCALE_BLOCK))  # chunks per K step: divides K
     n_steps = chunks // sg
@@ -1090,7 +1100,7 @@ def _fp4_grouped_fp8_mma(x, group_sizes, values, scales, *, block_m, block_n, bl
     grp, r0s, nrs = tile_metadata(group_sizes, a, bm)
     t_max = grp.shape[0]
     # each row tile's activations gathered by XLA (a few MB at decode): codes [T, bm, K] in FP8_CHUNK_ORDER, scales
-    # [T, K / 32, bm] — a chunk's tiles are aligned contiguous runs (the codes straight into the wgmma's shared-
+    # [T, K / 32, bm] — a chunk's tiles are aligned contiguous runs (the codes straight into the product's shared-
     # memory operand); rows past a tile's group only reach output elements that are not stored
     tile_rows = jnp.minimum(jnp.maximum(r0s, 0)[:, None] + jnp.arange(bm)[None, :], a - 1)  # [T, bm]
     codes = codes.reshape(a, chunks, SCALE_BLOCK)[:, :, jnp.asarray(FP8_CHUNK_ORDER)].reshape(a, k)[tile_rows]
@@ -1104,7 +1114,7 @@ def _fp4_grouped_fp8_mma(x, group_sizes, values, scales, *, block_m, block_n, bl
             rmask = jnp.arange(bm) < nr
             cols_nc = jnp.minimum(cols_n, n - 1)
 
-            def chunk(c, acc):  # the 32-wide K chunk c: one wgmma, promoted with both scales
+            def chunk(c, acc):  # the 32-wide K chunk c: one FP8 product, promoted with both scales
                 cb = c * hb + jnp.arange(hb)
                 if n_tail:
                     v = pltr.load(v_ref.at[ex, cols_nc[:, None], cb[None, :]], mask=nmask[:, None], other=0)
@@ -1114,87 +1124,23 @@ def _fp4_grouped_fp8_mma(x, group_sizes, values, scales, *, block_m, block_n, bl
                     s = s_ref[ex, pl.ds(ni * bn, bn), c]
                 xq = xq_ref[ti, :, pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)]
                 xsc = xs_ref[ti, c, :]
-                d = fp8_dot_nt(_e2m1_e4m3_chunk(v, interpret), xq)  # [bn, bm] float32
-                return acc + d * (_e8m0_x64(s)[:, None] * xsc[None, :])
+                w = _e2m1_e4m3_chunk(v, interpret)
+                if token_rows:  # [bm, bn]
+                    return acc + fp8_dot_nt(xq, w) * (xsc[:, None] * _e8m0_x64(s)[None, :])
+                return acc + fp8_dot_nt(w, xq) * (_e8m0_x64(s)[:, None] * xsc[None, :])  # [bn, bm]
 
             def step(t, acc):
                 for j in range(sg):
                     acc = chunk(t * sg + j, acc)
                 return acc
 
-            acc = jax.lax.fori_loop(0, n_steps, step, jnp.zeros((bn, bm), jnp.float32))
-            # acc[j, i] is out[rows[i], cols[j]]: stored through transposed indices
-            pltr.store(o_ref.at[rows[None, :], cols_n[:, None]], acc.astype(o_ref.dtype),
-                       mask=rmask[None, :] & nmask[:, None])
-
-        _zero_rows_past_groups(o_ref, nr, rows, cols_n, nmask)
-
-    return pl.pallas_call(
-        kernel, grid=(t_max, -(-n // bn)),
-        out_shape=jax.ShapeDtypeStruct((a, n), x.dtype),
-        compiler_params=_params(num_warps or 4, num_stages or 3), interpret=interpret, name=name,
-    )(grp, r0s, nrs, codes, xs, values, scales)
-
-
-def _fp4_grouped_fp8_mma_tokens(x, group_sizes, values, scales, *, block_m, block_n, block_k, num_warps,
-                                num_stages, name, interpret):
-    """``fp4_grouped_gemm(..., mma="fp8", mma_rows="tokens")``: an expert's token tile (16 or 32 rows: below
-    Hopper's 64-row wgmma, so Triton takes the synchronous ``mma.sync`` path, no commit / wait between chunks) as the
-    row side. Per 32-wide chunk the [block_n, 16] packed bytes become [block_n, 32] e4m3 bytes (``_e2m1_e4m3_chunk``)
-    whose product with the [block_m, 32] activation codes is added to the float32 accumulator times the activation
-    scale (per token) x 2^6 x the weight scale (per weight row)."""
-    from dsv41_jax.ops.quant import fp8_e4m3_block_codes
-
-    a, k = x.shape
-    e, n, kh = values.shape
-    if k % SCALE_BLOCK:
-        raise ValueError(f"K {k} must be a multiple of {SCALE_BLOCK}")
-    bm = block_m or (16 if a <= FP4_GROUPED_SMALL_TILE_ROWS_PER_EXPERT * e else 32)
-    bn = block_n or 64
-    if bm not in (16, 32) or bn < 16 or bn & (bn - 1):
-        raise ValueError(f"the FP8 tokens form needs block_m 16 or 32 (below the 64-row wgmma) and block_n a power "
-                         f"of two >= 16, got {block_m} / {block_n}")
-    chunks = k // SCALE_BLOCK
-    sg = _largest_pow2_divisor(chunks, max(1, (block_k or 256) // SCALE_BLOCK))
-    n_steps = chunks // sg
-    hb = SCALE_BLOCK // 2
-    n_tail = n % bn != 0
-    codes, xs = fp8_e4m3_block_codes(x)  # [A, K] e4m3, [A, K / 32] float32
-    grp, r0s, nrs = tile_metadata(group_sizes, a, bm)
-    t_max = grp.shape[0]
-    tile_rows = jnp.minimum(jnp.maximum(r0s, 0)[:, None] + jnp.arange(bm)[None, :], a - 1)  # [T, bm]
-    codes = codes.reshape(a, chunks, SCALE_BLOCK)[:, :, jnp.asarray(FP8_CHUNK_ORDER)].reshape(a, k)[tile_rows]
-    xs = jnp.swapaxes(xs[tile_rows], 1, 2)  # [T, K / 32, bm]
-
-    def kernel(g_ref, r0_ref, nr_ref, xq_ref, xs_ref, v_ref, s_ref, o_ref):
-        ti, ni, ex, nr, rows, cols_n, nmask = _group_tile(g_ref, r0_ref, nr_ref, bm, bn, n)
-
-        @pl.when(nr > 0)
-        def _():
-            rmask = jnp.arange(bm) < nr
-            cols_nc = jnp.minimum(cols_n, n - 1)
-
-            def chunk(c, acc):
-                cb = c * hb + jnp.arange(hb)
-                if n_tail:
-                    v = pltr.load(v_ref.at[ex, cols_nc[:, None], cb[None, :]], mask=nmask[:, None], other=0)
-                    s = pltr.load(s_ref.at[ex, cols_nc, c], mask=nmask, other=127)
-                else:
-                    v = v_ref[ex, pl.ds(ni * bn, bn), pl.ds(c * hb, hb)]
-                    s = s_ref[ex, pl.ds(ni * bn, bn), c]
-                xq = xq_ref[ti, :, pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)]
-                xsc = xs_ref[ti, c, :]
-                d = fp8_dot_nt(xq, _e2m1_e4m3_chunk(v, interpret))  # [bm, bn] float32
-                return acc + d * (xsc[:, None] * _e8m0_x64(s)[None, :])
-
-            def step(t, acc):
-                for j in range(sg):
-                    acc = chunk(t * sg + j, acc)
-                return acc
-
-            acc = jax.lax.fori_loop(0, n_steps, step, jnp.zeros((bm, bn), jnp.float32))
-            pltr.store(o_ref.at[rows[:, None], cols_n[None, :]], acc.astype(o_ref.dtype),
-                       mask=rmask[:, None] & nmask[None, :])
+            acc = jax.lax.fori_loop(0, n_steps, step, jnp.zeros((bm, bn) if token_rows else (bn, bm), jnp.float32))
+            if token_rows:
+                pltr.store(o_ref.at[rows[:, None], cols_n[None, :]], acc.astype(o_ref.dtype),
+                           mask=rmask[:, None] & nmask[None, :])
+            else:  # acc[j, i] is out[rows[i], cols[j]]: stored through transposed indices
+                pltr.store(o_ref.at[rows[None, :], cols_n[:, None]], acc.astype(o_ref.dtype),
+                           mask=rmask[None, :] & nmask[:, None])
 
         _zero_rows_past_groups(o_ref, nr, rows, cols_n, nmask)
 
