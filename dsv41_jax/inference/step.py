@@ -82,7 +82,8 @@ class InferenceOptions:
     #                             (one Pallas kernel, kernels.mhc_gpu.mhc_sums_kernel); None: "reduce"
     #                             (ops.mhc.mhc_coefficients' projection; why: benchmarks/RESULTS.md 15:15, 00:05)
     mhc_partials: int | None = None  # with the "reduce" projection: its partial sums per entry handed to the
-    #                             coefficient kernel (ops.mhc.mhc_coefficients' partials); None: 32 at one token, 64 up to 32, else 1
+    #                             coefficient kernel (ops.mhc.mhc_coefficients' partials); None: 32 at one token,
+    #                             64 up to 32 tokens, else 1
     norm_kernel: bool | None = None  # each site's mHC collapse and RMS norm in one Pallas GPU kernel (ops.mhc.
     #                             collapse_rms_norm; XLA runs them as 3 kernels), the q-LoRA norm in one (XLA: 2);
     #                             None: steps of at most 64 tokens on the "pallas_gpu" backend (not its interpret

@@ -147,7 +147,8 @@ GPU_SMS = 132
 # (benchmarks/RESULTS.md, 2026-12-04 00:09 UTC; one bench40 layer as above, same run) the batch-32 call took 71.3 µs
 # against 99.8 with XLA's gathers (bf16 cache 60.9, packed kernel 132.9; the gathers ≈ 10 against ≈ 39 µs), while at
 # batch 1 it took 30.5 against 28.4 (one ring program per 32 window rows: 5 programs at batch 1), so fewer rows keep
-# XLA's gathers ("gather_xla"); 2-31 rows and the 40-layer step with the fused gathers are not measured.
+# XLA's gathers ("gather_xla"); in the 40-layer release step at batch 32 (RESULTS.md, 2026-12-04 01:23 UTC) 20.25 ->
+# 19.81 ms. 2-31 rows are not measured.
 PACKED_ATTENTION_FORMS = ("kernel", "gather", "gather_xla")
 PACKED_GATHER_MIN_ROWS = 1
 PACKED_FUSED_GATHER_MIN_ROWS = 32

@@ -75,7 +75,8 @@ def mhc_coefficients_kernel(x, scale, base, *, hc: int, hc_eps: float, iters: in
     # tiles, masked rows included: a 128-row block at batch 1 would issue 128x the loads it needs)
     block = min(block, 1 << max(n_tok - 1, 0).bit_length())
     if parts is not None:  # a [block, P] tile per entry, n + 1 entries: at most 256 values each (measured on an
-        # H200: [32, 128] tiles made a batch-32 site ≈ 16 µs slower, likely spilled registers; ops.mhc._kernel_partials)
+        # H200: [32, 128] tiles made a batch-32 site ≈ 16 µs slower, likely spilled registers;
+        # ops.mhc._kernel_partials)
         block = min(block, max(1, 256 // parts))
     if x.shape[:2] != (n_tok, width) or x.ndim not in (2, 3) or (parts is not None and parts & (parts - 1)):
         raise ValueError(f"mhc_coefficients_kernel: x must be [tokens, {width}] or [tokens, {width}, P] (P a power "

@@ -86,7 +86,7 @@ def mhc_coefficients(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: 
             x, rms_k = x.reshape(*lead, *x.shape[1:]), flat.shape[-1]
         elif one_pass and projection == "gemm":  # the projection as a GEMM
             x, rms_k = _project_sums_dot(flat, fn), flat.shape[-1]
-        elif one_pass:  # one token: the kernel adds the partial sums (one XLA reduction kernel before it, not two)
+        elif one_pass:  # up to 32 tokens the kernel adds the partial sums (one XLA reduction kernel before it, not two)
             parts = partials or _kernel_partials(math.prod(lead))
             x, rms_k = _project_sums_one_pass(flat, fn, parts=parts), flat.shape[-1]
         else:
@@ -140,11 +140,11 @@ PROJECTIONS = (None, "reduce", "gemm", "kernel")
 # tokens 24.94 µs with XLA's own split (two reduction kernels) against 18.50 with 64 and 19.82 with 32 (128 had
 # made the 12-layer step at batch 32 1.25 ms slower, 2026-12-02 22:27: its tiles' registers spilling). Other token
 # counts keep XLA's split (partials 1): not measured.
+_KERNEL_PARTS_MAX_TOKENS = 32
+
+
 def _kernel_partials(tokens: int) -> int:
     return 32 if tokens <= 1 else 64 if tokens <= _KERNEL_PARTS_MAX_TOKENS else 1
-
-
-_KERNEL_PARTS_MAX_TOKENS = 32
 
 
 # The one-pass sums as a float32 GEMM (``projection="gemm"``) rather than one multiply-reduce over the contraction.
