@@ -218,6 +218,20 @@ def pytest_unconfigure(config):
             os.remove(XDIST_GROUPS)
 
 
+def compiled(fn, *args, static_argnums=()):
+    """``fn(*args)`` traced and compiled as ONE jitted program, and run.
+
+    Kernel tests compare a kernel's result against a reference (or a second form of the same kernel) on the same
+    inputs. Called eagerly, every jnp op of the test's computation and every kernel call is its own small XLA program
+    (hundreds of compiles a test, almost all of its CPU time); in one program the kernel and its reference compile
+    once, together. What is computed is the same: the same kernels and reference functions on the same values (XLA
+    on CPU neither reassociates floating-point sums nor uses fast-math, whether or not ops are fused), and every
+    Python-side check inside them (shape errors, dispatch, monkeypatched hooks) still runs, at trace time. ``fn``
+    takes the arrays as arguments (not as closed-over constants) so that the program is compiled for their shapes;
+    non-array arguments go through ``static_argnums``."""
+    return jax.jit(fn, static_argnums=static_argnums)(*args)
+
+
 @pytest.fixture(scope="session")
 def tiny_config():
     from dsv41_jax import load_config

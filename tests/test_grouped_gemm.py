@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import compiled
 from dsv41_jax.kernels import grouped_gemm_gpu as gg
 from dsv41_jax.ops.moe import blocked_grouped_matmul, moe
 from dsv41_jax.train.testing import random_moe_params
@@ -44,8 +45,8 @@ def test_grouped_gemm_kernel_float32_equals_ragged_dot():
     and the tiles really are the kernel's: the shapes divide 16-wide tiles, so no XLA fallback is taken."""
     rows, w, ct = _operands(jnp.float32)
     assert gg.grouped_tiles(32, 48, w.size) is not None
-    y, grads = _value_and_grads(_kernel, rows, w, ct)
-    y_ref, grads_ref = _value_and_grads(_ragged, rows, w, ct)
+    (y, grads), (y_ref, grads_ref) = compiled(lambda *a: (_value_and_grads(_kernel, *a),
+                                                         _value_and_grads(_ragged, *a)), rows, w, ct)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
     for name, a, b in zip(("d_rows", "d_w"), grads, grads_ref):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
@@ -57,8 +58,9 @@ def test_grouped_gemm_kernel_bf16_within_1e2_of_float32():
     """bf16 operands (bf16 products, float32 accumulation, bf16 outputs; dW summed in float32) against float32 on
     the same upcast inputs: relative L2 error ≤ 1e-2 for the value and both gradients."""
     rows, w, ct = _operands(jnp.bfloat16, seed=1)
-    y, grads = _value_and_grads(_kernel, rows, w, ct)
-    y_ref, grads_ref = _value_and_grads(_ragged, rows.astype(jnp.float32), w.astype(jnp.float32), ct)
+    (y, grads), (y_ref, grads_ref) = compiled(lambda rows, w, ct: (
+        _value_and_grads(_kernel, rows, w, ct),
+        _value_and_grads(_ragged, rows.astype(jnp.float32), w.astype(jnp.float32), ct)), rows, w, ct)
     assert y.dtype == jnp.bfloat16 and grads[0].dtype == grads[1].dtype == jnp.bfloat16
     for name, a, b in (("y", y, y_ref), ("d_rows", grads[0], grads_ref[0]), ("d_w", grads[1], grads_ref[1])):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -78,14 +80,16 @@ def test_moe_grouped_equals_ragged_and_bad_tiles_fall_back():
         y, _ = moe(x, {**params, "experts": experts}, impl=impl, **kw)
         return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape)))
 
-    (l_g, g_g), (l_r, g_r) = (jax.value_and_grad(loss)(params["experts"], i) for i in ("grouped", "ragged"))
+    (l_g, g_g), (l_r, g_r) = compiled(lambda e: tuple(jax.value_and_grad(loss)(e, i) for i in ("grouped", "ragged")),
+                                      params["experts"])
     np.testing.assert_allclose(l_g, l_r, rtol=1e-5)
     for name in ("w1", "w2", "w3"):
         np.testing.assert_allclose(g_g[name], g_r[name], rtol=1e-5, atol=1e-5, err_msg=name)
     assert gg.grouped_tiles(24, 40, 1000) is None  # neither 24 nor 40 has a power-of-two divisor >= 16
     rows, w, _ = _operands(jnp.float32, k=24, n=40)
-    np.testing.assert_allclose(blocked_grouped_matmul(rows, w, SIZES, kernel="interpret"), _ragged(rows, w),
-                               rtol=1e-5, atol=1e-5)
+    got, want = compiled(lambda rows, w: (blocked_grouped_matmul(rows, w, SIZES, kernel="interpret"), _ragged(rows, w)),
+                         rows, w)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_mgpu_ragged_gemm_vjp_wiring_with_reference_products():
@@ -96,8 +100,9 @@ def test_mgpu_ragged_gemm_vjp_wiring_with_reference_products():
 
     rows, w, ct = _operands(jnp.float32, seed=3)
     key = gm.tiles_key(gm.MGPU_TILES)
-    y, grads = _value_and_grads(lambda r, w_: gm.ragged_gemm(r, w_, SIZES, "reference", key), rows, w, ct)
-    y_ref, grads_ref = _value_and_grads(_ragged, rows, w, ct)
+    (y, grads), (y_ref, grads_ref) = compiled(lambda *a: (
+        _value_and_grads(lambda r, w_: gm.ragged_gemm(r, w_, SIZES, "reference", key), *a),
+        _value_and_grads(_ragged, *a)), rows, w, ct)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
     for name, a, b in zip(("d_rows", "d_w"), grads, grads_ref):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import compiled
 from dsv41_jax import kernels as KN
 from dsv41_jax.kernels import hier_topk as HT
 from dsv41_jax.kernels import pallas_gpu as G
@@ -65,16 +66,17 @@ def _decode_case(seed, dtype=jnp.float32):
 @pytest.mark.parametrize("backend,seed", [("pallas_gpu_interpret", 0), ("pallas_tpu_interpret", 1)])
 def test_decode_attention_fwd_and_grads(backend, seed):
     x = _decode_case(seed)
+    window = x.pop("window")
 
-    def run(fn):
+    def run(fn, x):
         def f(q, win, ckv, sink):
-            o = fn(q, x["qpos"], win, x["wpos"], ckv, x["topk"], sink, window=x["window"], floor=x["floor"])
+            o = fn(q, x["qpos"], win, x["wpos"], ckv, x["topk"], sink, window=window, floor=x["floor"])
             return jnp.sum(o * jnp.sin(o)), o
         (_, o), g = jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)(x["q"], x["win"], x["ckv"], x["sink"])
         return o, g
 
-    o_r, g_r = run(RA.sparse_attention)
-    o_k, g_k = run(lambda *a, **k: KN.sparse_attention(*a, **k, backend=backend))
+    (o_r, g_r), (o_k, g_k) = compiled(lambda x: (
+        run(RA.sparse_attention, x), run(lambda *a, **k: KN.sparse_attention(*a, **k, backend=backend), x)), x)
     _close(o_k, o_r, 1e-5)
     for a, b in zip(g_k, g_r):
         _close(a, b, 1e-4)
@@ -83,11 +85,13 @@ def test_decode_attention_fwd_and_grads(backend, seed):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_attention_bf16(backend):
     x = _decode_case(3, jnp.bfloat16)
+    window = x.pop("window")
     f32 = lambda a: a.astype(jnp.float32)
-    ref = RA.sparse_attention(f32(x["q"]), x["qpos"], f32(x["win"]), x["wpos"], f32(x["ckv"]), x["topk"], x["sink"],
-                              window=x["window"], floor=x["floor"])
-    out = KN.sparse_attention(x["q"], x["qpos"], x["win"], x["wpos"], x["ckv"], x["topk"], x["sink"],
-                              window=x["window"], floor=x["floor"], backend=backend)
+    ref, out = compiled(lambda x: (
+        RA.sparse_attention(f32(x["q"]), x["qpos"], f32(x["win"]), x["wpos"], f32(x["ckv"]), x["topk"], x["sink"],
+                            window=window, floor=x["floor"]),
+        KN.sparse_attention(x["q"], x["qpos"], x["win"], x["wpos"], x["ckv"], x["topk"], x["sink"], window=window,
+                            floor=x["floor"], backend=backend)), x)
     assert out.dtype == jnp.bfloat16
     _close(out, ref, 2e-2)
 
@@ -109,15 +113,17 @@ def test_sequence_attention_fwd_and_grads(backend):
     cases = {"pallas_gpu_interpret": (None, jnp.asarray([0, 9], jnp.int32), inc_pos),
              "pallas_tpu_interpret": (seg, 0, doc_pos)}
     for segments, floor, pos in (cases[backend],):
-        def run(fn):
+        def run(fn, q, kv, pos, ckv, topk, sink, floor, segments):
             def f(q_, kv_, c_, s_):
                 o = fn(q_, kv_, pos, c_, topk, s_, window=window, floor=floor, chunk=8,
                        **({} if segments is None else {"segments": segments}))
                 return jnp.sum(jnp.tanh(o)), o
             return jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)(q, kv, ckv, sink)
 
-        (_, o_r), g_r = run(RA.sequence_sparse_attention)
-        (_, o_k), g_k = run(lambda *a, **kw: KN.sequence_sparse_attention(*a, **kw, backend=backend))
+        ((_, o_r), g_r), ((_, o_k), g_k) = compiled(lambda *a: (
+            run(RA.sequence_sparse_attention, *a),
+            run(lambda *a_, **kw: KN.sequence_sparse_attention(*a_, **kw, backend=backend), *a)),
+            q, kv, pos, ckv, topk, sink, floor, segments)
         _close(o_k, o_r, 1e-5)
         for a, b_ in zip(g_k, g_r):
             _close(a, b_, 1e-4)
@@ -159,13 +165,15 @@ def test_sequence_attention_bwd_rotated_loop_order():
     sink = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
     pos = jnp.arange(t, dtype=jnp.int32)[None]
 
-    def grads(fn):
+    def grads(fn, q, kv, pos, ckv, topk, sink):
         return jax.grad(lambda q_, kv_, c_, s_: jnp.sum(jnp.tanh(fn(q_, kv_, pos, c_, topk, s_, window=window))),
                         argnums=(0, 1, 2, 3))(q, kv, ckv, sink)
 
-    want = grads(RA.sequence_sparse_attention)
-    got = grads(lambda *a, **kw: KN.sequence_sparse_attention(*a, **kw, backend="pallas_gpu_interpret",
-                                                              tuning={"bwd_rotate": True}))
+    want, got = compiled(lambda *a: (
+        grads(RA.sequence_sparse_attention, *a),
+        grads(lambda *a_, **kw: KN.sequence_sparse_attention(*a_, **kw, backend="pallas_gpu_interpret",
+                                                             tuning={"bwd_rotate": True}), *a)),
+        q, kv, pos, ckv, topk, sink)
     for a, b_ in zip(got, want):
         _close(a, b_, 1e-4)
 
@@ -188,16 +196,22 @@ def _indexer_case(seed, n, ratio, t=6):
 def test_indexer_hsi_reindex_exact(backend, n, ratio, block):
     q, w, keys, qpos = _indexer_case(n, n, ratio)
     k, blocks = 12, 20
-    r_sel, r_pool = RI.indexer_topk(q, w, keys, qpos, ratio=ratio, topk=k, block_size=block,
-                                    candidate_topk_blocks=blocks)
-    k_sel, k_pool = KN.indexer_topk(q, w, keys, qpos, ratio=ratio, topk=k, block_size=block,
-                                    candidate_topk_blocks=blocks, backend=backend)
-    np.testing.assert_array_equal(k_sel, r_sel)
     n_blocks = -(-n // block)
-    np.testing.assert_array_equal(KN.pool_ids_to_mask(k_pool, n_blocks), r_pool)
-    # Reindex: pool-restricted top-k from the ids pool (kernels) and from the reference mask
-    r2, _ = RI.indexer_topk(q, w, keys, qpos, ratio=ratio, topk=k, block_size=block, pool=r_pool)
-    k2, _ = KN.indexer_topk(q, w, keys, qpos, ratio=ratio, topk=k, block_size=block, pool=k_pool, backend=backend)
+
+    def run(q, w, keys, qpos):
+        r_sel, r_pool = RI.indexer_topk(q, w, keys, qpos, ratio=ratio, topk=k, block_size=block,
+                                        candidate_topk_blocks=blocks)
+        k_sel, k_pool = KN.indexer_topk(q, w, keys, qpos, ratio=ratio, topk=k, block_size=block,
+                                        candidate_topk_blocks=blocks, backend=backend)
+        # Reindex: pool-restricted top-k from the ids pool (kernels) and from the reference mask
+        r2, _ = RI.indexer_topk(q, w, keys, qpos, ratio=ratio, topk=k, block_size=block, pool=r_pool)
+        k2, _ = KN.indexer_topk(q, w, keys, qpos, ratio=ratio, topk=k, block_size=block, pool=k_pool,
+                                backend=backend)
+        return r_sel, r_pool, k_sel, KN.pool_ids_to_mask(k_pool, n_blocks), r2, k2
+
+    r_sel, r_pool, k_sel, k_mask, r2, k2 = compiled(run, q, w, keys, qpos)
+    np.testing.assert_array_equal(k_sel, r_sel)
+    np.testing.assert_array_equal(k_mask, r_pool)
     np.testing.assert_array_equal(k2, r2)
 
 
@@ -206,11 +220,15 @@ def test_indexer_short_context_in_a_long_cache_gpu_interpret():
     score kernel skips the unseen tiles and must still report them as -inf (same sets and HSI pool)."""
     q, w, keys, _ = _indexer_case(5, 1200, 1)
     qpos = jnp.asarray([[3, 40, 150, 199, 0, 77], [12, 0, 255, 100, 5, 9]], jnp.int32)
-    r_sel, r_pool = RI.indexer_topk(q, w, keys, qpos, ratio=1, topk=16, block_size=8, candidate_topk_blocks=6)
-    k_sel, k_pool = KN.indexer_topk(q, w, keys, qpos, ratio=1, topk=16, block_size=8, candidate_topk_blocks=6,
-                                    backend="pallas_gpu_interpret")
+    def run(q, w, keys, qpos):
+        r_sel, r_pool = RI.indexer_topk(q, w, keys, qpos, ratio=1, topk=16, block_size=8, candidate_topk_blocks=6)
+        k_sel, k_pool = KN.indexer_topk(q, w, keys, qpos, ratio=1, topk=16, block_size=8, candidate_topk_blocks=6,
+                                        backend="pallas_gpu_interpret")
+        return r_sel, r_pool, k_sel, KN.pool_ids_to_mask(k_pool, 150)
+
+    r_sel, r_pool, k_sel, k_mask = compiled(run, q, w, keys, qpos)
     np.testing.assert_array_equal(k_sel, r_sel)
-    np.testing.assert_array_equal(KN.pool_ids_to_mask(k_pool, 150), r_pool)
+    np.testing.assert_array_equal(k_mask, r_pool)
 
 
 def test_indexer_random_floats_gpu_interpret():
@@ -221,9 +239,11 @@ def test_indexer_random_floats_gpu_interpret():
     keys = jnp.asarray(rng.normal(size=(b, n, di)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(b, t, hi)), jnp.float32) * hi ** -0.5
     qpos = jnp.asarray([[499, 350, 90, 3]], jnp.int32)
-    r_sel, _ = RI.indexer_topk(q, w, keys, qpos, ratio=1, topk=40)
-    k_sel, _ = KN.indexer_topk(q, w, keys, qpos, ratio=1, topk=40, backend="pallas_gpu_interpret")
-    scores = np.asarray(RI.mask_invisible(RI.indexer_scores(q, w, keys), qpos, 1))
+    r_sel, k_sel, scores = compiled(lambda q, w, keys, qpos: (
+        RI.indexer_topk(q, w, keys, qpos, ratio=1, topk=40)[0],
+        KN.indexer_topk(q, w, keys, qpos, ratio=1, topk=40, backend="pallas_gpu_interpret")[0],
+        RI.mask_invisible(RI.indexer_scores(q, w, keys), qpos, 1)), q, w, keys, qpos)
+    scores = np.asarray(scores)
     for row in range(t):
         a, b_ = set(np.asarray(k_sel)[0, row]) - {-1}, set(np.asarray(r_sel)[0, row]) - {-1}
         diff = a ^ b_
@@ -242,9 +262,13 @@ def test_select_kernel_ties_padding_and_small_k():
     v[1, 2, 11] = 0.0
     v = jnp.asarray(v, jnp.float32)
     ids = jnp.broadcast_to(jnp.arange(300, dtype=jnp.int32), v.shape)
-    np.testing.assert_array_equal(G.select(v, ids, 64, interpret=True), RI.select_topk(v, 64))
-    for k in (1, 7, 64, 400):
-        np.testing.assert_array_equal(HT.select_xla(v, ids, k), RI.select_topk(v, k))
+    ks = (1, 7, 64, 400)
+    kernel, want, xla = compiled(lambda v, ids: (
+        G.select(v, ids, 64, interpret=True), [RI.select_topk(v, k) for k in ks],
+        [HT.select_xla(v, ids, k) for k in ks]), v, ids)
+    np.testing.assert_array_equal(kernel, want[ks.index(64)])
+    for k, got, ref in zip(ks, xla, want):
+        np.testing.assert_array_equal(got, ref, err_msg=f"k={k}")
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import compiled
 from dsv41_jax import kernels as KN
 from dsv41_jax.inference import packed_cache as PC
 from dsv41_jax.kernels import pallas_gpu as G
@@ -66,9 +67,11 @@ def test_sparse_attention_on_packed_compressed_kv_equals_unpacked(dtype, d, tuni
     topk[..., 1::4] = topk[..., 0::4][..., : topk[..., 1::4].shape[-1]]  # duplicates
     topk = jnp.asarray(topk, jnp.int32)
     sink = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
-    kw = dict(window=w, floor=jnp.asarray([0, 3], jnp.int32), backend=GPU, tuning=tuning)
-    got = KN.sparse_attention(q, qpos, win, wpos, ckv, topk, sink, **kw)
-    want = KN.sparse_attention(q, qpos, win, wpos, PC.read(ckv), topk, sink, **kw)
+    kw = dict(window=w, backend=GPU, tuning=tuning)
+    got, want = compiled(lambda q, qpos, win, wpos, ckv, topk, sink, floor: (
+        KN.sparse_attention(q, qpos, win, wpos, ckv, topk, sink, floor=floor, **kw),
+        KN.sparse_attention(q, qpos, win, wpos, PC.read(ckv), topk, sink, floor=floor, **kw)),
+        q, qpos, win, wpos, ckv, topk, sink, jnp.asarray([0, 3], jnp.int32))
     assert got.dtype == want.dtype == dtype
     np.testing.assert_array_equal(_bits(got), _bits(want))
     assert np.isfinite(np.asarray(got, np.float32)).all()
@@ -119,8 +122,9 @@ def test_packed_attention_equals_unpacked_under_each_split_rule(rule):
     topk = jnp.asarray(np.sort(rng.choice(n, size=(b, c, k), replace=False), axis=-1), jnp.int32)
     sink = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
     kw = dict(window=w, backend=GPU, tuning={"split_rule": rule, "block_k": 16, "packed_ahead": True})
-    got = KN.sparse_attention(q, qpos, win, wpos, ckv, topk, sink, **kw)
-    want = KN.sparse_attention(q, qpos, win, wpos, PC.read(ckv), topk, sink, **kw)
+    got, want = compiled(lambda q, qpos, win, wpos, ckv, topk, sink: (
+        KN.sparse_attention(q, qpos, win, wpos, ckv, topk, sink, **kw),
+        KN.sparse_attention(q, qpos, win, wpos, PC.read(ckv), topk, sink, **kw)), q, qpos, win, wpos, ckv, topk, sink)
     np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
@@ -148,14 +152,19 @@ def test_sparse_attention_on_a_packed_window_ring_equals_unpacked(dtype, tuning)
     q, pos, new, wpos, ring, base, ckv = _ring_case(rng, dtype, b, c, h, n)
     topk = jnp.asarray(rng.integers(-1, n, size=(b, c, k)), jnp.int32)
     sink = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
-    kw = dict(window=16, floor=jnp.asarray([0, 30], jnp.int32), backend=GPU, tuning=tuning)
-    got = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base), **kw)
-    win = jnp.concatenate([KN.ring_rows(PC.read(ring), base).astype(dtype), new], axis=1)
-    want = KN.sparse_attention(q, pos, win, wpos, PC.read(ckv), topk, sink, **kw)
+    kw = dict(window=16, backend=GPU, tuning=tuning)
+
+    def run(q, pos, new, wpos, ring, base, ckv, topk, sink, floor):
+        got = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base), floor=floor, **kw)
+        win = jnp.concatenate([KN.ring_rows(PC.read(ring), base).astype(dtype), new], axis=1)
+        want = KN.sparse_attention(q, pos, win, wpos, PC.read(ckv), topk, sink, floor=floor, **kw)
+        # the materialising fallback (reference backend) reads the same window
+        ref = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base), floor=floor,
+                                  **dict(kw, backend="reference"))
+        return got, want, ref
+
+    got, want, ref = compiled(run, q, pos, new, wpos, ring, base, ckv, topk, sink, jnp.asarray([0, 30], jnp.int32))
     np.testing.assert_array_equal(_bits(got), _bits(want))
-    # the materialising fallback (reference backend) reads the same window
-    ref = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base),
-                              **dict(kw, backend="reference"))
     np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(want, np.float32),
                                rtol=0, atol=1e-5 if dtype == jnp.float32 else 2e-2)
 
@@ -187,34 +196,45 @@ def test_gather_form_equals_the_packed_kernel_and_unpack_then_kernel(dtype, n, t
     rng = np.random.default_rng(n)
     q, pos, new, wpos, ring, base, ckv, topk, sink = _gather_case(rng, dtype, n)
     b, c, k = topk.shape
-    kw = dict(window=16, floor=jnp.asarray([0, 30], jnp.int32), backend=GPU)
+    kw = dict(window=16, backend=GPU)
     calls = []
     fwd = G.attention_fwd
     monkeypatch.setattr(G, "attention_fwd", lambda *a, **k_: calls.append((jax.tree.leaves(a[6])[0].shape,
                                                                            k_.get("ckv_fmt"), k_.get("ring")))
                         or fwd(*a, **k_))
-    got = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base),
-                              tuning=dict(tuning, packed_attention="gather"), **kw)
-    (shape, fmt, ring_arg), = calls  # the bf16-cache kernel over the selected rows (or the whole buffer)
+    n_calls = []  # the kernel calls made so far, after each form (all five forms are traced into one program)
+
+    def run(q, pos, new, wpos, ring, base, ckv, topk, sink, floor):
+        attend = lambda tuning_, **o: KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base),
+                                                          tuning=tuning_, floor=floor, **kw, **o)
+        got = attend(dict(tuning, packed_attention="gather"))
+        n_calls.append(len(calls))
+        kernel = attend(dict(tuning, packed_attention="kernel"))
+        default = attend(tuning)  # the default form at these 6 query rows
+        # the gathers by XLA instead of the fused Pallas gathers
+        xla = attend(dict(tuning, packed_attention="gather_xla"))
+        n_calls.append(len(calls))
+        win = jnp.concatenate([KN.ring_rows(PC.read(ring), base).astype(dtype), new], axis=1)
+        want = KN.sparse_attention(q, pos, win, wpos, PC.read(ckv), topk, sink, tuning=tuning, floor=floor, **kw)
+        ref = KN.sparse_attention(q, pos, win, wpos, PC.read(ckv), topk, sink, floor=floor,
+                                  **dict(kw, backend="reference"))
+        return got, kernel, default, xla, want, ref
+
+    got, kernel, default, xla, want, ref = compiled(run, q, pos, new, wpos, ring, base, ckv, topk, sink,
+                                                    jnp.asarray([0, 30], jnp.int32))
+    assert n_calls == [1, 4]
+    (shape, fmt, ring_arg) = calls[0]  # the bf16-cache kernel over the selected rows (or the whole buffer)
     assert fmt is None and ring_arg is None and shape == (b, min(c * k, n), 64)
-    kernel = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base),
-                                 tuning=dict(tuning, packed_attention="kernel"), **kw)
     assert calls[1][1] == PC.FP4_E4M3_16 and calls[1][2] is not None
     # the default at these 6 query rows: the gather form where the 36 selected rows fit in the buffer (40 rows)
-    default = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base), tuning=tuning, **kw)
     assert calls[2][1] == (None if c * k <= n else PC.FP4_E4M3_16)
     # the gathers by XLA instead of the fused Pallas gathers: the same rows, so the same output bits
-    xla = KN.sparse_attention(q, pos, new, wpos, ckv, topk, sink, win_ring=(ring, base),
-                              tuning=dict(tuning, packed_attention="gather_xla"), **kw)
     assert calls[3][1] is None and calls[3][2] is None and calls[3][0] == shape
     np.testing.assert_array_equal(_bits(got), _bits(xla))
-    win = jnp.concatenate([KN.ring_rows(PC.read(ring), base).astype(dtype), new], axis=1)
-    want = KN.sparse_attention(q, pos, win, wpos, PC.read(ckv), topk, sink, tuning=tuning, **kw)
     np.testing.assert_array_equal(_bits(default), _bits(want))
     assert got.dtype == dtype
     np.testing.assert_array_equal(_bits(got), _bits(want))
     np.testing.assert_array_equal(_bits(got), _bits(kernel))
-    ref = KN.sparse_attention(q, pos, win, wpos, PC.read(ckv), topk, sink, **dict(kw, backend="reference"))
     # the relative L2 bounds of tests/test_kernels.py's sparse-attention checks (float32 1e-5, bf16 2e-2)
     g64, r64 = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     assert np.isfinite(g64).all()
@@ -234,24 +254,26 @@ def test_fused_gathers_equal_the_plain_jax_gathers(dtype):
     vals = buf.values.at[0, 3, :4].set(jnp.asarray([0x08, 0x80, 0x88, 0x8F], jnp.uint8))  # -0.0 nibbles
     buf = dataclasses.replace(buf, values=vals.at[1, 7].set(0), scales=buf.scales.at[1, 7].set(0))  # never written
     topk = jnp.asarray([[[3, -1, 12, 3, 0], [20, 7, 7, -1, 5]], [[7, 7, -1, -1, -1], [1, 2, 3, 13, 12]]], jnp.int32)
-    want, remap = KN.selected_rows(buf, topk, dtype)
-    got, remap2 = KN.selected_rows(buf, topk, dtype, fused=True, interpret=True)
+    (want, remap), (got, remap2), direct = compiled(lambda buf, topk: (
+        KN.selected_rows(buf, topk, dtype), KN.selected_rows(buf, topk, dtype, fused=True, interpret=True),
+        PG.selected_rows(buf.values, buf.scales, topk.reshape(2, 10), fmt=buf.fmt, dim=64, dtype=dtype,
+                         block_rows=4, interpret=True)), buf, topk)  # three programs a batch row, the last half used
     assert got.shape == (2, 10, 64) and got.dtype == dtype
     np.testing.assert_array_equal(_bits(got), _bits(want))
     np.testing.assert_array_equal(np.asarray(remap2), np.asarray(remap))
-    direct = PG.selected_rows(buf.values, buf.scales, topk.reshape(2, 10), fmt=buf.fmt, dim=64, dtype=dtype,
-                              block_rows=4, interpret=True)  # three programs a batch row, the last half used
     np.testing.assert_array_equal(_bits(direct), _bits(want))
     ring = _packed(rng, (2, 6, 64), PC.FP8_UE8M0_32, jnp.float32)
     ring = dataclasses.replace(ring, values=ring.values.at[0, 2, 0].set(0x80))  # -0.0
     new = jnp.asarray(rng.normal(size=(2, 3, 64)), dtype)
     base = jnp.asarray([15, -2], jnp.int32)  # wrapped past R; a negative base, read as floor mod
-    want = KN.window_rows(ring, base, new)
-    got = PG.window_rows(ring.values, ring.scales, base, new, fmt=ring.fmt, ring_dtype=jnp.float32, block_rows=4,
-                         interpret=True)
+    want, got, fused = compiled(lambda ring, base, new: (
+        KN.window_rows(ring, base, new),
+        PG.window_rows(ring.values, ring.scales, base, new, fmt=ring.fmt, ring_dtype=jnp.float32, block_rows=4,
+                       interpret=True),
+        KN.window_rows(ring, base, new, fused=True, interpret=True)), ring, base, new)
     assert got.shape == (2, 9, 64) and got.dtype == dtype
     np.testing.assert_array_equal(_bits(got), _bits(want))
-    np.testing.assert_array_equal(_bits(KN.window_rows(ring, base, new, fused=True, interpret=True)), _bits(want))
+    np.testing.assert_array_equal(_bits(fused), _bits(want))
     # rows that are not one power-of-two tile: the plain-JAX gathers (the fused kernel refuses them)
     odd = _packed(rng, (1, 5, 48), PC.FP4_E4M3_16, dtype)
     assert not PG.fits(48, PC.FP4_E4M3_16) and PG.fits(512, PC.FP4_E4M3_16) and PG.fits(512, PC.FP8_UE8M0_32)
@@ -307,19 +329,26 @@ def test_indexer_on_packed_keys_equals_unpacked():
     keys = _packed(rng, (b, n, di), PC.FP4_UE8M0_32, jnp.float32)
     qpos = jnp.asarray([[599, 301, 40], [17, 599, 450]], jnp.int32)
     kw = dict(ratio=ratio, topk=12, block_size=bs, backend=GPU)
-    got_sel, got_pool = KN.indexer_topk(q, w, keys, qpos, candidate_topk_blocks=9, **kw)
-    want_sel, want_pool = KN.indexer_topk(q, w, PC.read(keys), qpos, candidate_topk_blocks=9, **kw)
+
+    def run(q, w, keys, qpos):
+        got_sel, got_pool = KN.indexer_topk(q, w, keys, qpos, candidate_topk_blocks=9, **kw)
+        want_sel, want_pool = KN.indexer_topk(q, w, PC.read(keys), qpos, candidate_topk_blocks=9, **kw)
+        got2, _ = KN.indexer_topk(q, w, keys, qpos, pool=got_pool, **kw)  # Reindex: gathered pool only
+        want2, _ = KN.indexer_topk(q, w, PC.read(keys), qpos, pool=want_pool, **kw)
+        # the score values themselves
+        vis = (qpos + 1) // ratio
+        got_bs = G.score_pool(q, w, (keys.values, keys.scales), vis, g1=bs, keys_fmt=keys.fmt, keys_dtype=keys.dtype,
+                              interpret=True)
+        want_bs = G.score_pool(q, w, PC.read(keys), vis, g1=bs, interpret=True)
+        return got_sel, got_pool, want_sel, want_pool, got2, want2, got_bs, want_bs
+
+    got_sel, got_pool, want_sel, want_pool, got2, want2, (got_b, got_s), (want_b, want_s) = compiled(
+        run, q, w, keys, qpos)
     np.testing.assert_array_equal(got_sel, want_sel)
     np.testing.assert_array_equal(got_pool, want_pool)
     assert (np.asarray(got_sel) >= 0).sum() > 0
-    got2, _ = KN.indexer_topk(q, w, keys, qpos, pool=got_pool, **kw)  # Reindex: gathered pool only
-    want2, _ = KN.indexer_topk(q, w, PC.read(keys), qpos, pool=want_pool, **kw)
     np.testing.assert_array_equal(got2, want2)
     # the score values themselves, bit for bit
-    vis = (qpos + 1) // ratio
-    got_b, got_s = G.score_pool(q, w, (keys.values, keys.scales), vis, g1=bs, keys_fmt=keys.fmt,
-                                keys_dtype=keys.dtype, interpret=True)
-    want_b, want_s = G.score_pool(q, w, PC.read(keys), vis, g1=bs, interpret=True)
     np.testing.assert_array_equal(_bits(got_b), _bits(want_b))
     np.testing.assert_array_equal(_bits(got_s), _bits(want_s))
 
