@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import compiled
 from dsv41_jax import ForwardOptions, forward, init_params
 from dsv41_jax.inference.step import FAST_COMPILE
 from dsv41_jax.model.model import default_hasher
@@ -47,16 +48,16 @@ def test_mhc_comb_is_doubly_stochastic():
     base = jax.random.normal(jax.random.PRNGKey(2), ((2 + hc) * hc,))
     scale = jnp.array([0.5, 1.0, 2.0])
     kw = dict(hc_eps=1e-6, rms_eps=1e-20, sinkhorn_iters=20)
-    pre, post, comb = mhc_coefficients(streams, fn, base, scale, **kw)
+    (pre, post, comb), (_, _, comb_x) = compiled(lambda *a: (mhc_coefficients(*a, **kw), mhc_coefficients(
+        a[0], 10 * a[1], a[2], 4 * a[3], **kw)), streams, fn, base, scale)
     assert (comb > 0).all() and (pre > 0).all() and (post > 0).all() and (post <= 2).all()
     np.testing.assert_allclose(comb.sum(-2), 1.0, atol=1e-5)  # ends column-normalised
     # Rows: Sinkhorn with the released fixed 20 iterations converges to within ~1e-2 on random coefficients.
     np.testing.assert_allclose(comb.sum(-1), 1.0, atol=1e-2)
     # Extreme logits (entries ~1e-8) slow Sinkhorn down: 20 iterations still give exact columns and rows within
     # a few percent — the released model's fixed iteration count, reproduced as is.
-    _, _, comb = mhc_coefficients(streams, 10 * fn, base, 4 * scale, **kw)
-    np.testing.assert_allclose(comb.sum(-2), 1.0, atol=1e-5)
-    np.testing.assert_allclose(comb.sum(-1), 1.0, atol=0.1)
+    np.testing.assert_allclose(comb_x.sum(-2), 1.0, atol=1e-5)
+    np.testing.assert_allclose(comb_x.sum(-1), 1.0, atol=0.1)
 
 
 def test_mhc_comb_kernel_equals_the_xla_sinkhorn():
@@ -77,17 +78,19 @@ def test_mhc_comb_kernel_equals_the_xla_sinkhorn():
     for f, sc, one_pass, x, proj in ((fn, scale, False, streams, None), (10 * fn, 4 * scale, False, streams, None),
                                      (fn, scale, True, streams, None), (fn, scale, True, streams, "gemm"),
                                      (fn, scale, True, streams, "kernel"), (fn, scale, True, streams[:1, :1], None)):
-        want = mhc_coefficients(x, f, base, sc, one_pass=one_pass, **kw)
-        got = mhc_coefficients(x, f, base, sc, comb_kernel="pallas_gpu_interpret", one_pass=one_pass,
-                               projection=proj, **kw)
+        want, got = compiled(lambda x, f, base, sc: (
+            mhc_coefficients(x, f, base, sc, one_pass=one_pass, **kw),
+            mhc_coefficients(x, f, base, sc, comb_kernel="pallas_gpu_interpret", one_pass=one_pass, projection=proj,
+                             **kw)), x, f, base, sc)
         for g, w in zip(got, want):
             assert g.shape == w.shape
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
     # the reduce handing the kernel another count of partial sums (InferenceOptions.mhc_partials): the same values
     for x, parts in ((streams[:1, :1], 8), (streams, 4)):
-        want = mhc_coefficients(x, fn, base, scale, one_pass=True, **kw)
-        got = mhc_coefficients(x, fn, base, scale, comb_kernel="pallas_gpu_interpret", one_pass=True,
-                               partials=parts, **kw)
+        want, got = compiled(lambda x, fn, base, scale: (
+            mhc_coefficients(x, fn, base, scale, one_pass=True, **kw),
+            mhc_coefficients(x, fn, base, scale, comb_kernel="pallas_gpu_interpret", one_pass=True, partials=parts,
+                             **kw)), x, fn, base, scale)
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="projection"):
@@ -228,8 +231,8 @@ def test_mhc_mixes_are_float32_exact_with_their_gradients():
     # ops.linear.NARROW_DX_FORM, read when the product is traced (the Pallas GPU kernel in interpret mode)
     for dx_form in ("terms", "minor", "dot", "pallas_gpu_interpret", "reduce"):
         with mock.patch.object(linear_ops, "NARROW_DX_FORM", dx_form):
-            out, vjp = jax.vjp(_project, jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
-            dx, dw = vjp(jnp.asarray(g, jnp.float32))
+            out, (dx, dw) = compiled(lambda x, w, g: (lambda o, vjp: (o, vjp(g)))(*jax.vjp(_project, x, w)),
+                                     *(jnp.asarray(a, jnp.float32) for a in (x, w, g)))
         for got, want in ((out, x @ w.T), (dx, g @ w), (dw, g.T @ x)):
             np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=2e-6 * np.abs(want).max())
     m2 = rng.standard_normal((512, 24))  # M = 512: the weight gradient's token axis split in two
