@@ -294,12 +294,12 @@ def test_selected_rows_and_the_form_option():
     assert rows.shape == (2, 6, 32) and rows.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(remap), [[[0, -1, 2], [3, 4, -1]], [[-1, -1, -1], [3, 4, 5]]])
     full = np.asarray(PC.read(buf), np.float32)
+    rows_, remap_, topk_ = np.asarray(rows, np.float32), np.asarray(remap), np.asarray(topk)  # indexed on the host
     for bi in range(2):
         for ci in range(2):
             for j in range(3):
-                if topk[bi, ci, j] >= 0:
-                    np.testing.assert_array_equal(np.asarray(rows[bi, remap[bi, ci, j]], np.float32),
-                                                  full[bi, min(int(topk[bi, ci, j]), 8)])
+                if topk_[bi, ci, j] >= 0:
+                    np.testing.assert_array_equal(rows_[bi, remap_[bi, ci, j]], full[bi, min(int(topk_[bi, ci, j]), 8)])
     # the default: a gather form at every row count (from kernels.PACKED_GATHER_MIN_ROWS = 1), its gathers fused
     # from kernels.PACKED_FUSED_GATHER_MIN_ROWS = 32 rows
     assert [KN.packed_attention_form(r) for r in (1, 4, 31, 32, 64)] == ["gather_xla"] * 3 + ["gather"] * 2
