@@ -453,12 +453,13 @@ def test_training_forward_equals_drafting_and_the_loss_trains():
         return dspark_loss(lg, cf, lb, vd, tgt)[0]
 
     step = jax.jit(jax.value_and_grad(objective))
+    descend = jax.jit(lambda dp, g: jax.tree.map(lambda w, gw: w - 0.5 * gw, dp, g))  # one program, not one a leaf
     dp = params["dspark"]
     losses = []
     for _ in range(4):
         loss, g = step(dp)
         losses.append(float(loss))
-        dp = jax.tree.map(lambda w, gw: w - 0.5 * gw, dp, g)
+        dp = descend(dp, g)
     assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
     _, m = dspark_loss(logits, conf, labels, valid)
     assert 0.0 <= float(m["accept_rate"]) <= 1.0
