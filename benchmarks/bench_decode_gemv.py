@@ -166,6 +166,7 @@ if SMOKE:
 # float32 partial sums included), also the GEMM kernel alone
 M32_VARIANTS = [("before (256-wide K, old split, mask decode)", dict(block_k=256, e4m3_decode="mask")),
                 ("new default (128-wide K, one-wave split, sign decode)", {}),
+                ("new tiling, sign_fold decode (option)", dict(e4m3_decode="sign_fold")),
                 ("new tiling, mask decode", dict(e4m3_decode="mask")),
                 ("old tiling, sign decode", dict(block_k=256)),
                 ("before, again", dict(block_k=256, e4m3_decode="mask"))]
@@ -348,9 +349,9 @@ def grouped_part(bw, budget_s, fp8_inputs: bool = False, fp8_variants=None):
 # ---- --m32: the dense FP8 GEMM at M = 32 (issue 14, 2026-12-04) ------------------------------------------------
 
 def m32_decode_check():
-    """On the device: every e4m3 byte through both PTX decodes (``e4m3_decode`` "sign" / "mask") of the M = 32
-    weights form — weights [256, 32] whose row n holds byte n, eight 32-row blocks with scales 2^(-3 i), x one-hot
-    on column 0 — against ml_dtypes' e4m3 value x scale (exact in the bf16 output); the NaN bytes 0x7F / 0xFF
+    """On the device: every e4m3 byte through the PTX decodes (``e4m3_decode`` "sign" / "mask" / "sign_fold") of the
+    M = 32 weights form — weights [256, 32] whose row n holds byte n, eight 32-row blocks with scales 2^(-3 i), x
+    one-hot on column 0 — against ml_dtypes' e4m3 value x scale (exact in the bf16 output); the NaN bytes 0x7F / 0xFF
     reported apart."""
     import ml_dtypes
     from dsv41_jax.kernels import quant_gemm_gpu as G
@@ -363,7 +364,7 @@ def m32_decode_check():
         s_bytes[:, 0].astype(np.float64), 32) - 127)
     nan = (b & 0x7F) == 0x7F
     res = {}
-    for dec in ("sign", "mask"):
+    for dec in ("sign", "mask", "sign_fold"):
         got = np.asarray(G.fp8_gemm(x, v, jnp.asarray(s_bytes), e4m3_decode=dec, interpret=SMOKE), np.float64)
         rows_equal = all(np.array_equal(g, got[0], equal_nan=True) for g in got)  # the 32 one-hot rows alike
         bad = [int(i) for i in np.nonzero(got[0][~nan] != want[~nan])[0]]
@@ -448,9 +449,9 @@ def m32_part(bw, budget_s):
             layer[vlabel] = dict(call_us=sum(q["call_us"] for q in rows), kernel_us=sum(q["kernel_us"] for q in rows),
                                  bytes=sum(q["bytes"] for q in rows))
             layer[vlabel].update(rates(layer[vlabel]["bytes"], layer[vlabel]["call_us"], bw) if not SMOKE else {})
-            log(f"m32 | per layer ({len(FP8_SHAPES)} projections) | {vlabel} | call {layer[vlabel]['call_us']:.1f} µs | kernel "
-                f"{layer[vlabel]['kernel_us']:.1f} µs | {layer[vlabel].get('pct_read', float('nan')):.0f}% of "
-                f"read-only")
+            log(f"m32 | per layer ({len(FP8_SHAPES)} projections) | {vlabel} | call {layer[vlabel]['call_us']:.1f} µs "
+                f"| kernel {layer[vlabel]['kernel_us']:.1f} µs | "
+                f"{layer[vlabel].get('pct_read', float('nan')):.0f}% of read-only")
     OUT["m32_layer"] = layer
 # ------------------------------------------------------------------------------------------------------------------
 

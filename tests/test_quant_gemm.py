@@ -248,12 +248,12 @@ def _run_ptx(ptx: str, args: dict) -> np.ndarray:
 
 
 def test_e4m3_bf16x2_decodes_give_the_e4m3_values_for_every_byte():
-    """Both inline-PTX e4m3 decodes of the FP8 weights form (``_E4M3_BF16X2_PTX``: "sign", the default, and "mask"),
-    run by a numpy interpreter of their instructions on all 65,536 byte pairs (each byte in both halves next to every
-    other byte) with two different block scales: each half is the e4m3 value times its scale, exactly, for every
-    byte but e4m3fn's NaN bytes 0x7F / 0xFF (the release's quantiser never writes them), which give ±480 x scale;
-    the subnormal bytes (0x01-0x07, 0x81-0x87) are exact. So the default decode is exact for every byte a release
-    weight can hold."""
+    """The inline-PTX e4m3 decodes of the FP8 weights form (``_E4M3_BF16X2_PTX``: "sign", the default, "mask" and the
+    "sign_fold" option), run by a numpy interpreter of their instructions on all 65,536 byte pairs (each byte in both
+    halves next to every other byte) with two different block scales: each half is the e4m3 value times its scale,
+    exactly, for every byte but e4m3fn's NaN bytes 0x7F / 0xFF (the release's quantiser never writes them), which
+    give ±480 x scale; the subnormal bytes (0x01-0x07, 0x81-0x87) are exact. So the default decode is exact for
+    every byte a release weight can hold."""
     import ml_dtypes
 
     from dsv41_jax.kernels import quant_gemm_gpu as G
@@ -267,8 +267,15 @@ def test_e4m3_bf16x2_decodes_give_the_e4m3_values_for_every_byte():
     nan = (np.arange(256) & 0x7F) == 0x7F
     want = np.where(nan, np.where(np.arange(256) & 0x80, -480.0, 480.0), e4m3)
     assert np.all(np.isnan(e4m3[nan])) and e4m3[1] == 2.0 ** -9 and e4m3[0x87] == -7 * 2.0 ** -9  # subnormals
-    for decode in ("sign", "mask"):
-        out = _run_ptx(G._e4m3_bf16x2_ptx(decode), {"$1": pairs, "$2": np.broadcast_to(scales, pairs.shape)})
+    # "sign_fold" (an option): one multiply by 2^120 x scale (``_e4m3_fold_multiplier``: 2^(s - 7) for scale bytes
+    # <= 134, NaN above and for 0xFF)
+    fold = np.asarray(G._e4m3_fold_multiplier(jnp.arange(256, dtype=jnp.uint8)).astype(jnp.float32), np.float64)
+    np.testing.assert_array_equal(fold[:135], 2.0 ** (np.arange(135) - 7))
+    assert np.all(np.isnan(fold[135:]))
+    fold_scales = (np.uint64(np.array([2.0 ** 123], ml_dtypes.bfloat16).view(np.uint16)[0]) << np.uint64(16)) | \
+        np.uint64(np.array([2.0 ** 111], ml_dtypes.bfloat16).view(np.uint16)[0])  # 2^120 x (2^-9, 2^3)
+    for decode, sc2 in (("sign", scales), ("mask", scales), ("sign_fold", fold_scales)):
+        out = _run_ptx(G._e4m3_bf16x2_ptx(decode), {"$1": pairs, "$2": np.broadcast_to(sc2, pairs.shape)})
         for half, b, sc in ((out & 0xFFFF, lo, s_lo), (out >> 16, hi, s_hi)):
             got = half.astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
             np.testing.assert_array_equal(got, want[b] * sc, err_msg=decode)
@@ -318,6 +325,9 @@ def test_fp8_tiling_pin_and_the_m32_split_k_path_equal_the_float32_reference():
     got = QG.fp8_linear(xb, w, backend="pallas_gpu_interpret")
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), want_b, rtol=2 ** -8, atol=2 ** -8 * np.abs(want_b).max())
+    # the "sign_fold" option's multiplier path: the same exact weights, so the same output bit for bit
+    np.testing.assert_array_equal(got, QG.fp8_linear(xb, w, backend="pallas_gpu_interpret",
+                                                     tuning=dict(e4m3_decode="sign_fold")))
 
 
 def test_fused_fp8_kernel_equals_the_float32_reference_and_the_separate_kernels():

@@ -134,8 +134,8 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
     form, that many programs each walking a share of the column blocks with the next block's first K steps loaded
     while the current one's last steps are computed (``_persistent_items``).
     e4m3_decode (weights form with bf16 activations only): the inline-PTX e4m3 -> bf16 decode, "sign" (default: the
-    sign replicated by a byte permute) or "mask" (the masking decode before it); both give the same bit patterns
-    (``_E4M3_BF16X2_PTX``).
+    sign replicated by a byte permute) or "mask" (the masking decode before it), both exact for every scale byte; or
+    "sign_fold" (one multiply fewer; NaN for scale bytes above 134) — ``_E4M3_BF16X2_PTX``.
     At M = 32 exactly (the batch-32 decode step) with the weights form and neither block_k nor split_k given:
     128-wide K steps and the K split sized for one wave (``_fp8_m32_split``)."""
     gemv = (m == 1) if gemv is None else gemv
@@ -390,7 +390,8 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
         def compute(i, acc):
             w, sc, xc = load(si * kb_per + i)
             if dot_dtype == jnp.bfloat16:
-                mult = jnp.broadcast_to(_fp4_bf16_multiplier(sc)[:, None, :, None],
+                mult_of = _e4m3_fold_multiplier if t["e4m3_decode"] == "sign_fold" else _fp4_bf16_multiplier
+                mult = jnp.broadcast_to(mult_of(sc)[:, None, :, None],
                                         (nb, SCALE_BLOCK, sg, SCALE_BLOCK)).reshape(bn, bk)
                 wq = _e4m3_bf16x2_scaled(w, mult, interpret, t["e4m3_decode"])
             else:  # float32 activations: the float32 dequantisation (exact), a float32 dot
@@ -827,7 +828,7 @@ def _e2m1_bf16x2_scaled(v, mult, interpret: bool):
                  for sh in (0, 4))
 
 
-# --- the e4m3 -> bf16 decode of the FP8 weights form (inline PTX), two forms with the same bit patterns ------------
+# --- the e4m3 -> bf16 decode of the FP8 weights form (inline PTX): forms with the same bit patterns ---------------
 # Both make the bf16 pattern ``(b & 0x80) << 8 | (b & 0x7F) << 4`` of each e4m3 byte b: value x 2^-120 (exact; the
 # e4m3 subnormals become bf16 subnormals of the same ratio), for two bytes at once (at bits 0-7 / 16-23 of a register
 # after the first prmt), then two packed multiplies by 2^120 and the block scale.
@@ -839,7 +840,20 @@ def _e2m1_bf16x2_scaled(v, mult, interpret: bool):
 #   NaN bytes 0x7F / 0xFF (the release's quantiser never writes them; both forms give ±480 x scale there), checked
 #   on all 256 bytes in tests/test_quant_gemm.py (an emulation of the PTX) and on the GPU by
 #   benchmarks/bench_decode_gemv.py --m32.
+# "sign_fold" (an option): "sign" with the two multiplies folded into one by 2^120 x scale = 2^(s - 7)
+#   (``_e4m3_fold_multiplier``), one packed multiply fewer per byte pair. The single product p x 2^(s - 7) of the
+#   exact pattern p is the same number as the two-multiply result (one rounding of the same exact value), but
+#   2^(s - 7) is a bf16 only for scale bytes s <= 134: larger bytes (a 32 x 32 block whose largest magnitude is above
+#   448 x 2^7) give NaN, never a wrong number — hence not the default, though no real weight comes near.
 _E4M3_BF16X2_PTX = {
+    "sign_fold": """{
+.reg .b32 w, n;
+cvt.u32.u16 w, $1;
+prmt.b32 w, w, 0, 0x9180;
+shl.b32 n, w, 4;
+and.b32 n, n, 0x87F087F0;
+mul.rn.bf16x2 $0, n, $2;
+}""",
     "sign": """{
 .reg .b32 w, n, c;
 mov.b32 c, 0x7B807B80;
@@ -871,13 +885,26 @@ def _e4m3_bf16x2_ptx(decode: str = "sign") -> str:
     return _E4M3_BF16X2_PTX[decode]
 
 
+E4M3_FOLD_MAX_SCALE_BYTE = 134  # "sign_fold": 2^(134 - 7) is bf16's largest power of two
+
+
+def _e4m3_fold_multiplier(s):
+    """e8m0 scale bytes -> bf16 2^120 x 2^(s - 127) = 2^(s - 7) (the "sign_fold" decode's one multiplier): the exponent
+    bits for bytes 0..134, NaN above (not a bf16 number) and for 0xFF."""
+    si = s.astype(jnp.int32)
+    bits = jnp.where(si > E4M3_FOLD_MAX_SCALE_BYTE, 0x7FC0, (si + 120) << 7)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
 def _e4m3_bf16x2_scaled(v, mult, interpret: bool, decode: str = "sign"):
-    """e4m3 bytes v uint8 [...] and bf16 scales [...] (``_fp4_bf16_multiplier``) -> bf16 ``value x 2^(s - 127)``,
-    exact (bytes 0x7F / 0xFF, e4m3's NaN, which the release's quantiser never writes, decode to ±480 x scale on the
-    GPU). In interpret mode the e4m3 conversion of XLA (equal for every other byte)."""
+    """e4m3 bytes v uint8 [...] and bf16 scales [...] (``_fp4_bf16_multiplier``; ``_e4m3_fold_multiplier`` for
+    "sign_fold") -> bf16 ``value x 2^(s - 127)``, exact (bytes 0x7F / 0xFF, e4m3's NaN, which the release's quantiser
+    never writes, decode to ±480 x scale on the GPU). In interpret mode the e4m3 conversion of XLA (equal for every
+    other byte)."""
     if interpret:
         d = jax.lax.bitcast_convert_type(v, jnp.float8_e4m3fn).astype(jnp.float32)
-        return (d * mult.astype(jnp.float32)).astype(jnp.bfloat16)
+        m = mult.astype(jnp.float32) * (jnp.float32(2.0 ** -120) if decode == "sign_fold" else 1)
+        return (d * m).astype(jnp.bfloat16)
     return pltr.elementwise_inline_asm(_e4m3_bf16x2_ptx(decode), args=[v, mult], constraints="=r,h,r", pack=2,
                                        result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.bfloat16)])[0]
 # ------------------------------------------------------------------------------------------------------------------
