@@ -5,6 +5,7 @@ one-token expert kernels (``fp4_slot_swiglu`` / ``fp4_slot_down``) per decode fo
 
     PYTHONUNBUFFERED=1 python benchmarks/bench_decode_gemv.py --out DIR [--budget-s 300]
     python benchmarks/bench_decode_gemv.py --smoke      # CPU: tiny sizes, interpret mode, no timing
+    PYTHONUNBUFFERED=1 python benchmarks/bench_decode_gemv.py --m32 --out DIR   # the dense FP8 GEMM at M = 32 only
 
 Parts:
   ceilings  copy (read + write) and read-only bandwidth of a 4 GiB int32 buffer, device time (``ceilings.py``).
@@ -158,7 +159,19 @@ GROUPED_FP8_TOKENS_VARIANTS = [("default (bf16 wgmma, bf16x2 decode)", {}),
                                ("default, again", {})]
 if SMOKE:
     GROUPED_FP8_TOKENS_VARIANTS = [("default", {}), ("fp8 tokens", dict(mma="fp8", mma_rows="tokens", block_k=64))]
-OUT: dict = {"meta": {}, "ceilings": {}, "fp4": [], "fp8": [], "grouped": [], "errors": []}
+# --m32 (issue 14, 2026-12-04): the batch-32 decode step's dense FP8 projections at M = 32 (bf16 activations), the
+# default before the M = 32 tiling (256-wide K steps, the older K split, the masking e4m3 decode) against the new one
+# (128-wide K steps, the one-wave split of ``quant_gemm_gpu._fp8_m32_split``, the "sign" decode) and the two changes
+# apart; row 0 is the same-run baseline, run again last. Each row's time: all kernels of the call (the split's
+# float32 partial sums included), also the GEMM kernel alone
+M32_VARIANTS = [("before (256-wide K, old split, mask decode)", dict(block_k=256, e4m3_decode="mask")),
+                ("new default (128-wide K, one-wave split, sign decode)", {}),
+                ("new tiling, sign_fold decode (option)", dict(e4m3_decode="sign_fold")),
+                ("new tiling, mask decode", dict(e4m3_decode="mask")),
+                ("old tiling, sign decode", dict(block_k=256)),
+                ("before, again", dict(block_k=256, e4m3_decode="mask"))]
+OUT: dict = {"meta": {}, "ceilings": {}, "fp4": [], "fp8": [], "grouped": [], "m32": [], "m32_decode_check": {},
+             "errors": []}
 T0 = time.time()
 
 
@@ -333,6 +346,116 @@ def grouped_part(bw, budget_s, fp8_inputs: bool = False, fp8_variants=None):
                 f"{row['x_default_call']:.2f} | err {err:.1e} | max err {max_err:.1e}")
 
 
+# ---- --m32: the dense FP8 GEMM at M = 32 (issue 14, 2026-12-04) ------------------------------------------------
+
+def m32_decode_check():
+    """On the device: every e4m3 byte through the PTX decodes (``e4m3_decode`` "sign" / "mask" / "sign_fold") of the
+    M = 32 weights form — weights [256, 32] whose row n holds byte n, eight 32-row blocks with scales 2^(-3 i), x
+    one-hot on column 0 — against ml_dtypes' e4m3 value x scale (exact in the bf16 output); the NaN bytes 0x7F / 0xFF
+    reported apart."""
+    import ml_dtypes
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    b = np.arange(256)
+    v = jnp.asarray(np.repeat(b[:, None], 32, axis=1).astype(np.uint8))
+    s_bytes = (127 - 3 * np.arange(8)).astype(np.uint8)[:, None]
+    x = jnp.zeros((32, 32), jnp.bfloat16).at[:, 0].set(1)
+    want = b.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64) * 2.0 ** (np.repeat(
+        s_bytes[:, 0].astype(np.float64), 32) - 127)
+    nan = (b & 0x7F) == 0x7F
+    res = {}
+    for dec in ("sign", "mask", "sign_fold"):
+        got = np.asarray(G.fp8_gemm(x, v, jnp.asarray(s_bytes), e4m3_decode=dec, interpret=SMOKE), np.float64)
+        rows_equal = all(np.array_equal(g, got[0], equal_nan=True) for g in got)  # the 32 one-hot rows alike
+        bad = [int(i) for i in np.nonzero(got[0][~nan] != want[~nan])[0]]
+        res[dec] = dict(non_nan_bytes_exact=not bad and rows_equal, mismatching=[int(b[~nan][i]) for i in bad],
+                        nan_bytes={hex(int(i)): float(got[0][i]) for i in np.nonzero(nan)[0]})
+        log(f"m32 decode check | {dec} | all 254 non-NaN bytes exact: {res[dec]['non_nan_bytes_exact']} | "
+            f"NaN bytes give {res[dec]['nan_bytes']}")
+    OUT["m32_decode_check"] = res
+
+
+def m32_part(bw, budget_s):
+    """Each bench40 dense projection at M = 32 (``FP8_SHAPES``), R distinct weights per call (> 384 MB, beyond the
+    L2), per ``M32_VARIANTS`` row (variants outer, so the baseline and the new default come first): device µs of the
+    whole call (GEMM + split sum) and of the GEMM kernel alone, weights + scales bytes over the call time as % of the
+    read-only bandwidth measured in this process and of 4.8 TB/s; rel err (norm) and max abs err / max |ref| of the
+    bf16 output against float32 on the dequantised weights (precision HIGHEST, on the device); the largest
+    difference to row 0's output (over max |ref|). Then the per-layer sums (one of each projection)."""
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    m = 32
+    data = []
+    for si, (label, shapes) in enumerate(FP8_SHAPES):
+        nbytes = sum(n * k + (-(-n // 32)) * (-(-k // 32)) for n, k in shapes)
+        r = 2 if SMOKE else int(max(2, -(-(384 << 20) // nbytes)))
+        key = jax.random.fold_in(jax.random.PRNGKey(31), si)
+        sets = [tuple(B.random_fp8(jax.random.fold_in(key, 100 * j + p), n, k) for p, (n, k) in enumerate(shapes))
+                for j in range(r)]
+        x = jax.random.normal(jax.random.fold_in(key, 7), (m, shapes[0][1]), jnp.float32).astype(jnp.bfloat16)
+        want = [jnp.dot(x.astype(jnp.float32), w.dequantize(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
+                for w in sets[0]]
+        data.append((label, shapes, nbytes, r, sets, x, want))
+    first = {}
+    for vi, (vlabel, tuning) in enumerate(M32_VARIANTS):
+        for si, (label, shapes, nbytes, r, sets, x, want) in enumerate(data):
+            if time.time() - T0 > budget_s:
+                OUT["errors"].append(f"m32 {label} {vlabel}: skipped, budget")
+                continue
+            nm = f"fp8m32_{si}_{vi}"
+            tn = dict(tuning, name=nm)
+
+            def one(x, ws, tn=tn):
+                if len(ws) == 1:
+                    return (QG.fp8_linear(x, ws[0], backend=BE, tuning=tn),)
+                return QG.fp8_linear_fused(x, ws, backend=BE, tuning=tn)
+
+            try:
+                t = G.fp8_default_tiling(m, sum(n for n, _ in shapes), shapes[0][1], **tuning)
+                got = [np.asarray(g.astype(jnp.float32), np.float64) for g in one(x, sets[0])]
+                wn = [np.asarray(w_, np.float64) for w_ in want]
+                err = max(B.rel_err(g, w_) for g, w_ in zip(got, wn))
+                max_err = max(float(np.max(np.abs(g - w_)) / np.max(np.abs(w_))) for g, w_ in zip(got, wn))
+                first.setdefault(si, got)
+                diff0 = max(float(np.max(np.abs(g - g0)) / np.max(np.abs(w_)))
+                            for g, g0, w_ in zip(got, first[si], wn))
+                f = jax.jit(lambda x, sets: [one(x, ws) for ws in sets])
+                jax.block_until_ready(f(x, sets))
+                if SMOKE:
+                    t_all = t_k = float("nan")
+                else:
+                    tot, by_name = B.device_time(f, x, sets)
+                    t_all = tot * 1e6 / r
+                    t_k = sum(v for k_, v in by_name.items() if nm in k_) * 1e6 / r
+            except Exception as ex:  # noqa: BLE001 - a variant that fails is reported, the rest still run
+                OUT["errors"].append(f"m32 {label} {vlabel}: {type(ex).__name__}: {str(ex)[:400]}")
+                log(f"m32 {label} {vlabel}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
+                continue
+            row = dict(shape=label, variant=vlabel, tuning=tuning, block_k=t["block_k"], split_k=t["split_k"],
+                       e4m3_decode=t["e4m3_decode"], call_us=t_all, kernel_us=t_k, bytes=nbytes, r=r, rel_err=err,
+                       max_abs_err_over_max=max_err, max_abs_diff_to_row0_over_max=diff0,
+                       **(rates(nbytes, t_all, bw) if not SMOKE else {}))
+            base = next((q for q in OUT["m32"] if q["shape"] == label), row)
+            row["x_before"] = base["call_us"] / t_all
+            OUT["m32"].append(row)
+            log(f"m32 | {label} | {vlabel} | block_k {t['block_k']} split {t['split_k']} {t['e4m3_decode']} | call "
+                f"{t_all:.2f} µs (kernel {t_k:.2f}) | {row.get('pct_read', float('nan')):.0f}% of read-only | "
+                f"{row.get('pct_datasheet', float('nan')):.0f}% of 4.8 | x {row['x_before']:.2f} | err {err:.1e} | "
+                f"max err {max_err:.1e} | diff to row 0 {diff0:.1e}")
+    layer = {}
+    for vlabel, _ in M32_VARIANTS:
+        rows = [q for q in OUT["m32"] if q["variant"] == vlabel]
+        if len(rows) == len(FP8_SHAPES):
+            layer[vlabel] = dict(call_us=sum(q["call_us"] for q in rows), kernel_us=sum(q["kernel_us"] for q in rows),
+                                 bytes=sum(q["bytes"] for q in rows))
+            layer[vlabel].update(rates(layer[vlabel]["bytes"], layer[vlabel]["call_us"], bw) if not SMOKE else {})
+            log(f"m32 | per layer ({len(FP8_SHAPES)} projections) | {vlabel} | call {layer[vlabel]['call_us']:.1f} µs "
+                f"| kernel {layer[vlabel]['kernel_us']:.1f} µs | "
+                f"{layer[vlabel].get('pct_read', float('nan')):.0f}% of read-only")
+    OUT["m32_layer"] = layer
+# ------------------------------------------------------------------------------------------------------------------
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -344,6 +467,9 @@ def main():
     ap.add_argument("--grouped-fp8-tokens", action="store_true", help="only the grouped FP4 kernel's FP8 form with "
                     "the token tile as the row side against its default, on FP8-rounded rows "
                     "(GROUPED_FP8_TOKENS_VARIANTS)")
+    ap.add_argument("--m32", action="store_true", help="only the dense FP8 GEMM at M = 32 (the batch-32 decode "
+                    "step's projections): the default before the M = 32 tiling against the new one (M32_VARIANTS), "
+                    "and both e4m3 decodes on every byte")
     ap.add_argument("--lean", action="store_true", help="--set 3 with fewer rows (a short device call): FP4 rows "
                     "0-3 and the last, grouped split 2 / 3 only, FP8 the first persistent row per shape")
     ap.add_argument("--set", type=int, default=1, choices=(1, 2, 3), help="2: the second pass (FP4_VARIANTS_2, "
@@ -365,6 +491,13 @@ def main():
             with open(os.path.join(args.out, "bench_decode_gemv.json"), "w") as f:
                 json.dump(OUT, f, indent=1, default=str)
 
+    if args.m32:
+        m32_decode_check()
+        save()
+        m32_part(bw, args.budget_s)
+        save()
+        log(f"done in {time.time() - T0:.0f} s; errors: {OUT['errors']}")
+        return
     if args.grouped_fp8 or args.grouped_fp8_tokens:
         grouped_part(bw, args.budget_s, fp8_inputs=True,
                      fp8_variants=GROUPED_FP8_TOKENS_VARIANTS if args.grouped_fp8_tokens else None)

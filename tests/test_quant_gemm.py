@@ -139,10 +139,11 @@ def test_decode_defaults_pick_the_measured_forms():
     assert G.fp8_default_tiling(32, 2304, 5120, block_n=32)["mma_rows"] == "weights"
     # the K split divides the K blocks where it can (K = 2304: 9 blocks of 256, 3 + 3 + 3, not 5 + 4, which takes the
     # masked loads in every K step); an asked-for split is kept, and a K with a partial block keeps the wanted split
-    assert G.fp8_default_tiling(32, 5120, 2304)["split_k"] == 3
+    # (256-wide K steps named: the M = 32 default without them is pinned in test_fp8_tiling_pin_...)
+    assert G.fp8_default_tiling(32, 5120, 2304, block_k=256)["split_k"] == 3
     assert G.fp8_default_tiling(32, 5120, 2304, split_k=2)["split_k"] == 2
-    assert G.fp8_default_tiling(32, 5120, 8192)["split_k"] == 4
-    assert G.fp8_default_tiling(32, 5120, 2300)["split_k"] == 2
+    assert G.fp8_default_tiling(32, 5120, 8192, block_k=256)["split_k"] == 4
+    assert G.fp8_default_tiling(32, 5120, 2300, block_k=256)["split_k"] == 2
     # the M = 1 gemv's K-step / column-block defaults at the bench model's single-weight shapes (2026-12-03): wo_b
     # (K 8192) 512-wide steps 2 ahead, the shared expert's w2 (K 2304) 128-wide steps, wq_b (K 1280, N 32768) 16-row
     # blocks (persistent, 1 step ahead); a K none of these measured (5120) keeps the 8-row, 256-wide, 8-ahead tiling
@@ -186,6 +187,147 @@ def test_bf16x2_e2m1_patterns_are_the_e2m1_values():
     for half in (pat & 0xFFFF, pat >> 16):
         got = half.astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64) * 2.0 ** 120
         np.testing.assert_array_equal(got[finite], e4m3[finite])
+
+
+def _run_ptx(ptx: str, args: dict) -> np.ndarray:
+    """A numpy interpreter of the few PTX instructions the bf16x2 e4m3 decodes use, on uint32 arrays (``args``: the
+    asm operands $1, $2, ...); returns $0. prmt in its default mode (selector nibble bit 3: the selected byte's sign
+    bit replicated over the byte); mul.rn.bf16x2 per 16-bit half: the product of two bf16 values is exact in float64,
+    then one round-to-nearest-even to bf16 (subnormals kept, as the PTX ISA gives for bf16)."""
+    import re
+
+    import ml_dtypes
+
+    regs = {k: np.asarray(v, np.uint64) & 0xFFFFFFFF for k, v in args.items()}
+
+    def val(tok):
+        return np.uint64(int(tok, 0)) if tok[0].isdigit() else regs[tok]
+
+    def bf16_mul(a, b):
+        out = np.zeros_like(a)
+        for sh in (0, 16):
+            fa, fb = (((x >> np.uint64(sh)) & np.uint64(0xFFFF)).astype(np.uint16).view(ml_dtypes.bfloat16)
+                      .astype(np.float64) for x in (a, b))
+            out |= (fa * fb).astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint64) << np.uint64(sh)
+        return out
+
+    def prmt(a, b, sel):
+        src = a | (b << np.uint64(32))  # bytes 0-3 from a, 4-7 from b
+        out = np.zeros_like(a)
+        for i in range(4):
+            nib = (int(sel) >> (4 * i)) & 15
+            byte = (src >> np.uint64(8 * (nib & 7))) & np.uint64(0xFF)
+            if nib & 8:
+                byte = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+            out |= byte << np.uint64(8 * i)
+        return out
+
+    for line in ptx.strip().strip("{}").strip().splitlines():
+        op, _, rest = line.strip().rstrip(";").partition(" ")
+        if op.startswith(".reg") or not op:
+            continue
+        d, *srcs = [t.strip() for t in rest.split(",")]
+        x = [val(t) for t in srcs]
+        if op == "mov.b32":
+            r = x[0]
+        elif op == "cvt.u32.u16":
+            r = x[0] & np.uint64(0xFFFF)
+        elif op == "prmt.b32":
+            r = prmt(x[0], x[1], x[2])
+        elif op == "shl.b32":
+            r = x[0] << x[1]
+        elif op in ("and.b32", "or.b32"):
+            r = x[0] & x[1] if op == "and.b32" else x[0] | x[1]
+        elif op == "mul.rn.bf16x2":
+            r = bf16_mul(x[0], x[1])
+        else:
+            raise AssertionError(f"instruction {op!r} not emulated")
+        regs[d] = r & np.uint64(0xFFFFFFFF)
+        assert re.fullmatch(r"\$\d|[a-z]+", d), d
+    return regs["$0"]
+
+
+def test_e4m3_bf16x2_decodes_give_the_e4m3_values_for_every_byte():
+    """The inline-PTX e4m3 decodes of the FP8 weights form (``_E4M3_BF16X2_PTX``: "sign", the default, "mask" and the
+    "sign_fold" option), run by a numpy interpreter of their instructions on all 65,536 byte pairs (each byte in both
+    halves next to every other byte) with two different block scales: each half is the e4m3 value times its scale,
+    exactly, for every byte but e4m3fn's NaN bytes 0x7F / 0xFF (the release's quantiser never writes them), which
+    give ±480 x scale; the subnormal bytes (0x01-0x07, 0x81-0x87) are exact. So the default decode is exact for
+    every byte a release weight can hold."""
+    import ml_dtypes
+
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    pairs = np.arange(1 << 16, dtype=np.uint64)  # $1: byte lo | byte hi << 8
+    lo, hi = pairs & 0xFF, pairs >> 8
+    s_lo, s_hi = 2.0 ** -9, 2.0 ** 3  # bf16 scales, $2 = hi << 16 | lo
+    scales = (np.array([s_hi], ml_dtypes.bfloat16).view(np.uint16).astype(np.uint64) << 16) | \
+        np.array([s_lo], ml_dtypes.bfloat16).view(np.uint16).astype(np.uint64)
+    e4m3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    nan = (np.arange(256) & 0x7F) == 0x7F
+    want = np.where(nan, np.where(np.arange(256) & 0x80, -480.0, 480.0), e4m3)
+    assert np.all(np.isnan(e4m3[nan])) and e4m3[1] == 2.0 ** -9 and e4m3[0x87] == -7 * 2.0 ** -9  # subnormals
+    # "sign_fold" (an option): one multiply by 2^120 x scale (``_e4m3_fold_multiplier``: 2^(s - 7) for scale bytes
+    # <= 134, NaN above and for 0xFF)
+    fold = np.asarray(G._e4m3_fold_multiplier(jnp.arange(256, dtype=jnp.uint8)).astype(jnp.float32), np.float64)
+    np.testing.assert_array_equal(fold[:135], 2.0 ** (np.arange(135) - 7))
+    assert np.all(np.isnan(fold[135:]))
+    fold_scales = (np.uint64(np.array([2.0 ** 123], ml_dtypes.bfloat16).view(np.uint16)[0]) << np.uint64(16)) | \
+        np.uint64(np.array([2.0 ** 111], ml_dtypes.bfloat16).view(np.uint16)[0])  # 2^120 x (2^-9, 2^3)
+    for decode, sc2 in (("sign", scales), ("mask", scales), ("sign_fold", fold_scales)):
+        out = _run_ptx(G._e4m3_bf16x2_ptx(decode), {"$1": pairs, "$2": np.broadcast_to(sc2, pairs.shape)})
+        for half, b, sc in ((out & 0xFFFF, lo, s_lo), (out >> 16, hi, s_hi)):
+            got = half.astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+            np.testing.assert_array_equal(got, want[b] * sc, err_msg=decode)
+
+
+def test_fp8_tiling_pin_and_the_m32_split_k_path_equal_the_float32_reference():
+    """The M = 32 (batch-32 decode) default — 128-wide K steps, the K split of ``_fp8_m32_split`` — changes no other
+    M: the default tilings at M = 1 and 64 are pinned as they were before it (main 1666707), and at M = 32 given
+    block_k = 256 gives the tiling before it. The M = 32 default with a K split of 2 (N 64, K 768: 6 K blocks, one
+    output tile) equals float64 on the dequantised weights in interpret mode within the float32 accumulation-noise
+    tolerance of the other tests (the partial sums added in float32 afterwards), bf16 activations within one bf16
+    rounding."""
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    base = dict(num_warps=4, num_stages=3, group_view=False, e4m3_decode=None)
+    gemv = dict(base, block_m=1, split_k=1, gemv=True, scale_side="x", mma_rows="tokens")
+    tokens = dict(base, block_m=64, block_n=32, block_k=256, prefetch=0, gemv=False, scale_side="w",
+                  mma_rows="tokens", programs=0)
+    pinned = {(1, 32768, 1280): dict(gemv, block_n=16, block_k=256, prefetch=1, programs=528),
+              (1, 2304, 5120): dict(gemv, block_n=8, block_k=256, prefetch=8, programs=0),
+              (1, 5120, 2304): dict(gemv, block_n=8, block_k=128, prefetch=8, programs=0),
+              (64, 32768, 1280): dict(tokens, split_k=1), (64, 2304, 5120): dict(tokens, split_k=4),
+              (64, 5120, 2304): dict(tokens, split_k=3)}
+    for (m, n, k), want in pinned.items():
+        assert G.fp8_default_tiling(m, n, k) == want, (m, n, k)
+    weights = dict(block_m=32, block_n=64, num_warps=4, num_stages=3, prefetch=0, gemv=False, scale_side="w",
+                   group_view=False, mma_rows="weights", programs=0, e4m3_decode="sign")
+    # the bench model's dense projections at M = 32 (the fused ones at their total N), and the tiling before (256)
+    for (n, k), split, split_before in (((32768, 1280), 1, 1), ((5120, 8192), 8, 4), ((5120, 2304), 6, 3),
+                                        ((1792, 5120), 10, 5), ((4608, 5120), 8, 4)):
+        assert G.fp8_default_tiling(32, n, k) == dict(weights, block_k=128, split_k=split), (n, k)
+        assert G.fp8_default_tiling(32, n, k, block_k=256) == dict(weights, block_k=256, split_k=split_before)
+    assert G.fp8_default_tiling(32, 5120, 8192, e4m3_decode="mask")["e4m3_decode"] == "mask"
+    with pytest.raises(ValueError, match="e4m3_decode"):
+        G.fp8_default_tiling(64, 5120, 8192, e4m3_decode="sign")  # the tokens form has no PTX decode
+
+    rng = np.random.default_rng(21)
+    w = _weights(rng, (64, 768), N.FP8_BLOCK)
+    assert G.fp8_default_tiling(32, 64, 768)["split_k"] == 2
+    x = jnp.asarray(rng.standard_normal((32, 768)), jnp.float32)
+    wd = np.asarray(w.dequantize(), np.float64)
+    want = np.asarray(x, np.float64) @ wd.T
+    got = QG.fp8_linear(x, w, backend="pallas_gpu_interpret")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    xb = x.astype(jnp.bfloat16)
+    want_b = np.asarray(xb.astype(jnp.float32), np.float64) @ wd.T
+    got = QG.fp8_linear(xb, w, backend="pallas_gpu_interpret")
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), want_b, rtol=2 ** -8, atol=2 ** -8 * np.abs(want_b).max())
+    # the "sign_fold" option's multiplier path: the same exact weights, so the same output bit for bit
+    np.testing.assert_array_equal(got, QG.fp8_linear(xb, w, backend="pallas_gpu_interpret",
+                                                     tuning=dict(e4m3_decode="sign_fold")))
 
 
 def test_fused_fp8_kernel_equals_the_float32_reference_and_the_separate_kernels():

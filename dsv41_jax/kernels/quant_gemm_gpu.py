@@ -18,6 +18,9 @@
     and the block scale; exact) is the row side of Hopper's wgmma as a register operand, the activation rows its
     columns: 6.6 SASS instructions per weight byte in the K loop at M = 32 against 14.3 for the tokens form
     (``benchmarks/kernel_sass.py fp8_m32``); on an H200 1.07-1.48x the tokens form at the batch-32 step's shapes.
+    At M = 32 exactly, 128-wide K steps, a K split sized for one wave (``_fp8_m32_split``) and the "sign" decode (one
+    byte permute replicates the sign; 6.2 instructions per byte): the bench model's five dense projections 103.7 ->
+    80.0 µs a layer on an H200, 1.04-1.44x each (benchmarks/RESULTS.md, 2026-12-04 08:45 UTC).
   Rows past M and K past the end are masked in the kernel (no padded copy of x); without a K split the kernel
   writes the [M, N] output in x.dtype, with one the float32 partial sums are added by one small XLA reduction.
 * ``fp8_gemm_fused``: several ``fp8_gemm`` weights of one input in one launch (the attention's wq_a + wkv, the
@@ -114,7 +117,8 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
                        block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
                        num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
                        scale_side: str | None = None, group_view: bool | None = None,
-                       mma_rows: str | None = None, programs: int | None = None) -> dict:
+                       mma_rows: str | None = None, programs: int | None = None,
+                       e4m3_decode: str | None = None) -> dict:
     """The tiling of ``fp8_gemm`` for an [m, k] x [n, k] GEMM; any argument given overrides its default.
 
     block_m / block_n / block_k: the output tile and the K step; split_k: K ranges given to separate programs (their
@@ -131,7 +135,12 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
     None: "weights" for 1 < M <= ``FP8_WEIGHT_ROWS_MAX`` unless a tokens-form option is given, else "tokens".
     programs (gemv form, one weight, no K split, N and K multiples of the blocks; 0 / None: off): the persistent
     form, that many programs each walking a share of the column blocks with the next block's first K steps loaded
-    while the current one's last steps are computed (``_persistent_items``)."""
+    while the current one's last steps are computed (``_persistent_items``).
+    e4m3_decode (weights form with bf16 activations only): the inline-PTX e4m3 -> bf16 decode, "sign" (default: the
+    sign replicated by a byte permute) or "mask" (the masking decode before it), both exact for every scale byte; or
+    "sign_fold" (one multiply fewer; NaN for scale bytes above 134) — ``_E4M3_BF16X2_PTX``.
+    At M = 32 exactly (the batch-32 decode step) with the weights form and neither block_k nor split_k given:
+    128-wide K steps and the K split sized for one wave (``_fp8_m32_split``)."""
     gemv = (m == 1) if gemv is None else gemv
     if mma_rows is None and not gemv:
         # the weights form for decode-sized M (measured faster at M = 32, alone and in the batch-32 decode step,
@@ -167,11 +176,20 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
                 # registers): wq_b 13.92 µs vs 14.59 / 14.68 for the default before it in the same run
                 # (benchmarks/RESULTS.md, 2026-12-03 15:15 UTC; wo_b and the shared w2 were slower persistent)
                 prefetch, programs = 1, 528
+    if e4m3_decode is not None and (e4m3_decode not in _E4M3_BF16X2_PTX or mma_rows != "weights"):
+        raise ValueError(f"e4m3_decode (the weights form's only) must be one of {tuple(_E4M3_BF16X2_PTX)}, got "
+                         f"{e4m3_decode!r} with mma_rows {mma_rows!r}")
+    e4m3_decode = (e4m3_decode or "sign") if mma_rows == "weights" else None
+    m32 = not gemv and mma_rows == "weights" and m == FP8_WEIGHT_ROWS_MAX and block_k is None and split_k is None
+    if m32:  # the batch-32 decode step's tiling (``_fp8_m32_split``)
+        block_k = FP8_M32_BLOCK_K
     bm = 1 if gemv else (block_m or min(64, max(16, _pow2(m))))
     bk = max(SCALE_BLOCK, min(block_k or 256, _pow2(k)))
     bn = block_n or (8 if gemv else 64 if mma_rows == "weights" else 32)
     n_kb = -(-k // bk)
     nmn = -(-m // bm) * -(-n // bn)
+    if m32:
+        split_k = _fp8_m32_split(n_kb, nmn)
     if split_k is None:
         split_k = 1 if gemv else max(1, min(n_kb // 4, -(-264 // nmn)))
         if k % bk == 0 and n_kb % split_k:
@@ -194,7 +212,7 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
                          f"{bk}, split_k {split_k}")
     return dict(block_m=bm, block_n=bn, block_k=bk, split_k=split_k, num_warps=num_warps or 4,
                 num_stages=num_stages or 3, prefetch=pf, gemv=gemv, scale_side=scale_side, group_view=group_view,
-                mma_rows=mma_rows, programs=int(programs or 0))
+                mma_rows=mma_rows, programs=int(programs or 0), e4m3_decode=e4m3_decode)
 
 
 # Measured on an H200 (benchmarks/RESULTS.md, 2026-12-02 18:39 UTC) at M = 32, the batch-32 decode step's dense
@@ -203,8 +221,23 @@ def fp8_default_tiling(m: int, n: int, k: int, *, block_m: int | None = None, bl
 # FP4 kernel's 16-row tiles: the step 7.77 vs 8.38 ms). Not measured above M = 32: larger calls keep the tokens form.
 FP8_WEIGHT_ROWS_MAX = 32
 
+# --- the batch-32 decode step's FP8 tiling (M = 32, weights form; issue 14) ---------------------------------------
+# 128-wide K steps and a K split sized for one wave of programs, the partial sums added in float32 by XLA afterwards.
+FP8_M32_BLOCK_K = 128
+FP8_M32_WAVE = 528  # programs in one wave: 4 per multiprocessor (the weights form's occupancy) x an H200's 132
+
+
+def _fp8_m32_split(n_kb: int, tiles: int) -> int:
+    """The K split of the M = 32 tiling: the divisor of the K block count ``n_kb`` nearest min(n_kb / 3,
+    round(FP8_M32_WAVE / tiles)) (the larger on a tie) — about one wave of programs over the ``tiles`` output tiles,
+    with >= 3 K steps per program, and equal K ranges (an unequal split sends every K step down the masked path,
+    see ``fp8_default_tiling``). At the bench model's shapes: wq_b 1, wo_b 8, shared w2 6, wq_a + wkv 10, w1 + w3 8."""
+    want = min(n_kb / 3, round(FP8_M32_WAVE / tiles))
+    return min((d for d in range(1, n_kb + 1) if n_kb % d == 0), key=lambda d: (abs(d - want), -d))
+# ------------------------------------------------------------------------------------------------------------------
+
 _TILING_ARGS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "prefetch", "gemv",
-                "scale_side", "group_view", "mma_rows", "programs")
+                "scale_side", "group_view", "mma_rows", "programs", "e4m3_decode")
 
 
 @functools.partial(jax.jit, static_argnames=_TILING_ARGS + ("mma", "name", "interpret"))
@@ -212,8 +245,8 @@ def fp8_gemm(x, values, scales, *, block_m: int | None = None, block_n: int | No
              block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
              num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
              scale_side: str | None = None, group_view: bool | None = None, mma_rows: str | None = None,
-             programs: int | None = None, mma: str | None = None, name: str = "fp8_block_gemm",
-             interpret: bool = False):
+             programs: int | None = None, e4m3_decode: str | None = None, mma: str | None = None,
+             name: str = "fp8_block_gemm", interpret: bool = False):
     """x [M, K] (bf16 / f32), values uint8 e4m3 bytes [N, K], scales uint8 [ceil(N/32), ceil(K/32)] -> [M, N]
     x.dtype. Tiling: ``fp8_default_tiling``. ``mma="fp8"``: FP8 tensor-core forms (activations rounded to FP8 per
     32 — exact for the release's rounded inputs —, one FP8 product per 32-wide K chunk on the stored bytes, promoted
@@ -224,7 +257,7 @@ def fp8_gemm(x, values, scales, *, block_m: int | None = None, block_n: int | No
         raise ValueError(f"mma must be 'bf16' or 'fp8', got {mma!r}")
     if mma == "fp8":
         if mma_rows not in (None, "weights", "tokens") or (split_k or 1) != 1 or gemv or prefetch or programs or \
-                scale_side is not None or group_view is not None:
+                scale_side is not None or group_view is not None or e4m3_decode is not None:
             raise ValueError("mma='fp8' takes mma_rows ('weights' / 'tokens'), block_m / block_n / block_k / "
                              "num_warps / num_stages options only")
         if values.ndim != 2 or values.shape[1] != x.shape[1] or values.dtype != jnp.uint8 or \
@@ -238,7 +271,7 @@ def fp8_gemm(x, values, scales, *, block_m: int | None = None, block_n: int | No
     return fp8_gemm_fused(x, ((values, scales),), block_m=block_m, block_n=block_n, block_k=block_k,
                           split_k=split_k, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, gemv=gemv,
                           scale_side=scale_side, group_view=group_view, mma_rows=mma_rows, programs=programs,
-                          name=name, interpret=interpret)[0]
+                          e4m3_decode=e4m3_decode, name=name, interpret=interpret)[0]
 
 
 @functools.partial(jax.jit, static_argnames=_TILING_ARGS + ("name", "interpret"))
@@ -246,7 +279,8 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
                    block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, prefetch: int | None = None, gemv: bool | None = None,
                    scale_side: str | None = None, group_view: bool | None = None, mma_rows: str | None = None,
-                   programs: int | None = None, name: str = "fp8_block_gemm_fused", interpret: bool = False):
+                   programs: int | None = None, e4m3_decode: str | None = None, name: str = "fp8_block_gemm_fused",
+                   interpret: bool = False):
     """Several FP8 GEMMs of ONE input in one launch: x [M, K] and weights ((values [N_p, K], scales
     [ceil(N_p/32), ceil(K/32)]), ...) -> (x · w_pᵀ [M, N_p] in x.dtype, ...).
 
@@ -276,7 +310,8 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
             ys = fp8_gemm_fused(x, tuple(weights[p] for p in live), block_m=block_m, block_n=block_n,
                                 block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages,
                                 prefetch=prefetch, gemv=gemv, scale_side=scale_side, group_view=group_view,
-                                mma_rows=mma_rows, programs=programs, name=name, interpret=interpret)
+                                mma_rows=mma_rows, programs=programs, e4m3_decode=e4m3_decode, name=name,
+                                interpret=interpret)
             got = dict(zip(live, ys))
             return tuple(got.get(p, jnp.zeros((m, 0), x.dtype)) for p in range(len(ns_)))
         return tuple(jnp.zeros((m, n), x.dtype) for n in ns_)
@@ -290,7 +325,8 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
             block_k, prefetch = 512, 4
     t = fp8_default_tiling(m, sum(ns_), k, block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
                            num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, gemv=gemv,
-                           scale_side=scale_side, group_view=group_view, mma_rows=mma_rows, programs=programs)
+                           scale_side=scale_side, group_view=group_view, mma_rows=mma_rows, programs=programs,
+                           e4m3_decode=e4m3_decode)
     bm, bn, bk, split_k, pf, gemv = (t[a] for a in ("block_m", "block_n", "block_k", "split_k", "prefetch", "gemv"))
     if t["programs"] and len(weights) > 1:
         raise ValueError("programs (the persistent gemv form) takes one weight, not a fused list")
@@ -357,9 +393,10 @@ def fp8_gemm_fused(x, weights, *, block_m: int | None = None, block_n: int | Non
         def compute(i, acc):
             w, sc, xc = load(si * kb_per + i)
             if dot_dtype == jnp.bfloat16:
-                mult = jnp.broadcast_to(_fp4_bf16_multiplier(sc)[:, None, :, None],
+                mult_of = _e4m3_fold_multiplier if t["e4m3_decode"] == "sign_fold" else _fp4_bf16_multiplier
+                mult = jnp.broadcast_to(mult_of(sc)[:, None, :, None],
                                         (nb, SCALE_BLOCK, sg, SCALE_BLOCK)).reshape(bn, bk)
-                wq = _e4m3_bf16x2_scaled(w, mult, interpret)
+                wq = _e4m3_bf16x2_scaled(w, mult, interpret, t["e4m3_decode"])
             else:  # float32 activations: the float32 dequantisation (exact), a float32 dot
                 mult = jnp.broadcast_to(_e8m0_mult(sc)[:, None, :, None],
                                         (nb, SCALE_BLOCK, sg, SCALE_BLOCK)).reshape(bn, bk)
@@ -794,11 +831,43 @@ def _e2m1_bf16x2_scaled(v, mult, interpret: bool):
                  for sh in (0, 4))
 
 
-def _e4m3_bf16x2_ptx() -> str:
-    """PTX of one instance: two e4m3 bytes in the 16-bit $1, their bf16 scales in $2 -> the two scaled bf16 weights in
-    $0. The bf16 pattern of an e4m3 byte b is ``(b & 0x80) << 8 | (b & 0x7F) << 4``: value x 2^-120 (exact; the e4m3
-    subnormals become bf16 subnormals of the same ratio), then two packed multiplies by 2^120 and the scale."""
-    return """{
+# --- the e4m3 -> bf16 decode of the FP8 weights form (inline PTX): forms with the same bit patterns ---------------
+# Both make the bf16 pattern ``(b & 0x80) << 8 | (b & 0x7F) << 4`` of each e4m3 byte b: value x 2^-120 (exact; the
+# e4m3 subnormals become bf16 subnormals of the same ratio), for two bytes at once (at bits 0-7 / 16-23 of a register
+# after the first prmt), then two packed multiplies by 2^120 and the block scale.
+# "mask" (the form before): shift the magnitude and the sign separately, mask each, OR them.
+# "sign": one prmt makes each 16-bit half (sign-replicated byte) << 8 | b — selector nibble 8 / 9 = "the sign bit of
+#   byte 0 / 1, replicated over the byte" — so after one shift by 4 bit 15 of each half is the sign and bits 4-10 the
+#   magnitude, and one mask 0x87F0 per half (dropping b's own sign at bit 11 and the low half's spill into bits
+#   16-19) leaves the same pattern: two integer instructions fewer per byte pair. Exact for every byte but e4m3's
+#   NaN bytes 0x7F / 0xFF (the release's quantiser never writes them; both forms give ±480 x scale there), checked
+#   on all 256 bytes in tests/test_quant_gemm.py (an emulation of the PTX) and on the GPU by
+#   benchmarks/bench_decode_gemv.py --m32.
+# "sign_fold" (an option): "sign" with the two multiplies folded into one by 2^120 x scale = 2^(s - 7)
+#   (``_e4m3_fold_multiplier``), one packed multiply fewer per byte pair. The single product p x 2^(s - 7) of the
+#   exact pattern p is the same number as the two-multiply result (one rounding of the same exact value), but
+#   2^(s - 7) is a bf16 only for scale bytes s <= 134: larger bytes (a 32 x 32 block whose largest magnitude is above
+#   448 x 2^7) give NaN, never a wrong number — hence not the default, though no real weight comes near.
+_E4M3_BF16X2_PTX = {
+    "sign_fold": """{
+.reg .b32 w, n;
+cvt.u32.u16 w, $1;
+prmt.b32 w, w, 0, 0x9180;
+shl.b32 n, w, 4;
+and.b32 n, n, 0x87F087F0;
+mul.rn.bf16x2 $0, n, $2;
+}""",
+    "sign": """{
+.reg .b32 w, n, c;
+mov.b32 c, 0x7B807B80;
+cvt.u32.u16 w, $1;
+prmt.b32 w, w, 0, 0x9180;
+shl.b32 n, w, 4;
+and.b32 n, n, 0x87F087F0;
+mul.rn.bf16x2 n, n, c;
+mul.rn.bf16x2 $0, n, $2;
+}""",
+    "mask": """{
 .reg .b32 w, n, t, c;
 mov.b32 c, 0x7B807B80;
 cvt.u32.u16 w, $1;
@@ -810,18 +879,38 @@ and.b32 t, t, 0x80008000;
 or.b32 n, n, t;
 mul.rn.bf16x2 n, n, c;
 mul.rn.bf16x2 $0, n, $2;
-}"""
+}"""}
 
 
-def _e4m3_bf16x2_scaled(v, mult, interpret: bool):
-    """e4m3 bytes v uint8 [...] and bf16 scales [...] (``_fp4_bf16_multiplier``) -> bf16 ``value x 2^(s - 127)``,
-    exact (bytes 0x7F / 0xFF, e4m3's NaN, which the release's quantiser never writes, decode to ±480 x scale on the
-    GPU). In interpret mode the e4m3 conversion of XLA (equal for every other byte)."""
+def _e4m3_bf16x2_ptx(decode: str = "sign") -> str:
+    """PTX of one instance: two e4m3 bytes in the 16-bit $1, their bf16 scales in $2 -> the two scaled bf16 weights in
+    $0 (``_E4M3_BF16X2_PTX``)."""
+    return _E4M3_BF16X2_PTX[decode]
+
+
+E4M3_FOLD_MAX_SCALE_BYTE = 134  # "sign_fold": 2^(134 - 7) is bf16's largest power of two
+
+
+def _e4m3_fold_multiplier(s):
+    """e8m0 scale bytes -> bf16 2^120 x 2^(s - 127) = 2^(s - 7) (the "sign_fold" decode's one multiplier): the exponent
+    bits for bytes 0..134, NaN above (not a bf16 number) and for 0xFF."""
+    si = s.astype(jnp.int32)
+    bits = jnp.where(si > E4M3_FOLD_MAX_SCALE_BYTE, 0x7FC0, (si + 120) << 7)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+def _e4m3_bf16x2_scaled(v, mult, interpret: bool, decode: str = "sign"):
+    """e4m3 bytes v uint8 [...] and bf16 scales [...] (``_fp4_bf16_multiplier``; ``_e4m3_fold_multiplier`` for
+    "sign_fold") -> bf16 ``value x 2^(s - 127)``, exact (bytes 0x7F / 0xFF, e4m3's NaN, which the release's quantiser
+    never writes, decode to ±480 x scale on the GPU). In interpret mode the e4m3 conversion of XLA (equal for every
+    other byte)."""
     if interpret:
         d = jax.lax.bitcast_convert_type(v, jnp.float8_e4m3fn).astype(jnp.float32)
-        return (d * mult.astype(jnp.float32)).astype(jnp.bfloat16)
-    return pltr.elementwise_inline_asm(_e4m3_bf16x2_ptx(), args=[v, mult], constraints="=r,h,r", pack=2,
+        m = mult.astype(jnp.float32) * (jnp.float32(2.0 ** -120) if decode == "sign_fold" else 1)
+        return (d * m).astype(jnp.bfloat16)
+    return pltr.elementwise_inline_asm(_e4m3_bf16x2_ptx(decode), args=[v, mult], constraints="=r,h,r", pack=2,
                                        result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.bfloat16)])[0]
+# ------------------------------------------------------------------------------------------------------------------
 
 
 def _fp4_weight_tile(v, s, decode: str, dot_dtype, interpret: bool):
