@@ -38,7 +38,8 @@
   sized calls take the "weights" form by default: each tile is W[cols, K step] · x[rows, K step]ᵀ, so the 64
   dequantised weight rows are the row side of Hopper's wgmma as a register operand and the few tokens of an expert
   its columns, with the nibbles decoded straight to bf16 by inline PTX (``decode="bf16x2"``: bit patterns of value x
-  2^-126 in 16-bit register halves, two packed bf16 multiplies for 2^126 and the scale; exact). Measured on an H200
+  2^-126 in 16-bit register halves, two packed bf16 multiplies for 2^126 and the scale; exact; ``"bf16x1"``, one
+  multiply by the scale x 2^126, for weights whose scale bytes are known to be <= 128). Measured on an H200
   at the batch-32 decode step's shapes (192 rows, 16 experts of 2304 x 5120): 1.37-1.40x the tokens form, 29-32 % of
   4.8 TB/s with 32-row token tiles; 16-row tiles (the default while experts hold <= 12 rows on average) 30-36 %
   (benchmarks/RESULTS.md, 2026-12-02).
@@ -598,9 +599,11 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
     [block_n, K step] times the activation tile transposed, the [block_n, block_m] result stored transposed).
     None: "weights" for calls of at most ``FP4_GROUPED_WEIGHT_ROWS_MAX`` rows (decode), else "tokens".
     ``decode`` (the "weights" form with bf16 activations only): how the packed bytes become the dot's bf16 operand —
-    "f32" (the float16 pair decode widened to float32, scaled, rounded to bf16) or "bf16x2" (inline PTX: each
+    "f32" (the float16 pair decode widened to float32, scaled, rounded to bf16), "bf16x2" (inline PTX: each
     nibble's bf16 bit pattern built in a 16-bit half of a register, then two packed bf16 multiplies per two weights;
-    ``_e2m1_bf16x2_scaled``). None: ``FP4_GROUPED_DEFAULT_DECODE``. ``split_k`` (the "weights" form only; must
+    ``_e2m1_bf16x2_scaled``) or "bf16x1" (the same patterns, one packed multiply by 2^(s - 1); exact for scale bytes
+    <= 128 only, inf / NaN weights beyond: ``_e2m1_bf16x1_scaled``, chosen by ``quant_gemm.fp4_grouped`` through
+    ``fp4_grouped_decode`` for weights whose recorded ``scale_max`` allows it). None: ``FP4_GROUPED_DEFAULT_DECODE``. ``split_k`` (the "weights" form only; must
     divide the K steps): K ranges given to separate programs, their float32 partial products [split_k, A, N] added
     by one small XLA reduction, then rounded to x.dtype — more programs when a call's (row tile, column block)
     programs fill the multiprocessors only about once.
@@ -741,7 +744,13 @@ def fp4_weight_rows_block_m(rows: int, experts: int) -> int:
 FP4_GROUPED_DECODES = ("f32", "bf16x2", "bf16x1")
 FP4_GROUPED_DEFAULT_DECODE = "bf16x2"
 # "bf16x1" (``_e2m1_bf16x1_scaled``) is exact only for scale bytes <= this (2^(s - 1) must be a finite bf16); larger
-# bytes give inf / NaN weights. So it is the decode only of weights known to stay below (``fp4_grouped_decode``).
+# bytes give inf / NaN weights. So it is the decode only of weights known to stay below (``fp4_grouped_decode``; byte
+# 128 is the scale 2: the quantiser writes it for groups whose largest |weight| is at most 12). Measured on an H200 (benchmarks/RESULTS.md, 2026-12-04
+# 08:42 UTC) at the batch-32 step's shapes (192 rows over 16 experts): kernel 59.0 vs 60.4-60.9 µs for w1 / w3
+# (1.02x, 39 vs 38 % of the read-only bandwidth measured in the same process) and 54.5-54.6 vs 57.6-57.7 µs for w2
+# (1.05-1.06x, 42 vs 40 %); the K loop's SASS 9.0 instructions per weight byte against 10.8 (``kernel_sass.py
+# fp4_grouped``). On the device every packed byte x scale byte 0..128 came out equal to the exact dequantisation for
+# both decodes (subnormal weights of bytes 0 / 1 included), and bytes 129..255 inf / NaN for "bf16x1".
 FP4_BF16X1_SCALE_MAX = 128
 
 # e2m1 nibble -> bf16 bit pattern of value x 2^-126 (exact; code 1, the value 0.5, is the bf16 subnormal 0x0040):
