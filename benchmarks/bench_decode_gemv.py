@@ -6,6 +6,7 @@ one-token expert kernels (``fp4_slot_swiglu`` / ``fp4_slot_down``) per decode fo
     PYTHONUNBUFFERED=1 python benchmarks/bench_decode_gemv.py --out DIR [--budget-s 300]
     python benchmarks/bench_decode_gemv.py --smoke      # CPU: tiny sizes, interpret mode, no timing
     PYTHONUNBUFFERED=1 python benchmarks/bench_decode_gemv.py --m32 --out DIR   # the dense FP8 GEMM at M = 32 only
+    PYTHONUNBUFFERED=1 python benchmarks/bench_decode_gemv.py --grouped-bf16x1 --out DIR   # the grouped FP4 decodes
 
 Parts:
   ceilings  copy (read + write) and read-only bandwidth of a 4 GiB int32 buffer, device time (``ceilings.py``).
@@ -170,8 +171,15 @@ M32_VARIANTS = [("before (256-wide K, old split, mask decode)", dict(block_k=256
                 ("new tiling, mask decode", dict(e4m3_decode="mask")),
                 ("old tiling, sign decode", dict(block_k=256)),
                 ("before, again", dict(block_k=256, e4m3_decode="mask"))]
+# --grouped-bf16x1: the grouped FP4 kernel's one-multiply decode ("bf16x1": bf16 patterns times 2^(s - 1), exact for
+# scale bytes <= 128 — the benchmark's random scales are 118..123) against the "bf16x2" decode, each run twice,
+# alternating; GROUPED_DECODE_CHECK first: every packed byte x every scale byte through the kernel on the device
+GROUPED_BF16X1_VARIANTS = [("bf16x2 (default before)", dict(decode="bf16x2")), ("bf16x1", dict(decode="bf16x1")),
+                           ("bf16x2, again", dict(decode="bf16x2")), ("bf16x1, again", dict(decode="bf16x1"))]
+if SMOKE:
+    GROUPED_BF16X1_VARIANTS = [(lb, dict(t, block_k=64)) for lb, t in GROUPED_BF16X1_VARIANTS[:2]]
 OUT: dict = {"meta": {}, "ceilings": {}, "fp4": [], "fp8": [], "grouped": [], "m32": [], "m32_decode_check": {},
-             "errors": []}
+             "decode_check": [], "errors": []}
 T0 = time.time()
 
 
@@ -286,7 +294,7 @@ def fp8_part(bw, budget_s, plan=None):
                 f"read-only | {row['pct_datasheet']:.0f}% of 4.8 | x {row['x_default']:.2f} | err {err:.1e}")
 
 
-def grouped_part(bw, budget_s, fp8_inputs: bool = False, fp8_variants=None):
+def grouped_part(bw, budget_s, fp8_inputs: bool = False, fp8_variants=None, variants=None):
     """The grouped FP4 kernel (``quant_gemm.fp4_grouped``, bf16 rows) at the batch-32 step's shapes: each call R
     distinct expert stacks (> L2) with their own routings; device µs per GEMM of the whole call (the kernel, the
     XLA ops around it — tile metadata, the even / odd split of x, the split-K sum, the FP8 form's codes and tile
@@ -294,7 +302,8 @@ def grouped_part(bw, budget_s, fp8_inputs: bool = False, fp8_variants=None):
     of the bf16 output against float32 on the dequantised weights (the first routing's rows). ``fp8_inputs``: the
     rows FP8-rounded per 32 first (the release's GEMM inputs; the reference takes the same rounded rows) and
     ``fp8_variants`` (default ``GROUPED_FP8_VARIANTS``); the max abs error over the output's max abs is recorded
-    too."""
+    too. ``variants``: (label, tuning) rows in place of the defaults (row 0 the baseline)."""
+    given = variants
     m, e, topk = (8, 4, 2) if SMOKE else (32, 16, 6)
     r = 2 if SMOKE else 4
     for gi, (label, n, k) in enumerate(GROUPED_SHAPES):
@@ -310,8 +319,8 @@ def grouped_part(bw, budget_s, fp8_inputs: bool = False, fp8_variants=None):
         want = jax.lax.ragged_dot(x.astype(jnp.float32), jnp.swapaxes(ws[0].dequantize(jnp.float32), 1, 2), gss[0],
                                   precision=jax.lax.Precision.HIGHEST)
         base = None
-        variants = (fp8_variants or GROUPED_FP8_VARIANTS) if fp8_inputs else \
-            GROUPED_VARIANTS.get(gi, GROUPED_VARIANTS[0])
+        variants = given or ((fp8_variants or GROUPED_FP8_VARIANTS) if fp8_inputs else
+                             GROUPED_VARIANTS.get(gi, GROUPED_VARIANTS[0]))
         for vi, (vlabel, tuning) in enumerate(variants):
             if time.time() - T0 > budget_s:
                 OUT["errors"].append(f"grouped {label} {vlabel}: skipped, budget")
@@ -340,10 +349,53 @@ def grouped_part(bw, budget_s, fp8_inputs: bool = False, fp8_variants=None):
                        kernel_rates=rates(nbytes, t_k, bw) if bw else {})
             base = base or row
             row["x_default_call"] = base["call_us"] / t_all
+            row["x_default_kernel"] = base["kernel_us"] / t_k
             OUT["grouped"].append(row)
             log(f"grouped | {label} | {vlabel} | call {t_all:.1f} µs ({row['call_rates'].get('pct_read', 0):.0f}% "
-                f"of read-only) | kernel {t_k:.1f} µs ({row['kernel_rates'].get('pct_read', 0):.0f}%) | x "
-                f"{row['x_default_call']:.2f} | err {err:.1e} | max err {max_err:.1e}")
+                f"of read-only) | kernel {t_k:.1f} µs ({row['kernel_rates'].get('pct_read', 0):.0f}%, "
+                f"{row['kernel_rates'].get('pct_datasheet', 0):.0f}% of 4.8) | x {row['x_default_call']:.2f} "
+                f"(kernel x {row['x_default_kernel']:.2f}) | err {err:.1e} | max err {max_err:.1e}")
+
+
+def grouped_decode_check():
+    """The grouped FP4 kernel ("weights" form) on the device with weights of every packed byte (both nibbles) x every
+    scale byte: weight row r holds bytes 0..255 with scale byte r in all its 16 groups, the activations the 512 x 512
+    identity, so output row k is weight column k (one product by 1, the rest + 0: exact in the float32 accumulator
+    and its bf16 rounding — an inf weight makes its whole column NaN through inf x 0). Per decode, against the exact
+    dequantisation in numpy (``checkpoint.quantized.dequant_fp4_rows``): the scale bytes whose weights are not all
+    equal to the reference (as numbers: the code -0 comes out of the sum as +0), and those whose weights are not all
+    inf / NaN."""
+    import ml_dtypes
+
+    from dsv41_jax.checkpoint import quantized as QZ
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    v = np.tile(np.arange(256, dtype=np.uint8), (256, 1))
+    s = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 16, axis=1)
+    ref = QZ.dequant_fp4_rows(v, s.view(ml_dtypes.float8_e8m0fnu))  # [256 scale bytes, 512] float32, exact
+    with np.errstate(over="ignore"):
+        ref = ref.astype(ml_dtypes.bfloat16).astype(np.float32)  # the bf16 values (exact where finite)
+    x = jnp.eye(512, dtype=jnp.bfloat16)
+    for dec in ("bf16x2", "bf16x1"):
+        try:
+            out = G.fp4_grouped_gemm(x, jnp.array([512], jnp.int32), jnp.asarray(v)[None], jnp.asarray(s)[None],
+                                     mma_rows="weights", decode=dec, interpret=SMOKE)
+            got = np.asarray(out.astype(jnp.float32)).T  # [256 scale bytes, 512]: weight row r
+        except Exception as ex:  # noqa: BLE001
+            OUT["errors"].append(f"decode check {dec}: {type(ex).__name__}: {str(ex)[:400]}")
+            log(f"decode check {dec}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
+            continue
+        same = (got == ref) | (np.isnan(got) & np.isnan(ref))
+        not_equal = [r for r in range(256) if not same[r].all()]
+        finite = [r for r in range(256) if np.isfinite(got[r]).any()]
+        row = dict(decode=dec, scale_bytes_not_equal=not_equal, scale_bytes_with_finite_weights=finite,
+                   equal_0_128=not any(r <= 128 for r in not_equal),
+                   nonfinite_129_255=not any(r > 128 for r in finite))
+        OUT["decode_check"].append(row)
+        big = [r for r in finite if r > 128]
+        log(f"decode check | {dec} | scale bytes 0..128 not equal to the reference: "
+            f"{[r for r in not_equal if r <= 128]} | above 128: {len([r for r in not_equal if r > 128])} not equal, "
+            f"{len(big)} with finite weights {big[:4]}{'...' if len(big) > 4 else ''}")
 
 
 # ---- --m32: the dense FP8 GEMM at M = 32 (issue 14, 2026-12-04) ------------------------------------------------
@@ -470,6 +522,8 @@ def main():
     ap.add_argument("--m32", action="store_true", help="only the dense FP8 GEMM at M = 32 (the batch-32 decode "
                     "step's projections): the default before the M = 32 tiling against the new one (M32_VARIANTS), "
                     "and both e4m3 decodes on every byte")
+    ap.add_argument("--grouped-bf16x1", action="store_true", help="only the grouped FP4 kernel: the device decode "
+                    "check, then the bf16x1 decode against bf16x2 (GROUPED_BF16X1_VARIANTS)")
     ap.add_argument("--lean", action="store_true", help="--set 3 with fewer rows (a short device call): FP4 rows "
                     "0-3 and the last, grouped split 2 / 3 only, FP8 the first persistent row per shape")
     ap.add_argument("--set", type=int, default=1, choices=(1, 2, 3), help="2: the second pass (FP4_VARIANTS_2, "
@@ -495,6 +549,13 @@ def main():
         m32_decode_check()
         save()
         m32_part(bw, args.budget_s)
+        save()
+        log(f"done in {time.time() - T0:.0f} s; errors: {OUT['errors']}")
+        return
+    if args.grouped_bf16x1:
+        grouped_decode_check()
+        save()
+        grouped_part(bw, args.budget_s, variants=GROUPED_BF16X1_VARIANTS)
         save()
         log(f"done in {time.time() - T0:.0f} s; errors: {OUT['errors']}")
         return

@@ -26,6 +26,9 @@ benchmarks/RESULTS.md, 2026-12-02). At 128 lane-instructions per clock per multi
 cap a kernel near 128 / N bytes per clock per SM (x 132 SMs x clock), whatever the memory system does: a bound read
 here in seconds, before any device time is spent.
 
+The IR goes through Triton's TTIR passes first, as on the device (``--no-ttir-passes``: as JAX emitted it, the
+counts before 2026-12-04).
+
 Caveats: the device compiles the same IR with the Triton bundled in its jaxlib, whose passes may differ a little
 from the installed Triton's; "per byte" divides the static instruction count by the bytes one thread streams, which
 is the executed count only for kernels whose K loop is unrolled (the default slot and FP8 gemv tilings; a warning is
@@ -76,8 +79,31 @@ def capture_triton_ir(trace_and_lower) -> list[str]:
     return got
 
 
-def compile_to_sass(ttir: str, num_warps: int, num_stages: int, work: str) -> tuple[str, str]:
-    """Triton IR text -> (SASS text, resource usage text), compiled for sm_90."""
+def ttir_passes(path: str, num_warps: int, num_stages: int) -> str:
+    """Triton IR text after Triton's own TTIR stage (``make_ttir``: inliner, canonicalizer, combine, broadcast
+    reordering, CSE, loop unrolling). Why: ``triton.compile`` of an IR file starts at the stage after the file's (IR
+    tests' convention), so a .ttir is lowered without these passes — while the device's pipeline (XLA's Triton
+    compilation, modelled on ``make_ttir``) runs them on the IR JAX emits. Without them the counts can include
+    work the device's compile folds away (e.g. a constant multiply the combine pass removes)."""
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    backend.load_dialects(ctx)
+    mod = ir.parse_mlir_module(path, ctx)
+    mod.context = ctx
+    opts = backend.parse_options(dict(num_warps=num_warps, num_stages=num_stages))
+    backend.make_ttir(mod, {}, opts, 90)
+    return str(mod)
+
+
+def compile_to_sass(ttir: str, num_warps: int, num_stages: int, work: str, *,
+                    run_ttir_passes: bool = True) -> tuple[str, str]:
+    """Triton IR text -> (SASS text, resource usage text), compiled for sm_90 (after Triton's TTIR passes unless
+    ``run_ttir_passes`` is False: the counts before 2026-12-04)."""
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -86,6 +112,10 @@ def compile_to_sass(ttir: str, num_warps: int, num_stages: int, work: str) -> tu
     path = os.path.join(work, "kernel.ttir")
     with open(path, "w") as f:
         f.write(ttir)
+    if run_ttir_passes:
+        os.replace(path, os.path.join(work, "kernel.jax.ttir"))  # as JAX emitted it
+        with open(path, "w") as f:
+            f.write(ttir_passes(os.path.join(work, "kernel.jax.ttir"), num_warps, num_stages))
     k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
                                                                               num_stages=num_stages))
     print(f"   triton metadata: shared {k.metadata.shared} B, num_warps {num_warps}, num_stages {num_stages}")
@@ -267,6 +297,8 @@ def main():
     ap.add_argument("--tuning", default="{}", help="JSON: the kernel's tiling / decode overrides")
     ap.add_argument("--nk", default=f"{F},{D}", help="fp8_m32: the weight's N,K (default: the shared expert's w1)")
     ap.add_argument("--keep", default=None, help="a folder to keep kernel.{ttir,ptx,cubin,sass} in")
+    ap.add_argument("--no-ttir-passes", action="store_true", help="compile the IR as JAX emitted it, without "
+                    "Triton's TTIR passes (the device runs them; the counts of this script before 2026-12-04)")
     args = ap.parse_args()
     tuning = json.loads(args.tuning)
     thunk, num_warps, num_stages, per_thread = kernel_case(args.kernel, tuning,
@@ -276,7 +308,7 @@ def main():
         raise SystemExit(f"expected one Pallas kernel, lowered {len(irs)}")
     work = args.keep or tempfile.mkdtemp(prefix="kernel_sass_")
     os.makedirs(work, exist_ok=True)
-    sass, res = compile_to_sass(irs[0], num_warps, num_stages, work)
+    sass, res = compile_to_sass(irs[0], num_warps, num_stages, work, run_ttir_passes=not args.no_ttir_passes)
     ops = opcode_histogram(sass)
     total = sum(ops.values())
     usage = " ".join(re.findall(r"(REG:\d+|STACK:\d+|SHARED:\d+)", res))

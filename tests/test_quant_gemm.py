@@ -330,6 +330,106 @@ def test_fp8_tiling_pin_and_the_m32_split_k_path_equal_the_float32_reference():
                                                      tuning=dict(e4m3_decode="sign_fold")))
 
 
+def test_bf16x1_decode_is_exact_up_to_scale_byte_128_and_never_finite_beyond():
+    """The grouped FP4 kernel's one-multiply decode ("bf16x1") on every packed byte (both nibbles) x every scale
+    byte 0..255, against the float32 reference dequantisation (``QuantizedTensor.dequantize``, exact, subnormals
+    kept): bit-equal bf16 for scale bytes 0..128; for 129..255 every weight inf or NaN (the multiplier 2^(s - 1) is
+    past bf16's range), never a finite number. Checked twice: the kernel's interpret-mode decode
+    (``_fp4_weight_tile``), and the inline PTX's instruction sequence replayed in numpy — the integer steps on both
+    16-bit halves of a register, then one exact multiply by the kernel's bf16 multiplier."""
+    import ml_dtypes
+
+    from dsv41_jax.checkpoint import quantized as QZ
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    bf16 = ml_dtypes.bfloat16
+    b = np.arange(256, dtype=np.uint32)
+    v = np.tile(b.astype(np.uint8), (256, 1))  # row r: all 256 bytes (16 scale groups), every group scale byte r
+    s = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 16, axis=1)
+    qt = QZ.QuantizedTensor(jnp.asarray(v), jnp.asarray(s), N.FP4_ROWS, (256, 512), (1, 32))
+    ref = np.asarray(qt.dequantize(jnp.float32)).reshape(256, 256, 2)  # [scale byte, byte, low / high nibble]
+    ref_bits = ref.astype(bf16).view(np.uint16)  # exact: <= 3 significant bits, inside bf16's range (subnormal too)
+    assert (ref_bits[:129] != ref.view(np.uint32)[:129] >> 16).sum() == 0  # the float32 values are bf16 values
+    lo, hi = G._fp4_weight_tile(jnp.asarray(v), jnp.asarray(s), "bf16x1", jnp.bfloat16, interpret=True)
+    got = np.stack([np.asarray(lo), np.asarray(hi)], -1)
+    np.testing.assert_array_equal(got[:129].view(np.uint16), ref_bits[:129])
+    assert not np.isfinite(got[129:].astype(np.float32)).any()
+    # the PTX (``_e2m1_bf16x2_ptx(shift, one_multiply=True)``): the two bytes at bits 0-7 / 16-23 of a register
+    # (prmt), the nibble masked and spread by one integer multiply, masked to the bf16 pattern of value x 2^-126;
+    # then one bf16 multiply by ``_fp4_bf16x1_multiplier`` — here in float64, exact for these powers of two
+    mult = np.asarray(G._fp4_bf16x1_multiplier(jnp.arange(256, dtype=jnp.uint8))).astype(np.float64)
+    assert all("mul.rn.bf16x2" in G._e2m1_bf16x2_ptx(sh, one_multiply=True) for sh in (0, 4))
+    w = b | b << 16
+    for nib, (mask, mul) in G.E2M1_BF16_MASKS.items():
+        assert G._e2m1_bf16x2_ptx(nib, one_multiply=True).count("mul.rn.bf16x2") == 1
+        pat = ((w & int(mask, 16)) * int(mul, 16)) & 0x81C081C0
+        for half in (pat & 0xFFFF, pat >> 16):
+            with np.errstate(invalid="ignore"):  # 0 x inf -> NaN, as on the GPU
+                prod = half.astype(np.uint16).view(bf16).astype(np.float64)[None, :] * mult[:, None]
+            prod = prod.astype(bf16)
+            np.testing.assert_array_equal(prod[:129].view(np.uint16), ref_bits[:129, :, nib // 4])
+            assert not np.isfinite(prod[129:].astype(np.float32)).any()
+
+
+def test_grouped_fp4_bf16x1_equals_the_reference_and_bf16x2():
+    """``fp4_grouped_gemm(decode="bf16x1")`` (interpret mode, one compile): 13 bf16 rows over 3 experts (one empty,
+    rows past the groups' total zero) with scale bytes <= 128 against float64 on the same inputs within one bf16
+    rounding, and bit-equal to the default decode (the same exact weights, the same accumulation)."""
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    rng = np.random.default_rng(9)
+    w = _weights(rng, (3, 64, 256), N.FP4_ROWS, scale=0.01)
+    assert w.scale_max is not None and w.scale_max <= 128
+    gs = jnp.array([5, 0, 6], jnp.int32)
+    xb = jnp.asarray(rng.standard_normal((13, 256)), jnp.float32).astype(jnp.bfloat16)
+    wd = np.asarray(w.dequantize(), np.float64)
+    x64 = np.asarray(xb.astype(jnp.float32), np.float64)
+    want = np.zeros((13, 64))
+    want[:5], want[5:11] = x64[:5] @ wd[0].T, x64[5:11] @ wd[2].T
+    tiling = dict(mma_rows="weights", block_m=16, block_n=32, block_k=128)
+    got = G.fp4_grouped_gemm(xb, gs, w.values, w.scales, decode="bf16x1", interpret=True, **tiling)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2 ** -8, atol=2 ** -8 * np.abs(want).max())
+    np.testing.assert_array_equal(np.asarray(got, np.float32)[11:], 0.0)
+    base = G.fp4_grouped_gemm(xb, gs, w.values, w.scales, decode="bf16x2", interpret=True, **tiling)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(base).view(np.uint16))
+
+
+def test_grouped_fp4_decode_follows_the_recorded_scale_max(monkeypatch):
+    """``fp4_grouped_decode``: "bf16x1" only for a known scale_max <= 128, else the exact default; bad values fail
+    clearly. ``quant_gemm.fp4_grouped`` passes that choice to the kernel unless the caller names a decode (or the
+    FP8 form, which takes none). ``release_weights``' quantiser records the FP4 experts' largest scale byte."""
+    import dataclasses
+
+    from dsv41_jax.checkpoint import quantized as QZ
+    from dsv41_jax.kernels import quant_gemm_gpu as G
+
+    assert [G.fp4_grouped_decode(sm) for sm in (None, 0, 120, 128, 129, 255)] == [
+        "bf16x2", "bf16x1", "bf16x1", "bf16x1", "bf16x2", "bf16x2"]
+    for bad in (-1, 256, 1.5, True, "128"):
+        with pytest.raises(ValueError, match="scale_max"):
+            G.fp4_grouped_decode(bad)
+    rng = np.random.default_rng(2)
+    w = _weights(rng, (2, 32, 64), N.FP4_ROWS, scale=0.01)
+    assert w.scale_max == int(np.asarray(w.scales).max()) <= 128
+    assert _weights(rng, (32, 64), N.FP8_BLOCK).scale_max is None  # only the FP4 experts record it
+    with pytest.raises(QZ.QuantFormatError, match="scale_max"):
+        dataclasses.replace(w, scale_max=300)
+    seen = []
+
+    def fake(x, gs, values, scales, **kw):
+        seen.append((kw.get("decode"), kw.get("mma")))
+        return jnp.zeros((x.shape[0], values.shape[1]), x.dtype)
+
+    monkeypatch.setattr(G, "fp4_grouped_gemm", fake)
+    x, gs = jnp.zeros((4, 64), jnp.bfloat16), jnp.array([2, 2], jnp.int32)
+    for sm, tuning in ((w.scale_max, None), (None, None), (200, None), (w.scale_max, dict(decode="bf16x2")),
+                       (w.scale_max, dict(block_n=32)), (w.scale_max, dict(mma="fp8"))):
+        QG.fp4_grouped(x, gs, dataclasses.replace(w, scale_max=sm), backend="pallas_gpu_interpret", tuning=tuning)
+    assert seen == [("bf16x1", None), ("bf16x2", None), ("bf16x2", None), ("bf16x2", None), ("bf16x1", None),
+                    (None, "fp8")]
+
+
 def test_fused_fp8_kernel_equals_the_float32_reference_and_the_separate_kernels():
     """Several projections of one input in one launch (``fp8_linear_fused``): each output equals float64 on the
     dequantised weights (float32 in: accumulation-order noise; bf16 in: one bf16 rounding), and equals the separate
@@ -514,7 +614,10 @@ def test_gpu_kernels_lower_to_triton_without_a_gpu():
              (G.fp4_grouped_gemm,
               (sds((192, 5120), bf), sds((16,), jnp.int32), sds((16, 2304, 2560), u8), sds((16, 2304, 160), u8))),
              (G.fp4_grouped_gemm, (sds((13, 96), bf), sds((5,), jnp.int32), sds((5, 40, 48), u8),
-                                   sds((5, 40, 3), u8)))]
+                                   sds((5, 40, 3), u8))),
+             # the one-multiply decode's inline PTX (weights with scale bytes <= 128)
+             (functools.partial(G.fp4_grouped_gemm, decode="bf16x1"),
+              (sds((13, 96), bf), sds((5,), jnp.int32), sds((5, 40, 48), u8), sds((5, 40, 3), u8)))]
     for fn, args in cases:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text or "triton" in text

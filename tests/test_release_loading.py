@@ -98,6 +98,8 @@ def _pod_child(directory: str, reference: str, coordinator: str, process_id: int
         for (path, _), x in zip(flat_specs(ckpt.config), leaves):
             want = ref[path]
             if isinstance(x, QZ.QuantizedTensor):  # the stored values and scales, shard by shard
+                # each process read only its blocks: no largest scale byte is recorded (processes must agree)
+                assert x.scale_max is None, (path, x.scale_max)
                 src = by_path[path]
                 for part, infos, pad in ((x.values, src.infos, 0), (x.scales, src.scales, QZ.E8M0_BIAS)):
                     stored = np.stack([read_tensor(i).view(np.uint8) for i in infos]) if src.stacked \

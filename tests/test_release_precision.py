@@ -189,8 +189,9 @@ def test_quantised_weights_shard_by_the_logical_axis_rules():
     experts = RW._quantize(rng.standard_normal((8, 64, 128)).astype(np.float32), N.FP4_ROWS)  # K = 128: 4 blocks
     spec = RW.quantized_partition_spec(experts, ("experts", "embed", "expert_mlp"), mesh, "tp")
     assert spec == P("expert", None, "tensor")
+    # a sharding tree carries the tensor's static fields (scale_max included: the pytree structures must match)
     placed = jax.device_put(experts, QuantizedTensor(NamedSharding(mesh, spec), NamedSharding(mesh, spec),
-                                                     experts.fmt, experts.shape, experts.block))
+                                                     experts.fmt, experts.shape, experts.block, experts.scale_max))
     for v, s in zip(placed.values.addressable_shards, placed.scales.addressable_shards):
         assert v.index[:-1] == s.index[:-1] and v.data.shape[-1] * 2 == s.data.shape[-1] * N.FP4_BLOCK
         assert v.index[-1].start * 2 == s.index[-1].start * N.FP4_BLOCK  # the shard starts at a block boundary

@@ -200,13 +200,25 @@ class QuantizedTensor:
     """A weight kept in the release's storage format. ``values``: uint8 (e4m3 bytes, or two e2m1 codes per byte for
     ``fmt == FP4_ROWS``); ``scales``: uint8 e8m0 bytes (or float32); ``fmt``: one of ``names.FP8_BLOCK``,
     ``FP4_ROWS``, ``ENGRAM_ROWS``; ``shape``: the logical (dequantised) shape. Leading axes (stacked experts) are
-    allowed. ``dequantize(dtype)`` is exact and jittable."""
+    allowed. ``dequantize(dtype)`` is exact and jittable.
+
+    ``scale_max`` (static, optional): the largest e8m0 scale byte of ``scales``, or None (unknown). Recorded on the
+    host, once, where the release's FP4 experts are built or loaded (``scale_byte_max``); the grouped FP4 GEMM takes
+    its one-multiply decode only for weights known to stay at or below byte 128 (``kernels.quant_gemm_gpu.
+    fp4_grouped_decode``). A static field, not a leaf: pytrees, shardings and the leaves' arrays are as before; a
+    tensor derived from another (a slice of its experts) may keep it, as an upper bound."""
 
     values: jax.Array
     scales: jax.Array
     fmt: str = dataclasses.field(metadata=dict(static=True))
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     block: tuple[int, int] = dataclasses.field(default=FP8_BLOCK_SHAPE, metadata=dict(static=True))
+    scale_max: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def __post_init__(self):
+        sm = self.scale_max
+        if sm is not None and (isinstance(sm, bool) or not isinstance(sm, int) or not 0 <= sm <= 255):
+            raise QuantFormatError(f"QuantizedTensor.scale_max must be an int scale byte 0..255 or None, got {sm!r}")
 
     @property
     def dtype(self):
@@ -218,6 +230,15 @@ class QuantizedTensor:
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return dequantize(self, dtype)
+
+
+def scale_byte_max(scales) -> int | None:
+    """The largest e8m0 byte of a host scale array (numpy, uint8 / float8_e8m0fnu) as an int, for
+    ``QuantizedTensor.scale_max``; None for float scales or an empty array."""
+    s = np.asarray(scales)
+    if s.size == 0 or not (s.dtype == np.uint8 or s.dtype == ml_dtypes.float8_e8m0fnu):
+        return None
+    return int(as_uint8(s).max())
 
 
 def _scale_exponent(scales: jax.Array):
@@ -252,6 +273,6 @@ def _dequantize(qt: QuantizedTensor, dtype) -> jax.Array:
     return y.astype(dtype)
 
 
-__all__ = ["QuantizedTensor", "dequantize", "dequant_fp8_block", "dequant_fp4_rows", "dequant_engram_rows",
+__all__ = ["QuantizedTensor", "dequantize", "scale_byte_max", "dequant_fp8_block", "dequant_fp4_rows", "dequant_engram_rows",
            "quantize_fp8_block", "quantize_fp4_rows", "quantize_engram_rows", "unpack_fp4_codes", "pack_fp4_codes",
            "e8m0_to_f32", "e4m3_to_f32", "E2M1_VALUES", "QuantFormatError"]

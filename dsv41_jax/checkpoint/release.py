@@ -498,9 +498,21 @@ class ReleaseCheckpoint:
             return NamedSharding(mesh, logical_to_spec(src.spec.axes, mesh, get_rules(rules), full, strict=False))
 
         v = place(vshape, sharding_for(vshape), self._stored_reader(src, "v", vshape, 1), itemsize=1)
-        s = place(sshape, sharding_for(sshape), self._stored_reader(src, "s", sshape, bo), itemsize=4)
+        read_scales = self._stored_reader(src, "s", sshape, bo)
+        seen = []  # the largest scale byte of every block read (FP4 experts: QuantizedTensor.scale_max)
+
+        def read_and_note(index):
+            block = read_scales(index)
+            seen.append(QZ.scale_byte_max(block))
+            return block
+
+        fp4 = src.fmt == N.FP4_ROWS
+        s = place(sshape, sharding_for(sshape), read_and_note if fp4 else read_scales, itemsize=4)
+        # one process reads every block of the tensor (its devices hold them all); on a pod each process reads only
+        # its own, and a per-process maximum would give the processes different programs: unknown there
+        scale_max = (max(seen) if seen and None not in seen and jax.process_count() == 1 else None) if fp4 else None
         block = self.fp8_block if src.fmt == N.FP8_BLOCK else (1, 32)
-        return QZ.QuantizedTensor(v, s, src.fmt, tuple(src.spec.shape), block)
+        return QZ.QuantizedTensor(v, s, src.fmt, tuple(src.spec.shape), block, scale_max)
 
 
 def _dequant_on_device(mode: str, sharding) -> bool:

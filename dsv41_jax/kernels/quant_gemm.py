@@ -179,7 +179,9 @@ def fp8_linear_fused(x: jax.Array, ws, *, backend: str = "auto", tuning: dict | 
 
 def fp4_grouped(x: jax.Array, group_sizes: jax.Array, w, *, backend: str = "auto",
                 tuning: dict | None = None) -> jax.Array:
-    """Grouped GEMM over stacked FP4 experts: x [A, K] sorted by expert, group_sizes [E] -> [A, N] (x.dtype)."""
+    """Grouped GEMM over stacked FP4 experts: x [A, K] sorted by expert, group_sizes [E] -> [A, N] (x.dtype).
+    On ``pallas_gpu`` without a ``decode`` in ``tuning``, the "weights" form's decode follows ``w.scale_max``
+    (``quant_gemm_gpu.fp4_grouped_decode``: "bf16x1" for weights whose scale bytes are known to be <= 128)."""
     _check_fp4(w)
     _check_x(x, w.shape[2], "fp4_grouped")
     if x.ndim != 2:
@@ -198,7 +200,11 @@ def fp4_grouped(x: jax.Array, group_sizes: jax.Array, w, *, backend: str = "auto
         from dsv41_jax.kernels import quant_gemm_gpu as G
 
         _check_gpu_addressing("fp4_grouped", w.values, w.scales, x)
-        return G.fp4_grouped_gemm(x, gs, w.values, w.scales, interpret=be.endswith("interpret"), **(tuning or {}))
+        tuning = dict(tuning or {})
+        if tuning.get("mma") in (None, "bf16") and "decode" not in tuning:  # an asked-for decode wins
+            # the one-multiply decode where the weights' recorded scale bytes allow it exactly, else the default
+            tuning["decode"] = G.fp4_grouped_decode(getattr(w, "scale_max", None))
+        return G.fp4_grouped_gemm(x, gs, w.values, w.scales, interpret=be.endswith("interpret"), **tuning)
     from dsv41_jax.kernels import quant_gemm_tpu as T
 
     return T.fp4_grouped_gemm(x, gs, w.values, w.scales, interpret=be.endswith("interpret"), **(tuning or {}))

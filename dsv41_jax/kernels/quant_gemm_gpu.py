@@ -41,7 +41,8 @@
   sized calls take the "weights" form by default: each tile is W[cols, K step] · x[rows, K step]ᵀ, so the 64
   dequantised weight rows are the row side of Hopper's wgmma as a register operand and the few tokens of an expert
   its columns, with the nibbles decoded straight to bf16 by inline PTX (``decode="bf16x2"``: bit patterns of value x
-  2^-126 in 16-bit register halves, two packed bf16 multiplies for 2^126 and the scale; exact). Measured on an H200
+  2^-126 in 16-bit register halves, two packed bf16 multiplies for 2^126 and the scale; exact; ``"bf16x1"``, one
+  multiply by the scale x 2^126, for weights whose scale bytes are known to be <= 128). Measured on an H200
   at the batch-32 decode step's shapes (192 rows, 16 experts of 2304 x 5120): 1.37-1.40x the tokens form, 29-32 % of
   4.8 TB/s with 32-row token tiles; 16-row tiles (the default while experts hold <= 12 rows on average) 30-36 %
   (benchmarks/RESULTS.md, 2026-12-02).
@@ -635,9 +636,11 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
     [block_n, K step] times the activation tile transposed, the [block_n, block_m] result stored transposed).
     None: "weights" for calls of at most ``FP4_GROUPED_WEIGHT_ROWS_MAX`` rows (decode), else "tokens".
     ``decode`` (the "weights" form with bf16 activations only): how the packed bytes become the dot's bf16 operand —
-    "f32" (the float16 pair decode widened to float32, scaled, rounded to bf16) or "bf16x2" (inline PTX: each
+    "f32" (the float16 pair decode widened to float32, scaled, rounded to bf16), "bf16x2" (inline PTX: each
     nibble's bf16 bit pattern built in a 16-bit half of a register, then two packed bf16 multiplies per two weights;
-    ``_e2m1_bf16x2_scaled``). None: ``FP4_GROUPED_DEFAULT_DECODE``. ``split_k`` (the "weights" form only; must
+    ``_e2m1_bf16x2_scaled``) or "bf16x1" (the same patterns, one packed multiply by 2^(s - 1); exact for scale bytes
+    <= 128 only, inf / NaN weights beyond: ``_e2m1_bf16x1_scaled``, chosen by ``quant_gemm.fp4_grouped`` through
+    ``fp4_grouped_decode`` for weights whose recorded ``scale_max`` allows it). None: ``FP4_GROUPED_DEFAULT_DECODE``. ``split_k`` (the "weights" form only; must
     divide the K steps): K ranges given to separate programs, their float32 partial products [split_k, A, N] added
     by one small XLA reduction, then rounded to x.dtype — more programs when a call's (row tile, column block)
     programs fill the multiprocessors only about once.
@@ -775,30 +778,47 @@ def fp4_weight_rows_block_m(rows: int, experts: int) -> int:
     return 16 if rows <= FP4_GROUPED_SMALL_TILE_ROWS_PER_EXPERT * experts else 32 if rows <= 1024 else 64
 
 
-FP4_GROUPED_DECODES = ("f32", "bf16x2")
+FP4_GROUPED_DECODES = ("f32", "bf16x2", "bf16x1")
 FP4_GROUPED_DEFAULT_DECODE = "bf16x2"
+# "bf16x1" (``_e2m1_bf16x1_scaled``) is exact only for scale bytes <= this (2^(s - 1) must be a finite bf16); larger
+# bytes give inf / NaN weights. So it is the decode only of weights known to stay below (``fp4_grouped_decode``; byte
+# 128 is the scale 2: the quantiser writes it for groups whose largest |weight| is at most 12). Measured on an H200 (benchmarks/RESULTS.md, 2026-12-04
+# 08:42 UTC) at the batch-32 step's shapes (192 rows over 16 experts): kernel 59.0 vs 60.4-60.9 µs for w1 / w3
+# (1.02x, 39 vs 38 % of the read-only bandwidth measured in the same process) and 54.5-54.6 vs 57.6-57.7 µs for w2
+# (1.05-1.06x, 42 vs 40 %); the K loop's SASS 9.0 instructions per weight byte against 10.8 (``kernel_sass.py
+# fp4_grouped``). On the device every packed byte x scale byte 0..128 came out equal to the exact dequantisation for
+# both decodes (subnormal weights of bytes 0 / 1 included), and bytes 129..255 inf / NaN for "bf16x1".
+FP4_BF16X1_SCALE_MAX = 128
 
 # e2m1 nibble -> bf16 bit pattern of value x 2^-126 (exact; code 1, the value 0.5, is the bf16 subnormal 0x0040):
 # magnitude bits 0-2 to bits 6-8, sign bit 3 to bit 15. For two nibbles held at bits 0-3 and 16-19 of a register n,
 # n * 0x1040 = n << 6 | n << 12 (the two copies do not overlap) and the mask 0x81C081C0 keeps bits 6-8 of the first
 # copy and bit 15 of the second in each half; the high nibbles (bits 4-7 / 20-23) take n * 0x104 (<< 2 | << 8).
-# Then two bf16x2 multiplies: by 2^126 (the e2m1 values, all normal or zero; the bf16 multiply keeps the subnormal
-# input) and by the scale 2^(s - 127) — exact (powers of two) for every scale byte 1..254 (byte 0, 2^-127, is the
-# bf16 subnormal 0x0040; 0xFF gives NaN).
-def _e2m1_bf16x2_ptx(shift: int) -> str:
-    """PTX of one instance (two packed bytes in the 16-bit $1, their bf16 scales in $2 -> the two scaled bf16
-    weights of the low (shift 0) or high (shift 4) nibbles in $0)."""
-    mask, mul = ("0x000F000F", "0x1040") if shift == 0 else ("0x00F000F0", "0x104")
+# "bf16x2": then two bf16x2 multiplies, by 2^126 (the e2m1 values, all normal or zero; the bf16 multiply keeps the
+# subnormal input) and by the scale 2^(s - 127) — exact (powers of two) for every scale byte 1..254 (byte 0, 2^-127,
+# is the bf16 subnormal 0x0040; 0xFF gives NaN). "bf16x1": one bf16x2 multiply by 2^(s - 1), the scale with the
+# 2^126 folded in (``_fp4_bf16x1_multiplier``) — one instruction less per two packed bytes and nibble half; exact
+# for scale bytes 0..128 (the products value x 2^(s - 127) are at most 12 and at least 2^-128, a bf16 subnormal the
+# multiply writes exactly), while 2^(s - 1) for bytes > 128 is past bf16's largest power of two (2^127): the
+# multiplier is +inf there and the weights inf (or NaN for zero codes), never a wrong finite number.
+E2M1_BF16_MASKS = {0: ("0x000F000F", "0x1040"), 4: ("0x00F000F0", "0x104")}  # shift -> (nibble mask, multiplier)
+
+
+def _e2m1_bf16x2_ptx(shift: int, one_multiply: bool = False) -> str:
+    """PTX of one instance (two packed bytes in the 16-bit $1, their bf16 multipliers in $2 -> the two scaled bf16
+    weights of the low (shift 0) or high (shift 4) nibbles in $0): "bf16x2" (two multiplies: 2^126, then $2 =
+    ``_fp4_bf16_multiplier``) or, ``one_multiply``, "bf16x1" (one: $2 = ``_fp4_bf16x1_multiplier``)."""
+    mask, mul = E2M1_BF16_MASKS[shift]
+    scale = "mul.rn.bf16x2 $0, n, $2;" if one_multiply else "mul.rn.bf16x2 n, n, c;\nmul.rn.bf16x2 $0, n, $2;"
+    const = "" if one_multiply else "mov.b32 c, 0x7E807E80;\n"
     return f"""{{
-.reg .b32 w, n, c;
-mov.b32 c, 0x7E807E80;
-cvt.u32.u16 w, $1;
+.reg .b32 w, n{"" if one_multiply else ", c"};
+{const}cvt.u32.u16 w, $1;
 prmt.b32 w, w, 0, 0x4140;
 and.b32 n, w, {mask};
 mul.lo.u32 n, n, {mul};
 and.b32 n, n, 0x81C081C0;
-mul.rn.bf16x2 n, n, c;
-mul.rn.bf16x2 $0, n, $2;
+{scale}
 }}"""
 
 
@@ -808,6 +828,25 @@ def _fp4_bf16_multiplier(s):
     si = s.astype(jnp.int32)
     bits = jnp.where(si == 0, 0x0040, jnp.where(si == 255, 0x7FC0, si << 7))
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+def _fp4_bf16x1_multiplier(s):
+    """e8m0 scale bytes -> bf16 2^(s - 1) (the scale 2^(s - 127) times the 2^126 the "bf16x1" patterns lack): the
+    exponent bits of bytes 0..128 (all normal); +inf for bytes 129..255, whose 2^(s - 1) bf16 cannot hold — clamped
+    to the inf pattern so that no byte wraps into the sign bit (a finite -0 multiplier would be a wrong number)."""
+    si = s.astype(jnp.int32)
+    bits = jnp.minimum(si + 126, 255) << 7
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+def fp4_grouped_decode(scale_max: int | None) -> str:
+    """The grouped FP4 "weights" form's decode for weights whose largest scale byte is ``scale_max``
+    (``QuantizedTensor.scale_max``; None: unknown): "bf16x1" where it is exact for every scale (<=
+    ``FP4_BF16X1_SCALE_MAX``), else the exact-everywhere default ``FP4_GROUPED_DEFAULT_DECODE``."""
+    if scale_max is not None and (isinstance(scale_max, bool) or not isinstance(scale_max, int)
+                                  or not 0 <= scale_max <= 255):
+        raise ValueError(f"scale_max must be a scale byte 0..255 or None, got {scale_max!r}")
+    return "bf16x1" if scale_max is not None and scale_max <= FP4_BF16X1_SCALE_MAX else FP4_GROUPED_DEFAULT_DECODE
 
 
 def _e2m1_bf16x2_scaled(v, mult, interpret: bool):
@@ -828,6 +867,30 @@ def _e2m1_bf16x2_scaled(v, mult, interpret: bool):
     return tuple(pltr.elementwise_inline_asm(_e2m1_bf16x2_ptx(sh), args=[v, mult], constraints="=r,h,r",
                                              pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape,
                                                                                                jnp.bfloat16)])[0]
+                 for sh in (0, 4))
+
+
+def _e2m1_bf16x1_scaled(v, mult, interpret: bool):
+    """Packed e2m1 bytes v uint8 [...] and bf16 multipliers 2^(s - 1) [...] (``_fp4_bf16x1_multiplier``) -> (low,
+    high) nibbles as bf16 ``value x 2^(s - 127)``: exact for scale bytes 0..128, inf / NaN beyond. On the GPU inline
+    PTX (``_e2m1_bf16x2_ptx(..., one_multiply=True)``). In interpret mode the same numbers from integer exponent
+    arithmetic (``ops.quant._ldexp_exact``): XLA on the CPU flushes subnormal operands and results of float
+    arithmetic to zero, which the GPU's bf16 multiply does not (scale bytes 0 and 1 give bf16 subnormals)."""
+    if interpret:
+        from dsv41_jax.ops.quant import _ldexp_exact
+
+        vi = v.astype(jnp.int32)
+        e = jax.lax.bitcast_convert_type(mult, jnp.uint16).astype(jnp.int32) >> 7  # biased exponent of 2^(s - 1)
+
+        def value(codes):  # value x 2^-126 x 2^(s - 1) = value x 2^(e - 253); an inf multiplier (e 255): inf x value
+            d = decode_e2m1_scaled(codes).astype(jnp.float32) * jnp.float32(2.0 ** 14)  # the e2m1 value, normal
+            inf = jnp.where(d == 0, jnp.float32(jnp.nan), jnp.copysign(jnp.float32(jnp.inf), d))
+            return jnp.where(e == 255, inf, _ldexp_exact(d, e - 253)).astype(jnp.bfloat16)
+
+        return value(vi & 15), value(vi >> 4)
+    return tuple(pltr.elementwise_inline_asm(_e2m1_bf16x2_ptx(sh, one_multiply=True), args=[v, mult],
+                                             constraints="=r,h,r", pack=2,
+                                             result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.bfloat16)])[0]
                  for sh in (0, 4))
 
 
@@ -916,12 +979,16 @@ def _e4m3_bf16x2_scaled(v, mult, interpret: bool, decode: str = "sign"):
 def _fp4_weight_tile(v, s, decode: str, dot_dtype, interpret: bool):
     """A K step's weight tile of the weights-as-rows forms: packed bytes v [bn, bk/2] and scale bytes s [bn, bk/32]
     -> the (low, high) nibbles' weights ``value x 2^(s - 127)`` [bn, bk/2] in the dot dtype, exact. "bf16x2" (bf16
-    dots): inline PTX (``_e2m1_bf16x2_scaled``); else the float16 pair decode widened to float32 and scaled."""
+    dots): inline PTX (``_e2m1_bf16x2_scaled``); "bf16x1" (bf16 dots): inline PTX with one multiply
+    (``_e2m1_bf16x1_scaled``; exact for scale bytes <= 128 only); else the float16 pair decode widened to float32
+    and scaled."""
     bn, bkh = v.shape
     sg, hb = s.shape[1], SCALE_BLOCK // 2
-    if decode == "bf16x2" and dot_dtype == jnp.bfloat16:
-        mult = jnp.broadcast_to(_fp4_bf16_multiplier(s)[:, :, None], (bn, sg, hb)).reshape(bn, bkh)
-        return _e2m1_bf16x2_scaled(v, mult, interpret)
+    if decode in ("bf16x2", "bf16x1") and dot_dtype == jnp.bfloat16:
+        one = decode == "bf16x1"
+        mult = (_fp4_bf16x1_multiplier if one else _fp4_bf16_multiplier)(s)
+        mult = jnp.broadcast_to(mult[:, :, None], (bn, sg, hb)).reshape(bn, bkh)
+        return (_e2m1_bf16x1_scaled if one else _e2m1_bf16x2_scaled)(v, mult, interpret)
     mult = _fp4_scale_mult(s)[:, :, None]  # [bn, sg, 1]: 2^(s - 127 + 14), NaN past byte 240
     lo, hi = _e2m1_pair_f16(v)  # [bn, bkh] float32: value x 2^-14, exact
 

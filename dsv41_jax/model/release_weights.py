@@ -107,7 +107,9 @@ def _quantize(w: np.ndarray, fmt: str) -> QZ.QuantizedTensor:
         block = (1, N.FP4_BLOCK if fmt == N.FP4_ROWS else N.ENGRAM_BLOCK)
     values = values.reshape(lead + (o, -1))
     scales = scales.reshape(lead + (scales.shape[-2] if fmt == N.FP8_BLOCK else o, -1))
-    return QZ.QuantizedTensor(jnp.asarray(values), jnp.asarray(scales), fmt, tuple(w.shape), block)
+    # the FP4 experts' largest scale byte, on the host once (the grouped FP4 GEMM picks its decode by it)
+    scale_max = QZ.scale_byte_max(scales) if fmt == N.FP4_ROWS else None
+    return QZ.QuantizedTensor(jnp.asarray(values), jnp.asarray(scales), fmt, tuple(w.shape), block, scale_max)
 
 
 def quantize_params(params: dict, config: ModelConfig) -> dict:
@@ -239,7 +241,7 @@ def release_shardings(params: dict, config: ModelConfig, mesh, rules="tp") -> di
     def one(path, w):
         if isinstance(w, QZ.QuantizedTensor):
             sh = NamedSharding(mesh, quantized_partition_spec(w, axes[path], mesh, rules))
-            return QZ.QuantizedTensor(sh, sh, w.fmt, w.shape, w.block)
+            return dataclasses.replace(w, values=sh, scales=sh)  # the static fields (scale_max) as the params
         return float_sh[path]
 
     return _map_with_path(one, params)
