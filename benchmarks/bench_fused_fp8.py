@@ -237,9 +237,11 @@ def random_release_params(config, params, key):
             qt = QuantizedTensor(rand_bytes(shape, 0, 256, True), rand_bytes(lead + (-(-o // 32), -(-i // 32)), 115,
                                                                             122, False), fmt, shape, (32, 32))
         elif fmt == N.FP4_ROWS:
-            qt = QuantizedTensor(rand_bytes(lead + (o, i // 2), 0, 256, False),
-                                 rand_bytes(lead + (o, i // N.FP4_BLOCK), 118, 124, False), fmt, shape,
-                                 (1, N.FP4_BLOCK))
+            scales = rand_bytes(lead + (o, i // N.FP4_BLOCK), 118, 124, False)
+            # the largest scale byte, read back as a loaded checkpoint records it: the grouped FP4 kernel's decode
+            # choice (``quant_gemm_gpu.fp4_grouped_decode``) follows it
+            qt = QuantizedTensor(rand_bytes(lead + (o, i // 2), 0, 256, False), scales, fmt, shape,
+                                 (1, N.FP4_BLOCK), int(jax.device_get(jnp.max(scales))))
         else:  # ENGRAM_ROWS
             qt = QuantizedTensor(rand_bytes(shape, 0, 256, True),
                                  rand_bytes(lead + (o, i // N.ENGRAM_BLOCK), 115, 122, False), fmt, shape,
