@@ -252,16 +252,30 @@ def fp4_part(bw, budget_s, variants):
             f"{e_dn:.1e}")
 
 
+def fp8_inputs(key, shapes, r, m):
+    """R distinct random FP8 weight sets (one weight per (n, k) of ``shapes``) and bf16 activations [m, K]."""
+    sets = [tuple(B.random_fp8(jax.random.fold_in(key, 100 * j + p), n, k) for p, (n, k) in enumerate(shapes))
+            for j in range(r)]
+    x = jax.random.normal(jax.random.fold_in(key, 7), (m, shapes[0][1]), jnp.float32).astype(jnp.bfloat16)
+    return sets, x
+
+
+def fp8_call(tuning):
+    """x, (weights...) -> (outputs...): ``fp8_linear`` for one weight, ``fp8_linear_fused`` for several."""
+    def one(x, ws):
+        if len(ws) == 1:
+            return (QG.fp8_linear(x, ws[0], backend=BE, tuning=tuning),)
+        return QG.fp8_linear_fused(x, ws, backend=BE, tuning=tuning)
+    return one
+
+
 def fp8_part(bw, budget_s, plan=None):
     plan = plan or [(i, FP8_VARIANTS) for i in range(len(FP8_SHAPES))]
     for si, variants in plan:
         label, shapes = FP8_SHAPES[si]
         nbytes = sum(n * k + (-(-n // 32)) * (-(-k // 32)) + 2 * n for n, k in shapes) + 2 * shapes[0][1]
         r = 2 if SMOKE else int(max(2, -(-(384 << 20) // nbytes)))
-        key = jax.random.fold_in(jax.random.PRNGKey(11), si)
-        sets = [tuple(B.random_fp8(jax.random.fold_in(key, 100 * j + p), n, k) for p, (n, k) in enumerate(shapes))
-                for j in range(r)]
-        x = jax.random.normal(jax.random.fold_in(key, 7), (1, shapes[0][1]), jnp.float32).astype(jnp.bfloat16)
+        sets, x = fp8_inputs(jax.random.fold_in(jax.random.PRNGKey(11), si), shapes, r, 1)
         want = [np.asarray(x, np.float64) @ np.asarray(w.dequantize(jnp.float32), np.float64).T for w in sets[0]]
         base = None
         for vi, (vlabel, tuning) in enumerate(variants):
@@ -269,12 +283,7 @@ def fp8_part(bw, budget_s, plan=None):
                 OUT["errors"].append(f"fp8 {label} {vlabel}: skipped, budget")
                 continue
             nm = f"fp8v{si}_{vi}"
-            tn = dict(tuning, name=nm)
-
-            def one(x, ws, tn=tn):
-                if len(ws) == 1:
-                    return (QG.fp8_linear(x, ws[0], backend=BE, tuning=tn),)
-                return QG.fp8_linear_fused(x, ws, backend=BE, tuning=tn)
+            one = fp8_call(dict(tuning, name=nm))
 
             try:
                 got = one(x, sets[0])
@@ -441,10 +450,7 @@ def m32_part(bw, budget_s):
     for si, (label, shapes) in enumerate(FP8_SHAPES):
         nbytes = sum(n * k + (-(-n // 32)) * (-(-k // 32)) for n, k in shapes)
         r = 2 if SMOKE else int(max(2, -(-(384 << 20) // nbytes)))
-        key = jax.random.fold_in(jax.random.PRNGKey(31), si)
-        sets = [tuple(B.random_fp8(jax.random.fold_in(key, 100 * j + p), n, k) for p, (n, k) in enumerate(shapes))
-                for j in range(r)]
-        x = jax.random.normal(jax.random.fold_in(key, 7), (m, shapes[0][1]), jnp.float32).astype(jnp.bfloat16)
+        sets, x = fp8_inputs(jax.random.fold_in(jax.random.PRNGKey(31), si), shapes, r, m)
         want = [jnp.dot(x.astype(jnp.float32), w.dequantize(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
                 for w in sets[0]]
         data.append((label, shapes, nbytes, r, sets, x, want))
@@ -455,12 +461,7 @@ def m32_part(bw, budget_s):
                 OUT["errors"].append(f"m32 {label} {vlabel}: skipped, budget")
                 continue
             nm = f"fp8m32_{si}_{vi}"
-            tn = dict(tuning, name=nm)
-
-            def one(x, ws, tn=tn):
-                if len(ws) == 1:
-                    return (QG.fp8_linear(x, ws[0], backend=BE, tuning=tn),)
-                return QG.fp8_linear_fused(x, ws, backend=BE, tuning=tn)
+            one = fp8_call(dict(tuning, name=nm))
 
             try:
                 t = G.fp8_default_tiling(m, sum(n for n, _ in shapes), shapes[0][1], **tuning)

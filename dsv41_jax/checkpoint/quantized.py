@@ -274,5 +274,5 @@ def _dequantize(qt: QuantizedTensor, dtype) -> jax.Array:
 
 
 __all__ = ["QuantizedTensor", "dequantize", "scale_byte_max", "dequant_fp8_block", "dequant_fp4_rows",
-           "dequant_engram_rows", "quantize_fp8_block", "quantize_fp4_rows", "quantize_engram_rows", "unpack_fp4_codes", "pack_fp4_codes",
-           "e8m0_to_f32", "e4m3_to_f32", "E2M1_VALUES", "QuantFormatError"]
+           "dequant_engram_rows", "quantize_fp8_block", "quantize_fp4_rows", "quantize_engram_rows", "unpack_fp4_codes",
+           "pack_fp4_codes", "e8m0_to_f32", "e4m3_to_f32", "E2M1_VALUES", "QuantFormatError"]

@@ -510,7 +510,8 @@ class ReleaseCheckpoint:
         s = place(sshape, sharding_for(sshape), read_and_note if fp4 else read_scales, itemsize=4)
         # one process reads every block of the tensor (its devices hold them all); on a pod each process reads only
         # its own, and a per-process maximum would give the processes different programs: unknown there
-        scale_max = (max(seen) if seen and None not in seen and jax.process_count() == 1 else None) if fp4 else None
+        whole = fp4 and seen and None not in seen and jax.process_count() == 1
+        scale_max = max(seen) if whole else None
         block = self.fp8_block if src.fmt == N.FP8_BLOCK else (1, 32)
         return QZ.QuantizedTensor(v, s, src.fmt, tuple(src.spec.shape), block, scale_max)
 

@@ -640,10 +640,11 @@ def fp4_grouped_gemm(x, group_sizes, values, scales, *, block_m: int | None = No
     nibble's bf16 bit pattern built in a 16-bit half of a register, then two packed bf16 multiplies per two weights;
     ``_e2m1_bf16x2_scaled``) or "bf16x1" (the same patterns, one packed multiply by 2^(s - 1); exact for scale bytes
     <= 128 only, inf / NaN weights beyond: ``_e2m1_bf16x1_scaled``, chosen by ``quant_gemm.fp4_grouped`` through
-    ``fp4_grouped_decode`` for weights whose recorded ``scale_max`` allows it). None: ``FP4_GROUPED_DEFAULT_DECODE``. ``split_k`` (the "weights" form only; must
-    divide the K steps): K ranges given to separate programs, their float32 partial products [split_k, A, N] added
-    by one small XLA reduction, then rounded to x.dtype — more programs when a call's (row tile, column block)
-    programs fill the multiprocessors only about once.
+    ``fp4_grouped_decode`` for weights whose recorded ``scale_max`` allows it). None:
+    ``FP4_GROUPED_DEFAULT_DECODE``. ``split_k`` (the "weights" form only; must divide the K steps): K ranges given
+    to separate programs, their float32 partial products [split_k, A, N] added by one small XLA reduction, then
+    rounded to x.dtype — more programs when a call's (row tile, column block) programs fill the multiprocessors only
+    about once.
     ``mma``: the tensor-core product's operand type — "bf16" (the default: weights decoded to the dot dtype) or
     "fp8" (the activations rounded to FP8 per 32 along K — the release's GEMM-input rounding, so exact for its
     already rounded inputs —, the nibbles decoded to e4m3 bytes, one FP8 product per 32-wide K chunk promoted to
@@ -782,12 +783,13 @@ FP4_GROUPED_DECODES = ("f32", "bf16x2", "bf16x1")
 FP4_GROUPED_DEFAULT_DECODE = "bf16x2"
 # "bf16x1" (``_e2m1_bf16x1_scaled``) is exact only for scale bytes <= this (2^(s - 1) must be a finite bf16); larger
 # bytes give inf / NaN weights. So it is the decode only of weights known to stay below (``fp4_grouped_decode``; byte
-# 128 is the scale 2: the quantiser writes it for groups whose largest |weight| is at most 12). Measured on an H200 (benchmarks/RESULTS.md, 2026-12-04
-# 08:42 UTC) at the batch-32 step's shapes (192 rows over 16 experts): kernel 59.0 vs 60.4-60.9 µs for w1 / w3
-# (1.02x, 39 vs 38 % of the read-only bandwidth measured in the same process) and 54.5-54.6 vs 57.6-57.7 µs for w2
-# (1.05-1.06x, 42 vs 40 %); the K loop's SASS 9.0 instructions per weight byte against 10.8 (``kernel_sass.py
-# fp4_grouped``). On the device every packed byte x scale byte 0..128 came out equal to the exact dequantisation for
-# both decodes (subnormal weights of bytes 0 / 1 included), and bytes 129..255 inf / NaN for "bf16x1".
+# 128 is the scale 2: the quantiser writes it for groups whose largest |weight| is at most 12). Measured on an H200
+# (benchmarks/RESULTS.md, 2026-12-04 08:42 UTC) at the batch-32 step's shapes (192 rows over 16 experts): kernel
+# 59.0 vs 60.4-60.9 µs for w1 / w3 (1.02x, 39 vs 38 % of the read-only bandwidth measured in the same process) and
+# 54.5-54.6 vs 57.6-57.7 µs for w2 (1.05-1.06x, 42 vs 40 %); the K loop's SASS 9.0 instructions per weight byte
+# against 10.8 (``kernel_sass.py fp4_grouped``). On the device every packed byte x scale byte 0..128 came out equal
+# to the exact dequantisation for both decodes (subnormal weights of bytes 0 / 1 included), and bytes 129..255
+# inf / NaN for "bf16x1".
 FP4_BF16X1_SCALE_MAX = 128
 
 # e2m1 nibble -> bf16 bit pattern of value x 2^-126 (exact; code 1, the value 0.5, is the bf16 subnormal 0x0040):
@@ -863,10 +865,15 @@ def _e2m1_bf16x2_scaled(v, mult, interpret: bool):
             return (d * m).astype(jnp.bfloat16)
 
         return value(vi & 15), value(vi >> 4)
-    # one instance per nibble half (the Pallas lowering takes one result per inline-asm op)
-    return tuple(pltr.elementwise_inline_asm(_e2m1_bf16x2_ptx(sh), args=[v, mult], constraints="=r,h,r",
-                                             pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape,
-                                                                                               jnp.bfloat16)])[0]
+    return _e2m1_ptx_nibbles(v, mult, one_multiply=False)
+
+
+def _e2m1_ptx_nibbles(v, mult, one_multiply: bool):
+    """The (low, high) nibbles' scaled bf16 weights by the inline PTX of ``_e2m1_bf16x2_ptx``: one instance per
+    nibble half (the Pallas lowering takes one result per inline-asm op)."""
+    return tuple(pltr.elementwise_inline_asm(_e2m1_bf16x2_ptx(sh, one_multiply), args=[v, mult],
+                                             constraints="=r,h,r", pack=2,
+                                             result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.bfloat16)])[0]
                  for sh in (0, 4))
 
 
@@ -888,10 +895,7 @@ def _e2m1_bf16x1_scaled(v, mult, interpret: bool):
             return jnp.where(e == 255, inf, _ldexp_exact(d, e - 253)).astype(jnp.bfloat16)
 
         return value(vi & 15), value(vi >> 4)
-    return tuple(pltr.elementwise_inline_asm(_e2m1_bf16x2_ptx(sh, one_multiply=True), args=[v, mult],
-                                             constraints="=r,h,r", pack=2,
-                                             result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.bfloat16)])[0]
-                 for sh in (0, 4))
+    return _e2m1_ptx_nibbles(v, mult, one_multiply=True)
 
 
 # --- the e4m3 -> bf16 decode of the FP8 weights form (inline PTX): forms with the same bit patterns ---------------
